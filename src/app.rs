@@ -1,0 +1,165 @@
+//! Wiring: config -> metrics, TLS, upstream client, proxy, listeners; and the run sequence.
+//! The only place that knows how the parts fit together.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prometheus::Registry;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::Admin;
+use crate::config::Config;
+use crate::destination::Routes;
+use crate::metrics::Metrics;
+use crate::proxy::{Proxy, ProxyParts};
+use crate::shutdown::{self, Shutdown};
+use crate::tls::{self, Authority, TlsError};
+use crate::upstream::Upstream;
+
+/// Why pacegate could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The configured address.
+        addr: SocketAddr,
+        /// The socket error.
+        source: std::io::Error,
+    },
+    /// The CA or upstream roots are unusable.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// Metrics could not be registered.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// A started pacegate: its bound addresses, and the handles to stop it.
+pub struct Running {
+    /// The proxy listener's address (useful when the config said port 0).
+    pub proxy_addr: SocketAddr,
+    /// The admin listener's address.
+    pub admin_addr: SocketAddr,
+    /// The metrics, for in-process inspection.
+    pub metrics: Arc<Metrics>,
+    shutdown: Shutdown,
+    grace: std::time::Duration,
+    proxy_task: JoinHandle<()>,
+    admin_stop: CancellationToken,
+    admin_task: JoinHandle<()>,
+}
+
+impl Running {
+    /// Starts the drain without waiting for it.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.start_drain();
+    }
+
+    /// Runs the shutdown sequence: stop accepting, drain, force what is left at the grace
+    /// deadline, stop the admin listener. Returns how many tasks were forced.
+    pub async fn stop(self) -> usize {
+        self.shutdown.start_drain();
+        let _ = self.proxy_task.await;
+        let forced = self.shutdown.finish(self.grace).await;
+        if forced > 0 {
+            tracing::warn!(forced, "shutdown deadline reached; closed connections and tunnels still open");
+        }
+        self.admin_stop.cancel();
+        let _ = self.admin_task.await;
+        tracing::info!("pacegate stopped");
+        forced
+    }
+}
+
+/// Binds the listeners and starts serving. The CA is created first if the config asks for it.
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let metrics = Arc::new(Metrics::new(Registry::new())?);
+    metrics.init_destinations(config.destinations.iter().map(|d| d.name.as_str()));
+
+    let (authority, created) = Authority::load_or_create(&config.tls)?;
+    if created {
+        tracing::warn!(
+            ca_cert = %config.tls.ca_cert.display(),
+            ca_key = %config.tls.ca_key.display(),
+            "created a new local CA; clients must trust ca_cert: `pacegate ca bundle --config FILE --out bundle.pem`, then SSL_CERT_FILE / REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE = bundle.pem, or NODE_EXTRA_CA_CERTS = ca_cert"
+        );
+    } else {
+        tracing::info!(ca_cert = %config.tls.ca_cert.display(), "loaded local CA");
+    }
+    let roots = tls::upstream_roots(&config.tls.extra_upstream_roots)?;
+    let upstream = Upstream::new(
+        &config.upstream,
+        config.proxy.allow_private_upstreams,
+        tls::upstream_client_config(roots)?,
+    );
+
+    let bind = |what, addr| async move {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Bind { what, addr, source })
+    };
+    let proxy_listener = bind("proxy", config.proxy.listen).await?;
+    let admin_listener = bind("admin", config.admin.listen).await?;
+    let proxy_addr = proxy_listener.local_addr().map_err(|source| StartError::Bind {
+        what: "proxy",
+        addr: config.proxy.listen,
+        source,
+    })?;
+    let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind {
+        what: "admin",
+        addr: config.admin.listen,
+        source,
+    })?;
+
+    let shutdown = Shutdown::new();
+    let proxy = Proxy::new(ProxyParts {
+        routes: Routes::new(config.destinations.clone()),
+        unmatched: config.proxy.unmatched,
+        auth: config.proxy.auth.clone(),
+        limits: config.proxy.limits.clone(),
+        authority: Arc::new(authority),
+        upstream,
+        metrics: metrics.clone(),
+        shutdown: shutdown.clone(),
+    });
+    let proxy_task = tokio::spawn(crate::server::serve(
+        proxy_listener,
+        proxy,
+        config.proxy.limits.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+    let admin_stop = CancellationToken::new();
+    let admin_task = tokio::spawn(Admin::new(metrics.clone(), shutdown.clone()).serve(admin_listener, admin_stop.clone()));
+    tracing::info!(
+        proxy = %proxy_addr,
+        admin = %admin_addr,
+        destinations = config.destinations.len(),
+        unmatched = ?config.proxy.unmatched,
+        "pacegate listening"
+    );
+    Ok(Running {
+        proxy_addr,
+        admin_addr,
+        metrics,
+        shutdown,
+        grace: config.proxy.shutdown_grace,
+        proxy_task,
+        admin_stop,
+        admin_task,
+    })
+}
+
+/// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully.
+pub async fn run(config: Config) -> Result<(), StartError> {
+    let running = start(config).await?;
+    shutdown::signal().await;
+    tracing::info!("shutdown signal received; draining");
+    running.stop().await;
+    Ok(())
+}

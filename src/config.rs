@@ -1,0 +1,770 @@
+//! Configuration: the TOML file model, its validation, and the typed [`Config`] the rest of
+//! pacegate trusts.
+//!
+//! Loading never stops at the first mistake. Each section is deserialised on its own and every
+//! unknown key is collected (rather than `deny_unknown_fields`, which reports only the first),
+//! then the values are validated together; the result is either a `Config` or the complete list
+//! of problems, each with its key path.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::destination::{Destination, HostPattern};
+
+/// The pacing keys of a destination. They belong to the pacing engine, which this version does
+/// not have yet; they are refused rather than silently ignored, so that nobody believes a
+/// destination is paced when it is not.
+const RESERVED_DESTINATION_KEYS: &[&str] = &[
+    "rate",
+    "burst",
+    "max_concurrency",
+    "max_wait",
+    "throttle_statuses",
+    "lockout_statuses",
+    "backoff_factor",
+    "backoff_max",
+    "decay_after",
+    "retry_after_max",
+    "retry_throttled",
+    "intercept",
+    "quota",
+];
+/// Top-level sections that belong to later parts of pacegate (the store, priority classes).
+const RESERVED_SECTIONS: &[&str] = &["store", "classes"];
+
+/// One thing wrong with a config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// Dotted key path, e.g. `proxy.limits.max_connections` or `destinations.img.hosts[1]`.
+    pub path: String,
+    /// What is wrong and, where it helps, what would be right.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read at all.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file was read but is not a valid config; every problem is listed.
+    #[error("{} has {} problem(s):\n{}", path.display(), problems.len(), list(problems))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Every problem found.
+        problems: Vec<ConfigProblem>,
+    },
+}
+
+fn list(problems: &[ConfigProblem]) -> String {
+    problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
+}
+
+/// What to do with a request whose host matches no destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Unmatched {
+    /// Refuse it with 403 and `Proxy-Status` (the default: pacegate is not an open proxy).
+    #[default]
+    Deny,
+    /// CONNECT becomes a blind byte tunnel and `http://` is forwarded, both unpaced.
+    Tunnel,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// `[proxy]`.
+    pub proxy: ProxyConfig,
+    /// `[upstream]`.
+    pub upstream: UpstreamConfig,
+    /// `[admin]`.
+    pub admin: AdminConfig,
+    /// `[tls]`.
+    pub tls: TlsConfig,
+    /// `[destinations.NAME]`, in name order.
+    #[serde(serialize_with = "ser_destinations")]
+    pub destinations: Vec<Destination>,
+}
+
+/// `[proxy]`: the client-facing listener.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProxyConfig {
+    /// Where clients connect. Default `127.0.0.1:3128`.
+    pub listen: SocketAddr,
+    /// Policy for hosts that match no destination. Default `deny`.
+    pub unmatched: Unmatched,
+    /// Allow upstream addresses that are loopback, private, link-local, multicast or
+    /// unspecified. Default false.
+    pub allow_private_upstreams: bool,
+    /// Time given to requests and tunnels to finish after SIGINT/SIGTERM. Default 30 s.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// `[proxy.auth]`; `None` means no proxy authentication.
+    pub auth: Option<AuthConfig>,
+    /// `[proxy.limits]`.
+    pub limits: Limits,
+}
+
+/// `[proxy.auth]`: Basic proxy authentication.
+#[derive(Debug, Clone, Serialize)]
+pub struct AuthConfig {
+    /// The realm sent in `Proxy-Authenticate`. Default `pacegate`.
+    pub realm: String,
+    /// Accepted users.
+    pub users: Vec<User>,
+}
+
+/// One proxy user. The password itself is never kept, only its SHA-256 digest.
+#[derive(Clone, Serialize)]
+pub struct User {
+    /// User name.
+    pub name: String,
+    /// The environment variable the password was read from, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password_env: Option<String>,
+    /// The configured hex digest, if the password was given that way.
+    #[serde(rename = "password_sha256", skip_serializing_if = "Option::is_none")]
+    pub password_sha256_hex: Option<String>,
+    /// SHA-256 of the password.
+    #[serde(skip)]
+    pub password_sha256: [u8; 32],
+}
+
+impl fmt::Debug for User {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("User")
+            .field("name", &self.name)
+            .field("password_env", &self.password_env)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `[proxy.limits]`: bounds that keep slow or hostile clients from holding resources.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    /// Client connections open at once; more are answered 503 and closed. Default 1024.
+    pub max_connections: usize,
+    /// Largest request head (request line and headers) in bytes; at least 8192. Default 65536.
+    pub max_header_bytes: usize,
+    /// Time a client has to send a complete request head, also the idle time allowed between
+    /// requests on a kept-alive HTTP/1 connection. Default 30 s.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// Time a client has to complete the TLS handshake of an intercepted CONNECT. Default 10 s.
+    #[serde(with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+    /// Time a blind tunnel may carry no bytes in either direction before it is closed.
+    /// Default 5 min.
+    #[serde(with = "humantime_serde")]
+    pub tunnel_idle_timeout: Duration,
+}
+
+/// `[upstream]`: the outbound client.
+#[derive(Debug, Clone, Serialize)]
+pub struct UpstreamConfig {
+    /// Time allowed to open a TCP connection to an upstream. Default 10 s (then 504).
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Time allowed from sending a request to receiving the response head. Default 60 s
+    /// (then 504).
+    #[serde(with = "humantime_serde")]
+    pub response_timeout: Duration,
+    /// How long an idle pooled connection is kept; below the usual 5 s upstream keep-alive.
+    /// Default 4 s.
+    #[serde(with = "humantime_serde")]
+    pub pool_idle_timeout: Duration,
+    /// Idle connections kept per upstream host. Default 32.
+    pub pool_max_idle_per_host: usize,
+}
+
+/// `[admin]`: the operator listener (metrics, health).
+#[derive(Debug, Clone, Serialize)]
+pub struct AdminConfig {
+    /// Default `127.0.0.1:9464`.
+    pub listen: SocketAddr,
+}
+
+/// `[tls]`: the local CA that intercepted sessions are signed by, and upstream trust.
+#[derive(Debug, Clone, Serialize)]
+pub struct TlsConfig {
+    /// CA certificate (PEM). Relative paths are resolved against the config file's directory.
+    pub ca_cert: PathBuf,
+    /// CA private key (PEM, mode 0600).
+    pub ca_key: PathBuf,
+    /// Create the CA at `ca_cert` / `ca_key` on first start when both are missing.
+    pub generate_ca: bool,
+    /// Extra PEM files of roots trusted for upstream servers, beside the system roots.
+    pub extra_upstream_roots: Vec<PathBuf>,
+    /// Validity of minted leaf certificates. Default 24 h.
+    #[serde(with = "humantime_serde")]
+    pub leaf_validity: Duration,
+}
+
+fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Out {
+        hosts: Vec<String>,
+    }
+    let map: BTreeMap<&str, Out> = dests
+        .iter()
+        .map(|d| (d.name.as_str(), Out { hosts: d.hosts.iter().map(ToString::to_string).collect() }))
+        .collect();
+    map.serialize(s)
+}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        // Absolute, so that the normalised config printed by check-config means the same
+        // wherever it is read from.
+        let base = std::path::absolute(path.parent().unwrap_or(Path::new(".")))
+            .unwrap_or_else(|_| path.parent().unwrap_or(Path::new(".")).to_owned());
+        Self::parse(&text, &base).map_err(|problems| ConfigError::Invalid {
+            path: path.to_owned(),
+            problems,
+        })
+    }
+
+    /// Parses and validates config text; relative paths are resolved against `base`.
+    /// Environment variables named by the config (`password_env`) are read here.
+    pub fn parse(text: &str, base: &Path) -> Result<Self, Vec<ConfigProblem>> {
+        let mut problems = Vec::new();
+        let mut table: toml::Table = match toml::from_str(text) {
+            Ok(t) => t,
+            Err(e) => {
+                return Err(vec![ConfigProblem {
+                    path: "(file)".into(),
+                    message: format!("not valid TOML: {}", e.to_string().trim_end()),
+                }])
+            }
+        };
+        let proxy: Option<RawProxy> = section(table.remove("proxy"), "proxy", &mut problems);
+        let upstream: Option<RawUpstream> = section(table.remove("upstream"), "upstream", &mut problems);
+        let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", &mut problems);
+        let tls: Option<RawTls> = section(table.remove("tls"), "tls", &mut problems);
+        let mut raw_dests = BTreeMap::new();
+        match table.remove("destinations") {
+            None => {}
+            Some(toml::Value::Table(t)) => {
+                for (name, value) in t {
+                    let path = format!("destinations.{name}");
+                    if let Some(d) = section::<RawDestination>(Some(value), &path, &mut problems) {
+                        raw_dests.insert(name, d);
+                    }
+                }
+            }
+            Some(_) => problems.push(problem("destinations", "must be a table of [destinations.NAME] sections")),
+        }
+        for key in table.keys() {
+            if RESERVED_SECTIONS.contains(&key.as_str()) {
+                problems.push(problem(key, "is reserved for a later version of pacegate and not supported yet"));
+            } else {
+                problems.push(problem(key, "unknown section"));
+            }
+        }
+
+        let mut v = Validator { problems, base };
+        let config = Config {
+            proxy: v.proxy(proxy.unwrap_or_default()),
+            upstream: v.upstream(upstream.unwrap_or_default()),
+            admin: v.admin(admin.unwrap_or_default()),
+            tls: v.tls(tls.unwrap_or_default()),
+            destinations: v.destinations(raw_dests),
+        };
+        if v.problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(v.problems)
+        }
+    }
+
+    /// The normalised config as TOML, every default filled in and no secret included.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}
+
+fn problem(path: &str, message: impl Into<String>) -> ConfigProblem {
+    ConfigProblem {
+        path: path.to_owned(),
+        message: message.into(),
+    }
+}
+
+/// Deserialises one section, recording its unknown keys and its first type error as problems.
+fn section<T: DeserializeOwned + Default>(
+    value: Option<toml::Value>,
+    path: &str,
+    problems: &mut Vec<ConfigProblem>,
+) -> Option<T> {
+    let Some(value) = value else {
+        return Some(T::default());
+    };
+    let join = |sub: &str| if sub.is_empty() || sub == "." { path.to_owned() } else { format!("{path}.{sub}") };
+    let mut unknown: Vec<String> = Vec::new();
+    let mut record = |p: serde_ignored::Path<'_>| unknown.push(p.to_string());
+    let de = serde_ignored::Deserializer::new(value, &mut record);
+    let result: Result<T, _> = serde_path_to_error::deserialize(de);
+    for key in unknown {
+        problems.push(problem(&join(&key), "unknown key"));
+    }
+    match result {
+        Ok(v) => Some(v),
+        Err(e) => {
+            problems.push(problem(&join(&e.path().to_string()), e.inner().to_string()));
+            None
+        }
+    }
+}
+
+// The file model: every key optional, so that defaults are applied (and shown) in one place.
+
+#[derive(Debug, Default, Deserialize)]
+struct RawProxy {
+    listen: Option<String>,
+    unmatched: Option<Unmatched>,
+    allow_private_upstreams: Option<bool>,
+    #[serde(default, with = "humantime_serde")]
+    shutdown_grace: Option<Duration>,
+    auth: Option<RawAuth>,
+    limits: Option<RawLimits>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawAuth {
+    realm: Option<String>,
+    #[serde(default)]
+    users: Vec<RawUser>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawUser {
+    name: Option<String>,
+    password_env: Option<String>,
+    password_sha256: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawLimits {
+    max_connections: Option<usize>,
+    max_header_bytes: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    header_read_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    handshake_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    tunnel_idle_timeout: Option<Duration>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawUpstream {
+    #[serde(default, with = "humantime_serde")]
+    connect_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    response_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pool_idle_timeout: Option<Duration>,
+    pool_max_idle_per_host: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawAdmin {
+    listen: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawTls {
+    ca_cert: Option<PathBuf>,
+    ca_key: Option<PathBuf>,
+    generate_ca: Option<bool>,
+    #[serde(default)]
+    extra_upstream_roots: Vec<PathBuf>,
+    #[serde(default, with = "humantime_serde")]
+    leaf_validity: Option<Duration>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawDestination {
+    hosts: Option<Vec<String>>,
+    // Every other key is collected so that reserved pacing keys get their own message.
+    #[serde(flatten)]
+    rest: BTreeMap<String, toml::Value>,
+}
+
+struct Validator<'a> {
+    problems: Vec<ConfigProblem>,
+    base: &'a Path,
+}
+
+impl Validator<'_> {
+    fn push(&mut self, path: &str, message: impl Into<String>) {
+        self.problems.push(problem(path, message));
+    }
+
+    fn addr(&mut self, path: &str, text: Option<String>, default: &str) -> SocketAddr {
+        let text = text.unwrap_or_else(|| default.to_owned());
+        text.parse().unwrap_or_else(|_| {
+            self.push(path, format!("`{text}` is not an address:port such as `{default}`"));
+            default.parse().expect("default address parses")
+        })
+    }
+
+    fn positive(&mut self, path: &str, value: Option<Duration>, default: Duration) -> Duration {
+        let d = value.unwrap_or(default);
+        if d.is_zero() {
+            self.push(path, "must be longer than zero (write it like \"250ms\" or \"30s\")");
+        }
+        d
+    }
+
+    fn path(&self, p: PathBuf) -> PathBuf {
+        if p.is_absolute() {
+            p
+        } else {
+            self.base.join(p)
+        }
+    }
+
+    fn proxy(&mut self, raw: RawProxy) -> ProxyConfig {
+        let limits = raw.limits.unwrap_or_default();
+        let max_connections = limits.max_connections.unwrap_or(1024);
+        if max_connections == 0 {
+            self.push("proxy.limits.max_connections", "must be at least 1");
+        }
+        let max_header_bytes = limits.max_header_bytes.unwrap_or(64 * 1024);
+        if !(8192..=1024 * 1024).contains(&max_header_bytes) {
+            self.push("proxy.limits.max_header_bytes", "must be between 8192 and 1048576");
+        }
+        ProxyConfig {
+            listen: self.addr("proxy.listen", raw.listen, "127.0.0.1:3128"),
+            unmatched: raw.unmatched.unwrap_or_default(),
+            allow_private_upstreams: raw.allow_private_upstreams.unwrap_or(false),
+            shutdown_grace: raw.shutdown_grace.unwrap_or(Duration::from_secs(30)),
+            auth: raw.auth.map(|a| self.auth(a)),
+            limits: Limits {
+                max_connections,
+                max_header_bytes,
+                header_read_timeout: self.positive(
+                    "proxy.limits.header_read_timeout",
+                    limits.header_read_timeout,
+                    Duration::from_secs(30),
+                ),
+                handshake_timeout: self.positive(
+                    "proxy.limits.handshake_timeout",
+                    limits.handshake_timeout,
+                    Duration::from_secs(10),
+                ),
+                tunnel_idle_timeout: self.positive(
+                    "proxy.limits.tunnel_idle_timeout",
+                    limits.tunnel_idle_timeout,
+                    Duration::from_secs(300),
+                ),
+            },
+        }
+    }
+
+    fn auth(&mut self, raw: RawAuth) -> AuthConfig {
+        if raw.users.is_empty() {
+            self.push("proxy.auth.users", "lists no user: add one, or remove [proxy.auth] to turn authentication off");
+        }
+        let mut users: Vec<User> = Vec::new();
+        for (i, u) in raw.users.into_iter().enumerate() {
+            let path = format!("proxy.auth.users[{i}]");
+            let name = u.name.unwrap_or_default();
+            if name.is_empty() || name.contains(':') {
+                self.push(&format!("{path}.name"), "is required and may not contain `:`");
+            } else if users.iter().any(|x| x.name == name) {
+                self.push(&format!("{path}.name"), format!("user `{name}` is listed twice"));
+            }
+            let digest = match (&u.password_env, &u.password_sha256) {
+                (Some(var), None) => match std::env::var(var) {
+                    Ok(pw) if !pw.is_empty() => Some(sha256(pw.as_bytes())),
+                    _ => {
+                        self.push(&format!("{path}.password_env"), format!("environment variable `{var}` is not set or empty"));
+                        None
+                    }
+                },
+                (None, Some(hex)) => match decode_hex32(hex) {
+                    Some(d) => Some(d),
+                    None => {
+                        self.push(&format!("{path}.password_sha256"), "must be 64 hex digits (sha256 of the password)");
+                        None
+                    }
+                },
+                _ => {
+                    self.push(&path, "needs exactly one of `password_env` or `password_sha256`");
+                    None
+                }
+            };
+            if let Some(password_sha256) = digest {
+                users.push(User {
+                    name,
+                    password_env: u.password_env,
+                    password_sha256_hex: u.password_sha256,
+                    password_sha256,
+                });
+            }
+        }
+        AuthConfig {
+            realm: raw.realm.unwrap_or_else(|| "pacegate".into()),
+            users,
+        }
+    }
+
+    fn upstream(&mut self, raw: RawUpstream) -> UpstreamConfig {
+        UpstreamConfig {
+            connect_timeout: self.positive("upstream.connect_timeout", raw.connect_timeout, Duration::from_secs(10)),
+            response_timeout: self.positive("upstream.response_timeout", raw.response_timeout, Duration::from_secs(60)),
+            pool_idle_timeout: self.positive("upstream.pool_idle_timeout", raw.pool_idle_timeout, Duration::from_secs(4)),
+            pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(32),
+        }
+    }
+
+    fn admin(&mut self, raw: RawAdmin) -> AdminConfig {
+        AdminConfig {
+            listen: self.addr("admin.listen", raw.listen, "127.0.0.1:9464"),
+        }
+    }
+
+    fn tls(&mut self, raw: RawTls) -> TlsConfig {
+        let leaf_validity = self.positive("tls.leaf_validity", raw.leaf_validity, Duration::from_secs(24 * 3600));
+        if leaf_validity < Duration::from_secs(3600) || leaf_validity > Duration::from_secs(90 * 24 * 3600) {
+            self.push("tls.leaf_validity", "must be between 1h and 90d");
+        }
+        let generate_ca = raw.generate_ca.unwrap_or(false);
+        let ca_cert = self.path(raw.ca_cert.unwrap_or_else(|| "ca.pem".into()));
+        let ca_key = self.path(raw.ca_key.unwrap_or_else(|| "ca-key.pem".into()));
+        if !generate_ca {
+            for (key, p) in [("tls.ca_cert", &ca_cert), ("tls.ca_key", &ca_key)] {
+                if !p.exists() {
+                    self.push(
+                        key,
+                        format!(
+                            "{} does not exist: create a CA with `pacegate ca init --dir DIR` or set tls.generate_ca = true",
+                            p.display()
+                        ),
+                    );
+                }
+            }
+        }
+        let mut extra = Vec::new();
+        for (i, p) in raw.extra_upstream_roots.into_iter().enumerate() {
+            let p = self.path(p);
+            if !p.is_file() {
+                self.push(&format!("tls.extra_upstream_roots[{i}]"), format!("{} is not a readable file", p.display()));
+            }
+            extra.push(p);
+        }
+        TlsConfig {
+            ca_cert,
+            ca_key,
+            generate_ca,
+            extra_upstream_roots: extra,
+            leaf_validity,
+        }
+    }
+
+    fn destinations(&mut self, raw: BTreeMap<String, RawDestination>) -> Vec<Destination> {
+        let mut out: Vec<Destination> = Vec::new();
+        for (name, d) in raw {
+            let path = format!("destinations.{name}");
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+                self.push(&path, "destination names may hold only letters, digits, `_` and `-`");
+            }
+            for key in d.rest.keys() {
+                let msg = if RESERVED_DESTINATION_KEYS.contains(&key.as_str()) {
+                    "is a pacing key, which this version of pacegate does not implement yet; remove it (the destination would not be paced)"
+                } else {
+                    "unknown key"
+                };
+                self.push(&format!("{path}.{key}"), msg);
+            }
+            let hosts_raw = d.hosts.unwrap_or_default();
+            if hosts_raw.is_empty() {
+                self.push(&format!("{path}.hosts"), "is required and must list at least one host pattern");
+            }
+            let mut hosts = Vec::new();
+            for (i, h) in hosts_raw.iter().enumerate() {
+                match HostPattern::parse(h) {
+                    Ok(p) => hosts.push((i, p)),
+                    Err(e) => self.push(&format!("{path}.hosts[{i}]"), e),
+                }
+            }
+            for (i, p) in &hosts {
+                for other in &out {
+                    if let Some(q) = other.hosts.iter().find(|q| q.overlaps(p)) {
+                        self.push(
+                            &format!("{path}.hosts[{i}]"),
+                            format!("`{p}` overlaps `{q}` of destination `{}`: a host may belong to one destination only", other.name),
+                        );
+                    }
+                }
+            }
+            out.push(Destination {
+                name,
+                hosts: hosts.into_iter().map(|(_, p)| p).collect(),
+            });
+        }
+        out
+    }
+}
+
+/// SHA-256 of `data`.
+pub fn sha256(data: &[u8]) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest.as_ref());
+    out
+}
+
+fn decode_hex32(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, Vec<ConfigProblem>> {
+        Config::parse(text, Path::new("/nonexistent"))
+    }
+
+    fn paths(problems: &[ConfigProblem]) -> Vec<&str> {
+        problems.iter().map(|p| p.path.as_str()).collect()
+    }
+
+    const MINIMAL: &str = "[tls]\ngenerate_ca = true\n";
+
+    #[test]
+    fn empty_config_gets_safe_defaults() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.proxy.listen.to_string(), "127.0.0.1:3128");
+        assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9464");
+        assert_eq!(c.proxy.unmatched, Unmatched::Deny);
+        assert!(!c.proxy.allow_private_upstreams);
+        assert_eq!(c.tls.ca_key, Path::new("/nonexistent/ca-key.pem"));
+    }
+
+    #[test]
+    fn reports_every_problem_with_its_key_path() {
+        let err = parse(
+            r#"
+            [proxy]
+            listen = "nowhere"
+            colour = "blue"
+            [proxy.limits]
+            header_read_timeout = "0s"
+            [upstream]
+            connect_timeout = "soon"
+            [tls]
+            generate_ca = true
+            [destinations.img]
+            hosts = ["img.example.com", "bad host"]
+            rate = 5
+            [destinations.cdn]
+            hosts = ["*.example.com"]
+            [store]
+            backend = "memory"
+            "#,
+        )
+        .unwrap_err();
+        let p = paths(&err);
+        for expected in [
+            "proxy.colour",
+            "proxy.listen",
+            "proxy.limits.header_read_timeout",
+            "upstream.connect_timeout",
+            "destinations.img.rate",
+            "destinations.img.hosts[1]",
+            "destinations.img.hosts[0]",
+            "store",
+        ] {
+            assert!(p.contains(&expected), "missing {expected} in {err:#?}");
+        }
+    }
+
+    #[test]
+    fn durations_must_be_strings_with_units() {
+        let err = parse("[upstream]\nconnect_timeout = 5\n[tls]\ngenerate_ca = true").unwrap_err();
+        assert_eq!(paths(&err), ["upstream.connect_timeout"]);
+        let c = parse("[upstream]\nconnect_timeout = \"250ms\"\n[tls]\ngenerate_ca = true").unwrap();
+        assert_eq!(c.upstream.connect_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn missing_ca_without_generate_ca_is_an_error() {
+        let err = parse("").unwrap_err();
+        assert_eq!(paths(&err), ["tls.ca_cert", "tls.ca_key"]);
+    }
+
+    #[test]
+    fn auth_reads_password_from_environment() {
+        std::env::set_var("PACEGATE_TEST_CONFIG_PW", "s3cret");
+        let c = parse(
+            "[proxy.auth]\nusers = [{ name = \"w\", password_env = \"PACEGATE_TEST_CONFIG_PW\" }]\n[tls]\ngenerate_ca = true",
+        )
+        .unwrap();
+        let user = &c.proxy.auth.unwrap().users[0];
+        assert_eq!(user.password_sha256, sha256(b"s3cret"));
+        assert!(!format!("{user:?}").contains("s3cret"));
+        let err = parse("[proxy.auth]\nusers = [{ name = \"w\", password_env = \"PACEGATE_TEST_UNSET_VAR\" }]\n[tls]\ngenerate_ca = true")
+            .unwrap_err();
+        assert_eq!(paths(&err), ["proxy.auth.users[0].password_env"]);
+    }
+
+    #[test]
+    fn normalised_output_parses_back() {
+        let c = parse("[destinations.a]\nhosts = [\"A.example.com:443\"]\n[tls]\ngenerate_ca = true").unwrap();
+        let text = c.to_toml();
+        assert!(text.contains("a.example.com:443"), "{text}");
+        let again = parse(&text).unwrap();
+        assert_eq!(again.destinations[0].hosts, c.destinations[0].hosts);
+    }
+
+    #[test]
+    fn syntax_errors_are_reported() {
+        let err = parse("[proxy\nlisten=").unwrap_err();
+        assert_eq!(paths(&err), ["(file)"]);
+    }
+}

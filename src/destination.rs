@@ -1,0 +1,225 @@
+//! Destinations: named groups of host patterns, and the routing of a request's target to one.
+//!
+//! A pattern is an exact host (`img.example.com`, `203.0.113.7`, `[2001:db8::1]`) or a suffix
+//! wildcard (`*.example.net`, which matches any name below `example.net` but not `example.net`
+//! itself), optionally followed by `:port`. Without a port a pattern matches every port.
+//! Matching is case-insensitive and ignores a trailing dot.
+
+use std::fmt;
+use std::net::IpAddr;
+
+/// The host part of a pattern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HostMatch {
+    /// One exact, normalised host name or IP literal (IPv6 without brackets).
+    Exact(String),
+    /// Any name ending in this suffix, which starts with a dot (`.example.net`).
+    Suffix(String),
+}
+
+/// One entry of a destination's `hosts` list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPattern {
+    host: HostMatch,
+    port: Option<u16>,
+}
+
+impl HostPattern {
+    /// Parses `host`, `*.suffix`, either with `:port`, or `[v6]` / `[v6]:port`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (host, port) = split_host_port(text)
+            .ok_or_else(|| format!("`{text}` is not a host pattern (expected `name`, `*.suffix`, optionally with `:port`)"))?;
+        let port = match port {
+            Some(p) => Some(
+                p.parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| format!("`{text}`: port `{p}` is not a number from 1 to 65535"))?,
+            ),
+            None => None,
+        };
+        let host = if let Some(suffix) = host.strip_prefix("*.") {
+            let suffix = normalise_host(suffix)
+                .filter(|s| s.parse::<IpAddr>().is_err())
+                .ok_or_else(|| format!("`{text}`: `{suffix}` is not a valid DNS name"))?;
+            HostMatch::Suffix(format!(".{suffix}"))
+        } else {
+            let exact = normalise_host(host).ok_or_else(|| format!("`{text}`: `{host}` is not a valid host name or IP address"))?;
+            HostMatch::Exact(exact)
+        };
+        Ok(Self { host, port })
+    }
+
+    /// Whether a normalised host (see [`normalise_host`]) and port match this pattern.
+    pub fn matches(&self, host: &str, port: u16) -> bool {
+        if self.port.is_some_and(|p| p != port) {
+            return false;
+        }
+        match &self.host {
+            HostMatch::Exact(h) => h == host,
+            HostMatch::Suffix(s) => host.len() > s.len() && host.ends_with(s.as_str()),
+        }
+    }
+
+    /// Whether some host and port would match both patterns.
+    pub fn overlaps(&self, other: &Self) -> bool {
+        if let (Some(a), Some(b)) = (self.port, other.port) {
+            if a != b {
+                return false;
+            }
+        }
+        match (&self.host, &other.host) {
+            (HostMatch::Exact(a), HostMatch::Exact(b)) => a == b,
+            (HostMatch::Exact(h), HostMatch::Suffix(s)) | (HostMatch::Suffix(s), HostMatch::Exact(h)) => {
+                h.len() > s.len() && h.ends_with(s.as_str())
+            }
+            (HostMatch::Suffix(a), HostMatch::Suffix(b)) => a.ends_with(b.as_str()) || b.ends_with(a.as_str()),
+        }
+    }
+}
+
+impl fmt::Display for HostPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.host {
+            HostMatch::Exact(h) if h.contains(':') => write!(f, "[{h}]")?,
+            HostMatch::Exact(h) => f.write_str(h)?,
+            HostMatch::Suffix(s) => write!(f, "*{s}")?,
+        }
+        if let Some(p) = self.port {
+            write!(f, ":{p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A configured destination: a name (used in metrics, logs and status) and its host patterns.
+#[derive(Debug, Clone)]
+pub struct Destination {
+    /// The `NAME` of `[destinations.NAME]`.
+    pub name: String,
+    /// Patterns; no pattern of one destination overlaps one of another (checked by config).
+    pub hosts: Vec<HostPattern>,
+}
+
+/// The routing table: which destination, if any, a target host and port belong to.
+#[derive(Debug, Clone, Default)]
+pub struct Routes {
+    destinations: Vec<Destination>,
+}
+
+impl Routes {
+    /// Builds the table; config validation guarantees that patterns do not overlap.
+    pub fn new(destinations: Vec<Destination>) -> Self {
+        Self { destinations }
+    }
+
+    /// The destination a normalised host and port belong to.
+    pub fn route(&self, host: &str, port: u16) -> Option<&Destination> {
+        self.destinations
+            .iter()
+            .find(|d| d.hosts.iter().any(|p| p.matches(host, port)))
+    }
+
+    /// Every configured destination, in config order.
+    pub fn destinations(&self) -> &[Destination] {
+        &self.destinations
+    }
+}
+
+/// Lower-cases a host, strips one trailing dot and IPv6 brackets, and checks that it is an IP
+/// literal or a syntactically valid DNS name. `None` when it is neither.
+pub fn normalise_host(host: &str) -> Option<String> {
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Some(ip.to_string());
+    }
+    let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+    let valid_label = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    (!host.is_empty() && host.len() <= 253 && host.split('.').all(valid_label)).then_some(host)
+}
+
+/// Splits `host:port`, `[v6]:port`, `[v6]` or `host`. The port is returned unparsed.
+fn split_host_port(text: &str) -> Option<(&str, Option<&str>)> {
+    if let Some(rest) = text.strip_prefix('[') {
+        let (v6, after) = rest.split_once(']')?;
+        return match after {
+            "" => Some((v6, None)),
+            _ => Some((v6, Some(after.strip_prefix(':')?))),
+        };
+    }
+    match text.rsplit_once(':') {
+        // A bare IPv6 literal has several colons and no port.
+        Some((h, _)) if h.contains(':') => Some((text, None)),
+        Some((h, p)) => Some((h, Some(p))),
+        None => Some((text, None)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pat(s: &str) -> HostPattern {
+        HostPattern::parse(s).unwrap()
+    }
+
+    #[test]
+    fn exact_pattern_matches_any_port_case_insensitively() {
+        let p = pat("Img.Example.com");
+        assert!(p.matches("img.example.com", 443));
+        assert!(p.matches("img.example.com", 80));
+        assert!(!p.matches("cdn.img.example.com", 443));
+    }
+
+    #[test]
+    fn wildcard_matches_subdomains_only() {
+        let p = pat("*.example.net");
+        assert!(p.matches("a.example.net", 443));
+        assert!(p.matches("a.b.example.net", 443));
+        assert!(!p.matches("example.net", 443));
+        assert!(!p.matches("badexample.net", 443));
+    }
+
+    #[test]
+    fn port_restricts_the_match() {
+        let p = pat("api.example.com:8443");
+        assert!(p.matches("api.example.com", 8443));
+        assert!(!p.matches("api.example.com", 443));
+    }
+
+    #[test]
+    fn ip_literals_are_normalised() {
+        assert!(pat("[::1]:8080").matches("::1", 8080));
+        assert!(pat("127.0.0.1").matches("127.0.0.1", 1));
+        assert_eq!(normalise_host("[0:0::1]").as_deref(), Some("::1"));
+    }
+
+    #[test]
+    fn rejects_malformed_patterns() {
+        for bad in ["", "*.", "a..b", "exa mple.com", "host:0", "host:99999", "*.1.2.3.4", "-a.com", "[::1"] {
+            assert!(HostPattern::parse(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn overlap_detection() {
+        assert!(pat("a.example.net").overlaps(&pat("*.example.net")));
+        assert!(pat("*.b.example.net").overlaps(&pat("*.example.net")));
+        assert!(!pat("a.example.net:80").overlaps(&pat("a.example.net:443")));
+        assert!(pat("a.example.net").overlaps(&pat("a.example.net:443")));
+        assert!(!pat("example.net").overlaps(&pat("*.example.net")));
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for s in ["img.example.com", "*.example.net:8443", "[::1]:80", "10.0.0.1"] {
+            assert_eq!(pat(s).to_string(), s);
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! The `pacegate` binary: flags, config, tracing, exit codes. Everything else is the library.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use pacegate::config::{Config, ConfigError, LogFormat};
+use pacegate::tls;
+
+/// Exit code for bad config or usage (EX_USAGE).
+const EXIT_USAGE: u8 = 64;
+/// Exit code for a runtime failure.
+const EXIT_FAILURE: u8 = 1;
+
+/// pacegate: a forward proxy that paces requests to configured destinations.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "PACEGATE_LOG_FORMAT")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy and its admin listener until SIGINT or SIGTERM.
+    Serve {
+        /// Config file (TOML).
+        #[arg(long, env = "PACEGATE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Validate a config file and print it normalised, every default filled in.
+    CheckConfig {
+        /// Config file (TOML).
+        #[arg(long, env = "PACEGATE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Manage the local certificate authority.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Create a new CA: DIR/ca.pem and DIR/ca-key.pem (mode 0600). Never overwrites.
+    Init {
+        /// Directory to write into (created if missing).
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Write the system roots plus the CA that a config names, as one PEM bundle, for clients
+    /// whose SSL_CERT_FILE / REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE replaces the system store.
+    Bundle {
+        /// Config file naming the CA.
+        #[arg(long, env = "PACEGATE_CONFIG")]
+        config: PathBuf,
+        /// Bundle to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(EXIT_USAGE) } else { ExitCode::SUCCESS };
+        }
+    };
+    init_tracing(cli.log_format);
+    match cli.command {
+        Command::Serve { config } => serve(&config),
+        Command::CheckConfig { config } => match load(&config) {
+            Ok(c) => {
+                print!("{}", c.to_toml());
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Command::Ca {
+            command: CaCommand::Init { dir },
+        } => {
+            let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
+            match tls::write_new_ca(&cert, &key) {
+                Ok(()) => {
+                    println!("wrote {} and {} (mode 0600)", cert.display(), key.display());
+                    println!("clients trust it through `pacegate ca bundle --config FILE --out bundle.pem`");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Ca {
+            command: CaCommand::Bundle { config, out },
+        } => bundle(&config, &out),
+    }
+}
+
+fn serve(path: &Path) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    // Every rustls config pacegate builds names ring explicitly; installing it as the process
+    // default too keeps any dependency that asks for the default on the same provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return fail(&e),
+    };
+    match runtime.block_on(pacegate::app::run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
+fn bundle(config: &Path, out: &Path) -> ExitCode {
+    let config = match load(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let ca = match std::fs::read_to_string(&config.tls.ca_cert) {
+        Ok(pem) => pem,
+        Err(e) => {
+            eprintln!(
+                "error: cannot read the CA certificate {}: {e} (start pacegate once with tls.generate_ca = true, or run `pacegate ca init`)",
+                config.tls.ca_cert.display()
+            );
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let (pem, system) = tls::bundle_with_system_roots(&ca);
+    if let Err(e) = std::fs::write(out, pem) {
+        eprintln!("error: cannot write {}: {e}", out.display());
+        return ExitCode::from(EXIT_FAILURE);
+    }
+    if system == 0 {
+        eprintln!("warning: no system roots found; the bundle holds only pacegate's CA");
+    }
+    println!("wrote {} ({system} system roots + pacegate's CA)", out.display());
+    ExitCode::SUCCESS
+}
+
+fn load(path: &Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        match e {
+            ConfigError::Invalid { .. } | ConfigError::Read { .. } => ExitCode::from(EXIT_USAGE),
+        }
+    })
+}
+
+fn fail(e: &dyn std::error::Error) -> ExitCode {
+    let mut msg = format!("error: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    eprintln!("{msg}");
+    ExitCode::from(EXIT_FAILURE)
+}
+
+fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}

@@ -1,0 +1,213 @@
+//! Per request: authenticate, route to a destination, then forward, intercept, tunnel or refuse.
+//!
+//! This module decides; the submodules act. No socket is opened here: upstream connections come
+//! from [`crate::upstream`], and client connections are served by [`crate::server`].
+
+mod auth;
+mod connect;
+mod forward;
+pub mod headers;
+pub mod respond;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+
+use crate::config::{AuthConfig, Limits, Unmatched};
+use crate::destination::{normalise_host, Routes};
+use crate::metrics::{Metrics, UNMATCHED};
+use crate::shutdown::Shutdown;
+use crate::tls::Authority;
+use crate::upstream::{ProxyBody, Upstream};
+pub use forward::Target;
+use respond::{Outcome, ProxyError};
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// What the proxy needs, assembled by the app.
+pub struct ProxyParts {
+    /// Destination routing.
+    pub routes: Routes,
+    /// Policy for unmatched hosts.
+    pub unmatched: Unmatched,
+    /// Proxy authentication, if on.
+    pub auth: Option<AuthConfig>,
+    /// Client-side limits.
+    pub limits: Limits,
+    /// The local CA.
+    pub authority: Arc<Authority>,
+    /// The outbound client.
+    pub upstream: Upstream,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Shutdown handle (intercepted sessions and tunnels are tracked by it).
+    pub shutdown: Shutdown,
+}
+
+/// The proxy service; cheap to clone.
+#[derive(Clone)]
+pub struct Proxy {
+    inner: Arc<ProxyParts>,
+}
+
+/// What one request turned into, for the canonical log line and metrics.
+struct Handled {
+    response: Response<ProxyBody>,
+    outcome: Outcome,
+    destination: Option<Arc<str>>,
+    target: String,
+    reason: Option<String>,
+}
+
+impl Handled {
+    fn refused(err: ProxyError, destination: Option<Arc<str>>, target: String) -> Self {
+        Self {
+            response: err.to_response(),
+            outcome: err.outcome(),
+            destination,
+            target,
+            reason: Some(err.to_string()),
+        }
+    }
+}
+
+impl Proxy {
+    /// Builds the service.
+    pub fn new(parts: ProxyParts) -> Self {
+        Self { inner: Arc::new(parts) }
+    }
+
+    /// Handles one request arriving on a client connection (absolute-form or CONNECT).
+    // Boxed: an intercepted session spawns a task that serves `handle_inner`, and the compiler
+    // cannot prove such self-referencing future types `Send` without the type erasure.
+    pub fn handle(self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let method = req.method().clone();
+            let handled = self.dispatch(req).await;
+            self.finish(started, &method, handled)
+        })
+    }
+
+    /// Handles one request inside an intercepted session; `target` is the CONNECT target.
+    fn handle_inner(self, req: Request<Incoming>, target: Target) -> BoxFuture<'static, Response<ProxyBody>> {
+        Box::pin(self.handle_inner_unboxed(req, target))
+    }
+
+    async fn handle_inner_unboxed(self, req: Request<Incoming>, target: Target) -> Response<ProxyBody> {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let handled = if method == Method::CONNECT {
+            Handled::refused(
+                ProxyError::BadRequest("CONNECT inside an intercepted session is not allowed".into()),
+                target.destination.clone(),
+                target.authority(),
+            )
+        } else {
+            self.forward(req, target).await
+        };
+        self.finish(started, &method, handled)
+    }
+
+    async fn dispatch(&self, req: Request<Incoming>) -> Handled {
+        let target_text = req.uri().authority().map(ToString::to_string).unwrap_or_default();
+        if let Some(auth) = &self.inner.auth {
+            if !auth::authorized(auth, req.headers()) {
+                let err = ProxyError::AuthRequired {
+                    realm: auth.realm.clone(),
+                };
+                return Handled::refused(err, None, target_text);
+            }
+        }
+        let target = match self.target_of(&req) {
+            Ok(t) => t,
+            Err(err) => return Handled::refused(err, None, target_text),
+        };
+        if target.destination.is_none() && self.inner.unmatched == Unmatched::Deny {
+            let err = ProxyError::Unmatched {
+                target: target.authority(),
+            };
+            return Handled::refused(err, None, target.authority());
+        }
+        if req.method() == Method::CONNECT {
+            self.connect(req, target).await
+        } else {
+            self.forward(req, target).await
+        }
+    }
+
+    /// Where a client request is going: the CONNECT authority or the absolute-form URI.
+    fn target_of(&self, req: &Request<Incoming>) -> Result<Target, ProxyError> {
+        let uri = req.uri();
+        let connect = req.method() == Method::CONNECT;
+        let scheme = if connect {
+            http::uri::Scheme::HTTPS
+        } else {
+            match uri.scheme() {
+                Some(s) if *s == http::uri::Scheme::HTTP => http::uri::Scheme::HTTP,
+                Some(s) if *s == http::uri::Scheme::HTTPS => {
+                    return Err(ProxyError::BadRequest(
+                        "https:// requests must be sent through CONNECT (set HTTPS_PROXY, not an absolute https URL)".into(),
+                    ))
+                }
+                Some(s) => return Err(ProxyError::BadRequest(format!("scheme `{s}` is not supported"))),
+                None => {
+                    return Err(ProxyError::BadRequest(
+                        "pacegate is a forward proxy: send absolute-form requests (GET http://host/path) or CONNECT host:port"
+                            .into(),
+                    ))
+                }
+            }
+        };
+        let authority = uri
+            .authority()
+            .ok_or_else(|| ProxyError::BadRequest("the request names no host".into()))?;
+        let host = normalise_host(authority.host()).ok_or_else(|| {
+            ProxyError::BadRequest(format!("`{authority}` is not a valid host name or IP address"))
+        })?;
+        let port = match authority.port_u16() {
+            Some(0) => return Err(ProxyError::BadRequest(format!("`{authority}`: port 0 is not valid"))),
+            Some(p) => p,
+            None if connect => {
+                return Err(ProxyError::BadRequest(format!("CONNECT `{authority}` has no port")))
+            }
+            None => 80,
+        };
+        let destination = self.inner.routes.route(&host, port).map(|d| Arc::from(d.name.as_str()));
+        Ok(Target {
+            scheme,
+            host,
+            port,
+            destination,
+        })
+    }
+
+    fn finish(&self, started: Instant, method: &Method, handled: Handled) -> Response<ProxyBody> {
+        let metrics = &self.inner.metrics;
+        let destination = handled.destination.as_deref().unwrap_or(UNMATCHED);
+        let status = handled.response.status().as_u16();
+        let elapsed = started.elapsed();
+        metrics
+            .requests
+            .with_label_values(&[destination, handled.outcome.as_str()])
+            .inc();
+        metrics
+            .request_duration
+            .with_label_values(&[destination])
+            .observe(elapsed.as_secs_f64());
+        tracing::info!(
+            target: "pacegate::request",
+            destination,
+            method = %method,
+            target = %handled.target,
+            outcome = %handled.outcome,
+            status,
+            duration_ms = elapsed.as_secs_f64() * 1000.0,
+            reason = handled.reason.as_deref().unwrap_or(""),
+        );
+        handled.response
+    }
+}

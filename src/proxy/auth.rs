@@ -1,0 +1,80 @@
+//! Basic proxy authentication.
+
+use base64::Engine;
+use http::header::{HeaderMap, PROXY_AUTHORIZATION};
+
+use crate::config::{sha256, AuthConfig};
+
+/// Whether the request carries `Proxy-Authorization: Basic` credentials of a configured user.
+pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
+    let Some(value) = headers.get(PROXY_AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some((scheme, encoded)) = value.trim().split_once(' ') else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return false;
+    }
+    let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(encoded.trim()) else {
+        return false;
+    };
+    let Some(colon) = decoded.iter().position(|b| *b == b':') else {
+        return false;
+    };
+    let (name, password) = (&decoded[..colon], &decoded[colon + 1..]);
+    let offered = sha256(password);
+    auth.users
+        .iter()
+        .find(|u| u.name.as_bytes() == name)
+        .is_some_and(|u| constant_time_eq(&u.password_sha256, &offered))
+}
+
+/// Compares digests without an early exit, so timing does not reveal how much matched.
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::User;
+
+    fn auth() -> AuthConfig {
+        AuthConfig {
+            realm: "pacegate".into(),
+            users: vec![User {
+                name: "worker".into(),
+                password_env: None,
+                password_sha256_hex: None,
+                password_sha256: sha256(b"pw:with:colons"),
+            }],
+        }
+    }
+
+    fn headers(value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(PROXY_AUTHORIZATION, value.parse().unwrap());
+        h
+    }
+
+    fn basic(creds: &str) -> String {
+        format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(creds))
+    }
+
+    #[test]
+    fn accepts_a_configured_user() {
+        assert!(authorized(&auth(), &headers(&basic("worker:pw:with:colons"))));
+        assert!(authorized(&auth(), &headers(&basic("worker:pw:with:colons").replace("Basic", "basic"))));
+    }
+
+    #[test]
+    fn rejects_everything_else() {
+        assert!(!authorized(&auth(), &HeaderMap::new()));
+        assert!(!authorized(&auth(), &headers(&basic("worker:wrong"))));
+        assert!(!authorized(&auth(), &headers(&basic("other:pw:with:colons"))));
+        assert!(!authorized(&auth(), &headers("Bearer xyz")));
+        assert!(!authorized(&auth(), &headers("Basic !!!notbase64")));
+        assert!(!authorized(&auth(), &headers(&basic("nocolon"))));
+    }
+}

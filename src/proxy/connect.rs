@@ -1,0 +1,211 @@
+//! CONNECT: intercepted sessions (TLS terminated with a minted leaf, inner requests forwarded)
+//! and blind byte tunnels.
+//!
+//! The 200 is returned at once and the upgraded connection is taken over in a tracked task:
+//! awaiting the upgrade inside the service would deadlock, since hyper only completes it after
+//! the response has been written.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{Request, Response};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+
+use super::respond::{Outcome, ProxyError};
+use super::{BoxFuture, Handled, Proxy, Target};
+use crate::server::{self, ConnectionSlot};
+use crate::tls::LeafSource;
+use crate::upstream::ProxyBody;
+
+const INTERCEPT: &str = "intercept";
+const BLIND: &str = "blind";
+
+fn established() -> Response<ProxyBody> {
+    Response::new(Empty::new().map_err(|never| match never {}).boxed())
+}
+
+impl Proxy {
+    /// Answers a CONNECT whose target was already authorised and routed.
+    pub(super) async fn connect(&self, req: Request<Incoming>, target: Target) -> Handled {
+        if target.destination.is_some() {
+            self.intercept(req, target)
+        } else {
+            self.tunnel(req, target).await
+        }
+    }
+
+    fn intercept(&self, req: Request<Incoming>, target: Target) -> Handled {
+        let metrics = &self.inner.metrics;
+        // The leaf is for the CONNECT host, whatever SNI the client sends later.
+        let config = match self.inner.authority.server_config(&target.host) {
+            Ok((config, source)) => {
+                let result = if source == LeafSource::Cached { "hit" } else { "miss" };
+                metrics.cert_cache.with_label_values(&[result]).inc();
+                metrics.cert_cache_entries.set(self.inner.authority.cached_leaves() as i64);
+                config
+            }
+            Err(e) => {
+                return Handled::refused(
+                    ProxyError::Internal(format!("cannot mint a certificate for {}: {e}", target.host)),
+                    target.destination.clone(),
+                    target.authority(),
+                )
+            }
+        };
+        let handled = Handled {
+            response: established(),
+            outcome: Outcome::Intercepted,
+            destination: target.destination.clone(),
+            target: target.authority(),
+            reason: None,
+        };
+        let proxy = self.clone();
+        // The session counts against max_connections for as long as it lives.
+        let slot = req.extensions().get::<ConnectionSlot>().cloned();
+        self.inner.shutdown.spawn(async move {
+            proxy.run_intercepted(req, target, config).await;
+            drop(slot);
+        });
+        handled
+    }
+
+    async fn run_intercepted(self, req: Request<Incoming>, target: Target, config: Arc<rustls::ServerConfig>) {
+        let metrics = self.inner.metrics.clone();
+        let upgraded = match hyper::upgrade::on(req).await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::debug!(target = %target.authority(), "CONNECT upgrade failed: {e}");
+                return;
+            }
+        };
+        let handshake = TlsAcceptor::from(config).accept(TokioIo::new(upgraded));
+        let tls = match tokio::time::timeout(self.inner.limits.handshake_timeout, handshake).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                metrics.tls_handshake_failures.inc();
+                tracing::info!(
+                    target = %target.authority(),
+                    "client TLS handshake failed: {e}; does the client trust pacegate's CA (see `pacegate ca bundle`)?"
+                );
+                return;
+            }
+            Err(_) => {
+                metrics.tls_handshake_failures.inc();
+                tracing::info!(target = %target.authority(), "client did not complete the TLS handshake in time");
+                return;
+            }
+        };
+        metrics.tunnels_total.with_label_values(&[INTERCEPT]).inc();
+        let open = metrics.tunnels_open.with_label_values(&[INTERCEPT]);
+        open.inc();
+        let shutdown = self.inner.shutdown.clone();
+        let builder = server::connection_builder(&self.inner.limits);
+        let service = service_fn(move |req| {
+            let proxy = self.clone();
+            let target = target.clone();
+            async move { Ok::<_, Infallible>(proxy.handle_inner(req, target).await) }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+        // See `server::serve` for why this is boxed.
+        let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(conn));
+        if let Err(e) = driven.await {
+            tracing::debug!("intercepted session ended with an error: {e}");
+        }
+        open.dec();
+    }
+
+    async fn tunnel(&self, req: Request<Incoming>, target: Target) -> Handled {
+        // Connect before answering, so a dead upstream is a 502, not a 200 and a reset.
+        let upstream = match self.inner.upstream.connector().connect(&target.host, target.port).await {
+            Ok(stream) => stream,
+            Err(e) => return Handled::refused(ProxyError::Upstream(e.into()), None, target.authority()),
+        };
+        let metrics = self.inner.metrics.clone();
+        let idle = self.inner.limits.tunnel_idle_timeout;
+        let shutdown = self.inner.shutdown.clone();
+        let authority = target.authority();
+        let slot = req.extensions().get::<ConnectionSlot>().cloned();
+        self.inner.shutdown.spawn(async move {
+            let _slot = slot;
+            let client = match hyper::upgrade::on(req).await {
+                Ok(u) => TokioIo::new(u),
+                Err(e) => {
+                    tracing::debug!(target = %authority, "CONNECT upgrade failed: {e}");
+                    return;
+                }
+            };
+            metrics.tunnels_total.with_label_values(&[BLIND]).inc();
+            let open = metrics.tunnels_open.with_label_values(&[BLIND]);
+            open.inc();
+            let started = Instant::now();
+            tokio::select! {
+                res = relay(client, upstream, idle) => match res {
+                    Ok((up, down)) => tracing::debug!(target = %authority, up, down, "tunnel closed after {:?}", started.elapsed()),
+                    Err(e) => tracing::debug!(target = %authority, "tunnel ended: {e}"),
+                },
+                () = shutdown.forced() => tracing::info!(target = %authority, "tunnel closed at the shutdown deadline"),
+            }
+            open.dec();
+        });
+        Handled {
+            response: established(),
+            outcome: Outcome::Tunneled,
+            destination: None,
+            target: target.authority(),
+            reason: None,
+        }
+    }
+}
+
+/// Copies bytes both ways until both sides have closed, either side fails, or no byte has
+/// moved in either direction for `idle`. Returns the bytes sent up and down.
+async fn relay<C>(client: C, upstream: TcpStream, idle: Duration) -> std::io::Result<(u64, u64)>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let start = Instant::now();
+    let last = AtomicU64::new(0);
+    let (client_r, client_w) = tokio::io::split(client);
+    let (upstream_r, upstream_w) = upstream.into_split();
+    tokio::try_join!(
+        pipe(client_r, upstream_w, start, &last, idle),
+        pipe(upstream_r, client_w, start, &last, idle)
+    )
+}
+
+async fn pipe<R, W>(mut from: R, mut to: W, start: Instant, last: &AtomicU64, idle: Duration) -> std::io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = match tokio::time::timeout(idle, from.read(&mut buf)).await {
+            Ok(read) => read?,
+            Err(_) => {
+                // Quiet this way; the tunnel is idle only if the other way is quiet too.
+                let since = start.elapsed().saturating_sub(Duration::from_millis(last.load(Ordering::Relaxed)));
+                if since >= idle {
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "tunnel idle timeout"));
+                }
+                continue;
+            }
+        };
+        if n == 0 {
+            to.shutdown().await?;
+            return Ok(total);
+        }
+        to.write_all(&buf[..n]).await?;
+        total += n as u64;
+        last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}

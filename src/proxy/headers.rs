@@ -1,0 +1,125 @@
+//! Header hygiene at the proxy boundary: hop-by-hop headers never cross it, in either direction.
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the
+/// proxy's own credentials and challenges.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes every hop-by-hop header and every header that `Connection` names. A `TE: trailers`
+/// request header is kept, since h2 upstreams (gRPC) rely on it and it is valid end to end.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    let te_trailers = headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    if te_trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+}
+
+/// The protocol a request asks to upgrade to (`Connection: upgrade` plus `Upgrade: X`).
+pub fn upgrade_protocol(headers: &HeaderMap) -> Option<String> {
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    let proto = headers.get(header::UPGRADE)?;
+    asks.then(|| String::from_utf8_lossy(proto.as_bytes()).into_owned())
+}
+
+/// Joins repeated `Cookie` headers (legal in h2) into one, as HTTP/1.1 requires.
+pub fn join_cookies(headers: &mut HeaderMap) {
+    if headers.get_all(header::COOKIE).iter().nth(1).is_none() {
+        return;
+    }
+    let joined: Vec<u8> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect::<Vec<_>>()
+        .join(&b"; "[..]);
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn removes_hop_by_hop_and_connection_listed_headers() {
+        let mut h = map(&[
+            ("connection", "keep-alive, x-secret"),
+            ("keep-alive", "timeout=5"),
+            ("x-secret", "1"),
+            ("proxy-authorization", "Basic abc"),
+            ("proxy-connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "h2c"),
+            ("te", "gzip"),
+            ("x-kept", "yes"),
+            ("content-type", "text/plain"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        let names: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-kept", "content-type"]);
+    }
+
+    #[test]
+    fn keeps_te_trailers() {
+        let mut h = map(&[("te", "trailers, deflate")]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.get("te").unwrap(), "trailers");
+    }
+
+    #[test]
+    fn detects_upgrade_requests() {
+        assert_eq!(
+            upgrade_protocol(&map(&[("connection", "Upgrade"), ("upgrade", "websocket")])).as_deref(),
+            Some("websocket")
+        );
+        assert_eq!(upgrade_protocol(&map(&[("upgrade", "websocket")])), None);
+    }
+
+    #[test]
+    fn joins_repeated_cookies() {
+        let mut h = map(&[("cookie", "a=1"), ("cookie", "b=2")]);
+        join_cookies(&mut h);
+        assert_eq!(h.get_all("cookie").iter().count(), 1);
+        assert_eq!(h.get("cookie").unwrap(), "a=1; b=2");
+    }
+}

@@ -1,0 +1,204 @@
+//! The one place where failures become responses.
+//!
+//! Every response pacegate makes itself carries `Proxy-Status` (RFC 9209) naming `pacegate`,
+//! with an error token and a `details` string that says what happened and what to do.
+
+use std::fmt;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE, PROXY_AUTHENTICATE};
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+
+use crate::upstream::{ConnectError, ProxyBody, UpstreamError};
+
+/// How a request ended, for the `outcome` metric label and the canonical log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Forwarded upstream and answered with the upstream's response.
+    Forwarded,
+    /// A CONNECT answered 200 and intercepted.
+    Intercepted,
+    /// A CONNECT answered 200 as a blind tunnel.
+    Tunneled,
+    /// Refused by policy: no destination matches.
+    Denied,
+    /// Refused: the upstream address is private or otherwise forbidden.
+    ForbiddenAddress,
+    /// Refused: proxy authentication missing or wrong.
+    AuthRequired,
+    /// The client's request was malformed.
+    BadRequest,
+    /// A protocol upgrade that pacegate does not relay.
+    UpgradeRefused,
+    /// The upstream could not be reached or failed mid-exchange.
+    UpstreamError,
+    /// The upstream did not connect or answer in time.
+    UpstreamTimeout,
+    /// pacegate itself failed.
+    Internal,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Forwarded => "forwarded",
+            Self::Intercepted => "intercepted",
+            Self::Tunneled => "tunneled",
+            Self::Denied => "denied",
+            Self::ForbiddenAddress => "forbidden_address",
+            Self::AuthRequired => "auth_required",
+            Self::BadRequest => "bad_request",
+            Self::UpgradeRefused => "upgrade_refused",
+            Self::UpstreamError => "upstream_error",
+            Self::UpstreamTimeout => "upstream_timeout",
+            Self::Internal => "internal_error",
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why pacegate answered a request itself.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The request is malformed or not something a forward proxy serves.
+    #[error("{0}")]
+    BadRequest(String),
+    /// Proxy authentication is on and the request has no valid credentials.
+    #[error("proxy authentication required: send Proxy-Authorization (Basic) with a configured user")]
+    AuthRequired {
+        /// The realm for `Proxy-Authenticate`.
+        realm: String,
+    },
+    /// No destination matches and `[proxy] unmatched = "deny"`.
+    #[error("{target} matches no configured destination; add it to the hosts of a [destinations.NAME] section, or set [proxy] unmatched = \"tunnel\" to pass unconfigured hosts unpaced")]
+    Unmatched {
+        /// `host:port` as requested.
+        target: String,
+    },
+    /// A protocol upgrade (WebSocket, h2c) that pacegate does not relay.
+    #[error("pacegate does not relay `{protocol}` upgrades on paced destinations; open the connection without the proxy or through an unmatched tunnel")]
+    UpgradeUnsupported {
+        /// The `Upgrade` header's value.
+        protocol: String,
+    },
+    /// The upstream exchange failed.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    /// Something inside pacegate failed (a certificate could not be minted).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ProxyError {
+    /// The status code, RFC 9209 error token and outcome of this error.
+    fn classify(&self) -> (StatusCode, &'static str, Outcome) {
+        use StatusCode as S;
+        match self {
+            Self::BadRequest(_) => (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest),
+            Self::AuthRequired { .. } => (S::PROXY_AUTHENTICATION_REQUIRED, "http_request_denied", Outcome::AuthRequired),
+            Self::Unmatched { .. } => (S::FORBIDDEN, "http_request_denied", Outcome::Denied),
+            Self::UpgradeUnsupported { .. } => (S::NOT_IMPLEMENTED, "http_upgrade_failed", Outcome::UpgradeRefused),
+            Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "proxy_internal_error", Outcome::Internal),
+            Self::Upstream(e) => match e {
+                UpstreamError::Connect(c) => match c {
+                    ConnectError::Forbidden { .. } => (S::FORBIDDEN, "destination_ip_prohibited", Outcome::ForbiddenAddress),
+                    ConnectError::Dns { .. } => (S::BAD_GATEWAY, "dns_error", Outcome::UpstreamError),
+                    ConnectError::Refused { .. } => (S::BAD_GATEWAY, "connection_refused", Outcome::UpstreamError),
+                    ConnectError::Timeout { .. } => (S::GATEWAY_TIMEOUT, "connection_timeout", Outcome::UpstreamTimeout),
+                    ConnectError::NoHost => (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest),
+                },
+                UpstreamError::Tls { certificate: true, .. } => (S::BAD_GATEWAY, "tls_certificate_error", Outcome::UpstreamError),
+                UpstreamError::Tls { .. } => (S::BAD_GATEWAY, "tls_protocol_error", Outcome::UpstreamError),
+                UpstreamError::Timeout(_) => (S::GATEWAY_TIMEOUT, "http_response_timeout", Outcome::UpstreamTimeout),
+                UpstreamError::Protocol(_) => (S::BAD_GATEWAY, "http_protocol_error", Outcome::UpstreamError),
+            },
+        }
+    }
+
+    /// The outcome label of this error.
+    pub fn outcome(&self) -> Outcome {
+        self.classify().2
+    }
+
+    /// The response to send the client.
+    pub fn to_response(&self) -> Response<ProxyBody> {
+        let (status, token, _) = self.classify();
+        let details = self.to_string();
+        let mut resp = Response::new(
+            Full::new(Bytes::from(format!("pacegate: {details}\n")))
+                .map_err(|never| match never {})
+                .boxed(),
+        );
+        *resp.status_mut() = status;
+        let headers = resp.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+        headers.insert("proxy-status", proxy_status(token, &details));
+        if let Self::AuthRequired { realm } = self {
+            let challenge = format!("Basic realm=\"{}\"", sf_escape(realm));
+            if let Ok(v) = HeaderValue::from_str(&challenge) {
+                headers.insert(PROXY_AUTHENTICATE, v);
+            }
+        }
+        resp
+    }
+}
+
+/// `Proxy-Status: pacegate; error=TOKEN; details="..."`.
+pub fn proxy_status(token: &str, details: &str) -> HeaderValue {
+    let value = format!("pacegate; error={token}; details=\"{}\"", sf_escape(details));
+    HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("pacegate; error=proxy_internal_error"))
+}
+
+/// Makes text a valid structured-field string body: printable ASCII only, `"` and `\`
+/// escaped.
+fn sf_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_refusal_carries_proxy_status() {
+        let resp = ProxyError::Unmatched {
+            target: "evil.example:443".into(),
+        }
+        .to_response();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        let ps = resp.headers()["proxy-status"].to_str().unwrap();
+        assert!(ps.starts_with("pacegate; error=http_request_denied; details=\""), "{ps}");
+        assert!(ps.contains("evil.example:443"));
+    }
+
+    #[test]
+    fn details_are_escaped() {
+        let v = proxy_status("x", "say \"hi\" \\ caf\u{e9}\n");
+        assert_eq!(v.to_str().unwrap(), "pacegate; error=x; details=\"say \\\"hi\\\" \\\\ caf??\"");
+    }
+
+    #[test]
+    fn auth_failure_challenges() {
+        let resp = ProxyError::AuthRequired { realm: "pacegate".into() }.to_response();
+        assert_eq!(resp.status(), StatusCode::PROXY_AUTHENTICATION_REQUIRED);
+        assert_eq!(resp.headers()["proxy-authenticate"], "Basic realm=\"pacegate\"");
+    }
+}

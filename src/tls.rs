@@ -1,0 +1,449 @@
+//! TLS: the local certificate authority, leaf certificates minted per CONNECT host (and cached),
+//! and the roots upstream servers are verified against.
+//!
+//! Every rustls config here is built with the ring provider explicitly, so the library never
+//! depends on a process-wide default provider having been installed.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+    KeyPair, KeyUsagePurpose, PublicKeyData, SerialNumber,
+};
+use rustls::crypto::CryptoProvider;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use time::OffsetDateTime;
+
+use crate::config::TlsConfig;
+
+/// Why a TLS component could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or written.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The CA files are unusable (bad PEM, mismatched key, unsafe permissions, ...).
+    #[error("CA {path}: {reason}")]
+    BadCa {
+        /// The offending file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// Certificate generation failed.
+    #[error("cannot create certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    /// rustls refused a certificate or config.
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+/// The ring provider, shared by every config pacegate builds.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The local CA that signs intercepted sessions' leaf certificates.
+pub struct Authority {
+    issuer: Issuer<'static, KeyPair>,
+    cert_der: CertificateDer<'static>,
+    cert_pem: String,
+    leaf_validity: Duration,
+    leaves: quick_cache::sync::Cache<String, Leaf>,
+}
+
+#[derive(Clone)]
+struct Leaf {
+    config: Arc<ServerConfig>,
+    /// When the cached leaf should be replaced: half its validity, well before clients would
+    /// see it expire.
+    refresh_at: Instant,
+}
+
+/// Where a leaf came from, for the certificate cache metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeafSource {
+    /// Served from the cache.
+    Cached,
+    /// Minted now.
+    Minted,
+}
+
+impl Authority {
+    /// Loads the CA named by the config, creating it first when `generate_ca` is set and both
+    /// files are missing. Returns whether it was created.
+    pub fn load_or_create(cfg: &TlsConfig) -> Result<(Self, bool), TlsError> {
+        let created = if cfg.generate_ca && !cfg.ca_cert.exists() && !cfg.ca_key.exists() {
+            write_new_ca(&cfg.ca_cert, &cfg.ca_key)?;
+            true
+        } else {
+            false
+        };
+        Ok((Self::load(&cfg.ca_cert, &cfg.ca_key, cfg.leaf_validity)?, created))
+    }
+
+    /// Loads a CA from PEM files. The key must not be readable by group or others.
+    pub fn load(cert_path: &Path, key_path: &Path, leaf_validity: Duration) -> Result<Self, TlsError> {
+        check_key_permissions(key_path)?;
+        let cert_pem = read(cert_path)?;
+        let key_pem = read(key_path)?;
+        let bad = |path: &Path, reason: String| TlsError::BadCa {
+            path: path.to_owned(),
+            reason,
+        };
+        let key = KeyPair::from_pem(&key_pem).map_err(|e| bad(key_path, format!("not a usable private key: {e}")))?;
+        let cert_der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+            .map_err(|e| bad(cert_path, format!("not a PEM certificate: {e}")))?;
+        let (_, parsed) = x509_parser::parse_x509_certificate(&cert_der)
+            .map_err(|e| bad(cert_path, format!("not a valid certificate: {e}")))?;
+        if parsed.tbs_certificate.subject_pki.raw != key.subject_public_key_info().as_slice() {
+            return Err(bad(key_path, format!("does not belong to the certificate {}", cert_path.display())));
+        }
+        if !parsed.is_ca() {
+            return Err(bad(cert_path, "is not a CA certificate (basicConstraints CA:TRUE missing)".into()));
+        }
+        if !parsed.validity().is_valid() {
+            return Err(bad(cert_path, "is expired or not yet valid; create a new CA with `pacegate ca init`".into()));
+        }
+        let issuer = Issuer::from_ca_cert_der(&cert_der, key)
+            .map_err(|e| bad(cert_path, format!("cannot be used as issuer: {e}")))?;
+        Ok(Self {
+            issuer,
+            cert_der,
+            cert_pem,
+            leaf_validity,
+            leaves: quick_cache::sync::Cache::new(10_000),
+        })
+    }
+
+    /// The CA certificate in PEM form, for clients to trust.
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// Leaf certificates currently cached.
+    pub fn cached_leaves(&self) -> usize {
+        self.leaves.len()
+    }
+
+    /// A TLS server config presenting a leaf for `host` (a normalised DNS name or IP literal),
+    /// taken from the cache or minted now. `host` is always the CONNECT target, never the SNI
+    /// the client sends, so a client cannot obtain a certificate for a host it is not routed to.
+    pub fn server_config(&self, host: &str) -> Result<(Arc<ServerConfig>, LeafSource), TlsError> {
+        if let Some(leaf) = self.leaves.get(host) {
+            if leaf.refresh_at > Instant::now() {
+                return Ok((leaf.config, LeafSource::Cached));
+            }
+        }
+        let config = Arc::new(self.mint(host)?);
+        self.leaves.insert(
+            host.to_owned(),
+            Leaf {
+                config: config.clone(),
+                refresh_at: Instant::now() + self.leaf_validity / 2,
+            },
+        );
+        Ok((config, LeafSource::Minted))
+    }
+
+    fn mint(&self, host: &str) -> Result<ServerConfig, TlsError> {
+        let (cert, key) = self.mint_leaf(host)?;
+        let mut config = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert, self.cert_der.clone()], key)?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(config)
+    }
+
+    /// A new leaf certificate and key for `host`: random serial, validity from an hour back
+    /// (client clock skew) to `leaf_validity` ahead, authority key identifier, server-auth only.
+    fn mint_leaf(&self, host: &str) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>), TlsError> {
+        // `new` turns an IP literal into an IP SAN and anything else into a DNS SAN.
+        let mut params = CertificateParams::new(vec![host.to_owned()])?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, host);
+        params.distinguished_name = dn;
+        params.serial_number = Some(random_serial());
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + self.leaf_validity;
+        params.use_authority_key_identifier_extension = true;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        Ok((cert.der().clone(), key_der))
+    }
+}
+
+/// A random positive 128-bit serial (RFC 5280 allows up to 20 octets; the top bit is cleared
+/// so that the DER integer stays positive).
+fn random_serial() -> SerialNumber {
+    let mut bytes: [u8; 16] = rand::random();
+    bytes[0] &= 0x7f;
+    SerialNumber::from_slice(&bytes)
+}
+
+/// Creates a new CA: the key is written first, with mode 0600, and neither file may exist.
+pub fn write_new_ca(cert_path: &Path, key_path: &Path) -> Result<(), TlsError> {
+    for p in [cert_path, key_path] {
+        if p.exists() {
+            return Err(TlsError::BadCa {
+                path: p.to_owned(),
+                reason: "already exists; refusing to overwrite a CA that clients may trust".into(),
+            });
+        }
+    }
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "pacegate");
+    dn.push(DnType::CommonName, format!("pacegate local CA {:08x}", rand::random::<u32>()));
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    params.serial_number = Some(random_serial());
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now + time::Duration::days(3650);
+    let key = KeyPair::generate()?;
+    let cert = params.self_signed(&key)?;
+    for p in [cert_path, key_path] {
+        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            fs::create_dir_all(dir).map_err(|source| TlsError::Io {
+                action: "cannot create directory",
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
+    }
+    write_private(key_path, key.serialize_pem().as_bytes())?;
+    write_file(cert_path, cert.pem().as_bytes(), 0o644)
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<(), TlsError> {
+    write_file(path, data, 0o600)
+}
+
+fn write_file(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
+    let io = |source| TlsError::Io {
+        action: "cannot write",
+        path: path.to_owned(),
+        source,
+    };
+    let mut opts = fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        // The mode is applied at creation, so the key is never readable by others, not even
+        // for an instant.
+        opts.mode(mode);
+    }
+    #[cfg(not(unix))]
+    let _ = mode;
+    let mut f = opts.open(path).map_err(io)?;
+    f.write_all(data).map_err(io)?;
+    f.sync_all().map_err(io)
+}
+
+fn read(path: &Path) -> Result<String, TlsError> {
+    fs::read_to_string(path).map_err(|source| TlsError::Io {
+        action: "cannot read",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn check_key_permissions(path: &Path) -> Result<(), TlsError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = fs::metadata(path).map_err(|source| TlsError::Io {
+            action: "cannot read",
+            path: path.to_owned(),
+            source,
+        })?;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(TlsError::BadCa {
+                path: path.to_owned(),
+                reason: format!("private key is readable by other users (mode {mode:04o}); run `chmod 600 {}`", path.display()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The roots upstream servers are verified against: the system's (webpki-roots when the system
+/// has none) plus every certificate in `extra` PEM files.
+pub fn upstream_roots(extra: &[PathBuf]) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+    if added == 0 {
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    }
+    for path in extra {
+        for cert in read_certs(path)? {
+            roots.add(cert)?;
+        }
+    }
+    Ok(roots)
+}
+
+/// The rustls client config for upstream connections (ALPN is set by the connector).
+pub fn upstream_client_config(roots: RootCertStore) -> Result<ClientConfig, TlsError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bad = |reason: String| TlsError::BadCa {
+        path: path.to_owned(),
+        reason,
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| bad(format!("cannot read certificates: {e}")))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(format!("not PEM certificates: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad("holds no certificate".into()));
+    }
+    Ok(certs)
+}
+
+/// A PEM bundle of the system roots followed by `ca_pem`, for clients whose CA-bundle variable
+/// replaces the system store. Returns the bundle and how many system roots it holds.
+pub fn bundle_with_system_roots(ca_pem: &str) -> (String, usize) {
+    let system = rustls_native_certs::load_native_certs().certs;
+    let mut out = String::new();
+    for cert in &system {
+        out.push_str(&pem_encode("CERTIFICATE", cert));
+    }
+    out.push_str(ca_pem.trim_end());
+    out.push('\n');
+    (out, system.len())
+}
+
+fn pem_encode(label: &str, der: &[u8]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut out = format!("-----BEGIN {label}-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(std::str::from_utf8(line).expect("base64 is ASCII"));
+        out.push('\n');
+    }
+    out.push_str(&format!("-----END {label}-----\n"));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new_ca(dir: &Path) -> Authority {
+        let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
+        write_new_ca(&cert, &key).unwrap();
+        Authority::load(&cert, &key, Duration::from_secs(3600 * 24)).unwrap()
+    }
+
+    #[test]
+    fn leaves_have_random_serials_aki_and_short_validity() {
+        use x509_parser::extensions::{GeneralName, ParsedExtension};
+        let dir = tempfile::tempdir().unwrap();
+        let ca = new_ca(dir.path());
+        let (a, _) = ca.mint_leaf("img.example.com").unwrap();
+        let (b, _) = ca.mint_leaf("img.example.com").unwrap();
+        let (_, a) = x509_parser::parse_x509_certificate(&a).unwrap();
+        let (_, b) = x509_parser::parse_x509_certificate(&b).unwrap();
+        assert_ne!(a.serial, b.serial);
+        let lifetime = a.validity().not_after.timestamp() - a.validity().not_before.timestamp();
+        assert_eq!(lifetime, 25 * 3600);
+        let exts: Vec<_> = a.extensions().iter().map(|e| e.parsed_extension().clone()).collect();
+        assert!(exts.iter().any(|e| matches!(e, ParsedExtension::AuthorityKeyIdentifier(_))));
+        let san = a.subject_alternative_name().unwrap().unwrap();
+        assert_eq!(san.value.general_names, vec![GeneralName::DNSName("img.example.com")]);
+        let (ip, _) = ca.mint_leaf("127.0.0.1").unwrap();
+        let (_, ip) = x509_parser::parse_x509_certificate(&ip).unwrap();
+        let san = ip.subject_alternative_name().unwrap().unwrap();
+        assert_eq!(san.value.general_names, vec![GeneralName::IPAddress(&[127, 0, 0, 1])]);
+    }
+
+    #[test]
+    fn ca_key_is_created_private_and_never_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        new_ca(dir.path());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(dir.path().join("ca-key.pem")).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        let again = write_new_ca(&dir.path().join("ca.pem"), &dir.path().join("ca-key.pem"));
+        assert!(matches!(again, Err(TlsError::BadCa { .. })));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn world_readable_key_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        new_ca(dir.path());
+        let key = dir.path().join("ca-key.pem");
+        fs::set_permissions(&key, fs::Permissions::from_mode(0o644)).unwrap();
+        let err = Authority::load(&dir.path().join("ca.pem"), &key, Duration::from_secs(3600)).err().unwrap();
+        assert!(err.to_string().contains("chmod 600"), "{err}");
+    }
+
+    #[test]
+    fn mismatched_key_is_refused() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        new_ca(a.path());
+        new_ca(b.path());
+        let err = Authority::load(&a.path().join("ca.pem"), &b.path().join("ca-key.pem"), Duration::from_secs(3600))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("does not belong"), "{err}");
+    }
+
+    #[test]
+    fn leaves_are_cached_per_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = new_ca(dir.path());
+        let (first, src) = ca.server_config("a.example.com").unwrap();
+        assert_eq!(src, LeafSource::Minted);
+        let (second, src) = ca.server_config("a.example.com").unwrap();
+        assert_eq!(src, LeafSource::Cached);
+        assert!(Arc::ptr_eq(&first, &second));
+        assert_eq!(ca.server_config("b.example.com").unwrap().1, LeafSource::Minted);
+        assert_eq!(ca.cached_leaves(), 2);
+    }
+
+    #[test]
+    fn bundle_ends_with_the_ca() {
+        let (bundle, _) = bundle_with_system_roots("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----");
+        assert!(bundle.ends_with("-----END CERTIFICATE-----\n"));
+        assert!(bundle.contains("AAAA"));
+    }
+}

@@ -1,0 +1,346 @@
+//! The outbound side: a guarded TCP connector (address policy, connect timeout), and the pooled
+//! HTTP client that speaks HTTP/1.1 or h2 to upstreams over rustls.
+//!
+//! The address policy is applied to the very address a socket is opened to, after DNS
+//! resolution, so a name that resolves to a private address (DNS rebinding included) is refused
+//! the same as a private IP literal.
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+
+use crate::config::UpstreamConfig;
+
+/// Errors of bodies flowing through pacegate.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body type of requests sent upstream and responses sent to clients.
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// Why a TCP connection to an upstream could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The name did not resolve.
+    #[error("cannot resolve {host}: {source}")]
+    Dns {
+        /// The upstream host.
+        host: String,
+        /// The resolver's error.
+        source: std::io::Error,
+    },
+    /// Every resolved address is one the policy forbids.
+    #[error("{host} resolves to {addr}, a loopback, private, link-local, multicast or unspecified address, which is refused unless [proxy] allow_private_upstreams = true")]
+    Forbidden {
+        /// The upstream host.
+        host: String,
+        /// The first forbidden address.
+        addr: IpAddr,
+    },
+    /// Connecting failed (refused, unreachable, reset).
+    #[error("cannot connect to {host} ({addr}): {source}")]
+    Refused {
+        /// The upstream host.
+        host: String,
+        /// The last address tried.
+        addr: SocketAddr,
+        /// The socket error.
+        source: std::io::Error,
+    },
+    /// No connection within the connect timeout.
+    #[error("no connection to {host} within {}", humantime::format_duration(*after))]
+    Timeout {
+        /// The upstream host.
+        host: String,
+        /// The configured timeout.
+        after: Duration,
+    },
+    /// The URI handed to the connector has no host.
+    #[error("upstream URI has no host")]
+    NoHost,
+}
+
+/// Whether an address is loopback, private, shared (CGNAT), link-local, multicast, broadcast,
+/// unspecified or otherwise not a public unicast destination.
+pub fn is_forbidden(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_multicast()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || o[0] == 0
+                || (o[0] == 100 && (o[1] & 0xc0) == 64)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_forbidden(IpAddr::V4(v4));
+            }
+            let first = v6.segments()[0];
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (first & 0xfe00) == 0xfc00
+                || (first & 0xffc0) == 0xfe80
+        }
+    }
+}
+
+/// Opens TCP connections to upstreams under the address policy and connect timeout.
+#[derive(Debug, Clone)]
+pub struct Connector {
+    allow_private: bool,
+    timeout: Duration,
+}
+
+impl Connector {
+    /// A connector; `allow_private` lifts the address policy.
+    pub fn new(allow_private: bool, timeout: Duration) -> Self {
+        Self { allow_private, timeout }
+    }
+
+    /// Resolves `host`, drops forbidden addresses, and connects to the first that answers.
+    pub async fn connect(&self, host: &str, port: u16) -> Result<TcpStream, ConnectError> {
+        let timed_out = || ConnectError::Timeout {
+            host: host.to_owned(),
+            after: self.timeout,
+        };
+        tokio::time::timeout(self.timeout, self.connect_inner(host, port))
+            .await
+            .unwrap_or_else(|_| Err(timed_out()))
+    }
+
+    async fn connect_inner(&self, host: &str, port: u16) -> Result<TcpStream, ConnectError> {
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|source| ConnectError::Dns {
+                host: host.to_owned(),
+                source,
+            })?
+            .collect();
+        let mut last = None;
+        let mut forbidden = None;
+        for addr in addrs {
+            if !self.allow_private && is_forbidden(addr.ip()) {
+                forbidden.get_or_insert(addr.ip());
+                continue;
+            }
+            match TcpStream::connect(addr).await {
+                Ok(stream) => {
+                    let _ = stream.set_nodelay(true);
+                    return Ok(stream);
+                }
+                Err(source) => last = Some((addr, source)),
+            }
+        }
+        Err(match (last, forbidden) {
+            (Some((addr, source)), _) => ConnectError::Refused {
+                host: host.to_owned(),
+                addr,
+                source,
+            },
+            (None, Some(addr)) => ConnectError::Forbidden {
+                host: host.to_owned(),
+                addr,
+            },
+            (None, None) => ConnectError::Dns {
+                host: host.to_owned(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address"),
+            },
+        })
+    }
+}
+
+impl tower_service::Service<Uri> for Connector {
+    type Response = TokioIo<TcpStream>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let host = uri.host().ok_or(ConnectError::NoHost)?;
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+            let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+            this.connect(host, port).await.map(TokioIo::new)
+        })
+    }
+}
+
+/// Why an upstream exchange failed, classified for the client's answer.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The TCP connection could not be opened.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The TLS handshake with the upstream failed.
+    #[error("TLS with upstream failed: {reason}")]
+    Tls {
+        /// rustls' description.
+        reason: String,
+        /// Whether the upstream's certificate was the problem (untrusted, wrong name, expired).
+        certificate: bool,
+    },
+    /// No response head within the response timeout.
+    #[error("no response from upstream within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    /// The connection broke or the upstream spoke invalid HTTP.
+    #[error("upstream exchange failed: {0}")]
+    Protocol(String),
+}
+
+/// The pooled outbound HTTP client.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpsConnector<Connector>, ProxyBody>,
+    connector: Connector,
+    response_timeout: Duration,
+}
+
+impl Upstream {
+    /// Builds the client. `tls` must carry no ALPN; the connector offers h2 and HTTP/1.1.
+    pub fn new(cfg: &UpstreamConfig, allow_private: bool, tls: rustls::ClientConfig) -> Self {
+        let connector = Connector::new(allow_private, cfg.connect_timeout);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(connector.clone());
+        let client = Client::builder(TokioExecutor::new())
+            // Idle pooled connections only expire when a timer is set too.
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(cfg.pool_idle_timeout)
+            .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
+            .timer(TokioTimer::new())
+            .build(https);
+        Self {
+            client,
+            connector,
+            response_timeout: cfg.response_timeout,
+        }
+    }
+
+    /// The guarded connector, for blind tunnels.
+    pub fn connector(&self) -> &Connector {
+        &self.connector
+    }
+
+    /// Sends a request (absolute URI, HTTP/1.1 version) and waits for the response head.
+    pub async fn send(&self, req: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(self.response_timeout, self.client.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) => Err(classify(e)),
+        }
+    }
+}
+
+/// Finds the most specific cause in a client error's source chain.
+fn classify(err: hyper_util::client::legacy::Error) -> UpstreamError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    let mut deepest = err.to_string();
+    while let Some(e) = source {
+        if let Some(c) = e.downcast_ref::<ConnectError>() {
+            return UpstreamError::Connect(clone_connect_error(c));
+        }
+        // `io::Error::source` skips the error it wraps, so look inside explicitly.
+        let inner = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|inner| inner as &(dyn std::error::Error + 'static));
+        if let Some(t) = inner.unwrap_or(e).downcast_ref::<rustls::Error>() {
+            return UpstreamError::Tls {
+                reason: t.to_string(),
+                certificate: matches!(t, rustls::Error::InvalidCertificate(_)),
+            };
+        }
+        deepest = e.to_string();
+        source = e.source();
+    }
+    UpstreamError::Protocol(deepest)
+}
+
+/// `ConnectError` is not `Clone` (it holds `io::Error`); rebuild it from the borrowed chain.
+fn clone_connect_error(e: &ConnectError) -> ConnectError {
+    let io = |s: &std::io::Error| std::io::Error::new(s.kind(), s.to_string());
+    match e {
+        ConnectError::Dns { host, source } => ConnectError::Dns {
+            host: host.clone(),
+            source: io(source),
+        },
+        ConnectError::Forbidden { host, addr } => ConnectError::Forbidden {
+            host: host.clone(),
+            addr: *addr,
+        },
+        ConnectError::Refused { host, addr, source } => ConnectError::Refused {
+            host: host.clone(),
+            addr: *addr,
+            source: io(source),
+        },
+        ConnectError::Timeout { host, after } => ConnectError::Timeout {
+            host: host.clone(),
+            after: *after,
+        },
+        ConnectError::NoHost => ConnectError::NoHost,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_and_special_addresses_are_forbidden() {
+        for a in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "224.0.0.1",
+            "255.255.255.255",
+            "::1",
+            "::",
+            "fe80::1",
+            "fd00::1",
+            "ff02::1",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+        ] {
+            assert!(is_forbidden(a.parse().unwrap()), "{a} should be forbidden");
+        }
+        for a in ["203.0.113.9", "8.8.8.8", "2001:db8::1", "::ffff:8.8.8.8"] {
+            assert!(!is_forbidden(a.parse().unwrap()), "{a} should be allowed");
+        }
+    }
+
+    #[tokio::test]
+    async fn connector_refuses_loopback_by_default() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let strict = Connector::new(false, Duration::from_secs(5));
+        let err = strict.connect("localhost", port).await.unwrap_err();
+        assert!(matches!(err, ConnectError::Forbidden { .. }), "{err}");
+        let lax = Connector::new(true, Duration::from_secs(5));
+        lax.connect("127.0.0.1", port).await.unwrap();
+    }
+}
