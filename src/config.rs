@@ -250,8 +250,8 @@ impl Config {
         })?;
         // Absolute, so that the normalised config printed by check-config means the same
         // wherever it is read from.
-        let base = std::path::absolute(path.parent().unwrap_or(Path::new(".")))
-            .unwrap_or_else(|_| path.parent().unwrap_or(Path::new(".")).to_owned());
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let base = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
         Self::parse(&text, &base).map_err(|problems| ConfigError::Invalid {
             path: path.to_owned(),
             problems,

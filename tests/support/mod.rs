@@ -1,0 +1,269 @@
+//! Builders for integration scenarios: a fake upstream that records what arrives, a pacegate
+//! started in-process on port 0, real clients (reqwest, raw TCP), and bounded waits.
+#![allow(dead_code, unreachable_pub)]
+
+pub mod upstream;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use pacegate::app::{self, Running};
+use pacegate::config::Config;
+use rustls::RootCertStore;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+pub use upstream::FakeUpstream;
+
+/// Installs the crypto provider and a test log subscriber, once per test binary.
+pub fn init() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("PACEGATE_TEST_LOG")
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_test_writer()
+            .try_init();
+    });
+}
+
+/// Waits for `check` to return `Some`, polling every 20 ms, failing after `limit`.
+pub async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A pacegate running in-process, with its temp dir (CA files live there).
+pub struct TestProxy {
+    pub running: Option<Running>,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: tempfile::TempDir,
+}
+
+impl TestProxy {
+    /// Starts pacegate with `extra` TOML appended to a test base config: listeners on port 0,
+    /// a CA generated in a temp dir, loopback upstreams allowed, and the fake upstream's CA
+    /// trusted. `extra` may add `[destinations.*]` and any other section except `[proxy]`,
+    /// `[admin]` and `[tls]`, whose keys go in `proxy_extra`.
+    pub async fn start(upstream_ca: &Path, proxy_extra: &str, extra: &str) -> Self {
+        init();
+        let dir = tempfile::tempdir().unwrap();
+        // Loopback upstreams are allowed unless the scenario says otherwise.
+        let allow = if proxy_extra.contains("allow_private_upstreams") {
+            ""
+        } else {
+            "allow_private_upstreams = true"
+        };
+        let text = format!(
+            r#"
+[proxy]
+listen = "127.0.0.1:0"
+{allow}
+shutdown_grace = "5s"
+{proxy_extra}
+
+[admin]
+listen = "127.0.0.1:0"
+
+[tls]
+generate_ca = true
+extra_upstream_roots = ["{}"]
+
+{extra}
+"#,
+            upstream_ca.display()
+        );
+        let config = Config::parse(&text, dir.path()).unwrap_or_else(|p| panic!("test config invalid: {p:#?}\n{text}"));
+        let running = app::start(config).await.expect("pacegate starts");
+        Self {
+            addr: running.proxy_addr,
+            admin: running.admin_addr,
+            running: Some(running),
+            dir,
+        }
+    }
+
+    /// The proxy's CA certificate path.
+    pub fn ca_path(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Runs the graceful shutdown sequence.
+    pub async fn stop(&mut self) -> usize {
+        self.running.take().expect("running").stop().await
+    }
+
+    /// The admin listener's `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .unwrap()
+            .get(format!("http://{}/metrics", self.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// The value of one sample in `/metrics`, e.g. `pacegate_requests_total{destination="a",outcome="forwarded"}`.
+    pub async fn metric(&self, series: &str) -> f64 {
+        metric_value(&self.metrics().await, series)
+    }
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        if let Some(r) = self.running.take() {
+            r.begin_shutdown();
+        }
+    }
+}
+
+/// The value of `series` in Prometheus text, 0 when absent.
+pub fn metric_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// Roots holding the given PEM files' certificates.
+pub fn roots(pems: &[&Path]) -> RootCertStore {
+    let mut roots = RootCertStore::empty();
+    for p in pems {
+        for c in CertificateDer::pem_file_iter(p).unwrap() {
+            roots.add(c.unwrap()).unwrap();
+        }
+    }
+    roots
+}
+
+/// Which HTTP versions a test client offers over TLS.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Alpn {
+    Http1,
+    H2,
+}
+
+fn client_tls(trust: &[&Path], alpn: Alpn) -> rustls::ClientConfig {
+    let mut tls = rustls::ClientConfig::builder_with_provider(pacegate::tls::provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots(trust))
+        .with_no_client_auth();
+    tls.alpn_protocols = match alpn {
+        Alpn::Http1 => vec![b"http/1.1".to_vec()],
+        Alpn::H2 => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+    };
+    tls
+}
+
+/// A reqwest client going through `proxy` (if any), trusting exactly the given CA files.
+pub fn client(proxy: Option<&str>, trust: &[&Path], alpn: Alpn) -> reqwest::Client {
+    client_with(proxy, trust, alpn, |b| b)
+}
+
+/// Like [`client`], with a hook to adjust the builder.
+pub fn client_with(
+    proxy: Option<&str>,
+    trust: &[&Path],
+    alpn: Alpn,
+    adjust: impl FnOnce(reqwest::ClientBuilder) -> reqwest::ClientBuilder,
+) -> reqwest::Client {
+    init();
+    let mut b = reqwest::Client::builder()
+        .tls_backend_preconfigured(client_tls(trust, alpn))
+        .timeout(Duration::from_secs(30))
+        .no_proxy();
+    if alpn == Alpn::Http1 {
+        b = b.http1_only();
+    }
+    if let Some(p) = proxy {
+        b = b.proxy(reqwest::Proxy::all(p).unwrap());
+    }
+    adjust(b).build().unwrap()
+}
+
+/// What a client saw of a response, minus headers that differ between any two responses.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Seen {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Seen {
+    pub async fn of(resp: reqwest::Response) -> Self {
+        let status = resp.status().as_u16();
+        let mut headers: Vec<(String, String)> = resp
+            .headers()
+            .iter()
+            .filter(|(k, _)| *k != "date")
+            .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+            .collect();
+        headers.sort();
+        let body = resp.bytes().await.unwrap().to_vec();
+        Self { status, headers, body }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// Sends raw bytes to `addr` and reads until the peer closes or `limit` passes.
+pub async fn raw_exchange(addr: SocketAddr, request: &[u8], limit: Duration) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    read_until_close(&mut stream, limit).await
+}
+
+/// Reads everything until close or `limit`.
+pub async fn read_until_close(stream: &mut TcpStream, limit: Duration) -> String {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(limit, stream.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Reads one response head (up to the blank line) from a raw stream.
+pub async fn read_head(stream: &mut TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut byte))
+            .await
+            .expect("response head in time")
+            .unwrap();
+        assert!(n > 0, "connection closed inside a response head: {:?}", String::from_utf8_lossy(&buf));
+        buf.push(byte[0]);
+    }
+    String::from_utf8(buf).unwrap()
+}
+
+/// A shared handle, for moving test state into spawned tasks.
+pub type Shared<T> = Arc<T>;

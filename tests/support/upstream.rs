@@ -1,0 +1,317 @@
+//! A fake upstream serving HTTP and HTTPS (HTTP/1.1 and, optionally, h2) on loopback, with a
+//! test CA of its own. It answers by path and records every request with its arrival time.
+//!
+//! Paths: `/status/{code}?h=Name:Value&...` answers that status with those headers;
+//! `/echo` streams the request body back; `/bytes/{n}` streams n bytes; `/gated/{n}` streams
+//! its first 64 KiB, then the rest once [`FakeUpstream::release`] is called; `/sleep/{ms}`
+//! answers after a delay; `/headers` lists the request headers; anything else says hello.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Version};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use rustls::ServerConfig;
+use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+
+type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The chunk size of streamed bodies.
+pub const CHUNK: usize = 64 * 1024;
+
+/// The byte at offset `i` of every streamed body, so both ends can check content.
+pub fn pattern(i: u64) -> u8 {
+    (i % 251) as u8
+}
+
+/// A CA for the fake upstream, and a leaf for localhost, 127.0.0.1 and ::1.
+pub struct TestCa {
+    pub dir: tempfile::TempDir,
+    pub cert_path: PathBuf,
+    leaf: rustls_pki_types::CertificateDer<'static>,
+    key_der: Vec<u8>,
+}
+
+impl TestCa {
+    pub fn new() -> Self {
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::default();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "fake upstream test CA");
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into(), "::1".into()]).unwrap();
+        params.use_authority_key_identifier_extension = true;
+        let leaf = params.signed_by(&key, &issuer).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cert_path = dir.path().join("upstream-ca.pem");
+        std::fs::write(&cert_path, ca_cert.pem()).unwrap();
+        Self {
+            dir,
+            cert_path,
+            leaf: leaf.der().clone(),
+            key_der: key.serialize_der(),
+        }
+    }
+
+    fn server_config(&self, h2: bool) -> ServerConfig {
+        let mut cfg = ServerConfig::builder_with_provider(pacegate::tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![self.leaf.clone()],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key_der.clone())),
+            )
+            .unwrap();
+        cfg.alpn_protocols = if h2 {
+            vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+        } else {
+            vec![b"http/1.1".to_vec()]
+        };
+        cfg
+    }
+}
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub method: String,
+    pub path: String,
+    /// The URI authority (h2) or Host header (HTTP/1.1).
+    pub authority: String,
+    pub version: Version,
+    pub headers: HeaderMap,
+    pub tls: bool,
+    pub at: Instant,
+}
+
+struct State {
+    recorded: Mutex<Vec<Recorded>>,
+    received_bytes: AtomicU64,
+    gate: Notify,
+}
+
+/// The fake upstream.
+pub struct FakeUpstream {
+    pub ca: TestCa,
+    pub http: SocketAddr,
+    pub https: SocketAddr,
+    state: Arc<State>,
+}
+
+impl FakeUpstream {
+    /// Starts with h2 offered over TLS.
+    pub async fn start() -> Self {
+        Self::start_with(true).await
+    }
+
+    /// Starts; `h2` decides whether TLS offers h2 besides HTTP/1.1.
+    pub async fn start_with(h2: bool) -> Self {
+        super::init();
+        let ca = TestCa::new();
+        let state = Arc::new(State {
+            recorded: Mutex::new(Vec::new()),
+            received_bytes: AtomicU64::new(0),
+            gate: Notify::new(),
+        });
+        let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let https_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = http_listener.local_addr().unwrap();
+        let https = https_listener.local_addr().unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config(h2)));
+        let s = state.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = http_listener.accept().await {
+                let s = s.clone();
+                tokio::spawn(serve(TokioIo::new(stream), s, false));
+            }
+        });
+        let s = state.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = https_listener.accept().await {
+                let s = s.clone();
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(stream).await {
+                        serve(TokioIo::new(tls), s, true).await;
+                    }
+                });
+            }
+        });
+        Self { ca, http, https, state }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn http_url(&self, host: &str) -> String {
+        format!("http://{host}:{}", self.http.port())
+    }
+
+    /// `https://HOST:PORT`.
+    pub fn https_url(&self, host: &str) -> String {
+        format!("https://{host}:{}", self.https.port())
+    }
+
+    /// Everything recorded so far.
+    pub fn recorded(&self) -> Vec<Recorded> {
+        self.state.recorded.lock().unwrap().clone()
+    }
+
+    /// Forgets what was recorded.
+    pub fn clear(&self) {
+        self.state.recorded.lock().unwrap().clear();
+        self.state.received_bytes.store(0, Ordering::SeqCst);
+    }
+
+    /// Request body bytes received so far, over all requests.
+    pub fn received_bytes(&self) -> u64 {
+        self.state.received_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Lets `/gated` responses send the rest of their body.
+    pub fn release(&self) {
+        self.state.gate.notify_waiters();
+    }
+}
+
+async fn serve<I>(io: TokioIo<I>, state: Arc<State>, tls: bool)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |req| {
+        let state = state.clone();
+        async move { Ok::<_, Infallible>(respond(req, state, tls).await) }
+    });
+    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+        .serve_connection(io, service)
+        .await;
+}
+
+fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).map_err(|never| match never {}).boxed());
+    *r.status_mut() = status;
+    r
+}
+
+/// A body of `n` pattern bytes, in chunks; after the first chunk it waits for `gate` if given.
+fn stream_body(n: u64, gate: Option<Arc<State>>) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+    tokio::spawn(async move {
+        let mut sent = 0u64;
+        let mut first = true;
+        while sent < n {
+            let len = CHUNK.min((n - sent) as usize);
+            let chunk: Vec<u8> = (sent..sent + len as u64).map(pattern).collect();
+            if tx.send(Ok(Frame::data(Bytes::from(chunk)))).await.is_err() {
+                return;
+            }
+            sent += len as u64;
+            if first {
+                first = false;
+                if let Some(state) = &gate {
+                    state.gate.notified().await;
+                }
+            }
+        }
+    });
+    StreamBody::new(tokio_stream_from(rx)).map_err(|never| match never {}).boxed()
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> + Send + 'static {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Response<Body> {
+    let path = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    state.recorded.lock().unwrap().push(Recorded {
+        method: req.method().to_string(),
+        path: path.clone(),
+        authority: req
+            .uri()
+            .authority()
+            .map(ToString::to_string)
+            .or_else(|| req.headers().get("host").map(|h| h.to_str().unwrap().to_owned()))
+            .unwrap_or_default(),
+        version: req.version(),
+        headers: req.headers().clone(),
+        tls,
+        at: Instant::now(),
+    });
+    let (route, query) = path.split_once('?').unwrap_or((&path, ""));
+    let segments: Vec<&str> = route.trim_start_matches('/').split('/').collect();
+    if segments[0] == "echo" {
+        let counter = state.clone();
+        let body = req
+            .into_body()
+            .map_frame(move |f| {
+                if let Some(d) = f.data_ref() {
+                    counter.received_bytes.fetch_add(d.len() as u64, Ordering::SeqCst);
+                }
+                f
+            })
+            .map_err(Into::into)
+            .boxed();
+        return Response::new(body);
+    }
+    // Every other route reads the whole request body first.
+    let mut body = req.into_body();
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Some(d) = frame.data_ref() {
+            state.received_bytes.fetch_add(d.len() as u64, Ordering::SeqCst);
+        }
+    }
+    match segments.as_slice() {
+        ["status", code] => {
+            let status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
+            let mut resp = full(status, format!("status {code}\n"));
+            for pair in query.split('&').filter_map(|kv| kv.strip_prefix("h=")) {
+                let (k, v) = pair.split_once(':').unwrap();
+                let v = v.replace("%20", " ");
+                resp.headers_mut().append(
+                    HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    HeaderValue::from_str(&v).unwrap(),
+                );
+            }
+            resp
+        }
+        ["bytes", n] => Response::new(stream_body(n.parse().unwrap(), None)),
+        ["gated", n] => Response::new(stream_body(n.parse().unwrap(), Some(state.clone()))),
+        ["sleep", ms] => {
+            tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+            full(StatusCode::OK, "slept\n")
+        }
+        ["headers"] => {
+            let recorded = state.recorded.lock().unwrap().last().unwrap().headers.clone();
+            let mut lines: Vec<String> = recorded
+                .iter()
+                .map(|(k, v)| format!("{k}: {}", String::from_utf8_lossy(v.as_bytes())))
+                .collect();
+            lines.sort();
+            full(StatusCode::OK, lines.join("\n"))
+        }
+        _ => {
+            let mut r = full(StatusCode::OK, "hello from upstream\n");
+            r.headers_mut()
+                .insert("content-type", HeaderValue::from_static("text/plain"));
+            r
+        }
+    }
+}
