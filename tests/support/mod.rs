@@ -236,11 +236,31 @@ impl Seen {
     }
 }
 
-/// Sends raw bytes to `addr` and reads until the peer closes or `limit` passes.
+/// Sends raw bytes to `addr` and reads one response (head and `Content-Length` body), or
+/// whatever arrives before the peer closes or `limit` passes.
 pub async fn raw_exchange(addr: SocketAddr, request: &[u8], limit: Duration) -> String {
     let mut stream = TcpStream::connect(addr).await.unwrap();
     stream.write_all(request).await.unwrap();
-    read_until_close(&mut stream, limit).await
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_owned()))
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if body.len() >= length {
+                return text;
+            }
+        }
+        match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return text,
+        }
+    }
 }
 
 /// Reads everything until close or `limit`.
