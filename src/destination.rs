@@ -27,6 +27,9 @@ pub struct HostPattern {
 impl HostPattern {
     /// Parses `host`, `*.suffix`, either with `:port`, or `[v6]` / `[v6]:port`.
     pub fn parse(text: &str) -> Result<Self, String> {
+        if text.contains('/') {
+            return Err(format!("`{text}` is not a host pattern: write the host alone (`api.example.com`), not a URL"));
+        }
         let (host, port) = split_host_port(text)
             .ok_or_else(|| format!("`{text}` is not a host pattern (expected `name`, `*.suffix`, optionally with `:port`)"))?;
         let port = match port {

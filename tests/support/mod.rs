@@ -67,19 +67,17 @@ impl TestProxy {
     pub async fn start(upstream_ca: &Path, proxy_extra: &str, extra: &str) -> Self {
         init();
         let dir = tempfile::tempdir().unwrap();
-        // Loopback upstreams are allowed unless the scenario says otherwise.
-        let allow = if proxy_extra.contains("allow_private_upstreams") {
-            ""
-        } else {
-            "allow_private_upstreams = true"
-        };
+        // Test defaults for [proxy], each dropped when the scenario sets that key itself.
+        let defaults: String = [("allow_private_upstreams", "true"), ("shutdown_grace", "\"5s\"")]
+            .iter()
+            .filter(|(key, _)| !proxy_extra.contains(key))
+            .map(|(key, value)| format!("{key} = {value}\n"))
+            .collect();
         let text = format!(
             r#"
 [proxy]
 listen = "127.0.0.1:0"
-{allow}
-shutdown_grace = "5s"
-{proxy_extra}
+{defaults}{proxy_extra}
 
 [admin]
 listen = "127.0.0.1:0"

@@ -1,0 +1,171 @@
+//! The command line: shipped configs, bad-config fixtures, CA commands, exit codes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn pacegate(args: &[&str]) -> Output {
+    pacegate_env(args, &[])
+}
+
+fn pacegate_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pacegate"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A temp dir holding a CA under the default names (`ca.pem`, `ca-key.pem`).
+fn dir_with_ca() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let out = pacegate(&["ca", "init", "--dir", dir.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    dir
+}
+
+fn files(dir: &str) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    out.sort();
+    assert!(!out.is_empty(), "no configs in {}", root.display());
+    out
+}
+
+#[test]
+fn every_shipped_config_passes_check_config() {
+    for config in files("config") {
+        let dir = dir_with_ca();
+        let copy = dir.path().join(config.file_name().unwrap());
+        std::fs::copy(&config, &copy).unwrap();
+        let out = pacegate(&["check-config", "--config", copy.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(0), "{}: {}", config.display(), text(&out.stderr));
+        // The normalised output is itself a valid config that normalises to the same text.
+        let normalised = dir.path().join("normalised.toml");
+        std::fs::write(&normalised, &out.stdout).unwrap();
+        let again = pacegate(&["check-config", "--config", normalised.to_str().unwrap()]);
+        assert_eq!(again.status.code(), Some(0), "{}", text(&again.stderr));
+        assert_eq!(text(&again.stdout), text(&out.stdout));
+    }
+}
+
+#[test]
+fn each_bad_config_fixture_is_reported_with_its_key_path() {
+    for fixture in files("tests/fixtures/bad-config") {
+        let content = std::fs::read_to_string(&fixture).unwrap();
+        let expected = content
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{} lacks an `# expect:` line", fixture.display()));
+        let dir = dir_with_ca();
+        let copy = dir.path().join("config.toml");
+        std::fs::write(&copy, &content).unwrap();
+        let out = pacegate(&["check-config", "--config", copy.to_str().unwrap()]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{}: {stderr}", fixture.display());
+        assert!(stderr.contains(expected), "{}: expected `{expected}` in:\n{stderr}", fixture.display());
+        assert!(stderr.contains("has 1 problem(s)"), "{}: one mistake, one problem:\n{stderr}", fixture.display());
+    }
+}
+
+#[test]
+fn all_problems_are_reported_at_once() {
+    let dir = dir_with_ca();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "[proxy]\nlisten = \"x\"\ncolour = 1\n[upstream]\nconnect_timeout = 5\n[destinations.a]\nhosts = []\nrate = 1\n[extra]\n",
+    )
+    .unwrap();
+    let out = pacegate(&["check-config", "--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = text(&out.stderr);
+    for path in [
+        "proxy.listen:",
+        "proxy.colour:",
+        "upstream.connect_timeout:",
+        "destinations.a.hosts:",
+        "destinations.a.rate:",
+        "extra:",
+    ] {
+        assert!(stderr.contains(path), "{path} missing from:\n{stderr}");
+    }
+}
+
+#[test]
+fn ca_init_writes_a_private_key_and_never_overwrites() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("ca");
+    let out = pacegate(&["ca", "init", "--dir", target.to_str().unwrap()]);
+    assert!(out.status.success());
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(target.join("ca-key.pem")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+    let key = std::fs::read(target.join("ca-key.pem")).unwrap();
+    assert!(!text(&out.stdout).contains("PRIVATE KEY"), "the key is never printed");
+    let again = pacegate(&["ca", "init", "--dir", target.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(text(&again.stderr).contains("refusing to overwrite"));
+    assert_eq!(std::fs::read(target.join("ca-key.pem")).unwrap(), key);
+}
+
+#[test]
+fn ca_bundle_holds_the_system_roots_and_the_ca() {
+    let dir = dir_with_ca();
+    let config = dir.path().join("pacegate.toml");
+    std::fs::write(&config, "").unwrap();
+    // Pin the "system" store to one known root, so the bundle's content is exact.
+    let system = dir_with_ca();
+    let system_root = system.path().join("ca.pem");
+    let out_path = dir.path().join("bundle.pem");
+    let out = pacegate_env(
+        &["ca", "bundle", "--config", config.to_str().unwrap(), "--out", out_path.to_str().unwrap()],
+        &[("SSL_CERT_FILE", system_root.to_str().unwrap()), ("SSL_CERT_DIR", "")],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let bundle = std::fs::read_to_string(&out_path).unwrap();
+    let ca = std::fs::read_to_string(dir.path().join("ca.pem")).unwrap();
+    let root = std::fs::read_to_string(&system_root).unwrap();
+    assert_eq!(bundle.matches("BEGIN CERTIFICATE").count(), 2);
+    assert!(bundle.starts_with(root.trim()));
+    assert!(bundle.trim_end().ends_with(ca.trim()));
+}
+
+#[test]
+fn help_and_exit_codes() {
+    for args in [
+        &["--help"][..],
+        &["serve", "--help"],
+        &["check-config", "--help"],
+        &["ca", "--help"],
+        &["ca", "init", "--help"],
+        &["ca", "bundle", "--help"],
+    ] {
+        let out = pacegate(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        assert!(text(&out.stdout).contains("Usage"), "{args:?}");
+    }
+    assert_eq!(pacegate(&["bogus"]).status.code(), Some(64));
+    assert_eq!(pacegate(&["serve"]).status.code(), Some(64), "missing --config");
+    assert_eq!(pacegate(&["serve", "--config", "/nonexistent.toml"]).status.code(), Some(64));
+    // A runtime failure (the port is taken) is exit 1.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = dir_with_ca();
+    let config = dir.path().join("pacegate.toml");
+    std::fs::write(&config, format!("[proxy]\nlisten = \"{}\"\n", taken.local_addr().unwrap())).unwrap();
+    let out = pacegate(&["serve", "--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("cannot listen"));
+}
