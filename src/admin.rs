@@ -50,8 +50,13 @@ impl Admin {
                 text(StatusCode::SERVICE_UNAVAILABLE, "draining\n".into())
             }
             (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n".into()),
-            (_, "/metrics" | "/healthz" | "/readyz") => text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n".into()),
-            _ => text(StatusCode::NOT_FOUND, "endpoints: /metrics /healthz /readyz\n".into()),
+            (_, "/metrics" | "/healthz" | "/readyz") => {
+                text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n".into())
+            }
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "endpoints: /metrics /healthz /readyz\n".into(),
+            ),
         }
     }
 

@@ -67,7 +67,10 @@ impl Running {
         let _ = self.proxy_task.await;
         let forced = self.shutdown.finish(self.grace).await;
         if forced > 0 {
-            tracing::warn!(forced, "shutdown deadline reached; closed connections and tunnels still open");
+            tracing::warn!(
+                forced,
+                "shutdown deadline reached; closed connections and tunnels still open"
+            );
         }
         self.admin_stop.cancel();
         let _ = self.admin_task.await;
@@ -105,16 +108,20 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     };
     let proxy_listener = bind("proxy", config.proxy.listen).await?;
     let admin_listener = bind("admin", config.admin.listen).await?;
-    let proxy_addr = proxy_listener.local_addr().map_err(|source| StartError::Bind {
-        what: "proxy",
-        addr: config.proxy.listen,
-        source,
-    })?;
-    let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind {
-        what: "admin",
-        addr: config.admin.listen,
-        source,
-    })?;
+    let proxy_addr = proxy_listener
+        .local_addr()
+        .map_err(|source| StartError::Bind {
+            what: "proxy",
+            addr: config.proxy.listen,
+            source,
+        })?;
+    let admin_addr = admin_listener
+        .local_addr()
+        .map_err(|source| StartError::Bind {
+            what: "admin",
+            addr: config.admin.listen,
+            source,
+        })?;
 
     let shutdown = Shutdown::new();
     let proxy = Proxy::new(ProxyParts {
@@ -135,7 +142,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         shutdown.clone(),
     ));
     let admin_stop = CancellationToken::new();
-    let admin_task = tokio::spawn(Admin::new(metrics.clone(), shutdown.clone()).serve(admin_listener, admin_stop.clone()));
+    let admin_task = tokio::spawn(
+        Admin::new(metrics.clone(), shutdown.clone()).serve(admin_listener, admin_stop.clone()),
+    );
     tracing::info!(
         proxy = %proxy_addr,
         admin = %admin_addr,

@@ -75,7 +75,11 @@ pub enum ConfigError {
 }
 
 fn list(problems: &[ConfigProblem]) -> String {
-    problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
+    problems
+        .iter()
+        .map(|p| format!("  - {p}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// What to do with a request whose host matches no destination.
@@ -236,7 +240,14 @@ fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result
     }
     let map: BTreeMap<&str, Out> = dests
         .iter()
-        .map(|d| (d.name.as_str(), Out { hosts: d.hosts.iter().map(ToString::to_string).collect() }))
+        .map(|d| {
+            (
+                d.name.as_str(),
+                Out {
+                    hosts: d.hosts.iter().map(ToString::to_string).collect(),
+                },
+            )
+        })
         .collect();
     map.serialize(s)
 }
@@ -250,7 +261,10 @@ impl Config {
         })?;
         // Absolute, so that the normalised config printed by check-config means the same
         // wherever it is read from.
-        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         let base = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
         Self::parse(&text, &base).map_err(|problems| ConfigError::Invalid {
             path: path.to_owned(),
@@ -272,7 +286,8 @@ impl Config {
             }
         };
         let proxy: Option<RawProxy> = section(table.remove("proxy"), "proxy", &mut problems);
-        let upstream: Option<RawUpstream> = section(table.remove("upstream"), "upstream", &mut problems);
+        let upstream: Option<RawUpstream> =
+            section(table.remove("upstream"), "upstream", &mut problems);
         let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", &mut problems);
         let tls: Option<RawTls> = section(table.remove("tls"), "tls", &mut problems);
         let mut raw_dests = BTreeMap::new();
@@ -286,11 +301,17 @@ impl Config {
                     }
                 }
             }
-            Some(_) => problems.push(problem("destinations", "must be a table of [destinations.NAME] sections")),
+            Some(_) => problems.push(problem(
+                "destinations",
+                "must be a table of [destinations.NAME] sections",
+            )),
         }
         for key in table.keys() {
             if RESERVED_SECTIONS.contains(&key.as_str()) {
-                problems.push(problem(key, "is reserved for a later version of pacegate and not supported yet"));
+                problems.push(problem(
+                    key,
+                    "is reserved for a later version of pacegate and not supported yet",
+                ));
             } else {
                 problems.push(problem(key, "unknown section"));
             }
@@ -333,7 +354,13 @@ fn section<T: DeserializeOwned + Default>(
     let Some(value) = value else {
         return Some(T::default());
     };
-    let join = |sub: &str| if sub.is_empty() || sub == "." { path.to_owned() } else { format!("{path}.{sub}") };
+    let join = |sub: &str| {
+        if sub.is_empty() || sub == "." {
+            path.to_owned()
+        } else {
+            format!("{path}.{sub}")
+        }
+    };
     let mut unknown: Vec<String> = Vec::new();
     let mut record = |p: serde_ignored::Path<'_>| unknown.push(p.to_string());
     let de = serde_ignored::Deserializer::new(value, &mut record);
@@ -437,7 +464,10 @@ impl Validator<'_> {
     fn addr(&mut self, path: &str, text: Option<String>, default: &str) -> SocketAddr {
         let text = text.unwrap_or_else(|| default.to_owned());
         text.parse().unwrap_or_else(|_| {
-            self.push(path, format!("`{text}` is not an address:port such as `{default}`"));
+            self.push(
+                path,
+                format!("`{text}` is not an address:port such as `{default}`"),
+            );
             default.parse().expect("default address parses")
         })
     }
@@ -445,7 +475,10 @@ impl Validator<'_> {
     fn positive(&mut self, path: &str, value: Option<Duration>, default: Duration) -> Duration {
         let d = value.unwrap_or(default);
         if d.is_zero() {
-            self.push(path, "must be longer than zero (write it like \"250ms\" or \"30s\")");
+            self.push(
+                path,
+                "must be longer than zero (write it like \"250ms\" or \"30s\")",
+            );
         }
         d
     }
@@ -466,7 +499,10 @@ impl Validator<'_> {
         }
         let max_header_bytes = limits.max_header_bytes.unwrap_or(64 * 1024);
         if !(8192..=1024 * 1024).contains(&max_header_bytes) {
-            self.push("proxy.limits.max_header_bytes", "must be between 8192 and 1048576");
+            self.push(
+                "proxy.limits.max_header_bytes",
+                "must be between 8192 and 1048576",
+            );
         }
         ProxyConfig {
             listen: self.addr("proxy.listen", raw.listen, "127.0.0.1:3128"),
@@ -498,34 +534,52 @@ impl Validator<'_> {
 
     fn auth(&mut self, raw: RawAuth) -> AuthConfig {
         if raw.users.is_empty() {
-            self.push("proxy.auth.users", "lists no user: add one, or remove [proxy.auth] to turn authentication off");
+            self.push(
+                "proxy.auth.users",
+                "lists no user: add one, or remove [proxy.auth] to turn authentication off",
+            );
         }
         let mut users: Vec<User> = Vec::new();
         for (i, u) in raw.users.into_iter().enumerate() {
             let path = format!("proxy.auth.users[{i}]");
             let name = u.name.unwrap_or_default();
             if name.is_empty() || name.contains(':') {
-                self.push(&format!("{path}.name"), "is required and may not contain `:`");
+                self.push(
+                    &format!("{path}.name"),
+                    "is required and may not contain `:`",
+                );
             } else if users.iter().any(|x| x.name == name) {
-                self.push(&format!("{path}.name"), format!("user `{name}` is listed twice"));
+                self.push(
+                    &format!("{path}.name"),
+                    format!("user `{name}` is listed twice"),
+                );
             }
             let digest = match (&u.password_env, &u.password_sha256) {
                 (Some(var), None) => match std::env::var(var) {
                     Ok(pw) if !pw.is_empty() => Some(sha256(pw.as_bytes())),
                     _ => {
-                        self.push(&format!("{path}.password_env"), format!("environment variable `{var}` is not set or empty"));
+                        self.push(
+                            &format!("{path}.password_env"),
+                            format!("environment variable `{var}` is not set or empty"),
+                        );
                         None
                     }
                 },
                 (None, Some(hex)) => match decode_hex32(hex) {
                     Some(d) => Some(d),
                     None => {
-                        self.push(&format!("{path}.password_sha256"), "must be 64 hex digits (sha256 of the password)");
+                        self.push(
+                            &format!("{path}.password_sha256"),
+                            "must be 64 hex digits (sha256 of the password)",
+                        );
                         None
                     }
                 },
                 _ => {
-                    self.push(&path, "needs exactly one of `password_env` or `password_sha256`");
+                    self.push(
+                        &path,
+                        "needs exactly one of `password_env` or `password_sha256`",
+                    );
                     None
                 }
             };
@@ -546,9 +600,21 @@ impl Validator<'_> {
 
     fn upstream(&mut self, raw: RawUpstream) -> UpstreamConfig {
         UpstreamConfig {
-            connect_timeout: self.positive("upstream.connect_timeout", raw.connect_timeout, Duration::from_secs(10)),
-            response_timeout: self.positive("upstream.response_timeout", raw.response_timeout, Duration::from_secs(60)),
-            pool_idle_timeout: self.positive("upstream.pool_idle_timeout", raw.pool_idle_timeout, Duration::from_secs(4)),
+            connect_timeout: self.positive(
+                "upstream.connect_timeout",
+                raw.connect_timeout,
+                Duration::from_secs(10),
+            ),
+            response_timeout: self.positive(
+                "upstream.response_timeout",
+                raw.response_timeout,
+                Duration::from_secs(60),
+            ),
+            pool_idle_timeout: self.positive(
+                "upstream.pool_idle_timeout",
+                raw.pool_idle_timeout,
+                Duration::from_secs(4),
+            ),
             pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(32),
         }
     }
@@ -560,8 +626,14 @@ impl Validator<'_> {
     }
 
     fn tls(&mut self, raw: RawTls) -> TlsConfig {
-        let leaf_validity = self.positive("tls.leaf_validity", raw.leaf_validity, Duration::from_secs(24 * 3600));
-        if leaf_validity < Duration::from_secs(3600) || leaf_validity > Duration::from_secs(90 * 24 * 3600) {
+        let leaf_validity = self.positive(
+            "tls.leaf_validity",
+            raw.leaf_validity,
+            Duration::from_secs(24 * 3600),
+        );
+        if leaf_validity < Duration::from_secs(3600)
+            || leaf_validity > Duration::from_secs(90 * 24 * 3600)
+        {
             self.push("tls.leaf_validity", "must be between 1h and 90d");
         }
         let generate_ca = raw.generate_ca.unwrap_or(false);
@@ -584,7 +656,10 @@ impl Validator<'_> {
         for (i, p) in raw.extra_upstream_roots.into_iter().enumerate() {
             let p = self.path(p);
             if !p.is_file() {
-                self.push(&format!("tls.extra_upstream_roots[{i}]"), format!("{} is not a readable file", p.display()));
+                self.push(
+                    &format!("tls.extra_upstream_roots[{i}]"),
+                    format!("{} is not a readable file", p.display()),
+                );
             }
             extra.push(p);
         }
@@ -601,8 +676,15 @@ impl Validator<'_> {
         let mut out: Vec<Destination> = Vec::new();
         for (name, d) in raw {
             let path = format!("destinations.{name}");
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-                self.push(&path, "destination names may hold only letters, digits, `_` and `-`");
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                self.push(
+                    &path,
+                    "destination names may hold only letters, digits, `_` and `-`",
+                );
             }
             for key in d.rest.keys() {
                 let msg = if RESERVED_DESTINATION_KEYS.contains(&key.as_str()) {
@@ -614,7 +696,10 @@ impl Validator<'_> {
             }
             let hosts_raw = d.hosts.unwrap_or_default();
             if hosts_raw.is_empty() {
-                self.push(&format!("{path}.hosts"), "is required and must list at least one host pattern");
+                self.push(
+                    &format!("{path}.hosts"),
+                    "is required and must list at least one host pattern",
+                );
             }
             let mut hosts = Vec::new();
             for (i, h) in hosts_raw.iter().enumerate() {
@@ -728,7 +813,8 @@ mod tests {
     fn durations_must_be_strings_with_units() {
         let err = parse("[upstream]\nconnect_timeout = 5\n[tls]\ngenerate_ca = true").unwrap_err();
         assert_eq!(paths(&err), ["upstream.connect_timeout"]);
-        let c = parse("[upstream]\nconnect_timeout = \"250ms\"\n[tls]\ngenerate_ca = true").unwrap();
+        let c =
+            parse("[upstream]\nconnect_timeout = \"250ms\"\n[tls]\ngenerate_ca = true").unwrap();
         assert_eq!(c.upstream.connect_timeout, Duration::from_millis(250));
     }
 
@@ -755,7 +841,9 @@ mod tests {
 
     #[test]
     fn normalised_output_parses_back() {
-        let c = parse("[destinations.a]\nhosts = [\"A.example.com:443\"]\n[tls]\ngenerate_ca = true").unwrap();
+        let c =
+            parse("[destinations.a]\nhosts = [\"A.example.com:443\"]\n[tls]\ngenerate_ca = true")
+                .unwrap();
         let text = c.to_toml();
         assert!(text.contains("a.example.com:443"), "{text}");
         let again = parse(&text).unwrap();

@@ -32,22 +32,22 @@ impl HostPattern {
         }
         let (host, port) = split_host_port(text)
             .ok_or_else(|| format!("`{text}` is not a host pattern (expected `name`, `*.suffix`, optionally with `:port`)"))?;
-        let port = match port {
-            Some(p) => Some(
-                p.parse::<u16>()
-                    .ok()
-                    .filter(|p| *p != 0)
-                    .ok_or_else(|| format!("`{text}`: port `{p}` is not a number from 1 to 65535"))?,
-            ),
-            None => None,
-        };
+        let port =
+            match port {
+                Some(p) => Some(p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+                    format!("`{text}`: port `{p}` is not a number from 1 to 65535")
+                })?),
+                None => None,
+            };
         let host = if let Some(suffix) = host.strip_prefix("*.") {
             let suffix = normalise_host(suffix)
                 .filter(|s| s.parse::<IpAddr>().is_err())
                 .ok_or_else(|| format!("`{text}`: `{suffix}` is not a valid DNS name"))?;
             HostMatch::Suffix(format!(".{suffix}"))
         } else {
-            let exact = normalise_host(host).ok_or_else(|| format!("`{text}`: `{host}` is not a valid host name or IP address"))?;
+            let exact = normalise_host(host).ok_or_else(|| {
+                format!("`{text}`: `{host}` is not a valid host name or IP address")
+            })?;
             HostMatch::Exact(exact)
         };
         Ok(Self { host, port })
@@ -73,10 +73,13 @@ impl HostPattern {
         }
         match (&self.host, &other.host) {
             (HostMatch::Exact(a), HostMatch::Exact(b)) => a == b,
-            (HostMatch::Exact(h), HostMatch::Suffix(s)) | (HostMatch::Suffix(s), HostMatch::Exact(h)) => {
+            (HostMatch::Exact(h), HostMatch::Suffix(s))
+            | (HostMatch::Suffix(s), HostMatch::Exact(h)) => {
                 h.len() > s.len() && h.ends_with(s.as_str())
             }
-            (HostMatch::Suffix(a), HostMatch::Suffix(b)) => a.ends_with(b.as_str()) || b.ends_with(a.as_str()),
+            (HostMatch::Suffix(a), HostMatch::Suffix(b)) => {
+                a.ends_with(b.as_str()) || b.ends_with(a.as_str())
+            }
         }
     }
 }
@@ -132,7 +135,10 @@ impl Routes {
 /// Lower-cases a host, strips one trailing dot and IPv6 brackets, and checks that it is an IP
 /// literal or a syntactically valid DNS name. `None` when it is neither.
 pub fn normalise_host(host: &str) -> Option<String> {
-    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Some(ip.to_string());
     }
@@ -140,7 +146,8 @@ pub fn normalise_host(host: &str) -> Option<String> {
     let valid_label = |l: &str| {
         !l.is_empty()
             && l.len() <= 63
-            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
             && !l.starts_with('-')
             && !l.ends_with('-')
     };
@@ -205,7 +212,17 @@ mod tests {
 
     #[test]
     fn rejects_malformed_patterns() {
-        for bad in ["", "*.", "a..b", "exa mple.com", "host:0", "host:99999", "*.1.2.3.4", "-a.com", "[::1"] {
+        for bad in [
+            "",
+            "*.",
+            "a..b",
+            "exa mple.com",
+            "host:0",
+            "host:99999",
+            "*.1.2.3.4",
+            "-a.com",
+            "[::1",
+        ] {
             assert!(HostPattern::parse(bad).is_err(), "{bad} should be rejected");
         }
     }
@@ -221,7 +238,12 @@ mod tests {
 
     #[test]
     fn display_round_trips() {
-        for s in ["img.example.com", "*.example.net:8443", "[::1]:80", "10.0.0.1"] {
+        for s in [
+            "img.example.com",
+            "*.example.net:8443",
+            "[::1]:80",
+            "10.0.0.1",
+        ] {
             assert_eq!(pat(s).to_string(), s);
         }
     }

@@ -18,13 +18,13 @@
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
 //! server; *slot*, *budget*, *store*, *class* and *verdict* belong to the pacing engine.
 
+pub mod admin;
 pub mod app;
 pub mod config;
-pub mod server;
-pub mod proxy;
 pub mod destination;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod shutdown;
 pub mod tls;
 pub mod upstream;
-pub mod metrics;
-pub mod admin;
-pub mod shutdown;

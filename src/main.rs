@@ -69,7 +69,11 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(EXIT_USAGE) } else { ExitCode::SUCCESS };
+            return if e.use_stderr() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::SUCCESS
+            };
         }
     };
     init_tracing(cli.log_format);
@@ -109,7 +113,10 @@ fn serve(path: &Path) -> ExitCode {
     // Every rustls config pacegate builds names ring explicitly; installing it as the process
     // default too keeps any dependency that asks for the default on the same provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => return fail(&e),
     };
@@ -142,7 +149,10 @@ fn bundle(config: &Path, out: &Path) -> ExitCode {
     if system == 0 {
         eprintln!("warning: no system roots found; the bundle holds only pacegate's CA");
     }
-    println!("wrote {} ({system} system roots + pacegate's CA)", out.display());
+    println!(
+        "wrote {} ({system} system roots + pacegate's CA)",
+        out.display()
+    );
     ExitCode::SUCCESS
 }
 
@@ -169,7 +179,9 @@ fn fail(e: &dyn std::error::Error) -> ExitCode {
 fn init_tracing(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),

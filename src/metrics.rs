@@ -4,8 +4,8 @@
 //! so a hostile client cannot grow the label space.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// The destination label of requests that match no configured destination.
@@ -42,11 +42,17 @@ impl Metrics {
     /// Creates and registers every family on `registry`.
     pub fn new(registry: Registry) -> Result<Self, prometheus::Error> {
         let requests = IntCounterVec::new(
-            Opts::new("pacegate_requests_total", "Requests answered, by destination and outcome"),
+            Opts::new(
+                "pacegate_requests_total",
+                "Requests answered, by destination and outcome",
+            ),
             &["destination", "outcome"],
         )?;
         let upstream_responses = IntCounterVec::new(
-            Opts::new("pacegate_upstream_responses_total", "Upstream responses, by destination and status code"),
+            Opts::new(
+                "pacegate_upstream_responses_total",
+                "Upstream responses, by destination and status code",
+            ),
             &["destination", "status"],
         )?;
         let request_duration = HistogramVec::new(
@@ -54,21 +60,31 @@ impl Metrics {
                 "pacegate_request_duration_seconds",
                 "Time from a request's arrival to its response head, by destination",
             )
-            .buckets(vec![0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]),
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            ]),
             &["destination"],
         )?;
-        let connections_open = IntGauge::new("pacegate_connections_open", "Client connections open")?;
-        let connections_total = IntCounter::new("pacegate_connections_total", "Client connections accepted")?;
+        let connections_open =
+            IntGauge::new("pacegate_connections_open", "Client connections open")?;
+        let connections_total =
+            IntCounter::new("pacegate_connections_total", "Client connections accepted")?;
         let connections_rejected = IntCounter::new(
             "pacegate_connections_rejected_total",
             "Client connections refused because max_connections were open",
         )?;
         let tunnels_open = IntGaugeVec::new(
-            Opts::new("pacegate_tunnels_open", "CONNECT sessions open, by kind (intercept, blind)"),
+            Opts::new(
+                "pacegate_tunnels_open",
+                "CONNECT sessions open, by kind (intercept, blind)",
+            ),
             &["kind"],
         )?;
         let tunnels_total = IntCounterVec::new(
-            Opts::new("pacegate_tunnels_total", "CONNECT sessions started, by kind (intercept, blind)"),
+            Opts::new(
+                "pacegate_tunnels_total",
+                "CONNECT sessions started, by kind (intercept, blind)",
+            ),
             &["kind"],
         )?;
         let tls_handshake_failures = IntCounter::new(
@@ -76,10 +92,14 @@ impl Metrics {
             "Client TLS handshakes on intercepted sessions that failed or timed out",
         )?;
         let cert_cache = IntCounterVec::new(
-            Opts::new("pacegate_cert_cache_total", "Leaf certificate lookups, by result (hit, miss)"),
+            Opts::new(
+                "pacegate_cert_cache_total",
+                "Leaf certificate lookups, by result (hit, miss)",
+            ),
             &["result"],
         )?;
-        let cert_cache_entries = IntGauge::new("pacegate_cert_cache_entries", "Leaf certificates cached")?;
+        let cert_cache_entries =
+            IntGauge::new("pacegate_cert_cache_entries", "Leaf certificates cached")?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;

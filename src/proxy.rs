@@ -77,7 +77,9 @@ impl Handled {
 impl Proxy {
     /// Builds the service.
     pub fn new(parts: ProxyParts) -> Self {
-        Self { inner: Arc::new(parts) }
+        Self {
+            inner: Arc::new(parts),
+        }
     }
 
     /// Handles one request arriving on a client connection (absolute-form or CONNECT).
@@ -93,16 +95,26 @@ impl Proxy {
     }
 
     /// Handles one request inside an intercepted session; `target` is the CONNECT target.
-    fn handle_inner(self, req: Request<Incoming>, target: Target) -> BoxFuture<'static, Response<ProxyBody>> {
+    fn handle_inner(
+        self,
+        req: Request<Incoming>,
+        target: Target,
+    ) -> BoxFuture<'static, Response<ProxyBody>> {
         Box::pin(self.handle_inner_unboxed(req, target))
     }
 
-    async fn handle_inner_unboxed(self, req: Request<Incoming>, target: Target) -> Response<ProxyBody> {
+    async fn handle_inner_unboxed(
+        self,
+        req: Request<Incoming>,
+        target: Target,
+    ) -> Response<ProxyBody> {
         let started = Instant::now();
         let method = req.method().clone();
         let handled = if method == Method::CONNECT {
             Handled::refused(
-                ProxyError::BadRequest("CONNECT inside an intercepted session is not allowed".into()),
+                ProxyError::BadRequest(
+                    "CONNECT inside an intercepted session is not allowed".into(),
+                ),
                 target.destination.clone(),
                 target.authority(),
             )
@@ -113,7 +125,11 @@ impl Proxy {
     }
 
     async fn dispatch(&self, req: Request<Incoming>) -> Handled {
-        let target_text = req.uri().authority().map(ToString::to_string).unwrap_or_default();
+        let target_text = req
+            .uri()
+            .authority()
+            .map(ToString::to_string)
+            .unwrap_or_default();
         if let Some(auth) = &self.inner.auth {
             if !auth::authorized(auth, req.headers()) {
                 let err = ProxyError::AuthRequired {
@@ -166,17 +182,29 @@ impl Proxy {
             .authority()
             .ok_or_else(|| ProxyError::BadRequest("the request names no host".into()))?;
         let host = normalise_host(authority.host()).ok_or_else(|| {
-            ProxyError::BadRequest(format!("`{authority}` is not a valid host name or IP address"))
+            ProxyError::BadRequest(format!(
+                "`{authority}` is not a valid host name or IP address"
+            ))
         })?;
         let port = match authority.port_u16() {
-            Some(0) => return Err(ProxyError::BadRequest(format!("`{authority}`: port 0 is not valid"))),
+            Some(0) => {
+                return Err(ProxyError::BadRequest(format!(
+                    "`{authority}`: port 0 is not valid"
+                )))
+            }
             Some(p) => p,
             None if connect => {
-                return Err(ProxyError::BadRequest(format!("CONNECT `{authority}` has no port")))
+                return Err(ProxyError::BadRequest(format!(
+                    "CONNECT `{authority}` has no port"
+                )))
             }
             None => 80,
         };
-        let destination = self.inner.routes.route(&host, port).map(|d| Arc::from(d.name.as_str()));
+        let destination = self
+            .inner
+            .routes
+            .route(&host, port)
+            .map(|d| Arc::from(d.name.as_str()));
         Ok(Target {
             scheme,
             host,

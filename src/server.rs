@@ -57,7 +57,13 @@ impl Drop for SlotGuard {
 
 /// Accepts client connections until the drain starts. Each connection is served in a tracked
 /// task; connections beyond `max_connections` get a 503 and are closed.
-pub async fn serve(listener: TcpListener, proxy: Proxy, limits: Limits, metrics: Arc<Metrics>, shutdown: Shutdown) {
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Proxy,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    shutdown: Shutdown,
+) {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let builder = Arc::new(connection_builder(&limits));
     loop {

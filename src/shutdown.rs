@@ -79,7 +79,10 @@ impl Shutdown {
     pub async fn finish(&self, grace: Duration) -> usize {
         self.start_drain();
         self.tracker.close();
-        if tokio::time::timeout(grace, self.tracker.wait()).await.is_ok() {
+        if tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_ok()
+        {
             return 0;
         }
         let remaining = self.tracker.len();

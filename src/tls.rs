@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-    KeyPair, KeyUsagePurpose, PublicKeyData, SerialNumber,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SerialNumber,
 };
 use rustls::crypto::CryptoProvider;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
@@ -92,11 +92,18 @@ impl Authority {
         } else {
             false
         };
-        Ok((Self::load(&cfg.ca_cert, &cfg.ca_key, cfg.leaf_validity)?, created))
+        Ok((
+            Self::load(&cfg.ca_cert, &cfg.ca_key, cfg.leaf_validity)?,
+            created,
+        ))
     }
 
     /// Loads a CA from PEM files. The key must not be readable by group or others.
-    pub fn load(cert_path: &Path, key_path: &Path, leaf_validity: Duration) -> Result<Self, TlsError> {
+    pub fn load(
+        cert_path: &Path,
+        key_path: &Path,
+        leaf_validity: Duration,
+    ) -> Result<Self, TlsError> {
         check_key_permissions(key_path)?;
         let cert_pem = read(cert_path)?;
         let key_pem = read(key_path)?;
@@ -104,19 +111,29 @@ impl Authority {
             path: path.to_owned(),
             reason,
         };
-        let key = KeyPair::from_pem(&key_pem).map_err(|e| bad(key_path, format!("not a usable private key: {e}")))?;
+        let key = KeyPair::from_pem(&key_pem)
+            .map_err(|e| bad(key_path, format!("not a usable private key: {e}")))?;
         let cert_der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
             .map_err(|e| bad(cert_path, format!("not a PEM certificate: {e}")))?;
         let (_, parsed) = x509_parser::parse_x509_certificate(&cert_der)
             .map_err(|e| bad(cert_path, format!("not a valid certificate: {e}")))?;
         if parsed.tbs_certificate.subject_pki.raw != key.subject_public_key_info().as_slice() {
-            return Err(bad(key_path, format!("does not belong to the certificate {}", cert_path.display())));
+            return Err(bad(
+                key_path,
+                format!("does not belong to the certificate {}", cert_path.display()),
+            ));
         }
         if !parsed.is_ca() {
-            return Err(bad(cert_path, "is not a CA certificate (basicConstraints CA:TRUE missing)".into()));
+            return Err(bad(
+                cert_path,
+                "is not a CA certificate (basicConstraints CA:TRUE missing)".into(),
+            ));
         }
         if !parsed.validity().is_valid() {
-            return Err(bad(cert_path, "is expired or not yet valid; create a new CA with `pacegate ca init`".into()));
+            return Err(bad(
+                cert_path,
+                "is expired or not yet valid; create a new CA with `pacegate ca init`".into(),
+            ));
         }
         let issuer = Issuer::from_ca_cert_der(&cert_der, key)
             .map_err(|e| bad(cert_path, format!("cannot be used as issuer: {e}")))?;
@@ -171,7 +188,10 @@ impl Authority {
 
     /// A new leaf certificate and key for `host`: random serial, validity from an hour back
     /// (client clock skew) to `leaf_validity` ahead, authority key identifier, server-auth only.
-    fn mint_leaf(&self, host: &str) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>), TlsError> {
+    fn mint_leaf(
+        &self,
+        host: &str,
+    ) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>), TlsError> {
         // `new` turns an IP literal into an IP SAN and anything else into a DNS SAN.
         let mut params = CertificateParams::new(vec![host.to_owned()])?;
         let mut dn = DistinguishedName::new();
@@ -212,7 +232,10 @@ pub fn write_new_ca(cert_path: &Path, key_path: &Path) -> Result<(), TlsError> {
     let mut params = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, "pacegate");
-    dn.push(DnType::CommonName, format!("pacegate local CA {:08x}", rand::random::<u32>()));
+    dn.push(
+        DnType::CommonName,
+        format!("pacegate local CA {:08x}", rand::random::<u32>()),
+    );
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     params.key_usages = vec![
@@ -286,7 +309,10 @@ fn check_key_permissions(path: &Path) -> Result<(), TlsError> {
         if mode & 0o077 != 0 {
             return Err(TlsError::BadCa {
                 path: path.to_owned(),
-                reason: format!("private key is readable by other users (mode {mode:04o}); run `chmod 600 {}`", path.display()),
+                reason: format!(
+                    "private key is readable by other users (mode {mode:04o}); run `chmod 600 {}`",
+                    path.display()
+                ),
             });
         }
     }
@@ -297,7 +323,8 @@ fn check_key_permissions(path: &Path) -> Result<(), TlsError> {
 /// has none) plus every certificate in `extra` PEM files.
 pub fn upstream_roots(extra: &[PathBuf]) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
-    let (added, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+    let (added, _) =
+        roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
     if added == 0 {
         roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     }
@@ -379,14 +406,26 @@ mod tests {
         assert_ne!(a.serial, b.serial);
         let lifetime = a.validity().not_after.timestamp() - a.validity().not_before.timestamp();
         assert_eq!(lifetime, 25 * 3600);
-        let exts: Vec<_> = a.extensions().iter().map(|e| e.parsed_extension().clone()).collect();
-        assert!(exts.iter().any(|e| matches!(e, ParsedExtension::AuthorityKeyIdentifier(_))));
+        let exts: Vec<_> = a
+            .extensions()
+            .iter()
+            .map(|e| e.parsed_extension().clone())
+            .collect();
+        assert!(exts
+            .iter()
+            .any(|e| matches!(e, ParsedExtension::AuthorityKeyIdentifier(_))));
         let san = a.subject_alternative_name().unwrap().unwrap();
-        assert_eq!(san.value.general_names, vec![GeneralName::DNSName("img.example.com")]);
+        assert_eq!(
+            san.value.general_names,
+            vec![GeneralName::DNSName("img.example.com")]
+        );
         let (ip, _) = ca.mint_leaf("127.0.0.1").unwrap();
         let (_, ip) = x509_parser::parse_x509_certificate(&ip).unwrap();
         let san = ip.subject_alternative_name().unwrap().unwrap();
-        assert_eq!(san.value.general_names, vec![GeneralName::IPAddress(&[127, 0, 0, 1])]);
+        assert_eq!(
+            san.value.general_names,
+            vec![GeneralName::IPAddress(&[127, 0, 0, 1])]
+        );
     }
 
     #[test]
@@ -396,7 +435,10 @@ mod tests {
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            let mode = fs::metadata(dir.path().join("ca-key.pem")).unwrap().permissions().mode();
+            let mode = fs::metadata(dir.path().join("ca-key.pem"))
+                .unwrap()
+                .permissions()
+                .mode();
             assert_eq!(mode & 0o777, 0o600);
         }
         let again = write_new_ca(&dir.path().join("ca.pem"), &dir.path().join("ca-key.pem"));
@@ -411,7 +453,9 @@ mod tests {
         new_ca(dir.path());
         let key = dir.path().join("ca-key.pem");
         fs::set_permissions(&key, fs::Permissions::from_mode(0o644)).unwrap();
-        let err = Authority::load(&dir.path().join("ca.pem"), &key, Duration::from_secs(3600)).err().unwrap();
+        let err = Authority::load(&dir.path().join("ca.pem"), &key, Duration::from_secs(3600))
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("chmod 600"), "{err}");
     }
 
@@ -421,9 +465,13 @@ mod tests {
         let b = tempfile::tempdir().unwrap();
         new_ca(a.path());
         new_ca(b.path());
-        let err = Authority::load(&a.path().join("ca.pem"), &b.path().join("ca-key.pem"), Duration::from_secs(3600))
-            .err()
-            .unwrap();
+        let err = Authority::load(
+            &a.path().join("ca.pem"),
+            &b.path().join("ca-key.pem"),
+            Duration::from_secs(3600),
+        )
+        .err()
+        .unwrap();
         assert!(err.to_string().contains("does not belong"), "{err}");
     }
 
@@ -436,13 +484,18 @@ mod tests {
         let (second, src) = ca.server_config("a.example.com").unwrap();
         assert_eq!(src, LeafSource::Cached);
         assert!(Arc::ptr_eq(&first, &second));
-        assert_eq!(ca.server_config("b.example.com").unwrap().1, LeafSource::Minted);
+        assert_eq!(
+            ca.server_config("b.example.com").unwrap().1,
+            LeafSource::Minted
+        );
         assert_eq!(ca.cached_leaves(), 2);
     }
 
     #[test]
     fn bundle_ends_with_the_ca() {
-        let (bundle, _) = bundle_with_system_roots("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----");
+        let (bundle, _) = bundle_with_system_roots(
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----",
+        );
         assert!(bundle.ends_with("-----END CERTIFICATE-----\n"));
         assert!(bundle.contains("AAAA"));
     }

@@ -108,7 +108,10 @@ pub struct Connector {
 impl Connector {
     /// A connector; `allow_private` lifts the address policy.
     pub fn new(allow_private: bool, timeout: Duration) -> Self {
-        Self { allow_private, timeout }
+        Self {
+            allow_private,
+            timeout,
+        }
     }
 
     /// Resolves `host`, drops forbidden addresses, and connects to the first that answers.

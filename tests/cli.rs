@@ -47,7 +47,13 @@ fn every_shipped_config_passes_check_config() {
         let copy = dir.path().join(config.file_name().unwrap());
         std::fs::copy(&config, &copy).unwrap();
         let out = pacegate(&["check-config", "--config", copy.to_str().unwrap()]);
-        assert_eq!(out.status.code(), Some(0), "{}: {}", config.display(), text(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}: {}",
+            config.display(),
+            text(&out.stderr)
+        );
         // The normalised output is itself a valid config that normalises to the same text.
         let normalised = dir.path().join("normalised.toml");
         std::fs::write(&normalised, &out.stdout).unwrap();
@@ -71,9 +77,22 @@ fn each_bad_config_fixture_is_reported_with_its_key_path() {
         std::fs::write(&copy, &content).unwrap();
         let out = pacegate(&["check-config", "--config", copy.to_str().unwrap()]);
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(64), "{}: {stderr}", fixture.display());
-        assert!(stderr.contains(expected), "{}: expected `{expected}` in:\n{stderr}", fixture.display());
-        assert!(stderr.contains("has 1 problem(s)"), "{}: one mistake, one problem:\n{stderr}", fixture.display());
+        assert_eq!(
+            out.status.code(),
+            Some(64),
+            "{}: {stderr}",
+            fixture.display()
+        );
+        assert!(
+            stderr.contains(expected),
+            "{}: expected `{expected}` in:\n{stderr}",
+            fixture.display()
+        );
+        assert!(
+            stderr.contains("has 1 problem(s)"),
+            "{}: one mistake, one problem:\n{stderr}",
+            fixture.display()
+        );
     }
 }
 
@@ -110,11 +129,17 @@ fn ca_init_writes_a_private_key_and_never_overwrites() {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(target.join("ca-key.pem")).unwrap().permissions().mode();
+        let mode = std::fs::metadata(target.join("ca-key.pem"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
     }
     let key = std::fs::read(target.join("ca-key.pem")).unwrap();
-    assert!(!text(&out.stdout).contains("PRIVATE KEY"), "the key is never printed");
+    assert!(
+        !text(&out.stdout).contains("PRIVATE KEY"),
+        "the key is never printed"
+    );
     let again = pacegate(&["ca", "init", "--dir", target.to_str().unwrap()]);
     assert_eq!(again.status.code(), Some(1));
     assert!(text(&again.stderr).contains("refusing to overwrite"));
@@ -131,8 +156,18 @@ fn ca_bundle_holds_the_system_roots_and_the_ca() {
     let system_root = system.path().join("ca.pem");
     let out_path = dir.path().join("bundle.pem");
     let out = pacegate_env(
-        &["ca", "bundle", "--config", config.to_str().unwrap(), "--out", out_path.to_str().unwrap()],
-        &[("SSL_CERT_FILE", system_root.to_str().unwrap()), ("SSL_CERT_DIR", "")],
+        &[
+            "ca",
+            "bundle",
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            out_path.to_str().unwrap(),
+        ],
+        &[
+            ("SSL_CERT_FILE", system_root.to_str().unwrap()),
+            ("SSL_CERT_DIR", ""),
+        ],
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let bundle = std::fs::read_to_string(&out_path).unwrap();
@@ -158,13 +193,26 @@ fn help_and_exit_codes() {
         assert!(text(&out.stdout).contains("Usage"), "{args:?}");
     }
     assert_eq!(pacegate(&["bogus"]).status.code(), Some(64));
-    assert_eq!(pacegate(&["serve"]).status.code(), Some(64), "missing --config");
-    assert_eq!(pacegate(&["serve", "--config", "/nonexistent.toml"]).status.code(), Some(64));
+    assert_eq!(
+        pacegate(&["serve"]).status.code(),
+        Some(64),
+        "missing --config"
+    );
+    assert_eq!(
+        pacegate(&["serve", "--config", "/nonexistent.toml"])
+            .status
+            .code(),
+        Some(64)
+    );
     // A runtime failure (the port is taken) is exit 1.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dir = dir_with_ca();
     let config = dir.path().join("pacegate.toml");
-    std::fs::write(&config, format!("[proxy]\nlisten = \"{}\"\n", taken.local_addr().unwrap())).unwrap();
+    std::fs::write(
+        &config,
+        format!("[proxy]\nlisten = \"{}\"\n", taken.local_addr().unwrap()),
+    )
+    .unwrap();
     let out = pacegate(&["serve", "--config", config.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("cannot listen"));

@@ -18,11 +18,22 @@ async fn a_request_in_flight_completes_during_shutdown() {
     let upstream = FakeUpstream::start().await;
     let mut proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
-    for base in [upstream.http_url("localhost"), upstream.https_url("localhost")] {
+    for base in [
+        upstream.http_url("localhost"),
+        upstream.https_url("localhost"),
+    ] {
         let request = tokio::spawn(via.get(format!("{base}/sleep/800")).send());
-        support::eventually(Duration::from_secs(5), "the request at the upstream", || async {
-            upstream.recorded().iter().any(|r| r.path == "/sleep/800").then_some(())
-        })
+        support::eventually(
+            Duration::from_secs(5),
+            "the request at the upstream",
+            || async {
+                upstream
+                    .recorded()
+                    .iter()
+                    .any(|r| r.path == "/sleep/800")
+                    .then_some(())
+            },
+        )
         .await;
         upstream.clear();
         if base.starts_with("https") {
@@ -31,7 +42,10 @@ async fn a_request_in_flight_completes_during_shutdown() {
             let resp = request.await.unwrap().unwrap();
             assert_eq!(resp.status(), 200);
             assert_eq!(resp.text().await.unwrap(), "slept\n");
-            assert!(TcpStream::connect(proxy.addr).await.is_err(), "no longer accepting");
+            assert!(
+                TcpStream::connect(proxy.addr).await.is_err(),
+                "no longer accepting"
+            );
         } else {
             let resp = request.await.unwrap().unwrap();
             assert_eq!(resp.status(), 200);
@@ -50,19 +64,54 @@ async fn tunnels_are_closed_at_the_grace_deadline() {
     .await;
     // An idle blind tunnel (127.0.0.1 is not a destination).
     let mut tunnel = TcpStream::connect(proxy.addr).await.unwrap();
-    let connect = format!("CONNECT 127.0.0.1:{} HTTP/1.1\r\n\r\n", upstream.https.port());
+    let connect = format!(
+        "CONNECT 127.0.0.1:{} HTTP/1.1\r\n\r\n",
+        upstream.https.port()
+    );
     tunnel.write_all(connect.as_bytes()).await.unwrap();
     assert!(read_head(&mut tunnel).await.starts_with("HTTP/1.1 200"));
     let started = Instant::now();
     let forced = proxy.stop().await;
     assert_eq!(forced, 1, "the idle tunnel was still open at the deadline");
-    assert!(started.elapsed() < Duration::from_secs(5), "shutdown took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
     let rest = support::read_until_close(&mut tunnel, Duration::from_secs(5)).await;
     assert!(rest.is_empty());
 }
 
+/// A child process that is killed if the test ends without reaping it.
+struct Reaped(Option<std::process::Child>);
+
+impl Reaped {
+    fn id(&self) -> u32 {
+        self.0.as_ref().unwrap().id()
+    }
+
+    fn wait(mut self) -> std::process::ExitStatus {
+        self.0.take().unwrap().wait().unwrap()
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Starts the real binary with JSON logs and returns it with its proxy address.
-fn spawn_binary(config: &std::path::Path) -> (std::process::Child, std::net::SocketAddr, BufReader<std::process::ChildStderr>) {
+fn spawn_binary(
+    config: &std::path::Path,
+) -> (
+    Reaped,
+    std::net::SocketAddr,
+    BufReader<std::process::ChildStderr>,
+) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pacegate"))
         .args(["--log-format", "json", "serve", "--config"])
         .arg(config)
@@ -71,12 +120,19 @@ fn spawn_binary(config: &std::path::Path) -> (std::process::Child, std::net::Soc
         .spawn()
         .unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let child = Reaped(Some(child));
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut line = String::new();
     loop {
-        assert!(Instant::now() < deadline, "pacegate did not report listening");
+        assert!(
+            Instant::now() < deadline,
+            "pacegate did not report listening"
+        );
         line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "pacegate exited early");
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "pacegate exited early"
+        );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
         if v["message"] == "pacegate listening" {
             let addr = v["proxy"].as_str().unwrap().parse().unwrap();
@@ -98,18 +154,32 @@ async fn the_binary_drains_and_exits_zero_on_sigterm() {
         ),
     )
     .unwrap();
-    let (mut child, addr, stderr) = spawn_binary(&config);
-    let via = client(Some(&format!("http://{addr}")), &[&dir.path().join("ca.pem")], Alpn::Http1);
-    let request = tokio::spawn(via.get(format!("{}/sleep/800", upstream.https_url("localhost"))).send());
-    support::eventually(Duration::from_secs(10), "the request at the upstream", || async {
-        (!upstream.recorded().is_empty()).then_some(())
-    })
+    let (child, addr, stderr) = spawn_binary(&config);
+    let via = client(
+        Some(&format!("http://{addr}")),
+        &[&dir.path().join("ca.pem")],
+        Alpn::Http1,
+    );
+    let request = tokio::spawn(
+        via.get(format!("{}/sleep/800", upstream.https_url("localhost")))
+            .send(),
+    );
+    support::eventually(
+        Duration::from_secs(10),
+        "the request at the upstream",
+        || async { (!upstream.recorded().is_empty()).then_some(()) },
+    )
     .await;
-    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
     let resp = request.await.unwrap().unwrap();
     assert_eq!(resp.status(), 200, "the request in flight completed");
-    let exit = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    let exit = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap();
     assert_eq!(exit.code(), Some(0));
     // One canonical line per request, with the fixed field names.
     let lines: Vec<serde_json::Value> = stderr
@@ -122,8 +192,14 @@ async fn the_binary_drains_and_exits_zero_on_sigterm() {
         .find(|v| v["target"] == "pacegate::request" && v["outcome"] == "forwarded")
         .expect("a canonical request line");
     for field in ["destination", "method", "status", "duration_ms", "reason"] {
-        assert!(!request_line[field].is_null(), "{field} missing from {request_line}");
+        assert!(
+            !request_line[field].is_null(),
+            "{field} missing from {request_line}"
+        );
     }
     assert_eq!(request_line["destination"], "local");
-    assert!(!lines.iter().any(|v| v.to_string().contains("PRIVATE KEY")), "the CA key is never logged");
+    assert!(
+        !lines.iter().any(|v| v.to_string().contains("PRIVATE KEY")),
+        "the CA key is never logged"
+    );
 }

@@ -7,7 +7,10 @@ use crate::config::{sha256, AuthConfig};
 
 /// Whether the request carries `Proxy-Authorization: Basic` credentials of a configured user.
 pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
-    let Some(value) = headers.get(PROXY_AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
+    let Some(value) = headers
+        .get(PROXY_AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
         return false;
     };
     let Some((scheme, encoded)) = value.trim().split_once(' ') else {
@@ -59,20 +62,32 @@ mod tests {
     }
 
     fn basic(creds: &str) -> String {
-        format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(creds))
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(creds)
+        )
     }
 
     #[test]
     fn accepts_a_configured_user() {
-        assert!(authorized(&auth(), &headers(&basic("worker:pw:with:colons"))));
-        assert!(authorized(&auth(), &headers(&basic("worker:pw:with:colons").replace("Basic", "basic"))));
+        assert!(authorized(
+            &auth(),
+            &headers(&basic("worker:pw:with:colons"))
+        ));
+        assert!(authorized(
+            &auth(),
+            &headers(&basic("worker:pw:with:colons").replace("Basic", "basic"))
+        ));
     }
 
     #[test]
     fn rejects_everything_else() {
         assert!(!authorized(&auth(), &HeaderMap::new()));
         assert!(!authorized(&auth(), &headers(&basic("worker:wrong"))));
-        assert!(!authorized(&auth(), &headers(&basic("other:pw:with:colons"))));
+        assert!(!authorized(
+            &auth(),
+            &headers(&basic("other:pw:with:colons"))
+        ));
         assert!(!authorized(&auth(), &headers("Bearer xyz")));
         assert!(!authorized(&auth(), &headers("Basic !!!notbase64")));
         assert!(!authorized(&auth(), &headers(&basic("nocolon"))));

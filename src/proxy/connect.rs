@@ -47,14 +47,23 @@ impl Proxy {
         // The leaf is for the CONNECT host, whatever SNI the client sends later.
         let config = match self.inner.authority.server_config(&target.host) {
             Ok((config, source)) => {
-                let result = if source == LeafSource::Cached { "hit" } else { "miss" };
+                let result = if source == LeafSource::Cached {
+                    "hit"
+                } else {
+                    "miss"
+                };
                 metrics.cert_cache.with_label_values(&[result]).inc();
-                metrics.cert_cache_entries.set(self.inner.authority.cached_leaves() as i64);
+                metrics
+                    .cert_cache_entries
+                    .set(self.inner.authority.cached_leaves() as i64);
                 config
             }
             Err(e) => {
                 return Handled::refused(
-                    ProxyError::Internal(format!("cannot mint a certificate for {}: {e}", target.host)),
+                    ProxyError::Internal(format!(
+                        "cannot mint a certificate for {}: {e}",
+                        target.host
+                    )),
                     target.destination.clone(),
                     target.authority(),
                 )
@@ -77,7 +86,12 @@ impl Proxy {
         handled
     }
 
-    async fn run_intercepted(self, req: Request<Incoming>, target: Target, config: Arc<rustls::ServerConfig>) {
+    async fn run_intercepted(
+        self,
+        req: Request<Incoming>,
+        target: Target,
+        config: Arc<rustls::ServerConfig>,
+    ) {
         let metrics = self.inner.metrics.clone();
         let upgraded = match hyper::upgrade::on(req).await {
             Ok(u) => u,
@@ -124,9 +138,17 @@ impl Proxy {
 
     async fn tunnel(&self, req: Request<Incoming>, target: Target) -> Handled {
         // Connect before answering, so a dead upstream is a 502, not a 200 and a reset.
-        let upstream = match self.inner.upstream.connector().connect(&target.host, target.port).await {
+        let upstream = match self
+            .inner
+            .upstream
+            .connector()
+            .connect(&target.host, target.port)
+            .await
+        {
             Ok(stream) => stream,
-            Err(e) => return Handled::refused(ProxyError::Upstream(e.into()), None, target.authority()),
+            Err(e) => {
+                return Handled::refused(ProxyError::Upstream(e.into()), None, target.authority())
+            }
         };
         let metrics = self.inner.metrics.clone();
         let idle = self.inner.limits.tunnel_idle_timeout;
@@ -181,7 +203,13 @@ where
     )
 }
 
-async fn pipe<R, W>(mut from: R, mut to: W, start: Instant, last: &AtomicU64, idle: Duration) -> std::io::Result<u64>
+async fn pipe<R, W>(
+    mut from: R,
+    mut to: W,
+    start: Instant,
+    last: &AtomicU64,
+    idle: Duration,
+) -> std::io::Result<u64>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -193,9 +221,14 @@ where
             Ok(read) => read?,
             Err(_) => {
                 // Quiet this way; the tunnel is idle only if the other way is quiet too.
-                let since = start.elapsed().saturating_sub(Duration::from_millis(last.load(Ordering::Relaxed)));
+                let since = start
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(last.load(Ordering::Relaxed)));
                 if since >= idle {
-                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "tunnel idle timeout"));
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "tunnel idle timeout",
+                    ));
                 }
                 continue;
             }

@@ -50,7 +50,10 @@ impl Proxy {
                 self.inner
                     .metrics
                     .upstream_responses
-                    .with_label_values(&[destination.as_deref().unwrap_or(UNMATCHED), response.status().as_str()])
+                    .with_label_values(&[
+                        destination.as_deref().unwrap_or(UNMATCHED),
+                        response.status().as_str(),
+                    ])
                     .inc();
                 Handled {
                     response,
@@ -89,10 +92,17 @@ impl Proxy {
         parts.headers.remove(HOST);
         parts.headers.remove(EXPECT);
         let body = body.map_err(BoxError::from).boxed();
-        let response = self.inner.upstream.send(Request::from_parts(parts, body)).await?;
+        let response = self
+            .inner
+            .upstream
+            .send(Request::from_parts(parts, body))
+            .await?;
         let (mut parts, body) = response.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers);
         parts.version = Version::HTTP_11;
-        Ok(http::Response::from_parts(parts, body.map_err(BoxError::from).boxed()))
+        Ok(http::Response::from_parts(
+            parts,
+            body.map_err(BoxError::from).boxed(),
+        ))
     }
 }

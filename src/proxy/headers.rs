@@ -75,7 +75,10 @@ mod tests {
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -109,7 +112,8 @@ mod tests {
     #[test]
     fn detects_upgrade_requests() {
         assert_eq!(
-            upgrade_protocol(&map(&[("connection", "Upgrade"), ("upgrade", "websocket")])).as_deref(),
+            upgrade_protocol(&map(&[("connection", "Upgrade"), ("upgrade", "websocket")]))
+                .as_deref(),
             Some("websocket")
         );
         assert_eq!(upgrade_protocol(&map(&[("upgrade", "websocket")])), None);

@@ -71,7 +71,9 @@ pub enum ProxyError {
     #[error("{0}")]
     BadRequest(String),
     /// Proxy authentication is on and the request has no valid credentials.
-    #[error("proxy authentication required: send Proxy-Authorization (Basic) with a configured user")]
+    #[error(
+        "proxy authentication required: send Proxy-Authorization (Basic) with a configured user"
+    )]
     AuthRequired {
         /// The realm for `Proxy-Authenticate`.
         realm: String,
@@ -102,22 +104,64 @@ impl ProxyError {
         use StatusCode as S;
         match self {
             Self::BadRequest(_) => (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest),
-            Self::AuthRequired { .. } => (S::PROXY_AUTHENTICATION_REQUIRED, "http_request_denied", Outcome::AuthRequired),
+            Self::AuthRequired { .. } => (
+                S::PROXY_AUTHENTICATION_REQUIRED,
+                "http_request_denied",
+                Outcome::AuthRequired,
+            ),
             Self::Unmatched { .. } => (S::FORBIDDEN, "http_request_denied", Outcome::Denied),
-            Self::UpgradeUnsupported { .. } => (S::NOT_IMPLEMENTED, "http_upgrade_failed", Outcome::UpgradeRefused),
-            Self::Internal(_) => (S::INTERNAL_SERVER_ERROR, "proxy_internal_error", Outcome::Internal),
+            Self::UpgradeUnsupported { .. } => (
+                S::NOT_IMPLEMENTED,
+                "http_upgrade_failed",
+                Outcome::UpgradeRefused,
+            ),
+            Self::Internal(_) => (
+                S::INTERNAL_SERVER_ERROR,
+                "proxy_internal_error",
+                Outcome::Internal,
+            ),
             Self::Upstream(e) => match e {
                 UpstreamError::Connect(c) => match c {
-                    ConnectError::Forbidden { .. } => (S::FORBIDDEN, "destination_ip_prohibited", Outcome::ForbiddenAddress),
-                    ConnectError::Dns { .. } => (S::BAD_GATEWAY, "dns_error", Outcome::UpstreamError),
-                    ConnectError::Refused { .. } => (S::BAD_GATEWAY, "connection_refused", Outcome::UpstreamError),
-                    ConnectError::Timeout { .. } => (S::GATEWAY_TIMEOUT, "connection_timeout", Outcome::UpstreamTimeout),
-                    ConnectError::NoHost => (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest),
+                    ConnectError::Forbidden { .. } => (
+                        S::FORBIDDEN,
+                        "destination_ip_prohibited",
+                        Outcome::ForbiddenAddress,
+                    ),
+                    ConnectError::Dns { .. } => {
+                        (S::BAD_GATEWAY, "dns_error", Outcome::UpstreamError)
+                    }
+                    ConnectError::Refused { .. } => {
+                        (S::BAD_GATEWAY, "connection_refused", Outcome::UpstreamError)
+                    }
+                    ConnectError::Timeout { .. } => (
+                        S::GATEWAY_TIMEOUT,
+                        "connection_timeout",
+                        Outcome::UpstreamTimeout,
+                    ),
+                    ConnectError::NoHost => {
+                        (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest)
+                    }
                 },
-                UpstreamError::Tls { certificate: true, .. } => (S::BAD_GATEWAY, "tls_certificate_error", Outcome::UpstreamError),
-                UpstreamError::Tls { .. } => (S::BAD_GATEWAY, "tls_protocol_error", Outcome::UpstreamError),
-                UpstreamError::Timeout(_) => (S::GATEWAY_TIMEOUT, "http_response_timeout", Outcome::UpstreamTimeout),
-                UpstreamError::Protocol(_) => (S::BAD_GATEWAY, "http_protocol_error", Outcome::UpstreamError),
+                UpstreamError::Tls {
+                    certificate: true, ..
+                } => (
+                    S::BAD_GATEWAY,
+                    "tls_certificate_error",
+                    Outcome::UpstreamError,
+                ),
+                UpstreamError::Tls { .. } => {
+                    (S::BAD_GATEWAY, "tls_protocol_error", Outcome::UpstreamError)
+                }
+                UpstreamError::Timeout(_) => (
+                    S::GATEWAY_TIMEOUT,
+                    "http_response_timeout",
+                    Outcome::UpstreamTimeout,
+                ),
+                UpstreamError::Protocol(_) => (
+                    S::BAD_GATEWAY,
+                    "http_protocol_error",
+                    Outcome::UpstreamError,
+                ),
             },
         }
     }
@@ -138,7 +182,10 @@ impl ProxyError {
         );
         *resp.status_mut() = status;
         let headers = resp.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
         headers.insert("proxy-status", proxy_status(token, &details));
         if let Self::AuthRequired { realm } = self {
             let challenge = format!("Basic realm=\"{}\"", sf_escape(realm));
@@ -152,8 +199,12 @@ impl ProxyError {
 
 /// `Proxy-Status: pacegate; error=TOKEN; details="..."`.
 pub fn proxy_status(token: &str, details: &str) -> HeaderValue {
-    let value = format!("pacegate; error={token}; details=\"{}\"", sf_escape(details));
-    HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("pacegate; error=proxy_internal_error"))
+    let value = format!(
+        "pacegate; error={token}; details=\"{}\"",
+        sf_escape(details)
+    );
+    HeaderValue::from_str(&value)
+        .unwrap_or_else(|_| HeaderValue::from_static("pacegate; error=proxy_internal_error"))
 }
 
 /// Makes text a valid structured-field string body: printable ASCII only, `"` and `\`
@@ -185,20 +236,32 @@ mod tests {
         .to_response();
         assert_eq!(resp.status(), StatusCode::FORBIDDEN);
         let ps = resp.headers()["proxy-status"].to_str().unwrap();
-        assert!(ps.starts_with("pacegate; error=http_request_denied; details=\""), "{ps}");
+        assert!(
+            ps.starts_with("pacegate; error=http_request_denied; details=\""),
+            "{ps}"
+        );
         assert!(ps.contains("evil.example:443"));
     }
 
     #[test]
     fn details_are_escaped() {
         let v = proxy_status("x", "say \"hi\" \\ caf\u{e9}\n");
-        assert_eq!(v.to_str().unwrap(), "pacegate; error=x; details=\"say \\\"hi\\\" \\\\ caf??\"");
+        assert_eq!(
+            v.to_str().unwrap(),
+            "pacegate; error=x; details=\"say \\\"hi\\\" \\\\ caf??\""
+        );
     }
 
     #[test]
     fn auth_failure_challenges() {
-        let resp = ProxyError::AuthRequired { realm: "pacegate".into() }.to_response();
+        let resp = ProxyError::AuthRequired {
+            realm: "pacegate".into(),
+        }
+        .to_response();
         assert_eq!(resp.status(), StatusCode::PROXY_AUTHENTICATION_REQUIRED);
-        assert_eq!(resp.headers()["proxy-authenticate"], "Basic realm=\"pacegate\"");
+        assert_eq!(
+            resp.headers()["proxy-authenticate"],
+            "Basic realm=\"pacegate\""
+        );
     }
 }

@@ -46,7 +46,10 @@ where
         if let Some(v) = check().await {
             return v;
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {limit:?} waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -68,11 +71,14 @@ impl TestProxy {
         init();
         let dir = tempfile::tempdir().unwrap();
         // Test defaults for [proxy], each dropped when the scenario sets that key itself.
-        let defaults: String = [("allow_private_upstreams", "true"), ("shutdown_grace", "\"5s\"")]
-            .iter()
-            .filter(|(key, _)| !proxy_extra.contains(key))
-            .map(|(key, value)| format!("{key} = {value}\n"))
-            .collect();
+        let defaults: String = [
+            ("allow_private_upstreams", "true"),
+            ("shutdown_grace", "\"5s\""),
+        ]
+        .iter()
+        .filter(|(key, _)| !proxy_extra.contains(key))
+        .map(|(key, value)| format!("{key} = {value}\n"))
+        .collect();
         let text = format!(
             r#"
 [proxy]
@@ -90,7 +96,8 @@ extra_upstream_roots = ["{}"]
 "#,
             upstream_ca.display()
         );
-        let config = Config::parse(&text, dir.path()).unwrap_or_else(|p| panic!("test config invalid: {p:#?}\n{text}"));
+        let config = Config::parse(&text, dir.path())
+            .unwrap_or_else(|p| panic!("test config invalid: {p:#?}\n{text}"));
         let running = app::start(config).await.expect("pacegate starts");
         Self {
             addr: running.proxy_addr,
@@ -146,7 +153,10 @@ impl Drop for TestProxy {
 /// The value of `series` in Prometheus text, 0 when absent.
 pub fn metric_value(text: &str, series: &str) -> f64 {
     text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
@@ -222,15 +232,27 @@ impl Seen {
             .headers()
             .iter()
             .filter(|(k, _)| *k != "date")
-            .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
             .collect();
         headers.sort();
         let body = resp.bytes().await.unwrap().to_vec();
-        Self { status, headers, body }
+        Self {
+            status,
+            headers,
+            body,
+        }
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -247,7 +269,11 @@ pub async fn raw_exchange(addr: SocketAddr, request: &[u8], limit: Duration) -> 
         if let Some((head, body)) = text.split_once("\r\n\r\n") {
             let length = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_owned()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_owned())
+                })
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(0);
             if body.len() >= length {
@@ -277,7 +303,11 @@ pub async fn read_head(stream: &mut TcpStream) -> String {
             .await
             .expect("response head in time")
             .unwrap();
-        assert!(n > 0, "connection closed inside a response head: {:?}", String::from_utf8_lossy(&buf));
+        assert!(
+            n > 0,
+            "connection closed inside a response head: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
         buf.push(byte[0]);
     }
     String::from_utf8(buf).unwrap()

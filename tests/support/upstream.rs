@@ -56,7 +56,8 @@ impl TestCa {
         let issuer = Issuer::new(ca_params, ca_key);
         let key = KeyPair::generate().unwrap();
         let mut params =
-            CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into(), "::1".into()]).unwrap();
+            CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into(), "::1".into()])
+                .unwrap();
         params.use_authority_key_identifier_extension = true;
         let leaf = params.signed_by(&key, &issuer).unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -139,6 +140,7 @@ impl FakeUpstream {
         let s = state.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = http_listener.accept().await {
+                let _ = stream.set_nodelay(true);
                 let s = s.clone();
                 tokio::spawn(serve(TokioIo::new(stream), s, false));
             }
@@ -146,6 +148,7 @@ impl FakeUpstream {
         let s = state.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = https_listener.accept().await {
+                let _ = stream.set_nodelay(true);
                 let s = s.clone();
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
@@ -155,7 +158,12 @@ impl FakeUpstream {
                 });
             }
         });
-        Self { ca, http, https, state }
+        Self {
+            ca,
+            http,
+            https,
+            state,
+        }
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -204,7 +212,11 @@ where
 }
 
 fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
-    let mut r = Response::new(Full::new(body.into()).map_err(|never| match never {}).boxed());
+    let mut r = Response::new(
+        Full::new(body.into())
+            .map_err(|never| match never {})
+            .boxed(),
+    );
     *r.status_mut() = status;
     r
 }
@@ -230,7 +242,9 @@ fn stream_body(n: u64, gate: Option<Arc<State>>) -> Body {
             }
         }
     });
-    StreamBody::new(tokio_stream_from(rx)).map_err(|never| match never {}).boxed()
+    StreamBody::new(tokio_stream_from(rx))
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 fn tokio_stream_from<T: Send + 'static>(
@@ -240,7 +254,11 @@ fn tokio_stream_from<T: Send + 'static>(
 }
 
 async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Response<Body> {
-    let path = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
     state.recorded.lock().unwrap().push(Recorded {
         method: req.method().to_string(),
         path: path.clone(),
@@ -248,7 +266,11 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
             .uri()
             .authority()
             .map(ToString::to_string)
-            .or_else(|| req.headers().get("host").map(|h| h.to_str().unwrap().to_owned()))
+            .or_else(|| {
+                req.headers()
+                    .get("host")
+                    .map(|h| h.to_str().unwrap().to_owned())
+            })
             .unwrap_or_default(),
         version: req.version(),
         headers: req.headers().clone(),
@@ -263,7 +285,9 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
             .into_body()
             .map_frame(move |f| {
                 if let Some(d) = f.data_ref() {
-                    counter.received_bytes.fetch_add(d.len() as u64, Ordering::SeqCst);
+                    counter
+                        .received_bytes
+                        .fetch_add(d.len() as u64, Ordering::SeqCst);
                 }
                 f
             })
@@ -275,7 +299,9 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
     let mut body = req.into_body();
     while let Some(Ok(frame)) = body.frame().await {
         if let Some(d) = frame.data_ref() {
-            state.received_bytes.fetch_add(d.len() as u64, Ordering::SeqCst);
+            state
+                .received_bytes
+                .fetch_add(d.len() as u64, Ordering::SeqCst);
         }
     }
     match segments.as_slice() {
@@ -299,7 +325,14 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
             full(StatusCode::OK, "slept\n")
         }
         ["headers"] => {
-            let recorded = state.recorded.lock().unwrap().last().unwrap().headers.clone();
+            let recorded = state
+                .recorded
+                .lock()
+                .unwrap()
+                .last()
+                .unwrap()
+                .headers
+                .clone();
             let mut lines: Vec<String> = recorded
                 .iter()
                 .map(|(k, v)| format!("{k}: {}", String::from_utf8_lossy(v.as_bytes())))
