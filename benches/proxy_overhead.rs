@@ -4,7 +4,6 @@
 //! Run: `cargo bench --bench proxy_overhead`. Figures are recorded in docs/benchmarks.md.
 
 #[path = "../tests/support/mod.rs"]
-#[allow(dead_code)]
 mod support;
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -41,7 +40,14 @@ fn proxy_overhead(c: &mut Criterion) {
     for (name, client, url) in cases {
         group.bench_function(name, |b| {
             b.to_async(&rt).iter(|| async {
-                let body = client.get(url.as_str()).send().await.unwrap().bytes().await.unwrap();
+                let body = client
+                    .get(url.as_str())
+                    .send()
+                    .await
+                    .unwrap()
+                    .bytes()
+                    .await
+                    .unwrap();
                 assert_eq!(body.len(), 1024);
             })
         });
