@@ -1,0 +1,151 @@
+//! The store seam: where destinations' budgets live, and the types both stores share.
+//!
+//! A budget is one destination's shared pacing state (next slot, backoff, generation, clean
+//! streak, pause, lockout). Its arithmetic is in [`schedule`], pure and shared; a store holds
+//! budgets and applies that arithmetic atomically: `memory` for one instance, `postgres` (to
+//! come) for every instance at once. Nothing here knows HTTP or how responses are classified.
+
+pub mod memory;
+pub mod schedule;
+
+#[cfg(test)]
+pub(crate) mod contract;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+/// A boxed, sendable future borrowing the store.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A destination's pacing rule, from its config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    /// `1 / rate`.
+    pub interval: Duration,
+    /// Slots that may be taken at once after an idle spell (at least 1).
+    pub burst: u32,
+    /// Backoff multiplier per widening, and divisor per decay (> 1).
+    pub backoff_factor: f64,
+    /// The largest backoff.
+    pub backoff_max: f64,
+    /// Clean responses in a row before the backoff decays once.
+    pub decay_after: u32,
+    /// The longest pause a Retry-After can impose.
+    pub retry_after_max: Duration,
+}
+
+/// A lockout: what halted a destination.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lockout {
+    /// When it was taken (wall clock).
+    #[serde(with = "humantime_serde")]
+    pub since: SystemTime,
+    /// The upstream status that caused it.
+    pub status: u16,
+    /// The request line that caused it (`GET https://host/path`).
+    pub request: String,
+    /// Which pacegate instance saw it.
+    pub instance: String,
+}
+
+impl Lockout {
+    /// A lockout taken now.
+    pub fn new(status: u16, request: String, instance: String) -> Self {
+        Self {
+            since: SystemTime::now(),
+            status,
+            request,
+            instance,
+        }
+    }
+}
+
+/// A verdict, as the budget sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A clean response.
+    Clean,
+    /// A throttle; `generation` is the one the request was reserved under.
+    Throttled {
+        /// The reservation's generation.
+        generation: u64,
+        /// Pause the whole destination this long (already converted from the header).
+        retry_after: Option<Duration>,
+    },
+    /// A lockout.
+    Lockout(Lockout),
+}
+
+/// A reserved slot, as a local monotonic deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    /// Send no earlier than this.
+    pub at: Instant,
+    /// The backoff generation the slot was reserved under.
+    pub generation: u64,
+}
+
+/// A store that cannot be reached or answered nonsense.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("pacing store: {0}")]
+pub struct StoreError(pub String);
+
+/// Why no slot was reserved.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ReserveError {
+    /// The destination is locked out.
+    #[error("locked out")]
+    Locked(Lockout),
+    /// The first free slot is after the caller's limit; nothing was taken.
+    #[error("no slot before the limit")]
+    TooLate {
+        /// When the first free slot is.
+        slot: Instant,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A budget as shown by status and metrics.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BudgetView {
+    /// Interval multiplier.
+    pub backoff: f64,
+    /// Backoff generation.
+    pub generation: u64,
+    /// Clean responses in a row.
+    pub clean_streak: u32,
+    /// Time left in a Retry-After pause.
+    pub paused_for: Duration,
+    /// The lockout, if locked.
+    pub lock: Option<Lockout>,
+}
+
+/// Where budgets live. Every method is atomic per destination; none holds anything (lock,
+/// connection) after it returns, so waiting for a slot holds nothing.
+pub trait Store: Send + Sync + 'static {
+    /// `memory` or `postgres`, for the `store` metric label.
+    fn kind(&self) -> &'static str;
+
+    /// Reserves the next slot of `destination`, unless it would fall after `not_after`.
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        not_after: Option<Instant>,
+    ) -> StoreFuture<'a, Result<Reservation, ReserveError>>;
+
+    /// Applies a verdict and returns the budget after it.
+    fn record<'a>(&'a self, destination: &'a str, rule: &'a Rule, event: Event) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+
+    /// Clears a lockout; returns the one cleared, if any.
+    fn unlock<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>>;
+
+    /// The budget as it stands.
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+}

@@ -1,0 +1,257 @@
+//! The embedded store: budgets in process memory, for a single instance.
+//!
+//! Backoff and lockouts survive a restart: whenever they change, every budget's backoff,
+//! generation, streak and lock are written to the state file atomically (temp file, fsync,
+//! rename). The schedule itself (`next_at`, pauses) is monotonic time and is not kept: after a
+//! restart the schedule starts from now, which is what an idle destination does anyway.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::schedule::{Budget, NoSlot};
+use super::{BudgetView, Event, Lockout, ReserveError, Reservation, Rule, Store, StoreError, StoreFuture};
+
+/// The file format of the state file.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StateFile {
+    version: u32,
+    destinations: BTreeMap<String, Persisted>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Persisted {
+    backoff: f64,
+    generation: u64,
+    clean_streak: u32,
+    lock: Option<Lockout>,
+}
+
+/// Budgets in memory, optionally persisted to a state file.
+pub struct MemoryStore {
+    epoch: Instant,
+    budgets: Mutex<HashMap<String, Budget>>,
+    state_file: Option<PathBuf>,
+    /// Serialises writes, so that the file always ends with the latest snapshot.
+    writer: tokio::sync::Mutex<()>,
+}
+
+impl MemoryStore {
+    /// A store with no state file (tests, benchmarks).
+    pub fn ephemeral() -> Self {
+        Self {
+            epoch: Instant::now(),
+            budgets: Mutex::new(HashMap::new()),
+            state_file: None,
+            writer: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Opens a store persisted at `state_file`, loading what a previous run left there.
+    pub fn open(state_file: &Path) -> Result<Self, StoreError> {
+        let store = Self {
+            state_file: Some(state_file.to_owned()),
+            ..Self::ephemeral()
+        };
+        let text = match std::fs::read_to_string(state_file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
+            Err(e) => return Err(StoreError(format!("cannot read state file {}: {e}", state_file.display()))),
+        };
+        let file: StateFile = serde_json::from_str(&text).map_err(|e| {
+            StoreError(format!(
+                "state file {} is not valid ({e}); move it aside to start afresh (lockouts in it would be lost)",
+                state_file.display()
+            ))
+        })?;
+        let mut budgets = store.lock();
+        for (name, p) in file.destinations {
+            budgets.insert(
+                name,
+                Budget {
+                    backoff: p.backoff.max(1.0),
+                    generation: p.generation,
+                    clean_streak: p.clean_streak,
+                    lock: p.lock,
+                    ..Budget::default()
+                },
+            );
+        }
+        drop(budgets);
+        Ok(store)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Budget>> {
+        // A panic while holding the lock cannot leave a budget half-updated (every update is
+        // a handful of field writes), so a poisoned lock is still usable.
+        self.budgets.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn now(&self) -> Duration {
+        Instant::now() - self.epoch
+    }
+
+    fn view_of(&self, budget: &Budget, now: Duration) -> BudgetView {
+        BudgetView {
+            backoff: budget.backoff,
+            generation: budget.generation,
+            clean_streak: budget.clean_streak,
+            paused_for: budget.paused_until.saturating_sub(now),
+            lock: budget.lock.clone(),
+        }
+    }
+
+    async fn persist(&self) -> Result<(), StoreError> {
+        let Some(path) = self.state_file.clone() else {
+            return Ok(());
+        };
+        let _writing = self.writer.lock().await;
+        let file = StateFile {
+            version: 1,
+            destinations: self
+                .lock()
+                .iter()
+                .map(|(name, b)| {
+                    let p = Persisted {
+                        backoff: b.backoff,
+                        generation: b.generation,
+                        clean_streak: b.clean_streak,
+                        lock: b.lock.clone(),
+                    };
+                    (name.clone(), p)
+                })
+                .collect(),
+        };
+        let json = serde_json::to_vec_pretty(&file).map_err(|e| StoreError(e.to_string()))?;
+        tokio::task::spawn_blocking(move || write_atomically(&path, &json))
+            .await
+            .map_err(|e| StoreError(format!("state file writer failed: {e}")))?
+    }
+}
+
+fn write_atomically(path: &Path, data: &[u8]) -> Result<(), StoreError> {
+    use std::io::Write;
+    let fail = |what: &str, e: std::io::Error| StoreError(format!("cannot {what} state file {}: {e}", path.display()));
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(|e| fail("create", e))?;
+    f.write_all(data).map_err(|e| fail("write", e))?;
+    f.sync_all().map_err(|e| fail("sync", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| fail("replace", e))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        // Make the rename itself durable.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        not_after: Option<Instant>,
+    ) -> StoreFuture<'a, Result<Reservation, ReserveError>> {
+        let result = {
+            let now = self.now();
+            let limit = not_after.map(|t| t.saturating_duration_since(self.epoch));
+            let mut budgets = self.lock();
+            let budget = budgets.entry(destination.to_owned()).or_default();
+            match budget.reserve(rule, now, limit) {
+                Ok((slot, generation)) => Ok(Reservation {
+                    at: self.epoch + slot,
+                    generation,
+                }),
+                Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
+                Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate { slot: self.epoch + slot }),
+            }
+        };
+        Box::pin(std::future::ready(result))
+    }
+
+    fn record<'a>(&'a self, destination: &'a str, rule: &'a Rule, event: Event) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let (changed, view) = {
+                let now = self.now();
+                let mut budgets = self.lock();
+                let budget = budgets.entry(destination.to_owned()).or_default();
+                let changed = budget.apply(rule, &event, now);
+                (changed, self.view_of(budget, now))
+            };
+            if changed {
+                self.persist().await?;
+            }
+            Ok(view)
+        })
+    }
+
+    fn unlock<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        Box::pin(async move {
+            let cleared = self.lock().get_mut(destination).and_then(|b| b.lock.take());
+            if cleared.is_some() {
+                self.persist().await?;
+            }
+            Ok(cleared)
+        })
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        let now = self.now();
+        let view = self
+            .lock()
+            .get(destination)
+            .map(|b| self.view_of(b, now))
+            .unwrap_or_else(|| self.view_of(&Budget::default(), now));
+        Box::pin(std::future::ready(Ok(view)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::contract;
+
+    #[tokio::test(start_paused = true)]
+    async fn passes_the_store_contract() {
+        contract::run_all(|| async { MemoryStore::ephemeral() }).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lockout_and_backoff_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let rule = contract::rule(10.0);
+        {
+            let store = MemoryStore::open(&path).unwrap();
+            store.record("a", &rule, Event::Throttled { generation: 0, retry_after: None }).await.unwrap();
+            let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
+            store.record("b", &rule, Event::Lockout(lock)).await.unwrap();
+        }
+        let store = MemoryStore::open(&path).unwrap();
+        assert_eq!(store.view("a").await.unwrap().backoff, 2.0);
+        let lock = store.view("b").await.unwrap().lock.expect("still locked");
+        assert_eq!((lock.status, lock.request.as_str()), (403, "GET https://a/x"));
+        assert!(matches!(store.reserve("b", &rule, None).await, Err(ReserveError::Locked(_))));
+        store.unlock("b").await.unwrap();
+        let store = MemoryStore::open(&path).unwrap();
+        assert!(store.reserve("b", &rule, None).await.is_ok(), "the unlock was persisted too");
+    }
+
+    #[test]
+    fn a_corrupt_state_file_is_refused_with_advice() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        std::fs::write(&path, "{not json").unwrap();
+        let err = MemoryStore::open(&path).err().unwrap();
+        assert!(err.0.contains("move it aside"), "{err}");
+    }
+}
