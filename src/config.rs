@@ -15,28 +15,13 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::destination::{Destination, HostPattern};
+use crate::destination::{Destination, HostPattern, Pace};
 
-/// The pacing keys of a destination. They belong to the pacing engine, which this version does
-/// not have yet; they are refused rather than silently ignored, so that nobody believes a
-/// destination is paced when it is not.
-const RESERVED_DESTINATION_KEYS: &[&str] = &[
-    "rate",
-    "burst",
-    "max_concurrency",
-    "max_wait",
-    "throttle_statuses",
-    "lockout_statuses",
-    "backoff_factor",
-    "backoff_max",
-    "decay_after",
-    "retry_after_max",
-    "retry_throttled",
-    "intercept",
-    "quota",
-];
-/// Top-level sections that belong to later parts of pacegate (the store, priority classes).
-const RESERVED_SECTIONS: &[&str] = &["store", "classes"];
+/// Destination keys that belong to later parts of pacegate (quota windows). They are refused
+/// rather than silently ignored, so that nobody believes a limit is enforced when it is not.
+const RESERVED_DESTINATION_KEYS: &[&str] = &["quota"];
+/// Top-level sections that belong to later parts of pacegate (priority classes).
+const RESERVED_SECTIONS: &[&str] = &["classes"];
 
 /// One thing wrong with a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,6 +99,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// `[tls]`.
     pub tls: TlsConfig,
+    /// `[store]`.
+    pub store: StoreConfig,
     /// `[destinations.NAME]`, in name order.
     #[serde(serialize_with = "ser_destinations")]
     pub destinations: Vec<Destination>,
@@ -210,11 +197,48 @@ pub struct UpstreamConfig {
     pub pool_max_idle_per_host: usize,
 }
 
-/// `[admin]`: the operator listener (metrics, health).
-#[derive(Debug, Clone, Serialize)]
+/// `[admin]`: the operator listener (metrics, status, health, unlock).
+#[derive(Clone, Serialize)]
 pub struct AdminConfig {
     /// Default `127.0.0.1:9464`.
     pub listen: SocketAddr,
+    /// The environment variable holding the bearer token POSTs must carry; none means POSTs
+    /// are open to whoever reaches the admin listener.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_env: Option<String>,
+    /// The token itself, read from `token_env` at load.
+    #[serde(skip)]
+    pub token: Option<String>,
+}
+
+impl fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field("token_env", &self.token_env)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which store holds the budgets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// In process memory, persisted to `state_file`: one instance.
+    #[default]
+    Memory,
+    /// Postgres, shared by every instance (not in this version).
+    Postgres,
+}
+
+/// `[store]`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreConfig {
+    /// Default `memory`.
+    pub backend: Backend,
+    /// Where the memory store keeps lockouts and backoff across restarts. Default
+    /// `pacegate-state.json` beside the config file.
+    pub state_file: PathBuf,
 }
 
 /// `[tls]`: the local CA that intercepted sessions are signed by, and upstream trust.
@@ -235,8 +259,10 @@ pub struct TlsConfig {
 
 fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result<S::Ok, S::Error> {
     #[derive(Serialize)]
-    struct Out {
+    struct Out<'a> {
         hosts: Vec<String>,
+        #[serde(flatten)]
+        pace: &'a Pace,
     }
     let map: BTreeMap<&str, Out> = dests
         .iter()
@@ -245,6 +271,7 @@ fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result
                 d.name.as_str(),
                 Out {
                     hosts: d.hosts.iter().map(ToString::to_string).collect(),
+                    pace: &d.pace,
                 },
             )
         })
@@ -290,6 +317,7 @@ impl Config {
             section(table.remove("upstream"), "upstream", &mut problems);
         let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", &mut problems);
         let tls: Option<RawTls> = section(table.remove("tls"), "tls", &mut problems);
+        let store: Option<RawStore> = section(table.remove("store"), "store", &mut problems);
         let mut raw_dests = BTreeMap::new();
         match table.remove("destinations") {
             None => {}
@@ -323,6 +351,7 @@ impl Config {
             upstream: v.upstream(upstream.unwrap_or_default()),
             admin: v.admin(admin.unwrap_or_default()),
             tls: v.tls(tls.unwrap_or_default()),
+            store: v.store(store.unwrap_or_default()),
             destinations: v.destinations(raw_dests),
         };
         if v.problems.is_empty() {
@@ -430,6 +459,13 @@ struct RawUpstream {
 #[derive(Debug, Default, Deserialize)]
 struct RawAdmin {
     listen: Option<String>,
+    token_env: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct RawStore {
+    backend: Option<Backend>,
+    state_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -446,7 +482,21 @@ struct RawTls {
 #[derive(Debug, Default, Deserialize)]
 struct RawDestination {
     hosts: Option<Vec<String>>,
-    // Every other key is collected so that reserved pacing keys get their own message.
+    rate: Option<f64>,
+    burst: Option<u32>,
+    max_concurrency: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    max_wait: Option<Duration>,
+    throttle_statuses: Option<Vec<u16>>,
+    lockout_statuses: Option<Vec<u16>>,
+    backoff_factor: Option<f64>,
+    backoff_max: Option<f64>,
+    decay_after: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    retry_after_max: Option<Duration>,
+    retry_throttled: Option<u32>,
+    intercept: Option<bool>,
+    // Every other key is collected so that reserved keys get their own message.
     #[serde(flatten)]
     rest: BTreeMap<String, toml::Value>,
 }
@@ -620,8 +670,80 @@ impl Validator<'_> {
     }
 
     fn admin(&mut self, raw: RawAdmin) -> AdminConfig {
+        let token = raw.token_env.as_ref().and_then(|var| match std::env::var(var) {
+            Ok(t) if !t.is_empty() => Some(t),
+            _ => {
+                self.push("admin.token_env", format!("environment variable `{var}` is not set or empty"));
+                None
+            }
+        });
         AdminConfig {
             listen: self.addr("admin.listen", raw.listen, "127.0.0.1:9464"),
+            token_env: raw.token_env,
+            token,
+        }
+    }
+
+    fn store(&mut self, raw: RawStore) -> StoreConfig {
+        let backend = raw.backend.unwrap_or_default();
+        if backend == Backend::Postgres {
+            self.push("store.backend", "\"postgres\" is not available in this version of pacegate; use \"memory\" (one instance)");
+        }
+        StoreConfig {
+            backend,
+            state_file: self.path(raw.state_file.unwrap_or_else(|| "pacegate-state.json".into())),
+        }
+    }
+
+    fn pace(&mut self, path: &str, d: &RawDestination) -> Pace {
+        let rate = d.rate.unwrap_or_else(|| {
+            self.push(&format!("{path}.rate"), "is required: requests per second over every instance, e.g. 5 or 0.5");
+            1.0
+        });
+        if !(rate.is_finite() && rate > 0.0 && rate <= 1_000_000.0) {
+            self.push(&format!("{path}.rate"), "must be a number above 0 and at most 1000000");
+        }
+        let burst = d.burst.unwrap_or(1);
+        if burst == 0 {
+            self.push(&format!("{path}.burst"), "must be at least 1");
+        }
+        let backoff_factor = d.backoff_factor.unwrap_or(2.0);
+        if !(backoff_factor.is_finite() && backoff_factor > 1.0) {
+            self.push(&format!("{path}.backoff_factor"), "must be above 1");
+        }
+        let backoff_max = d.backoff_max.unwrap_or(64.0);
+        if !(backoff_max.is_finite() && backoff_max >= 1.0) {
+            self.push(&format!("{path}.backoff_max"), "must be at least 1");
+        }
+        let decay_after = d.decay_after.unwrap_or(100);
+        if decay_after == 0 {
+            self.push(&format!("{path}.decay_after"), "must be at least 1");
+        }
+        let throttle_statuses = d.throttle_statuses.clone().unwrap_or_else(|| vec![429, 503]);
+        let lockout_statuses = d.lockout_statuses.clone().unwrap_or_else(|| vec![403]);
+        for (key, list) in [("throttle_statuses", &throttle_statuses), ("lockout_statuses", &lockout_statuses)] {
+            for (i, s) in list.iter().enumerate() {
+                if !(100..=599).contains(s) {
+                    self.push(&format!("{path}.{key}[{i}]"), format!("{s} is not an HTTP status (100 to 599)"));
+                }
+            }
+        }
+        if let Some(both) = throttle_statuses.iter().find(|s| lockout_statuses.contains(s)) {
+            self.push(&format!("{path}.lockout_statuses"), format!("{both} is also a throttle status; a status has one verdict"));
+        }
+        Pace {
+            rate,
+            burst,
+            max_concurrency: d.max_concurrency.unwrap_or(0),
+            max_wait: self.positive(&format!("{path}.max_wait"), d.max_wait, Duration::from_secs(300)),
+            throttle_statuses,
+            lockout_statuses,
+            backoff_factor,
+            backoff_max,
+            decay_after,
+            retry_after_max: self.positive(&format!("{path}.retry_after_max"), d.retry_after_max, Duration::from_secs(3600)),
+            retry_throttled: d.retry_throttled.unwrap_or(3),
+            intercept: d.intercept.unwrap_or(true),
         }
     }
 
@@ -688,13 +810,13 @@ impl Validator<'_> {
             }
             for key in d.rest.keys() {
                 let msg = if RESERVED_DESTINATION_KEYS.contains(&key.as_str()) {
-                    "is a pacing key, which this version of pacegate does not implement yet; remove it (the destination would not be paced)"
+                    "is reserved for a later version of pacegate and not supported yet; remove it (it would not be enforced)"
                 } else {
                     "unknown key"
                 };
                 self.push(&format!("{path}.{key}"), msg);
             }
-            let hosts_raw = d.hosts.unwrap_or_default();
+            let hosts_raw = d.hosts.clone().unwrap_or_default();
             if hosts_raw.is_empty() {
                 self.push(
                     &format!("{path}.hosts"),
@@ -718,9 +840,11 @@ impl Validator<'_> {
                     }
                 }
             }
+            let pace = self.pace(&path, &d);
             out.push(Destination {
                 name,
                 hosts: hosts.into_iter().map(|(_, p)| p).collect(),
+                pace,
             });
         }
         out

@@ -7,6 +7,9 @@
 
 use std::fmt;
 use std::net::IpAddr;
+use std::time::Duration;
+
+use serde::Serialize;
 
 /// The host part of a pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,13 +101,48 @@ impl fmt::Display for HostPattern {
     }
 }
 
-/// A configured destination: a name (used in metrics, logs and status) and its host patterns.
+/// A configured destination: a name (used in metrics, logs and status), its host patterns and
+/// how it is paced.
 #[derive(Debug, Clone)]
 pub struct Destination {
     /// The `NAME` of `[destinations.NAME]`.
     pub name: String,
     /// Patterns; no pattern of one destination overlaps one of another (checked by config).
     pub hosts: Vec<HostPattern>,
+    /// The pacing keys.
+    pub pace: Pace,
+}
+
+/// A destination's pacing keys, validated. The names are the config's and the spec's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Pace {
+    /// Requests per second, over every instance; > 0, fractional allowed.
+    pub rate: f64,
+    /// Slots that may be taken at once after an idle spell. Default 1.
+    pub burst: u32,
+    /// Requests in flight per instance; 0 means unbounded. Default 0.
+    pub max_concurrency: usize,
+    /// Longest wait for a slot before a 503. Default 5 min.
+    #[serde(with = "humantime_serde")]
+    pub max_wait: Duration,
+    /// Statuses that widen the interval. Default 429, 503.
+    pub throttle_statuses: Vec<u16>,
+    /// Statuses that lock the destination out. Default 403.
+    pub lockout_statuses: Vec<u16>,
+    /// Backoff multiplier per throttle (and divisor per decay); > 1. Default 2.
+    pub backoff_factor: f64,
+    /// Largest backoff; >= 1. Default 64.
+    pub backoff_max: f64,
+    /// Clean responses in a row before the backoff decays once; >= 1. Default 100.
+    pub decay_after: u32,
+    /// Longest pause a Retry-After can impose. Default 1 h.
+    #[serde(with = "humantime_serde")]
+    pub retry_after_max: Duration,
+    /// In-proxy retries of throttled idempotent, body-less requests. Default 3.
+    pub retry_throttled: u32,
+    /// Intercept CONNECT (default); false makes it a blind tunnel that takes one slot and
+    /// sees no verdicts.
+    pub intercept: bool,
 }
 
 /// The routing table: which destination, if any, a target host and port belong to.
@@ -117,6 +155,11 @@ impl Routes {
     /// Builds the table; config validation guarantees that patterns do not overlap.
     pub fn new(destinations: Vec<Destination>) -> Self {
         Self { destinations }
+    }
+
+    /// The destination with this name.
+    pub fn get(&self, name: &str) -> Option<&Destination> {
+        self.destinations.iter().find(|d| d.name == name)
     }
 
     /// The destination a normalised host and port belong to.

@@ -22,6 +22,7 @@ pub mod admin;
 pub mod app;
 pub mod config;
 pub mod destination;
+pub mod pacing;
 pub mod budget;
 pub mod metrics;
 pub mod proxy;

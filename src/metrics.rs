@@ -3,10 +3,14 @@
 //! Label values come only from configured destination names (or `unmatched`) and fixed enums,
 //! so a hostile client cannot grow the label space.
 
+use std::time::{Duration, SystemTime};
+
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+use crate::pacing::DestinationStatus;
 
 /// The destination label of requests that match no configured destination.
 pub const UNMATCHED: &str = "unmatched";
@@ -36,6 +40,28 @@ pub struct Metrics {
     pub cert_cache: IntCounterVec,
     /// `pacegate_cert_cache_entries`: leaf certificates cached.
     pub cert_cache_entries: IntGauge,
+    /// `pacegate_verdicts_total{destination,verdict}`: verdicts read from responses.
+    pub verdicts: IntCounterVec,
+    /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
+    pub retries: IntCounterVec,
+    /// `pacegate_wait_seconds{destination}`: time from arrival to slot.
+    pub wait_seconds: HistogramVec,
+    /// `pacegate_reservation_seconds{store}`: time one slot reservation takes in the store.
+    pub reservation_seconds: HistogramVec,
+    /// `pacegate_backoff_multiplier{destination}`.
+    pub backoff: GaugeVec,
+    /// `pacegate_effective_rate{destination}`: `rate / backoff`.
+    pub effective_rate: GaugeVec,
+    /// `pacegate_achieved_rate{destination}`: sends per second over the last 10 s.
+    pub achieved_rate: GaugeVec,
+    /// `pacegate_locked{destination}`: 1 when locked out.
+    pub locked: GaugeVec,
+    /// `pacegate_paused_until_seconds{destination}`: Unix time a Retry-After pause ends (0: none).
+    pub paused_until: GaugeVec,
+    /// `pacegate_waiting{destination}`: requests waiting for a slot.
+    pub waiting: GaugeVec,
+    /// `pacegate_in_flight{destination}`: requests admitted and not finished.
+    pub in_flight: GaugeVec,
 }
 
 impl Metrics {
@@ -100,6 +126,32 @@ impl Metrics {
         )?;
         let cert_cache_entries =
             IntGauge::new("pacegate_cert_cache_entries", "Leaf certificates cached")?;
+        let verdicts = IntCounterVec::new(
+            Opts::new("pacegate_verdicts_total", "Verdicts read from upstream responses, by destination and verdict"),
+            &["destination", "verdict"],
+        )?;
+        let retries = IntCounterVec::new(
+            Opts::new("pacegate_retries_total", "Throttled requests retried by pacegate, by destination"),
+            &["destination"],
+        )?;
+        let wait_seconds = HistogramVec::new(
+            HistogramOpts::new("pacegate_wait_seconds", "Time requests waited for their slot, by destination")
+                .buckets(vec![0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]),
+            &["destination"],
+        )?;
+        let reservation_seconds = HistogramVec::new(
+            HistogramOpts::new("pacegate_reservation_seconds", "Time one slot reservation takes, by store")
+                .buckets(vec![0.00001, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5]),
+            &["store"],
+        )?;
+        let gauge = |name: &str, help: &str| GaugeVec::new(Opts::new(name, help), &["destination"]);
+        let backoff = gauge("pacegate_backoff_multiplier", "Current interval multiplier (1 = configured rate)")?;
+        let effective_rate = gauge("pacegate_effective_rate", "rate / backoff: the pace now, requests per second")?;
+        let achieved_rate = gauge("pacegate_achieved_rate", "Requests sent per second over the last 10 s, this instance")?;
+        let locked = gauge("pacegate_locked", "1 while the destination is locked out")?;
+        let paused_until = gauge("pacegate_paused_until_seconds", "Unix time at which a Retry-After pause ends (0: none)")?;
+        let waiting = gauge("pacegate_waiting", "Requests waiting for a slot")?;
+        let in_flight = gauge("pacegate_in_flight", "Requests admitted and not yet answered")?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
@@ -111,6 +163,15 @@ impl Metrics {
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(cert_cache.clone()))?;
         registry.register(Box::new(cert_cache_entries.clone()))?;
+        for c in [&verdicts, &retries] {
+            registry.register(Box::new(c.clone()))?;
+        }
+        for h in [&wait_seconds, &reservation_seconds] {
+            registry.register(Box::new(h.clone()))?;
+        }
+        for g in [&backoff, &effective_rate, &achieved_rate, &locked, &paused_until, &waiting, &in_flight] {
+            registry.register(Box::new(g.clone()))?;
+        }
         Ok(Self {
             registry,
             requests,
@@ -124,13 +185,45 @@ impl Metrics {
             tls_handshake_failures,
             cert_cache,
             cert_cache_entries,
+            verdicts,
+            retries,
+            wait_seconds,
+            reservation_seconds,
+            backoff,
+            effective_rate,
+            achieved_rate,
+            locked,
+            paused_until,
+            waiting,
+            in_flight,
         })
+    }
+
+    /// Sets every per-destination gauge from a status snapshot.
+    pub fn set_destination(&self, s: &DestinationStatus, paused_for: Duration) {
+        let d = [s.destination.as_str()];
+        self.backoff.with_label_values(&d).set(s.backoff);
+        self.effective_rate.with_label_values(&d).set(s.effective_rate);
+        self.achieved_rate.with_label_values(&d).set(s.achieved_rate_10s);
+        self.locked.with_label_values(&d).set(if s.lock.is_some() { 1.0 } else { 0.0 });
+        let until = if paused_for.is_zero() {
+            0.0
+        } else {
+            (SystemTime::now() + paused_for)
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        };
+        self.paused_until.with_label_values(&d).set(until);
+        self.waiting.with_label_values(&d).set(s.waiting as f64);
+        self.in_flight.with_label_values(&d).set(s.in_flight as f64);
     }
 
     /// Pre-creates the per-destination series so that dashboards see zeros, not gaps.
     pub fn init_destinations<'a>(&self, names: impl Iterator<Item = &'a str>) {
         for name in names {
             self.request_duration.with_label_values(&[name]);
+            self.wait_seconds.with_label_values(&[name]);
+            self.retries.with_label_values(&[name]);
         }
     }
 

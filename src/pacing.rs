@@ -1,0 +1,595 @@
+//! The pacer: every request to a destination waits for a slot, and every response adjusts the
+//! pace.
+//!
+//! Each destination has a *lane*: a queue of waiting requests and one dispatcher task. The
+//! dispatcher reserves the next slot from the store only when someone is waiting, sleeps
+//! until it (holding no lock and no store connection), and hands it to the request at the
+//! head of the queue. Slots are thus handed to requests rather than reserved by each request
+//! on arrival, so the order in which waiting requests are served is the queue's to decide
+//! (first come first served today; priority classes later).
+//!
+//! Knows nothing of HTTP beyond the status and headers the verdict is read from.
+
+pub mod verdict;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use http::HeaderMap;
+use serde::Serialize;
+use tokio::sync::{oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::budget::{BudgetView, Event, Lockout, ReserveError, Rule, Store, StoreError};
+use crate::destination::{Destination, Pace};
+use crate::metrics::Metrics;
+use verdict::Verdict;
+
+/// Why a request got no slot.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PaceError {
+    /// The destination is locked out.
+    #[error("destination `{destination}` is locked out")]
+    Locked {
+        /// The destination.
+        destination: String,
+        /// What locked it.
+        lock: Lockout,
+    },
+    /// No slot within `max_wait`.
+    #[error("no slot for destination `{destination}` within max_wait")]
+    Deadline {
+        /// The destination.
+        destination: String,
+        /// The configured `max_wait`.
+        max_wait: Duration,
+        /// A hint for the client: when a slot is likely to be free.
+        retry_after: Duration,
+    },
+    /// The store failed.
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    /// pacegate is shutting down.
+    #[error("pacegate is shutting down")]
+    ShuttingDown,
+}
+
+/// A granted slot. Holding it holds the destination's concurrency permit and counts the
+/// request as in flight; drop it when the exchange is over.
+pub struct Admission {
+    lane: Arc<Lane>,
+    generation: u64,
+    /// How long the request waited for its slot.
+    pub waited: Duration,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.lane.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Admission {
+    /// The destination's pacing keys.
+    pub fn pace(&self) -> &Pace {
+        &self.lane.pace
+    }
+}
+
+struct Grant {
+    generation: u64,
+}
+
+struct Waiter {
+    id: u64,
+    since: Instant,
+    deadline: Instant,
+    tx: oneshot::Sender<Result<Grant, PaceError>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    next_id: u64,
+    waiters: VecDeque<Waiter>,
+}
+
+/// Sends per second over the last 64 seconds, for the achieved rate.
+struct SendLog {
+    epoch: Instant,
+    seconds: [u64; 64],
+    counts: [u32; 64],
+}
+
+impl SendLog {
+    fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            seconds: [u64::MAX; 64],
+            counts: [0; 64],
+        }
+    }
+
+    fn record(&mut self, at: Instant) {
+        let sec = (at - self.epoch).as_secs();
+        let i = (sec % 64) as usize;
+        if self.seconds[i] != sec {
+            self.seconds[i] = sec;
+            self.counts[i] = 0;
+        }
+        self.counts[i] += 1;
+    }
+
+    /// Sends per second over the last `window` whole seconds, the current one included.
+    fn rate(&self, now: Instant, window: u64) -> f64 {
+        let current = (now - self.epoch).as_secs();
+        let first = current.saturating_sub(window - 1);
+        let sent: u64 = (0..64)
+            .filter(|&i| (first..=current).contains(&self.seconds[i]))
+            .map(|i| u64::from(self.counts[i]))
+            .sum();
+        let elapsed = (now - self.epoch).as_secs_f64().min(window as f64).max(1.0);
+        sent as f64 / elapsed
+    }
+}
+
+struct Lane {
+    name: Arc<str>,
+    rule: Rule,
+    pace: Pace,
+    queue: Mutex<Queue>,
+    work: Notify,
+    concurrency: Option<Arc<Semaphore>>,
+    /// The lockout as last seen; the dispatcher watches it to refuse its waiters at once.
+    locked: watch::Sender<Option<Lockout>>,
+    /// The budget as last seen, for status and metrics between store reads.
+    seen: Mutex<BudgetView>,
+    /// Requests between admission and the end of their exchange.
+    in_flight: AtomicUsize,
+    /// Requests in `admit`: waiting for a concurrency permit or a slot.
+    admitting: AtomicUsize,
+    sends: Mutex<SendLog>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section here is a few field updates; a panic cannot leave them torn.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Lane {
+    fn new(d: &Destination) -> Self {
+        let pace = d.pace.clone();
+        Self {
+            name: Arc::from(d.name.as_str()),
+            rule: rule_of(&pace),
+            concurrency: (pace.max_concurrency > 0).then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
+            pace,
+            queue: Mutex::new(Queue::default()),
+            work: Notify::new(),
+            locked: watch::channel(None).0,
+            seen: Mutex::new(BudgetView {
+                backoff: 1.0,
+                ..BudgetView::default()
+            }),
+            in_flight: AtomicUsize::new(0),
+            admitting: AtomicUsize::new(0),
+            sends: Mutex::new(SendLog::new()),
+        }
+    }
+
+    fn locked_error(&self, lock: Lockout) -> PaceError {
+        PaceError::Locked {
+            destination: self.name.to_string(),
+            lock,
+        }
+    }
+
+    fn deadline_error(&self, retry_after: Duration) -> PaceError {
+        PaceError::Deadline {
+            destination: self.name.to_string(),
+            max_wait: self.pace.max_wait,
+            retry_after,
+        }
+    }
+
+    /// A guess at when a slot will be free for a new request: the queue ahead of it at the
+    /// current interval.
+    fn estimated_wait(&self) -> Duration {
+        let backoff = lock(&self.seen).backoff;
+        let ahead = lock(&self.queue).waiters.len() as u32 + 1;
+        (self.rule.interval.mul_f64(backoff) * ahead).max(lock(&self.seen).paused_for)
+    }
+
+    fn note(&self, view: BudgetView) {
+        let lock_now = view.lock.clone();
+        *lock(&self.seen) = view;
+        self.locked.send_if_modified(|current| {
+            let changed = *current != lock_now;
+            *current = lock_now;
+            changed
+        });
+    }
+
+    fn refuse_all(&self, error: &PaceError) {
+        let waiters: Vec<Waiter> = lock(&self.queue).waiters.drain(..).collect();
+        for w in waiters {
+            let _ = w.tx.send(Err(error.clone()));
+        }
+    }
+
+    /// Hands a slot due at `at` to the oldest waiter that can still use it. Waiters whose
+    /// deadline falls before the slot are refused; they could not have been served in time.
+    fn hand_out(&self, at: Instant, generation: u64) -> bool {
+        let mut queue = lock(&self.queue);
+        while let Some(w) = queue.waiters.pop_front() {
+            if w.tx.is_closed() {
+                continue;
+            }
+            if w.deadline < at {
+                let _ = w.tx.send(Err(self.deadline_error(self.rule.interval)));
+                continue;
+            }
+            if w.tx.send(Ok(Grant { generation })).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+fn rule_of(pace: &Pace) -> Rule {
+    Rule {
+        interval: Duration::from_secs_f64(1.0 / pace.rate),
+        burst: pace.burst,
+        backoff_factor: pace.backoff_factor,
+        backoff_max: pace.backoff_max,
+        decay_after: pace.decay_after,
+        retry_after_max: pace.retry_after_max,
+    }
+}
+
+/// Removes a waiter from its queue when its request gives up (client gone, deadline).
+struct QueueSeat<'a> {
+    lane: &'a Lane,
+    id: u64,
+}
+
+impl Drop for QueueSeat<'_> {
+    fn drop(&mut self) {
+        lock(&self.lane.queue).waiters.retain(|w| w.id != self.id);
+    }
+}
+
+struct Admitting<'a>(&'a Lane);
+
+impl Drop for Admitting<'_> {
+    fn drop(&mut self) {
+        self.0.admitting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One destination's state for `/status` and `pacegate status`.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct DestinationStatus {
+    /// Destination name.
+    pub destination: String,
+    /// Configured `rate` (requests per second).
+    pub rate: f64,
+    /// `rate / backoff`.
+    pub effective_rate: f64,
+    /// Interval multiplier.
+    pub backoff: f64,
+    /// Sends per second over the last 10 s.
+    pub achieved_rate_10s: f64,
+    /// Sends per second over the last 60 s.
+    pub achieved_rate_60s: f64,
+    /// Clean responses in a row.
+    pub clean_streak: u32,
+    /// Seconds left in a Retry-After pause (0 when none).
+    pub paused_for_seconds: f64,
+    /// The lockout, when locked.
+    pub lock: Option<LockStatus>,
+    /// Requests waiting for a slot.
+    pub waiting: usize,
+    /// Requests admitted and not finished.
+    pub in_flight: usize,
+    /// Seconds the oldest waiting request has waited.
+    pub oldest_wait_seconds: f64,
+}
+
+/// A lockout as status shows it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct LockStatus {
+    /// When (RFC 3339).
+    pub since: String,
+    /// The upstream status.
+    pub status: u16,
+    /// The request that caused it.
+    pub request: String,
+    /// The instance that saw it.
+    pub instance: String,
+}
+
+impl From<&Lockout> for LockStatus {
+    fn from(l: &Lockout) -> Self {
+        Self {
+            since: humantime::format_rfc3339_seconds(l.since).to_string(),
+            status: l.status,
+            request: l.request.clone(),
+            instance: l.instance.clone(),
+        }
+    }
+}
+
+/// The pacer of every configured destination.
+pub struct Pacer {
+    lanes: HashMap<Arc<str>, Arc<Lane>>,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    instance: String,
+    stop: CancellationToken,
+}
+
+impl Pacer {
+    /// A pacer over `store`; `instance` names this process in lockout records. Call
+    /// [`Pacer::start`] to run the dispatchers.
+    pub fn new(destinations: &[Destination], store: Arc<dyn Store>, metrics: Arc<Metrics>, instance: String) -> Self {
+        let lanes = destinations
+            .iter()
+            .map(|d| (Arc::from(d.name.as_str()), Arc::new(Lane::new(d))))
+            .collect();
+        Self {
+            lanes,
+            store,
+            metrics,
+            instance,
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// Loads each budget (a lockout from before a restart applies at once) and spawns one
+    /// dispatcher per destination.
+    pub async fn start(&self) -> Result<(), StoreError> {
+        for lane in self.lanes.values() {
+            lane.note(self.store.view(&lane.name).await?);
+            tokio::spawn(dispatch(lane.clone(), self.store.clone(), self.metrics.clone(), self.stop.clone()));
+        }
+        Ok(())
+    }
+
+    /// Refuses every waiting request and stops the dispatchers.
+    pub fn stop(&self) {
+        self.stop.cancel();
+        for lane in self.lanes.values() {
+            lane.refuse_all(&PaceError::ShuttingDown);
+        }
+    }
+
+    fn lane(&self, destination: &str) -> &Arc<Lane> {
+        self.lanes
+            .get(destination)
+            .unwrap_or_else(|| panic!("destination `{destination}` routed but not paced"))
+    }
+
+    /// The pacing keys of a destination.
+    pub fn pace(&self, destination: &str) -> &Pace {
+        &self.lane(destination).pace
+    }
+
+    /// Waits for a slot of `destination`, up to `deadline`. Cancel-safe: dropping the future
+    /// leaves the queue at once.
+    pub async fn admit(&self, destination: &str, deadline: Instant) -> Result<Admission, PaceError> {
+        let lane = self.lane(destination);
+        let started = Instant::now();
+        if self.stop.is_cancelled() {
+            return Err(PaceError::ShuttingDown);
+        }
+        if let Some(lock) = lane.locked.borrow().clone() {
+            return Err(lane.locked_error(lock));
+        }
+        lane.admitting.fetch_add(1, Ordering::Relaxed);
+        let _admitting = Admitting(lane);
+        let permit = match &lane.concurrency {
+            None => None,
+            Some(sem) => tokio::select! {
+                p = sem.clone().acquire_owned() => p.ok(),
+                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(lane.estimated_wait())),
+            },
+        };
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let mut queue = lock(&lane.queue);
+            queue.next_id += 1;
+            let id = queue.next_id;
+            queue.waiters.push_back(Waiter {
+                id,
+                since: started,
+                deadline,
+                tx,
+            });
+            id
+        };
+        let _seat = QueueSeat { lane, id };
+        lane.work.notify_one();
+        let granted = tokio::select! {
+            g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
+            () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(lane.estimated_wait())),
+        }?;
+        let now = Instant::now();
+        lock(&lane.sends).record(now);
+        lane.in_flight.fetch_add(1, Ordering::Relaxed);
+        let waited = now - started;
+        self.metrics
+            .wait_seconds
+            .with_label_values(&[&lane.name])
+            .observe(waited.as_secs_f64());
+        Ok(Admission {
+            lane: lane.clone(),
+            generation: granted.generation,
+            waited,
+            _permit: permit,
+        })
+    }
+
+    /// Reads the verdict of a response to an admitted request and applies it to the budget.
+    /// `request` is the request line, kept with a lockout.
+    pub async fn observe(&self, admission: &Admission, status: u16, headers: &HeaderMap, request: &str) -> Verdict {
+        let lane = &admission.lane;
+        let verdict = verdict::classify(status, headers, &lane.pace, SystemTime::now());
+        let event = match verdict {
+            Verdict::Clean => Event::Clean,
+            Verdict::Throttled { retry_after } => Event::Throttled {
+                generation: admission.generation,
+                retry_after,
+            },
+            Verdict::Lockout => Event::Lockout(Lockout::new(status, request.to_owned(), self.instance.clone())),
+            Verdict::None => return verdict,
+        };
+        self.metrics
+            .verdicts
+            .with_label_values(&[&lane.name, verdict.as_str()])
+            .inc();
+        match self.store.record(&lane.name, &lane.rule, event).await {
+            Ok(view) => {
+                if verdict == Verdict::Lockout {
+                    tracing::error!(
+                        destination = %lane.name,
+                        status,
+                        request,
+                        "destination locked out: nothing more is sent until `pacegate unlock {}`",
+                        lane.name
+                    );
+                }
+                lane.note(view);
+            }
+            Err(e) => tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}"),
+        }
+        verdict
+    }
+
+    /// Clears a lockout. Returns the lockout cleared, or `None` if the destination was not
+    /// locked; an unknown destination is `Err(None)`.
+    pub async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, Option<StoreError>> {
+        let lane = self.lanes.get(destination).ok_or(None)?;
+        let cleared = self.store.unlock(destination).await.map_err(Some)?;
+        lane.note(self.store.view(destination).await.map_err(Some)?);
+        if let Some(l) = &cleared {
+            tracing::warn!(destination, was = %l.request, status = l.status, "lockout cleared by an operator");
+        }
+        Ok(cleared)
+    }
+
+    /// Every destination's status, refreshing the per-destination gauges on the way.
+    pub async fn status(&self) -> Vec<DestinationStatus> {
+        let mut out = Vec::new();
+        let now = Instant::now();
+        for lane in self.lanes.values() {
+            if let Ok(view) = self.store.view(&lane.name).await {
+                lane.note(view);
+            }
+            let seen = lock(&lane.seen).clone();
+            let (waiting, oldest) = {
+                let q = lock(&lane.queue);
+                (q.waiters.len(), q.waiters.iter().map(|w| now - w.since).max().unwrap_or_default())
+            };
+            let (rate_10, rate_60) = {
+                let sends = lock(&lane.sends);
+                (sends.rate(now, 10), sends.rate(now, 60))
+            };
+            let s = DestinationStatus {
+                destination: lane.name.to_string(),
+                rate: lane.pace.rate,
+                effective_rate: lane.pace.rate / seen.backoff,
+                backoff: seen.backoff,
+                achieved_rate_10s: rate_10,
+                achieved_rate_60s: rate_60,
+                clean_streak: seen.clean_streak,
+                paused_for_seconds: seen.paused_for.as_secs_f64(),
+                lock: seen.lock.as_ref().map(LockStatus::from),
+                waiting: lane.admitting.load(Ordering::Relaxed).max(waiting),
+                in_flight: lane.in_flight.load(Ordering::Relaxed),
+                oldest_wait_seconds: oldest.as_secs_f64(),
+            };
+            self.metrics.set_destination(&s, seen.paused_for);
+            out.push(s);
+        }
+        out.sort_by(|a, b| a.destination.cmp(&b.destination));
+        out
+    }
+}
+
+/// One destination's dispatcher: reserves a slot whenever someone waits, sleeps until it, and
+/// hands it out.
+async fn dispatch(lane: Arc<Lane>, store: Arc<dyn Store>, metrics: Arc<Metrics>, stop: CancellationToken) {
+    let mut locked = lane.locked.subscribe();
+    let reservation_seconds = metrics.reservation_seconds.with_label_values(&[store.kind()]);
+    loop {
+        // Wait for work. `notify_one` keeps a permit, so a waiter that arrives between the
+        // check and the wait is not missed.
+        let latest = loop {
+            let latest = {
+                let mut q = lock(&lane.queue);
+                q.waiters.retain(|w| !w.tx.is_closed());
+                q.waiters.iter().map(|w| w.deadline).max()
+            };
+            if let Some(latest) = latest {
+                break latest;
+            }
+            tokio::select! {
+                () = lane.work.notified() => {}
+                () = stop.cancelled() => return,
+            }
+        };
+        let started = Instant::now();
+        let reserved = store.reserve(&lane.name, &lane.rule, Some(latest)).await;
+        reservation_seconds.observe(started.elapsed().as_secs_f64());
+        match reserved {
+            Ok(slot) => {
+                locked.borrow_and_update();
+                tokio::select! {
+                    () = tokio::time::sleep_until(slot.at) => {}
+                    _ = locked.changed() => {
+                        // Locked while waiting for the slot: the slot must not be used.
+                        if let Some(lock) = locked.borrow_and_update().clone() {
+                            lane.refuse_all(&lane.locked_error(lock));
+                            continue;
+                        }
+                        tokio::time::sleep_until(slot.at).await;
+                    }
+                    () = stop.cancelled() => return,
+                }
+                if !lane.hand_out(slot.at, slot.generation) {
+                    tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");
+                }
+            }
+            Err(ReserveError::Locked(lock)) => {
+                lane.note(BudgetView {
+                    lock: Some(lock.clone()),
+                    ..lock_free_view(&lane)
+                });
+                lane.refuse_all(&lane.locked_error(lock));
+            }
+            Err(ReserveError::TooLate { slot }) => {
+                // Every waiter's deadline is before the first free slot: refuse them all now
+                // rather than let them wait for nothing.
+                let retry_after = slot.saturating_duration_since(Instant::now());
+                lane.refuse_all(&lane.deadline_error(retry_after));
+            }
+            Err(ReserveError::Store(e)) => {
+                tracing::error!(destination = %lane.name, "cannot reserve a slot: {e}");
+                lane.refuse_all(&PaceError::Store(e));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+fn lock_free_view(lane: &Lane) -> BudgetView {
+    lock(&lane.seen).clone()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,267 @@
+//! The pacer on paused time with the memory store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+use prometheus::Registry;
+use tokio::time::Instant;
+
+use super::*;
+use crate::budget::memory::MemoryStore;
+use crate::destination::{Destination, Pace};
+
+fn pace(rate: f64) -> Pace {
+    Pace {
+        rate,
+        burst: 1,
+        max_concurrency: 0,
+        max_wait: Duration::from_secs(300),
+        throttle_statuses: vec![429, 503],
+        lockout_statuses: vec![403],
+        backoff_factor: 2.0,
+        backoff_max: 64.0,
+        decay_after: 100,
+        retry_after_max: Duration::from_secs(3600),
+        retry_throttled: 3,
+        intercept: true,
+    }
+}
+
+async fn pacer(pace: Pace) -> Arc<Pacer> {
+    let dest = Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace,
+    };
+    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
+    let p = Arc::new(Pacer::new(&[dest], Arc::new(MemoryStore::ephemeral()), metrics, "test".into()));
+    p.start().await.unwrap();
+    p
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(3600)
+}
+
+fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+    }
+    h
+}
+
+/// Admits `n` requests at once and returns when each was granted, relative to the start.
+async fn grant_times(p: &Arc<Pacer>, n: usize) -> Vec<Duration> {
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let p = p.clone();
+            tokio::spawn(async move {
+                let a = p.admit("d", far()).await.unwrap();
+                drop(a);
+                Instant::now() - start
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out.sort();
+    out
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[tokio::test(start_paused = true)]
+async fn slots_are_handed_out_at_the_rate() {
+    let p = pacer(pace(10.0)).await;
+    assert_eq!(grant_times(&p, 5).await, [ms(0), ms(100), ms(200), ms(300), ms(400)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn fractional_rates() {
+    let p = pacer(pace(0.5)).await;
+    assert_eq!(grant_times(&p, 3).await, [ms(0), ms(2000), ms(4000)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn burst_then_the_rate() {
+    let p = pacer(Pace { burst: 3, ..pace(10.0) }).await;
+    assert_eq!(grant_times(&p, 5).await, [ms(0), ms(0), ms(0), ms(100), ms(200)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn first_come_first_served() {
+    let p = pacer(pace(10.0)).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..5 {
+        let (p, tx) = (p.clone(), tx.clone());
+        tokio::spawn(async move {
+            let _a = p.admit("d", far()).await.unwrap();
+            tx.send(i).unwrap();
+        });
+        // Arrivals 1 ms apart, in order.
+        tokio::time::sleep(ms(1)).await;
+    }
+    drop(tx);
+    let mut order = Vec::new();
+    while let Some(i) = rx.recv().await {
+        order.push(i);
+    }
+    assert_eq!(order, [0, 1, 2, 3, 4]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_slot_within_max_wait_is_refused_at_once() {
+    let p = pacer(pace(1.0)).await;
+    let _first = p.admit("d", far()).await.unwrap();
+    let started = Instant::now();
+    match p.admit("d", Instant::now() + ms(500)).await {
+        Err(PaceError::Deadline { retry_after, .. }) => {
+            assert_eq!(started.elapsed(), Duration::ZERO, "refused without waiting for nothing");
+            assert_eq!(retry_after, ms(1000));
+        }
+        other => panic!("expected a deadline refusal, got {:?}", other.err()),
+    }
+    // The refusal took no slot: the next request gets the slot at 1 s.
+    p.admit("d", far()).await.unwrap();
+    assert_eq!(started.elapsed(), ms(1000));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_gives_up_leaves_the_queue_at_once() {
+    let p = pacer(pace(1.0)).await;
+    let _first = p.admit("d", far()).await.unwrap();
+    let p2 = p.clone();
+    let abandoned = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
+    tokio::time::sleep(ms(100)).await;
+    assert_eq!(p.status().await[0].waiting, 1);
+    abandoned.abort();
+    let _ = abandoned.await;
+    assert_eq!(p.status().await[0].waiting, 0, "the queue forgets it at once");
+    // The slot it was to get goes to the next request instead of being lost.
+    let started = Instant::now();
+    p.admit("d", far()).await.unwrap();
+    assert_eq!(started.elapsed(), ms(900));
+}
+
+#[tokio::test(start_paused = true)]
+async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
+    let p = pacer(pace(1.0)).await;
+    let first = p.admit("d", far()).await.unwrap();
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            let p = p.clone();
+            tokio::spawn(async move { p.admit("d", far()).await.map(|_| ()) })
+        })
+        .collect();
+    tokio::time::sleep(ms(10)).await;
+    let verdict = p.observe(&first, 403, &HeaderMap::new(), "GET https://d/secret").await;
+    assert_eq!(verdict, Verdict::Lockout);
+    let refused_at = Instant::now();
+    for w in waiting {
+        match w.await.unwrap() {
+            Err(PaceError::Locked { lock, .. }) => {
+                assert_eq!((lock.status, lock.request.as_str()), (403, "GET https://d/secret"));
+            }
+            other => panic!("expected a lockout refusal, got {other:?}"),
+        }
+    }
+    assert_eq!(refused_at.elapsed(), Duration::ZERO, "waiting requests are refused at once");
+    assert!(matches!(p.admit("d", far()).await, Err(PaceError::Locked { .. })));
+    tokio::time::sleep(Duration::from_secs(86_400)).await;
+    assert!(matches!(p.admit("d", far()).await, Err(PaceError::Locked { .. })), "time never clears it");
+    let status = p.status().await;
+    assert_eq!(status[0].lock.as_ref().map(|l| l.status), Some(403));
+    assert!(p.unlock("d").await.unwrap().is_some());
+    assert!(p.admit("d", far()).await.is_ok());
+    assert!(matches!(p.unlock("nope").await, Err(None)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn ten_concurrent_throttles_widen_once() {
+    let p = pacer(Pace { burst: 10, ..pace(100.0) }).await;
+    let mut admitted = Vec::new();
+    for _ in 0..10 {
+        admitted.push(p.admit("d", far()).await.unwrap());
+    }
+    for a in &admitted {
+        p.observe(a, 429, &HeaderMap::new(), "GET /").await;
+    }
+    let s = &p.status().await[0];
+    assert_eq!(s.backoff, 2.0);
+    assert_eq!(s.effective_rate, 50.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_pauses_every_request() {
+    let p = pacer(pace(100.0)).await;
+    let a = p.admit("d", far()).await.unwrap();
+    let v = p.observe(&a, 429, &headers(&[("retry-after", "3")]), "GET /").await;
+    assert_eq!(v, Verdict::Throttled { retry_after: Some(Duration::from_secs(3)) });
+    assert!(p.status().await[0].paused_for_seconds > 2.9);
+    let started = Instant::now();
+    p.admit("d", far()).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(3), "waited {:?}", started.elapsed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn decay_restores_the_rate_after_a_clean_streak() {
+    let p = pacer(Pace { decay_after: 3, ..pace(10.0) }).await;
+    let a = p.admit("d", far()).await.unwrap();
+    p.observe(&a, 429, &HeaderMap::new(), "GET /").await;
+    assert_eq!(p.status().await[0].backoff, 2.0);
+    for _ in 0..3 {
+        let a = p.admit("d", far()).await.unwrap();
+        p.observe(&a, 200, &HeaderMap::new(), "GET /").await;
+    }
+    assert_eq!(p.status().await[0].backoff, 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_concurrency_bounds_requests_in_flight() {
+    let p = pacer(Pace { max_concurrency: 2, ..pace(1000.0) }).await;
+    let a = p.admit("d", far()).await.unwrap();
+    let b = p.admit("d", far()).await.unwrap();
+    let p2 = p.clone();
+    let third = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| Instant::now()) });
+    tokio::time::sleep(ms(500)).await;
+    assert!(!third.is_finished(), "a third request must wait while two are in flight");
+    assert_eq!(p.status().await[0].in_flight, 2);
+    let released = Instant::now();
+    drop(a);
+    let granted = third.await.unwrap().unwrap();
+    assert!(granted - released < ms(5));
+    drop(b);
+}
+
+#[tokio::test(start_paused = true)]
+async fn status_shows_waiting_and_oldest_wait() {
+    let p = pacer(pace(1.0)).await;
+    let _a = p.admit("d", far()).await.unwrap();
+    for _ in 0..3 {
+        let p = p.clone();
+        tokio::spawn(async move { p.admit("d", far()).await.map(|_| ()) });
+    }
+    tokio::time::sleep(ms(400)).await;
+    let s = &p.status().await[0];
+    assert_eq!((s.waiting, s.in_flight), (3, 1));
+    assert!((s.oldest_wait_seconds - 0.4).abs() < 0.01, "{s:?}");
+    assert_eq!(s.rate, 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn stopping_refuses_waiters() {
+    let p = pacer(pace(0.1)).await;
+    let _a = p.admit("d", far()).await.unwrap();
+    let p2 = p.clone();
+    let waiting = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
+    tokio::time::sleep(ms(10)).await;
+    p.stop();
+    assert!(matches!(waiting.await.unwrap(), Err(PaceError::ShuttingDown)));
+}
