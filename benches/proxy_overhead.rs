@@ -20,7 +20,7 @@ fn proxy_overhead(c: &mut Criterion) {
         let proxy = TestProxy::start(
             &upstream.ca.cert_path,
             "",
-            "[destinations.local]\nhosts = [\"localhost\"]\n",
+            "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n",
         )
         .await;
         (upstream, proxy)

@@ -1,4 +1,5 @@
-//! The admin listener: `GET /metrics`, `GET /healthz`, `GET /readyz`.
+//! The admin listener: `GET /metrics`, `GET /status`, `GET /healthz`, `GET /readyz` and
+//! `POST /destinations/NAME/unlock` (with the bearer token, when one is configured).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -13,31 +14,78 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::pacing::Pacer;
 use crate::shutdown::Shutdown;
 
-/// What the admin endpoints read.
+/// What the admin endpoints read and act on.
 #[derive(Clone)]
 pub struct Admin {
     metrics: Arc<Metrics>,
+    pacer: Arc<Pacer>,
     shutdown: Shutdown,
+    token: Option<Arc<str>>,
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
+        .body(Full::new(body.into()))
+        .expect("static response parts are valid")
+}
+
+fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    let body = serde_json::to_vec_pretty(value).unwrap_or_default();
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("static response parts are valid")
 }
 
 impl Admin {
-    /// `shutdown` tells readiness: not ready once the drain has started.
-    pub fn new(metrics: Arc<Metrics>, shutdown: Shutdown) -> Self {
-        Self { metrics, shutdown }
+    /// `shutdown` tells readiness (not ready once draining); `token`, when set, must be sent
+    /// as `Authorization: Bearer TOKEN` on every POST.
+    pub fn new(
+        metrics: Arc<Metrics>,
+        pacer: Arc<Pacer>,
+        shutdown: Shutdown,
+        token: Option<String>,
+    ) -> Self {
+        Self {
+            metrics,
+            pacer,
+            shutdown,
+            token: token.map(Arc::from),
+        }
     }
 
-    fn route(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-        let text = |status: StatusCode, body: String| {
-            Response::builder()
-                .status(status)
-                .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
-                .body(Full::new(Bytes::from(body)))
-                .expect("static response parts are valid")
+    fn authorized(&self, req: &Request<Incoming>) -> bool {
+        let Some(token) = &self.token else {
+            return true;
         };
-        match (req.method(), req.uri().path()) {
+        let offered = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        let (a, b) = (
+            crate::config::sha256(offered.as_bytes()),
+            crate::config::sha256(token.as_bytes()),
+        );
+        a.iter()
+            .zip(b.iter())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+    }
+
+    async fn route(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let path = req.uri().path().to_owned();
+        match (req.method(), path.as_str()) {
             (&Method::GET, "/metrics") => {
+                // Per-destination gauges are refreshed at scrape time.
+                self.pacer.status().await;
                 let mut resp = text(StatusCode::OK, self.metrics.render());
                 resp.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -45,18 +93,49 @@ impl Admin {
                 );
                 resp
             }
-            (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n".into()),
-            (&Method::GET, "/readyz") if self.shutdown.is_draining() => {
-                text(StatusCode::SERVICE_UNAVAILABLE, "draining\n".into())
+            (&Method::GET, "/status") => json(StatusCode::OK, &self.pacer.status().await),
+            (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+            (&Method::GET, "/readyz") if self.shutdown.is_draining() => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
+            (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
+            (&Method::POST, p) if p.starts_with("/destinations/") && p.ends_with("/unlock") => {
+                if !self.authorized(&req) {
+                    let mut resp = text(StatusCode::UNAUTHORIZED, "send Authorization: Bearer TOKEN (the value of [admin] token_env)\n");
+                    resp.headers_mut()
+                        .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+                    return resp;
+                }
+                let name = &p["/destinations/".len()..p.len() - "/unlock".len()];
+                self.unlock(name).await
             }
-            (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n".into()),
-            (_, "/metrics" | "/healthz" | "/readyz") => {
-                text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n".into())
-            }
+            (_, "/metrics" | "/status" | "/healthz" | "/readyz") => text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n"),
             _ => text(
                 StatusCode::NOT_FOUND,
-                "endpoints: /metrics /healthz /readyz\n".into(),
+                "endpoints: GET /metrics /status /healthz /readyz, POST /destinations/NAME/unlock\n",
             ),
+        }
+    }
+
+    async fn unlock(&self, name: &str) -> Response<Full<Bytes>> {
+        #[derive(serde::Serialize)]
+        struct Unlocked<'a> {
+            destination: &'a str,
+            was_locked: bool,
+            lock: Option<crate::pacing::LockStatus>,
+        }
+        match self.pacer.unlock(name).await {
+            Ok(cleared) => json(
+                StatusCode::OK,
+                &Unlocked {
+                    destination: name,
+                    was_locked: cleared.is_some(),
+                    lock: cleared.as_ref().map(Into::into),
+                },
+            ),
+            Err(None) => text(
+                StatusCode::NOT_FOUND,
+                format!("no destination named `{name}`\n"),
+            ),
+            Err(Some(e)) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
         }
     }
 
@@ -78,8 +157,8 @@ impl Admin {
             let stop = stop.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| {
-                    let resp = admin.route(&req);
-                    async move { Ok::<_, Infallible>(resp) }
+                    let admin = admin.clone();
+                    async move { Ok::<_, Infallible>(admin.route(req).await) }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())

@@ -10,9 +10,12 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
-use crate::config::Config;
+use crate::budget::memory::MemoryStore;
+use crate::budget::{Store, StoreError};
+use crate::config::{Backend, Config};
 use crate::destination::Routes;
 use crate::metrics::Metrics;
+use crate::pacing::Pacer;
 use crate::proxy::{Proxy, ProxyParts};
 use crate::shutdown::{self, Shutdown};
 use crate::tls::{self, Authority, TlsError};
@@ -37,6 +40,9 @@ pub enum StartError {
     /// Metrics could not be registered.
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// The pacing store could not be opened.
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 /// A started pacegate: its bound addresses, and the handles to stop it.
@@ -48,6 +54,7 @@ pub struct Running {
     /// The metrics, for in-process inspection.
     pub metrics: Arc<Metrics>,
     shutdown: Shutdown,
+    pacer: Arc<Pacer>,
     grace: std::time::Duration,
     proxy_task: JoinHandle<()>,
     admin_stop: CancellationToken,
@@ -64,6 +71,8 @@ impl Running {
     /// deadline, stop the admin listener. Returns how many tasks were forced.
     pub async fn stop(self) -> usize {
         self.shutdown.start_drain();
+        // Requests still waiting for a slot are refused now rather than sent during the drain.
+        self.pacer.stop();
         let _ = self.proxy_task.await;
         let forced = self.shutdown.finish(self.grace).await;
         if forced > 0 {
@@ -94,6 +103,21 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     } else {
         tracing::info!(ca_cert = %config.tls.ca_cert.display(), "loaded local CA");
     }
+    let store: Arc<dyn Store> = match config.store.backend {
+        Backend::Memory => Arc::new(MemoryStore::open(&config.store.state_file)?),
+        Backend::Postgres => {
+            return Err(
+                StoreError("the postgres store is not available in this version".into()).into(),
+            )
+        }
+    };
+    let pacer = Arc::new(Pacer::new(
+        &config.destinations,
+        store,
+        metrics.clone(),
+        instance_id(),
+    ));
+    pacer.start().await?;
     let roots = tls::upstream_roots(&config.tls.extra_upstream_roots)?;
     let upstream = Upstream::new(
         &config.upstream,
@@ -131,6 +155,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         limits: config.proxy.limits.clone(),
         authority: Arc::new(authority),
         upstream,
+        pacer: pacer.clone(),
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
     });
@@ -142,9 +167,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         shutdown.clone(),
     ));
     let admin_stop = CancellationToken::new();
-    let admin_task = tokio::spawn(
-        Admin::new(metrics.clone(), shutdown.clone()).serve(admin_listener, admin_stop.clone()),
+    let admin = Admin::new(
+        metrics.clone(),
+        pacer.clone(),
+        shutdown.clone(),
+        config.admin.token.clone(),
     );
+    let admin_task = tokio::spawn(admin.serve(admin_listener, admin_stop.clone()));
     tracing::info!(
         proxy = %proxy_addr,
         admin = %admin_addr,
@@ -157,11 +186,24 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         admin_addr,
         metrics,
         shutdown,
+        pacer,
         grace: config.proxy.shutdown_grace,
         proxy_task,
         admin_stop,
         admin_task,
     })
+}
+
+/// This process's name in lockout records: `host/pid`.
+fn instance_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into());
+    format!("{host}/{}", std::process::id())
 }
 
 /// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully.

@@ -141,10 +141,18 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreFuture<'a, Result<Reservation, ReserveError>>;
 
     /// Applies a verdict and returns the budget after it.
-    fn record<'a>(&'a self, destination: &'a str, rule: &'a Rule, event: Event) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
 
     /// Clears a lockout; returns the one cleared, if any.
-    fn unlock<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>>;
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>>;
 
     /// The budget as it stands.
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;

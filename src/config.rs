@@ -670,13 +670,19 @@ impl Validator<'_> {
     }
 
     fn admin(&mut self, raw: RawAdmin) -> AdminConfig {
-        let token = raw.token_env.as_ref().and_then(|var| match std::env::var(var) {
-            Ok(t) if !t.is_empty() => Some(t),
-            _ => {
-                self.push("admin.token_env", format!("environment variable `{var}` is not set or empty"));
-                None
-            }
-        });
+        let token = raw
+            .token_env
+            .as_ref()
+            .and_then(|var| match std::env::var(var) {
+                Ok(t) if !t.is_empty() => Some(t),
+                _ => {
+                    self.push(
+                        "admin.token_env",
+                        format!("environment variable `{var}` is not set or empty"),
+                    );
+                    None
+                }
+            });
         AdminConfig {
             listen: self.addr("admin.listen", raw.listen, "127.0.0.1:9464"),
             token_env: raw.token_env,
@@ -691,17 +697,26 @@ impl Validator<'_> {
         }
         StoreConfig {
             backend,
-            state_file: self.path(raw.state_file.unwrap_or_else(|| "pacegate-state.json".into())),
+            state_file: self.path(
+                raw.state_file
+                    .unwrap_or_else(|| "pacegate-state.json".into()),
+            ),
         }
     }
 
     fn pace(&mut self, path: &str, d: &RawDestination) -> Pace {
         let rate = d.rate.unwrap_or_else(|| {
-            self.push(&format!("{path}.rate"), "is required: requests per second over every instance, e.g. 5 or 0.5");
+            self.push(
+                &format!("{path}.rate"),
+                "is required: requests per second over every instance, e.g. 5 or 0.5",
+            );
             1.0
         });
         if !(rate.is_finite() && rate > 0.0 && rate <= 1_000_000.0) {
-            self.push(&format!("{path}.rate"), "must be a number above 0 and at most 1000000");
+            self.push(
+                &format!("{path}.rate"),
+                "must be a number above 0 and at most 1000000",
+            );
         }
         let burst = d.burst.unwrap_or(1);
         if burst == 0 {
@@ -719,29 +734,52 @@ impl Validator<'_> {
         if decay_after == 0 {
             self.push(&format!("{path}.decay_after"), "must be at least 1");
         }
-        let throttle_statuses = d.throttle_statuses.clone().unwrap_or_else(|| vec![429, 503]);
+        let throttle_statuses = d
+            .throttle_statuses
+            .clone()
+            .unwrap_or_else(|| vec![429, 503]);
         let lockout_statuses = d.lockout_statuses.clone().unwrap_or_else(|| vec![403]);
-        for (key, list) in [("throttle_statuses", &throttle_statuses), ("lockout_statuses", &lockout_statuses)] {
+        for (key, list) in [
+            ("throttle_statuses", &throttle_statuses),
+            ("lockout_statuses", &lockout_statuses),
+        ] {
             for (i, s) in list.iter().enumerate() {
                 if !(100..=599).contains(s) {
-                    self.push(&format!("{path}.{key}[{i}]"), format!("{s} is not an HTTP status (100 to 599)"));
+                    self.push(
+                        &format!("{path}.{key}[{i}]"),
+                        format!("{s} is not an HTTP status (100 to 599)"),
+                    );
                 }
             }
         }
-        if let Some(both) = throttle_statuses.iter().find(|s| lockout_statuses.contains(s)) {
-            self.push(&format!("{path}.lockout_statuses"), format!("{both} is also a throttle status; a status has one verdict"));
+        if let Some(both) = throttle_statuses
+            .iter()
+            .find(|s| lockout_statuses.contains(s))
+        {
+            self.push(
+                &format!("{path}.lockout_statuses"),
+                format!("{both} is also a throttle status; a status has one verdict"),
+            );
         }
         Pace {
             rate,
             burst,
             max_concurrency: d.max_concurrency.unwrap_or(0),
-            max_wait: self.positive(&format!("{path}.max_wait"), d.max_wait, Duration::from_secs(300)),
+            max_wait: self.positive(
+                &format!("{path}.max_wait"),
+                d.max_wait,
+                Duration::from_secs(300),
+            ),
             throttle_statuses,
             lockout_statuses,
             backoff_factor,
             backoff_max,
             decay_after,
-            retry_after_max: self.positive(&format!("{path}.retry_after_max"), d.retry_after_max, Duration::from_secs(3600)),
+            retry_after_max: self.positive(
+                &format!("{path}.retry_after_max"),
+                d.retry_after_max,
+                Duration::from_secs(3600),
+            ),
             retry_throttled: d.retry_throttled.unwrap_or(3),
             intercept: d.intercept.unwrap_or(true),
         }
@@ -911,10 +949,11 @@ mod tests {
             [destinations.img]
             hosts = ["img.example.com", "bad host"]
             rate = 5
+            quota = []
             [destinations.cdn]
             hosts = ["*.example.com"]
-            [store]
-            backend = "memory"
+            [classes]
+            order = []
             "#,
         )
         .unwrap_err();
@@ -924,10 +963,11 @@ mod tests {
             "proxy.listen",
             "proxy.limits.header_read_timeout",
             "upstream.connect_timeout",
-            "destinations.img.rate",
+            "destinations.img.quota",
             "destinations.img.hosts[1]",
             "destinations.img.hosts[0]",
-            "store",
+            "destinations.cdn.rate",
+            "classes",
         ] {
             assert!(p.contains(&expected), "missing {expected} in {err:#?}");
         }
@@ -965,13 +1005,16 @@ mod tests {
 
     #[test]
     fn normalised_output_parses_back() {
-        let c =
-            parse("[destinations.a]\nhosts = [\"A.example.com:443\"]\n[tls]\ngenerate_ca = true")
-                .unwrap();
+        let c = parse(
+            "[destinations.a]\nhosts = [\"A.example.com:443\"]\nrate = 0.5\nmax_wait = \"2s\"\n[tls]\ngenerate_ca = true",
+        )
+        .unwrap();
         let text = c.to_toml();
         assert!(text.contains("a.example.com:443"), "{text}");
         let again = parse(&text).unwrap();
         assert_eq!(again.destinations[0].hosts, c.destinations[0].hosts);
+        assert_eq!(again.destinations[0].pace, c.destinations[0].pace);
+        assert_eq!(again.destinations[0].pace.max_wait, Duration::from_secs(2));
     }
 
     #[test]

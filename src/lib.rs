@@ -20,11 +20,11 @@
 
 pub mod admin;
 pub mod app;
+pub mod budget;
 pub mod config;
 pub mod destination;
-pub mod pacing;
-pub mod budget;
 pub mod metrics;
+pub mod pacing;
 pub mod proxy;
 pub mod server;
 pub mod shutdown;

@@ -127,31 +127,62 @@ impl Metrics {
         let cert_cache_entries =
             IntGauge::new("pacegate_cert_cache_entries", "Leaf certificates cached")?;
         let verdicts = IntCounterVec::new(
-            Opts::new("pacegate_verdicts_total", "Verdicts read from upstream responses, by destination and verdict"),
+            Opts::new(
+                "pacegate_verdicts_total",
+                "Verdicts read from upstream responses, by destination and verdict",
+            ),
             &["destination", "verdict"],
         )?;
         let retries = IntCounterVec::new(
-            Opts::new("pacegate_retries_total", "Throttled requests retried by pacegate, by destination"),
+            Opts::new(
+                "pacegate_retries_total",
+                "Throttled requests retried by pacegate, by destination",
+            ),
             &["destination"],
         )?;
         let wait_seconds = HistogramVec::new(
-            HistogramOpts::new("pacegate_wait_seconds", "Time requests waited for their slot, by destination")
-                .buckets(vec![0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]),
+            HistogramOpts::new(
+                "pacegate_wait_seconds",
+                "Time requests waited for their slot, by destination",
+            )
+            .buckets(vec![
+                0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+            ]),
             &["destination"],
         )?;
         let reservation_seconds = HistogramVec::new(
-            HistogramOpts::new("pacegate_reservation_seconds", "Time one slot reservation takes, by store")
-                .buckets(vec![0.00001, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5]),
+            HistogramOpts::new(
+                "pacegate_reservation_seconds",
+                "Time one slot reservation takes, by store",
+            )
+            .buckets(vec![
+                0.00001, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5,
+            ]),
             &["store"],
         )?;
         let gauge = |name: &str, help: &str| GaugeVec::new(Opts::new(name, help), &["destination"]);
-        let backoff = gauge("pacegate_backoff_multiplier", "Current interval multiplier (1 = configured rate)")?;
-        let effective_rate = gauge("pacegate_effective_rate", "rate / backoff: the pace now, requests per second")?;
-        let achieved_rate = gauge("pacegate_achieved_rate", "Requests sent per second over the last 10 s, this instance")?;
+        let backoff = gauge(
+            "pacegate_backoff_multiplier",
+            "Current interval multiplier (1 = configured rate)",
+        )?;
+        let effective_rate = gauge(
+            "pacegate_effective_rate",
+            "rate / backoff: the pace now, requests per second",
+        )?;
+        let achieved_rate = gauge(
+            "pacegate_achieved_rate",
+            "Requests sent per second over the last 10 s, this instance",
+        )?;
         let locked = gauge("pacegate_locked", "1 while the destination is locked out")?;
-        let paused_until = gauge("pacegate_paused_until_seconds", "Unix time at which a Retry-After pause ends (0: none)")?;
+        let paused_until = gauge(
+            "pacegate_paused_until_seconds",
+            "Unix time at which a Retry-After pause ends (0: none)",
+        )?;
         let waiting = gauge("pacegate_waiting", "Requests waiting for a slot")?;
-        let in_flight = gauge("pacegate_in_flight", "Requests admitted and not yet answered")?;
+        let in_flight = gauge(
+            "pacegate_in_flight",
+            "Requests admitted and not yet answered",
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
@@ -169,7 +200,15 @@ impl Metrics {
         for h in [&wait_seconds, &reservation_seconds] {
             registry.register(Box::new(h.clone()))?;
         }
-        for g in [&backoff, &effective_rate, &achieved_rate, &locked, &paused_until, &waiting, &in_flight] {
+        for g in [
+            &backoff,
+            &effective_rate,
+            &achieved_rate,
+            &locked,
+            &paused_until,
+            &waiting,
+            &in_flight,
+        ] {
             registry.register(Box::new(g.clone()))?;
         }
         Ok(Self {
@@ -203,9 +242,15 @@ impl Metrics {
     pub fn set_destination(&self, s: &DestinationStatus, paused_for: Duration) {
         let d = [s.destination.as_str()];
         self.backoff.with_label_values(&d).set(s.backoff);
-        self.effective_rate.with_label_values(&d).set(s.effective_rate);
-        self.achieved_rate.with_label_values(&d).set(s.achieved_rate_10s);
-        self.locked.with_label_values(&d).set(if s.lock.is_some() { 1.0 } else { 0.0 });
+        self.effective_rate
+            .with_label_values(&d)
+            .set(s.effective_rate);
+        self.achieved_rate
+            .with_label_values(&d)
+            .set(s.achieved_rate_10s);
+        self.locked
+            .with_label_values(&d)
+            .set(if s.lock.is_some() { 1.0 } else { 0.0 });
         let until = if paused_for.is_zero() {
             0.0
         } else {

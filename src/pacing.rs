@@ -165,7 +165,8 @@ impl Lane {
         Self {
             name: Arc::from(d.name.as_str()),
             rule: rule_of(&pace),
-            concurrency: (pace.max_concurrency > 0).then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
+            concurrency: (pace.max_concurrency > 0)
+                .then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
             pace,
             queue: Mutex::new(Queue::default()),
             work: Notify::new(),
@@ -336,7 +337,12 @@ pub struct Pacer {
 impl Pacer {
     /// A pacer over `store`; `instance` names this process in lockout records. Call
     /// [`Pacer::start`] to run the dispatchers.
-    pub fn new(destinations: &[Destination], store: Arc<dyn Store>, metrics: Arc<Metrics>, instance: String) -> Self {
+    pub fn new(
+        destinations: &[Destination],
+        store: Arc<dyn Store>,
+        metrics: Arc<Metrics>,
+        instance: String,
+    ) -> Self {
         let lanes = destinations
             .iter()
             .map(|d| (Arc::from(d.name.as_str()), Arc::new(Lane::new(d))))
@@ -355,7 +361,12 @@ impl Pacer {
     pub async fn start(&self) -> Result<(), StoreError> {
         for lane in self.lanes.values() {
             lane.note(self.store.view(&lane.name).await?);
-            tokio::spawn(dispatch(lane.clone(), self.store.clone(), self.metrics.clone(), self.stop.clone()));
+            tokio::spawn(dispatch(
+                lane.clone(),
+                self.store.clone(),
+                self.metrics.clone(),
+                self.stop.clone(),
+            ));
         }
         Ok(())
     }
@@ -381,7 +392,11 @@ impl Pacer {
 
     /// Waits for a slot of `destination`, up to `deadline`. Cancel-safe: dropping the future
     /// leaves the queue at once.
-    pub async fn admit(&self, destination: &str, deadline: Instant) -> Result<Admission, PaceError> {
+    pub async fn admit(
+        &self,
+        destination: &str,
+        deadline: Instant,
+    ) -> Result<Admission, PaceError> {
         let lane = self.lane(destination);
         let started = Instant::now();
         if self.stop.is_cancelled() {
@@ -436,7 +451,13 @@ impl Pacer {
 
     /// Reads the verdict of a response to an admitted request and applies it to the budget.
     /// `request` is the request line, kept with a lockout.
-    pub async fn observe(&self, admission: &Admission, status: u16, headers: &HeaderMap, request: &str) -> Verdict {
+    pub async fn observe(
+        &self,
+        admission: &Admission,
+        status: u16,
+        headers: &HeaderMap,
+        request: &str,
+    ) -> Verdict {
         let lane = &admission.lane;
         let verdict = verdict::classify(status, headers, &lane.pace, SystemTime::now());
         let event = match verdict {
@@ -445,7 +466,11 @@ impl Pacer {
                 generation: admission.generation,
                 retry_after,
             },
-            Verdict::Lockout => Event::Lockout(Lockout::new(status, request.to_owned(), self.instance.clone())),
+            Verdict::Lockout => Event::Lockout(Lockout::new(
+                status,
+                request.to_owned(),
+                self.instance.clone(),
+            )),
             Verdict::None => return verdict,
         };
         self.metrics
@@ -465,7 +490,9 @@ impl Pacer {
                 }
                 lane.note(view);
             }
-            Err(e) => tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}"),
+            Err(e) => {
+                tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
+            }
         }
         verdict
     }
@@ -493,7 +520,14 @@ impl Pacer {
             let seen = lock(&lane.seen).clone();
             let (waiting, oldest) = {
                 let q = lock(&lane.queue);
-                (q.waiters.len(), q.waiters.iter().map(|w| now - w.since).max().unwrap_or_default())
+                (
+                    q.waiters.len(),
+                    q.waiters
+                        .iter()
+                        .map(|w| now - w.since)
+                        .max()
+                        .unwrap_or_default(),
+                )
             };
             let (rate_10, rate_60) = {
                 let sends = lock(&lane.sends);
@@ -523,9 +557,16 @@ impl Pacer {
 
 /// One destination's dispatcher: reserves a slot whenever someone waits, sleeps until it, and
 /// hands it out.
-async fn dispatch(lane: Arc<Lane>, store: Arc<dyn Store>, metrics: Arc<Metrics>, stop: CancellationToken) {
+async fn dispatch(
+    lane: Arc<Lane>,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
     let mut locked = lane.locked.subscribe();
-    let reservation_seconds = metrics.reservation_seconds.with_label_values(&[store.kind()]);
+    let reservation_seconds = metrics
+        .reservation_seconds
+        .with_label_values(&[store.kind()]);
     loop {
         // Wait for work. `notify_one` keeps a permit, so a waiter that arrives between the
         // check and the wait is not missed.

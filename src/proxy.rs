@@ -18,9 +18,11 @@ use hyper::body::Incoming;
 use crate::config::{AuthConfig, Limits, Unmatched};
 use crate::destination::{normalise_host, Routes};
 use crate::metrics::{Metrics, UNMATCHED};
+use crate::pacing::Pacer;
 use crate::shutdown::Shutdown;
 use crate::tls::Authority;
 use crate::upstream::{ProxyBody, Upstream};
+use forward::PaceNote;
 pub use forward::Target;
 use respond::{Outcome, ProxyError};
 
@@ -41,6 +43,8 @@ pub struct ProxyParts {
     pub authority: Arc<Authority>,
     /// The outbound client.
     pub upstream: Upstream,
+    /// The pacer every destination's requests wait in.
+    pub pacer: Arc<Pacer>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// Shutdown handle (intercepted sessions and tunnels are tracked by it).
@@ -60,6 +64,7 @@ struct Handled {
     destination: Option<Arc<str>>,
     target: String,
     reason: Option<String>,
+    pace: PaceNote,
 }
 
 impl Handled {
@@ -70,6 +75,7 @@ impl Handled {
             destination,
             target,
             reason: Some(err.to_string()),
+            pace: PaceNote::default(),
         }
     }
 }
@@ -234,6 +240,9 @@ impl Proxy {
             outcome = %handled.outcome,
             status,
             duration_ms = elapsed.as_secs_f64() * 1000.0,
+            waited_ms = handled.pace.waited.map_or(0.0, |w| w.as_secs_f64() * 1000.0),
+            verdict = handled.pace.verdict.map_or("", |v| v.as_str()),
+            retries = handled.pace.retries,
             reason = handled.reason.as_deref().unwrap_or(""),
         );
         handled.response

@@ -102,7 +102,7 @@ fn all_problems_are_reported_at_once() {
     let config = dir.path().join("config.toml");
     std::fs::write(
         &config,
-        "[proxy]\nlisten = \"x\"\ncolour = 1\n[upstream]\nconnect_timeout = 5\n[destinations.a]\nhosts = []\nrate = 1\n[extra]\n",
+        "[proxy]\nlisten = \"x\"\ncolour = 1\n[upstream]\nconnect_timeout = 5\n[destinations.a]\nhosts = []\nrate = 0\n[extra]\n",
     )
     .unwrap();
     let out = pacegate(&["check-config", "--config", config.to_str().unwrap()]);

@@ -6,7 +6,7 @@ mod support;
 use support::{FakeUpstream, TestProxy};
 use tokio::process::Command;
 
-const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\n";
+const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
 
 fn require(tool: &str, probe: &[&str]) {
     let ok = std::process::Command::new(tool)

@@ -9,7 +9,7 @@ use support::{client, Alpn, FakeUpstream, Seen, TestProxy};
 
 fn destinations(upstream: &FakeUpstream) -> String {
     let _ = upstream;
-    "[destinations.local]\nhosts = [\"localhost\"]\n".to_owned()
+    "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n".to_owned()
 }
 
 async fn proxy_for(upstream: &FakeUpstream) -> TestProxy {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use base64::Engine;
 use support::{client, client_with, raw_exchange, Alpn, FakeUpstream, TestProxy};
 
-const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\n";
+const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
 
 fn proxy_status(resp: &reqwest::Response) -> String {
     resp.headers()
@@ -61,7 +61,7 @@ async fn unconfigured_hosts_are_denied_by_default() {
 #[tokio::test]
 async fn private_upstreams_are_refused_by_resolved_address() {
     let upstream = FakeUpstream::start().await;
-    let dests = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\n";
+    let dests = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
     let proxy = TestProxy::start(
         &upstream.ca.cert_path,
         "allow_private_upstreams = false",

@@ -11,7 +11,7 @@ use support::{client, raw_exchange, read_head, read_until_close, Alpn, FakeUpstr
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\n";
+const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
 
 async fn still_serves(proxy: &TestProxy, upstream: &FakeUpstream) {
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);

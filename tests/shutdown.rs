@@ -11,7 +11,7 @@ use support::{client, read_head, Alpn, FakeUpstream, TestProxy};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\n";
+const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
 
 #[tokio::test]
 async fn a_request_in_flight_completes_during_shutdown() {

@@ -28,7 +28,10 @@ pub(crate) fn rule(rate: f64) -> Rule {
 
 fn close(a: Instant, b: Instant, what: &str) {
     let diff = if a > b { a - b } else { b - a };
-    assert!(diff <= TOLERANCE, "{what}: {a:?} vs {b:?} differ by {diff:?}");
+    assert!(
+        diff <= TOLERANCE,
+        "{what}: {a:?} vs {b:?} differ by {diff:?}"
+    );
 }
 
 /// Runs every contract check, each on a fresh store.
@@ -58,7 +61,11 @@ async fn slots_keep_the_beat(store: &impl Store) {
         // Reserving late must not shift the beat.
         tokio::time::sleep(Duration::from_millis(7)).await;
         let slot = store.reserve("d", &r, None).await.unwrap();
-        close(slot.at, first.at + r.interval * n, "n-th slot is start + n / rate");
+        close(
+            slot.at,
+            first.at + r.interval * n,
+            "n-th slot is start + n / rate",
+        );
     }
 }
 
@@ -67,17 +74,31 @@ async fn a_new_destination_starts_now(store: &impl Store) {
     let slot = store.reserve("fresh", &rule(1.0), None).await.unwrap();
     close(slot.at, now, "first slot of a new destination");
     let view = store.view("never-used").await.unwrap();
-    assert_eq!((view.backoff, view.generation, view.clean_streak), (1.0, 0, 0));
+    assert_eq!(
+        (view.backoff, view.generation, view.clean_streak),
+        (1.0, 0, 0)
+    );
     assert!(view.lock.is_none());
 }
 
 async fn burst_then_spacing(store: &impl Store) {
-    let r = Rule { burst: 3, ..rule(10.0) };
+    let r = Rule {
+        burst: 3,
+        ..rule(10.0)
+    };
     let now = Instant::now();
     for _ in 0..3 {
-        close(store.reserve("d", &r, None).await.unwrap().at, now, "burst slots are immediate");
+        close(
+            store.reserve("d", &r, None).await.unwrap().at,
+            now,
+            "burst slots are immediate",
+        );
     }
-    close(store.reserve("d", &r, None).await.unwrap().at, now + r.interval, "then spaced");
+    close(
+        store.reserve("d", &r, None).await.unwrap().at,
+        now + r.interval,
+        "then spaced",
+    );
 }
 
 async fn too_late_takes_nothing(store: &impl Store) {
@@ -85,11 +106,17 @@ async fn too_late_takes_nothing(store: &impl Store) {
     let first = store.reserve("d", &r, None).await.unwrap();
     let limit = Instant::now() + Duration::from_millis(100);
     match store.reserve("d", &r, Some(limit)).await {
-        Err(ReserveError::TooLate { slot }) => close(slot, first.at + r.interval, "the slot it would have been"),
+        Err(ReserveError::TooLate { slot }) => {
+            close(slot, first.at + r.interval, "the slot it would have been")
+        }
         other => panic!("expected TooLate, got {other:?}"),
     }
     let next = store.reserve("d", &r, None).await.unwrap();
-    close(next.at, first.at + r.interval, "the refused attempt took no slot");
+    close(
+        next.at,
+        first.at + r.interval,
+        "the refused attempt took no slot",
+    );
 }
 
 async fn throttles_widen_once_per_generation(store: &impl Store) {
@@ -103,7 +130,11 @@ async fn throttles_widen_once_per_generation(store: &impl Store) {
         store.record("d", &r, event).await.unwrap();
     }
     let view = store.view("d").await.unwrap();
-    assert_eq!((view.backoff, view.generation), (2.0, 1), "ten throttles of one generation widen once");
+    assert_eq!(
+        (view.backoff, view.generation),
+        (2.0, 1),
+        "ten throttles of one generation widen once"
+    );
     let a = store.reserve("d", &r, None).await.unwrap();
     assert_eq!(a.generation, 1);
     let b = store.reserve("d", &r, None).await.unwrap();
@@ -121,7 +152,10 @@ async fn retry_after_pauses_the_destination(store: &impl Store) {
     let view = store.record("d", &r, event).await.unwrap();
     assert!(view.paused_for > Duration::from_millis(4900), "{view:?}");
     let slot = store.reserve("d", &r, None).await.unwrap();
-    assert!(slot.at >= now + Duration::from_secs(5) - TOLERANCE, "no slot inside the pause");
+    assert!(
+        slot.at >= now + Duration::from_secs(5) - TOLERANCE,
+        "no slot inside the pause"
+    );
     // A shorter Retry-After never shortens a pause, and a huge one is capped.
     let short = Event::Throttled {
         generation: 99,
@@ -139,13 +173,20 @@ async fn retry_after_pauses_the_destination(store: &impl Store) {
 async fn clean_streak_decays_backoff(store: &impl Store) {
     let r = rule(10.0);
     for generation in 0..2 {
-        let event = Event::Throttled { generation, retry_after: None };
+        let event = Event::Throttled {
+            generation,
+            retry_after: None,
+        };
         store.record("d", &r, event).await.unwrap();
     }
     assert_eq!(store.view("d").await.unwrap().backoff, 4.0);
     for i in 1..=3 {
         let view = store.record("d", &r, Event::Clean).await.unwrap();
-        assert_eq!(view.backoff, if i < 3 { 4.0 } else { 2.0 }, "after {i} clean");
+        assert_eq!(
+            view.backoff,
+            if i < 3 { 4.0 } else { 2.0 },
+            "after {i} clean"
+        );
     }
     for _ in 0..20 {
         store.record("d", &r, Event::Clean).await.unwrap();
@@ -156,17 +197,33 @@ async fn clean_streak_decays_backoff(store: &impl Store) {
 async fn lockout_until_unlocked(store: &impl Store) {
     let r = rule(10.0);
     let lock = Lockout::new(403, "GET https://d/x".into(), "instance-a".into());
-    store.record("d", &r, Event::Lockout(lock.clone())).await.unwrap();
+    store
+        .record("d", &r, Event::Lockout(lock.clone()))
+        .await
+        .unwrap();
     match store.reserve("d", &r, None).await {
-        Err(ReserveError::Locked(l)) => assert_eq!((l.status, l.request, l.instance), (403, lock.request.clone(), lock.instance.clone())),
+        Err(ReserveError::Locked(l)) => assert_eq!(
+            (l.status, l.request, l.instance),
+            (403, lock.request.clone(), lock.instance.clone())
+        ),
         other => panic!("expected Locked, got {other:?}"),
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(store.reserve("d", &r, None).await.is_err(), "time does not clear a lockout");
+    assert!(
+        store.reserve("d", &r, None).await.is_err(),
+        "time does not clear a lockout"
+    );
     let second = Lockout::new(403, "GET https://d/y".into(), "instance-b".into());
     store.record("d", &r, Event::Lockout(second)).await.unwrap();
-    assert_eq!(store.view("d").await.unwrap().lock.unwrap().request, lock.request, "the first lockout is kept");
-    assert_eq!(store.unlock("d").await.unwrap().map(|l| l.request), Some(lock.request));
+    assert_eq!(
+        store.view("d").await.unwrap().lock.unwrap().request,
+        lock.request,
+        "the first lockout is kept"
+    );
+    assert_eq!(
+        store.unlock("d").await.unwrap().map(|l| l.request),
+        Some(lock.request)
+    );
     assert!(store.reserve("d", &r, None).await.is_ok());
     assert_eq!(store.unlock("d").await.unwrap(), None);
 }
@@ -175,8 +232,15 @@ async fn destinations_are_independent(store: &impl Store) {
     let r = rule(1.0);
     let now = Instant::now();
     store.reserve("a", &r, None).await.unwrap();
-    close(store.reserve("b", &r, None).await.unwrap().at, now, "b is not behind a");
-    let event = Event::Throttled { generation: 0, retry_after: Some(Duration::from_secs(30)) };
+    close(
+        store.reserve("b", &r, None).await.unwrap().at,
+        now,
+        "b is not behind a",
+    );
+    let event = Event::Throttled {
+        generation: 0,
+        retry_after: Some(Duration::from_secs(30)),
+    };
     store.record("a", &r, event).await.unwrap();
     assert_eq!(store.view("b").await.unwrap().backoff, 1.0);
     assert_eq!(store.view("b").await.unwrap().paused_for, Duration::ZERO);
@@ -196,6 +260,11 @@ async fn concurrent_reservations_are_strictly_increasing<S: Store>(store: Arc<S>
     }
     slots.sort();
     for pair in slots.windows(2) {
-        assert!(pair[1] - pair[0] >= r.interval - TOLERANCE, "slots {:?} and {:?} too close", pair[0], pair[1]);
+        assert!(
+            pair[1] - pair[0] >= r.interval - TOLERANCE,
+            "slots {:?} and {:?} too close",
+            pair[0],
+            pair[1]
+        );
     }
 }

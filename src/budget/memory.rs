@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::schedule::{Budget, NoSlot};
-use super::{BudgetView, Event, Lockout, ReserveError, Reservation, Rule, Store, StoreError, StoreFuture};
+use super::{
+    BudgetView, Event, Lockout, Reservation, ReserveError, Rule, Store, StoreError, StoreFuture,
+};
 
 /// The file format of the state file.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -60,7 +62,12 @@ impl MemoryStore {
         let text = match std::fs::read_to_string(state_file) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
-            Err(e) => return Err(StoreError(format!("cannot read state file {}: {e}", state_file.display()))),
+            Err(e) => {
+                return Err(StoreError(format!(
+                    "cannot read state file {}: {e}",
+                    state_file.display()
+                )))
+            }
         };
         let file: StateFile = serde_json::from_str(&text).map_err(|e| {
             StoreError(format!(
@@ -135,7 +142,9 @@ impl MemoryStore {
 
 fn write_atomically(path: &Path, data: &[u8]) -> Result<(), StoreError> {
     use std::io::Write;
-    let fail = |what: &str, e: std::io::Error| StoreError(format!("cannot {what} state file {}: {e}", path.display()));
+    let fail = |what: &str, e: std::io::Error| {
+        StoreError(format!("cannot {what} state file {}: {e}", path.display()))
+    };
     let tmp = path.with_extension("json.tmp");
     let mut f = std::fs::File::create(&tmp).map_err(|e| fail("create", e))?;
     f.write_all(data).map_err(|e| fail("write", e))?;
@@ -172,13 +181,20 @@ impl Store for MemoryStore {
                     generation,
                 }),
                 Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
-                Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate { slot: self.epoch + slot }),
+                Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate {
+                    slot: self.epoch + slot,
+                }),
             }
         };
         Box::pin(std::future::ready(result))
     }
 
-    fn record<'a>(&'a self, destination: &'a str, rule: &'a Rule, event: Event) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
             let (changed, view) = {
                 let now = self.now();
@@ -194,7 +210,10 @@ impl Store for MemoryStore {
         })
     }
 
-    fn unlock<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
         Box::pin(async move {
             let cleared = self.lock().get_mut(destination).and_then(|b| b.lock.take());
             if cleared.is_some() {
@@ -232,18 +251,40 @@ mod tests {
         let rule = contract::rule(10.0);
         {
             let store = MemoryStore::open(&path).unwrap();
-            store.record("a", &rule, Event::Throttled { generation: 0, retry_after: None }).await.unwrap();
+            store
+                .record(
+                    "a",
+                    &rule,
+                    Event::Throttled {
+                        generation: 0,
+                        retry_after: None,
+                    },
+                )
+                .await
+                .unwrap();
             let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
-            store.record("b", &rule, Event::Lockout(lock)).await.unwrap();
+            store
+                .record("b", &rule, Event::Lockout(lock))
+                .await
+                .unwrap();
         }
         let store = MemoryStore::open(&path).unwrap();
         assert_eq!(store.view("a").await.unwrap().backoff, 2.0);
         let lock = store.view("b").await.unwrap().lock.expect("still locked");
-        assert_eq!((lock.status, lock.request.as_str()), (403, "GET https://a/x"));
-        assert!(matches!(store.reserve("b", &rule, None).await, Err(ReserveError::Locked(_))));
+        assert_eq!(
+            (lock.status, lock.request.as_str()),
+            (403, "GET https://a/x")
+        );
+        assert!(matches!(
+            store.reserve("b", &rule, None).await,
+            Err(ReserveError::Locked(_))
+        ));
         store.unlock("b").await.unwrap();
         let store = MemoryStore::open(&path).unwrap();
-        assert!(store.reserve("b", &rule, None).await.is_ok(), "the unlock was persisted too");
+        assert!(
+            store.reserve("b", &rule, None).await.is_ok(),
+            "the unlock was persisted too"
+        );
     }
 
     #[test]

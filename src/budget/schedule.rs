@@ -64,13 +64,20 @@ impl Budget {
     /// Because `next_at` advances from the schedule, not from when a request actually went out,
     /// timer lateness never accumulates; after an idle spell longer than the tolerance, the
     /// schedule restarts from `now`.
-    pub fn reserve(&mut self, rule: &Rule, now: Duration, not_after: Option<Duration>) -> Result<(Duration, u64), NoSlot> {
+    pub fn reserve(
+        &mut self,
+        rule: &Rule,
+        now: Duration,
+        not_after: Option<Duration>,
+    ) -> Result<(Duration, u64), NoSlot> {
         if let Some(lock) = &self.lock {
             return Err(NoSlot::Locked(lock.clone()));
         }
         let t = self.interval(rule);
         let tolerance = t * (rule.burst - 1);
-        let slot = now.max(self.next_at.saturating_sub(tolerance)).max(self.paused_until);
+        let slot = now
+            .max(self.next_at.saturating_sub(tolerance))
+            .max(self.paused_until);
         if not_after.is_some_and(|limit| slot > limit) {
             return Err(NoSlot::TooLate { slot });
         }
@@ -92,7 +99,10 @@ impl Budget {
                 self.backoff = (self.backoff / rule.backoff_factor).max(1.0);
                 self.backoff != before
             }
-            Event::Throttled { generation, retry_after } => {
+            Event::Throttled {
+                generation,
+                retry_after,
+            } => {
                 let before = self.generation;
                 self.clean_streak = 0;
                 // One widening per generation: ten requests in flight that all come back 429
@@ -102,7 +112,9 @@ impl Budget {
                     self.generation += 1;
                 }
                 if let Some(pause) = retry_after {
-                    self.paused_until = self.paused_until.max(now + (*pause).min(rule.retry_after_max));
+                    self.paused_until = self
+                        .paused_until
+                        .max(now + (*pause).min(rule.retry_after_max));
                 }
                 self.generation != before
             }
@@ -146,7 +158,10 @@ mod tests {
         assert_eq!(b.reserve(&r, ms(140), None).unwrap().0, ms(200));
         // The n-th slot at full demand is start + n / rate.
         for n in 3..20 {
-            assert_eq!(b.reserve(&r, ms(n * 100 - 50), None).unwrap().0, ms(n * 100));
+            assert_eq!(
+                b.reserve(&r, ms(n * 100 - 50), None).unwrap().0,
+                ms(n * 100)
+            );
         }
     }
 
@@ -163,7 +178,9 @@ mod tests {
     fn burst_allows_that_many_at_once_then_spaces() {
         let r = rule(10.0, 3);
         let mut b = Budget::default();
-        let slots: Vec<_> = (0..5).map(|_| b.reserve(&r, ms(0), None).unwrap().0).collect();
+        let slots: Vec<_> = (0..5)
+            .map(|_| b.reserve(&r, ms(0), None).unwrap().0)
+            .collect();
         assert_eq!(slots, [ms(0), ms(0), ms(0), ms(100), ms(200)]);
     }
 
@@ -171,7 +188,14 @@ mod tests {
     fn pause_holds_every_slot() {
         let r = rule(10.0, 1);
         let mut b = Budget::default();
-        b.apply(&r, &Event::Throttled { generation: 0, retry_after: Some(ms(5000)) }, ms(0));
+        b.apply(
+            &r,
+            &Event::Throttled {
+                generation: 0,
+                retry_after: Some(ms(5000)),
+            },
+            ms(0),
+        );
         // Backoff is 2 now: 200 ms apart, from the end of the pause.
         assert_eq!(b.reserve(&r, ms(10), None).unwrap().0, ms(5000));
         assert_eq!(b.reserve(&r, ms(10), None).unwrap().0, ms(5200));
@@ -181,7 +205,14 @@ mod tests {
     fn pause_is_capped_by_retry_after_max() {
         let r = rule(10.0, 1);
         let mut b = Budget::default();
-        b.apply(&r, &Event::Throttled { generation: 0, retry_after: Some(Duration::from_secs(86400)) }, ms(0));
+        b.apply(
+            &r,
+            &Event::Throttled {
+                generation: 0,
+                retry_after: Some(Duration::from_secs(86400)),
+            },
+            ms(0),
+        );
         assert_eq!(b.paused_until, Duration::from_secs(60));
     }
 
@@ -190,7 +221,10 @@ mod tests {
         let r = rule(1.0, 1);
         let mut b = Budget::default();
         b.reserve(&r, ms(0), None).unwrap();
-        assert_eq!(b.reserve(&r, ms(0), Some(ms(500))), Err(NoSlot::TooLate { slot: ms(1000) }));
+        assert_eq!(
+            b.reserve(&r, ms(0), Some(ms(500))),
+            Err(NoSlot::TooLate { slot: ms(1000) })
+        );
         assert_eq!(b.reserve(&r, ms(0), Some(ms(1000))).unwrap().0, ms(1000));
     }
 
@@ -199,14 +233,35 @@ mod tests {
         let r = rule(10.0, 1);
         let mut b = Budget::default();
         for _ in 0..10 {
-            b.apply(&r, &Event::Throttled { generation: 0, retry_after: None }, ms(0));
+            b.apply(
+                &r,
+                &Event::Throttled {
+                    generation: 0,
+                    retry_after: None,
+                },
+                ms(0),
+            );
         }
         assert_eq!(b.backoff, 2.0);
         assert_eq!(b.generation, 1);
-        b.apply(&r, &Event::Throttled { generation: 1, retry_after: None }, ms(0));
+        b.apply(
+            &r,
+            &Event::Throttled {
+                generation: 1,
+                retry_after: None,
+            },
+            ms(0),
+        );
         assert_eq!(b.backoff, 4.0);
         for g in 2..10 {
-            b.apply(&r, &Event::Throttled { generation: g, retry_after: None }, ms(0));
+            b.apply(
+                &r,
+                &Event::Throttled {
+                    generation: g,
+                    retry_after: None,
+                },
+                ms(0),
+            );
         }
         assert_eq!(b.backoff, 8.0, "capped at backoff_max");
     }
@@ -225,8 +280,18 @@ mod tests {
         b.apply(&r, &Event::Clean, ms(0));
         assert_eq!(b.backoff, 2.0);
         assert_eq!(b.clean_streak, 0);
-        b.apply(&r, &Event::Throttled { generation: 99, retry_after: None }, ms(0));
-        assert_eq!(b.clean_streak, 0, "a throttle resets the streak even when it does not widen");
+        b.apply(
+            &r,
+            &Event::Throttled {
+                generation: 99,
+                retry_after: None,
+            },
+            ms(0),
+        );
+        assert_eq!(
+            b.clean_streak, 0,
+            "a throttle resets the streak even when it does not widen"
+        );
         for _ in 0..30 {
             b.apply(&r, &Event::Clean, ms(0));
         }

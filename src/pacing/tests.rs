@@ -35,7 +35,12 @@ async fn pacer(pace: Pace) -> Arc<Pacer> {
         pace,
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
-    let p = Arc::new(Pacer::new(&[dest], Arc::new(MemoryStore::ephemeral()), metrics, "test".into()));
+    let p = Arc::new(Pacer::new(
+        &[dest],
+        Arc::new(MemoryStore::ephemeral()),
+        metrics,
+        "test".into(),
+    ));
     p.start().await.unwrap();
     p
 }
@@ -47,7 +52,10 @@ fn far() -> Instant {
 fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
     let mut h = HeaderMap::new();
     for (k, v) in pairs {
-        h.insert(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+        h.insert(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
     }
     h
 }
@@ -80,7 +88,10 @@ fn ms(n: u64) -> Duration {
 #[tokio::test(start_paused = true)]
 async fn slots_are_handed_out_at_the_rate() {
     let p = pacer(pace(10.0)).await;
-    assert_eq!(grant_times(&p, 5).await, [ms(0), ms(100), ms(200), ms(300), ms(400)]);
+    assert_eq!(
+        grant_times(&p, 5).await,
+        [ms(0), ms(100), ms(200), ms(300), ms(400)]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -91,8 +102,15 @@ async fn fractional_rates() {
 
 #[tokio::test(start_paused = true)]
 async fn burst_then_the_rate() {
-    let p = pacer(Pace { burst: 3, ..pace(10.0) }).await;
-    assert_eq!(grant_times(&p, 5).await, [ms(0), ms(0), ms(0), ms(100), ms(200)]);
+    let p = pacer(Pace {
+        burst: 3,
+        ..pace(10.0)
+    })
+    .await;
+    assert_eq!(
+        grant_times(&p, 5).await,
+        [ms(0), ms(0), ms(0), ms(100), ms(200)]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -123,7 +141,11 @@ async fn no_slot_within_max_wait_is_refused_at_once() {
     let started = Instant::now();
     match p.admit("d", Instant::now() + ms(500)).await {
         Err(PaceError::Deadline { retry_after, .. }) => {
-            assert_eq!(started.elapsed(), Duration::ZERO, "refused without waiting for nothing");
+            assert_eq!(
+                started.elapsed(),
+                Duration::ZERO,
+                "refused without waiting for nothing"
+            );
             assert_eq!(retry_after, ms(1000));
         }
         other => panic!("expected a deadline refusal, got {:?}", other.err()),
@@ -143,7 +165,11 @@ async fn a_request_that_gives_up_leaves_the_queue_at_once() {
     assert_eq!(p.status().await[0].waiting, 1);
     abandoned.abort();
     let _ = abandoned.await;
-    assert_eq!(p.status().await[0].waiting, 0, "the queue forgets it at once");
+    assert_eq!(
+        p.status().await[0].waiting,
+        0,
+        "the queue forgets it at once"
+    );
     // The slot it was to get goes to the next request instead of being lost.
     let started = Instant::now();
     p.admit("d", far()).await.unwrap();
@@ -161,21 +187,36 @@ async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
         })
         .collect();
     tokio::time::sleep(ms(10)).await;
-    let verdict = p.observe(&first, 403, &HeaderMap::new(), "GET https://d/secret").await;
+    let verdict = p
+        .observe(&first, 403, &HeaderMap::new(), "GET https://d/secret")
+        .await;
     assert_eq!(verdict, Verdict::Lockout);
     let refused_at = Instant::now();
     for w in waiting {
         match w.await.unwrap() {
             Err(PaceError::Locked { lock, .. }) => {
-                assert_eq!((lock.status, lock.request.as_str()), (403, "GET https://d/secret"));
+                assert_eq!(
+                    (lock.status, lock.request.as_str()),
+                    (403, "GET https://d/secret")
+                );
             }
             other => panic!("expected a lockout refusal, got {other:?}"),
         }
     }
-    assert_eq!(refused_at.elapsed(), Duration::ZERO, "waiting requests are refused at once");
-    assert!(matches!(p.admit("d", far()).await, Err(PaceError::Locked { .. })));
+    assert_eq!(
+        refused_at.elapsed(),
+        Duration::ZERO,
+        "waiting requests are refused at once"
+    );
+    assert!(matches!(
+        p.admit("d", far()).await,
+        Err(PaceError::Locked { .. })
+    ));
     tokio::time::sleep(Duration::from_secs(86_400)).await;
-    assert!(matches!(p.admit("d", far()).await, Err(PaceError::Locked { .. })), "time never clears it");
+    assert!(
+        matches!(p.admit("d", far()).await, Err(PaceError::Locked { .. })),
+        "time never clears it"
+    );
     let status = p.status().await;
     assert_eq!(status[0].lock.as_ref().map(|l| l.status), Some(403));
     assert!(p.unlock("d").await.unwrap().is_some());
@@ -185,7 +226,11 @@ async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
 
 #[tokio::test(start_paused = true)]
 async fn ten_concurrent_throttles_widen_once() {
-    let p = pacer(Pace { burst: 10, ..pace(100.0) }).await;
+    let p = pacer(Pace {
+        burst: 10,
+        ..pace(100.0)
+    })
+    .await;
     let mut admitted = Vec::new();
     for _ in 0..10 {
         admitted.push(p.admit("d", far()).await.unwrap());
@@ -202,17 +247,32 @@ async fn ten_concurrent_throttles_widen_once() {
 async fn retry_after_pauses_every_request() {
     let p = pacer(pace(100.0)).await;
     let a = p.admit("d", far()).await.unwrap();
-    let v = p.observe(&a, 429, &headers(&[("retry-after", "3")]), "GET /").await;
-    assert_eq!(v, Verdict::Throttled { retry_after: Some(Duration::from_secs(3)) });
+    let v = p
+        .observe(&a, 429, &headers(&[("retry-after", "3")]), "GET /")
+        .await;
+    assert_eq!(
+        v,
+        Verdict::Throttled {
+            retry_after: Some(Duration::from_secs(3))
+        }
+    );
     assert!(p.status().await[0].paused_for_seconds > 2.9);
     let started = Instant::now();
     p.admit("d", far()).await.unwrap();
-    assert!(started.elapsed() >= Duration::from_secs(3), "waited {:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "waited {:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn decay_restores_the_rate_after_a_clean_streak() {
-    let p = pacer(Pace { decay_after: 3, ..pace(10.0) }).await;
+    let p = pacer(Pace {
+        decay_after: 3,
+        ..pace(10.0)
+    })
+    .await;
     let a = p.admit("d", far()).await.unwrap();
     p.observe(&a, 429, &HeaderMap::new(), "GET /").await;
     assert_eq!(p.status().await[0].backoff, 2.0);
@@ -225,13 +285,20 @@ async fn decay_restores_the_rate_after_a_clean_streak() {
 
 #[tokio::test(start_paused = true)]
 async fn max_concurrency_bounds_requests_in_flight() {
-    let p = pacer(Pace { max_concurrency: 2, ..pace(1000.0) }).await;
+    let p = pacer(Pace {
+        max_concurrency: 2,
+        ..pace(1000.0)
+    })
+    .await;
     let a = p.admit("d", far()).await.unwrap();
     let b = p.admit("d", far()).await.unwrap();
     let p2 = p.clone();
     let third = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| Instant::now()) });
     tokio::time::sleep(ms(500)).await;
-    assert!(!third.is_finished(), "a third request must wait while two are in flight");
+    assert!(
+        !third.is_finished(),
+        "a third request must wait while two are in flight"
+    );
     assert_eq!(p.status().await[0].in_flight, 2);
     let released = Instant::now();
     drop(a);
@@ -263,5 +330,8 @@ async fn stopping_refuses_waiters() {
     let waiting = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
     tokio::time::sleep(ms(10)).await;
     p.stop();
-    assert!(matches!(waiting.await.unwrap(), Err(PaceError::ShuttingDown)));
+    assert!(matches!(
+        waiting.await.unwrap(),
+        Err(PaceError::ShuttingDown)
+    ));
 }

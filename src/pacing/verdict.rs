@@ -89,7 +89,10 @@ mod tests {
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.insert(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -104,7 +107,10 @@ mod tests {
         #[test]
         fn parses_delta_seconds() {
             let h = headers(&[("retry-after", "120")]);
-            assert_eq!(retry_after(&h, SystemTime::now(), MAX), Some(Duration::from_secs(120)));
+            assert_eq!(
+                retry_after(&h, SystemTime::now(), MAX),
+                Some(Duration::from_secs(120))
+            );
         }
 
         #[test]
@@ -114,7 +120,10 @@ mod tests {
                 ("date", "Wed, 21 Oct 2015 07:28:00 GMT"),
             ]);
             // The local clock is years off; the response's own Date is the reference.
-            assert_eq!(retry_after(&h, SystemTime::now(), MAX), Some(Duration::from_secs(30)));
+            assert_eq!(
+                retry_after(&h, SystemTime::now(), MAX),
+                Some(Duration::from_secs(30))
+            );
         }
 
         #[test]
@@ -141,7 +150,11 @@ mod tests {
 
         #[test]
         fn caps_huge_values() {
-            for v in ["99999999999", "999999999999999999999999999999", "Fri, 31 Dec 9999 23:59:59 GMT"] {
+            for v in [
+                "99999999999",
+                "999999999999999999999999999999",
+                "Fri, 31 Dec 9999 23:59:59 GMT",
+            ] {
                 let h = headers(&[("retry-after", v)]);
                 assert_eq!(retry_after(&h, SystemTime::now(), MAX), Some(MAX), "{v:?}");
             }
@@ -219,7 +232,12 @@ mod tests {
             };
             let h = headers(&[("retry-after", "9")]);
             let now = SystemTime::now();
-            assert_eq!(classify(420, &h, &p, now), Verdict::Throttled { retry_after: Some(Duration::from_secs(9)) });
+            assert_eq!(
+                classify(420, &h, &p, now),
+                Verdict::Throttled {
+                    retry_after: Some(Duration::from_secs(9))
+                }
+            );
             assert_eq!(classify(451, &h, &p, now), Verdict::Lockout);
             assert_eq!(classify(403, &h, &p, now), Verdict::Clean);
             assert_eq!(classify(429, &h, &p, now), Verdict::Clean);

@@ -17,10 +17,12 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant as Deadline;
 use tokio_rustls::TlsAcceptor;
 
 use super::respond::{Outcome, ProxyError};
-use super::{BoxFuture, Handled, Proxy, Target};
+use super::{BoxFuture, Handled, PaceNote, Proxy, Target};
+use crate::pacing::Admission;
 use crate::server::{self, ConnectionSlot};
 use crate::tls::LeafSource;
 use crate::upstream::ProxyBody;
@@ -35,10 +37,18 @@ fn established() -> Response<ProxyBody> {
 impl Proxy {
     /// Answers a CONNECT whose target was already authorised and routed.
     pub(super) async fn connect(&self, req: Request<Incoming>, target: Target) -> Handled {
-        if target.destination.is_some() {
-            self.intercept(req, target)
-        } else {
-            self.tunnel(req, target).await
+        let Some(destination) = target.destination.clone() else {
+            return self.tunnel(req, target, None).await;
+        };
+        let pacer = &self.inner.pacer;
+        if pacer.pace(&destination).intercept {
+            return self.intercept(req, target);
+        }
+        // `intercept = false`: the tunnel takes one slot and sees no verdicts.
+        let deadline = Deadline::now() + pacer.pace(&destination).max_wait;
+        match pacer.admit(&destination, deadline).await {
+            Ok(admission) => self.tunnel(req, target, Some(admission)).await,
+            Err(e) => Handled::refused(ProxyError::Paced(e), Some(destination), target.authority()),
         }
     }
 
@@ -75,6 +85,7 @@ impl Proxy {
             destination: target.destination.clone(),
             target: target.authority(),
             reason: None,
+            pace: PaceNote::default(),
         };
         let proxy = self.clone();
         // The session counts against max_connections for as long as it lives.
@@ -136,7 +147,16 @@ impl Proxy {
         open.dec();
     }
 
-    async fn tunnel(&self, req: Request<Incoming>, target: Target) -> Handled {
+    async fn tunnel(
+        &self,
+        req: Request<Incoming>,
+        target: Target,
+        admission: Option<Admission>,
+    ) -> Handled {
+        let pace = PaceNote {
+            waited: admission.as_ref().map(|a| a.waited),
+            ..PaceNote::default()
+        };
         // Connect before answering, so a dead upstream is a 502, not a 200 and a reset.
         let upstream = match self
             .inner
@@ -156,7 +176,10 @@ impl Proxy {
         let authority = target.authority();
         let slot = req.extensions().get::<ConnectionSlot>().cloned();
         self.inner.shutdown.spawn(async move {
+            // Both live as long as the tunnel: it counts against max_connections and, for a
+            // destination, against max_concurrency.
             let _slot = slot;
+            let _admission = admission;
             let client = match hyper::upgrade::on(req).await {
                 Ok(u) => TokioIo::new(u),
                 Err(e) => {
@@ -180,9 +203,10 @@ impl Proxy {
         Handled {
             response: established(),
             outcome: Outcome::Tunneled,
-            destination: None,
+            destination: target.destination.clone(),
             target: target.authority(),
             reason: None,
+            pace,
         }
     }
 }

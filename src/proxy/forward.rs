@@ -1,17 +1,28 @@
-//! Forwarding one request upstream and streaming the response back.
+//! Forwarding one request upstream and streaming the response back; for a destination, through
+//! the pacer: wait for a slot, send, read the verdict, and retry a throttled idempotent request
+//! through a fresh slot.
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::header::{EXPECT, HOST};
+use http::request::Parts;
 use http::uri::Scheme;
-use http::{Request, Version};
-use http_body_util::BodyExt;
+use http::{Method, Request, Response, Uri, Version};
+use http_body::Body as _;
+use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
+use tokio::time::Instant;
 
 use super::respond::{Outcome, ProxyError};
 use super::{headers, Handled, Proxy};
 use crate::metrics::UNMATCHED;
-use crate::upstream::BoxError;
+use crate::pacing::verdict::Verdict;
+use crate::upstream::{BoxError, ProxyBody};
+
+/// A throttled response kept while its request is retried is read into memory up to this size;
+/// a larger one is handed to the client instead of retrying.
+const KEPT_BODY_LIMIT: usize = 64 * 1024;
 
 /// Where a request goes: always derived from the absolute-form URI or the CONNECT authority,
 /// never from an inner `Host` header or SNI, so a client cannot reach a host it was not routed
@@ -39,70 +50,220 @@ impl Target {
     }
 }
 
+/// A request ready for the upstream client, kept as parts so that a body-less request can be
+/// sent again.
+struct Outgoing {
+    parts: Parts,
+    body: Option<Incoming>,
+}
+
+impl Outgoing {
+    /// Another copy of a body-less request.
+    fn copy(&self) -> Request<ProxyBody> {
+        let mut req = Request::new(Empty::new().map_err(|never| match never {}).boxed());
+        *req.method_mut() = self.parts.method.clone();
+        *req.uri_mut() = self.parts.uri.clone();
+        *req.version_mut() = self.parts.version;
+        *req.headers_mut() = self.parts.headers.clone();
+        req
+    }
+
+    /// The request, sending the original body.
+    fn take(&mut self) -> Request<ProxyBody> {
+        let mut req = self.copy();
+        if let Some(body) = self.body.take() {
+            *req.body_mut() = body.map_err(BoxError::from).boxed();
+        }
+        req
+    }
+
+    /// GET, HEAD and OPTIONS with no body may be sent again after a throttle.
+    fn retryable(&self) -> bool {
+        matches!(
+            self.parts.method,
+            Method::GET | Method::HEAD | Method::OPTIONS
+        ) && self.body.as_ref().is_none_or(|b| b.is_end_stream())
+    }
+
+    /// The request line kept with a lockout: no query string, which may carry secrets.
+    fn request_line(&self) -> String {
+        let uri = &self.parts.uri;
+        let scheme = uri.scheme_str().unwrap_or("http");
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        format!("{} {scheme}://{authority}{}", self.parts.method, uri.path())
+    }
+}
+
+/// What a paced exchange adds to the canonical log line.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct PaceNote {
+    pub(super) waited: Option<std::time::Duration>,
+    pub(super) verdict: Option<Verdict>,
+    pub(super) retries: u32,
+}
+
 impl Proxy {
     /// Forwards a request to `target` and streams the response back. Bodies are streamed both
     /// ways, never buffered whole.
     pub(super) async fn forward(&self, req: Request<Incoming>, target: Target) -> Handled {
         let destination = target.destination.clone();
         let authority = target.authority();
-        match self.exchange(req, &target).await {
-            Ok(response) => {
-                self.inner
-                    .metrics
-                    .upstream_responses
-                    .with_label_values(&[
-                        destination.as_deref().unwrap_or(UNMATCHED),
-                        response.status().as_str(),
-                    ])
-                    .inc();
-                Handled {
-                    response,
-                    outcome: Outcome::Forwarded,
-                    destination,
-                    target: authority,
-                    reason: None,
-                }
-            }
-            Err(err) => Handled::refused(err, destination, authority),
+        let mut note = PaceNote::default();
+        let result = match prepare(req, &target) {
+            Err(e) => Err(e),
+            Ok(mut outgoing) => match &destination {
+                Some(dest) => self.paced(outgoing, dest, &mut note).await,
+                None => self.send(outgoing.take(), UNMATCHED).await,
+            },
+        };
+        match result {
+            Ok(response) => Handled {
+                response,
+                outcome: Outcome::Forwarded,
+                destination,
+                target: authority,
+                reason: None,
+                pace: note,
+            },
+            Err(err) => Handled {
+                pace: note,
+                ..Handled::refused(err, destination, authority)
+            },
         }
     }
 
-    async fn exchange(
+    /// Sends one request and returns the response with hop-by-hop headers removed.
+    async fn send(
         &self,
-        req: Request<Incoming>,
-        target: &Target,
-    ) -> Result<http::Response<crate::upstream::ProxyBody>, ProxyError> {
-        let (mut parts, body) = req.into_parts();
-        if let Some(protocol) = headers::upgrade_protocol(&parts.headers) {
-            return Err(ProxyError::UpgradeUnsupported { protocol });
-        }
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        parts.uri = format!("{}://{}{path}", target.scheme, target.authority())
-            .parse()
-            .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
-        if parts.version == Version::HTTP_2 {
-            headers::join_cookies(&mut parts.headers);
-        }
-        // The client connection picks HTTP/1.1 or h2 upstream by ALPN; the request itself must
-        // say HTTP/1.1 or an h1-only upstream refuses it.
-        parts.version = Version::HTTP_11;
-        headers::strip_hop_by_hop(&mut parts.headers);
-        // The client derives Host from the URI. `Expect` was answered on this side: hyper sends
-        // the 100 when the body is first read.
-        parts.headers.remove(HOST);
-        parts.headers.remove(EXPECT);
-        let body = body.map_err(BoxError::from).boxed();
-        let response = self
-            .inner
-            .upstream
-            .send(Request::from_parts(parts, body))
-            .await?;
+        req: Request<ProxyBody>,
+        label: &str,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let response = self.inner.upstream.send(req).await?;
+        self.inner
+            .metrics
+            .upstream_responses
+            .with_label_values(&[label, response.status().as_str()])
+            .inc();
         let (mut parts, body) = response.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers);
         parts.version = Version::HTTP_11;
-        Ok(http::Response::from_parts(
+        Ok(Response::from_parts(
             parts,
             body.map_err(BoxError::from).boxed(),
         ))
     }
+
+    async fn paced(
+        &self,
+        mut outgoing: Outgoing,
+        destination: &str,
+        note: &mut PaceNote,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let pacer = &self.inner.pacer;
+        let pace = pacer.pace(destination).clone();
+        let deadline = Instant::now() + pace.max_wait;
+        let retryable = outgoing.retryable();
+        let request_line = outgoing.request_line();
+        let mut last_throttled: Option<Response<ProxyBody>> = None;
+        loop {
+            let admission = match pacer.admit(destination, deadline).await {
+                Ok(a) => a,
+                // Out of time for another retry: the client gets the last throttled answer.
+                Err(_) if last_throttled.is_some() => {
+                    return Ok(last_throttled.take().expect("checked"))
+                }
+                Err(e) => return Err(ProxyError::Paced(e)),
+            };
+            *note.waited.get_or_insert_default() += admission.waited;
+            let req = if retryable {
+                outgoing.copy()
+            } else {
+                outgoing.take()
+            };
+            let response = self.send(req, destination).await?;
+            let verdict = pacer
+                .observe(
+                    &admission,
+                    response.status().as_u16(),
+                    response.headers(),
+                    &request_line,
+                )
+                .await;
+            note.verdict = Some(verdict);
+            let throttled = matches!(verdict, Verdict::Throttled { .. });
+            if throttled && retryable && note.retries < pace.retry_throttled {
+                if let Some(kept) = keep(response).await {
+                    note.retries += 1;
+                    self.inner
+                        .metrics
+                        .retries
+                        .with_label_values(&[destination])
+                        .inc();
+                    last_throttled = Some(kept);
+                    continue;
+                }
+                return Err(ProxyError::Upstream(
+                    crate::upstream::UpstreamError::Protocol(
+                        "the throttled response's body failed while it was read".into(),
+                    ),
+                ));
+            }
+            // The slot's concurrency permit and in-flight count last until the body is done.
+            let (parts, body) = response.into_parts();
+            let body = body.map_frame(move |frame| {
+                let _held = &admission;
+                frame
+            });
+            return Ok(Response::from_parts(parts, body.boxed()));
+        }
+    }
+}
+
+/// Reads a throttled response into memory so that its connection is free while the request
+/// is retried. `None` when the body fails or is larger than [`KEPT_BODY_LIMIT`]: it cannot be
+/// kept, so the caller must not retry.
+async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
+    let (parts, mut body) = response.into_parts();
+    let mut kept = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Some(data) = frame.ok()?.data_ref() {
+            if kept.len() + data.len() > KEPT_BODY_LIMIT {
+                return None;
+            }
+            kept.extend_from_slice(data);
+        }
+    }
+    let body = Full::new(Bytes::from(kept))
+        .map_err(|never| match never {})
+        .boxed();
+    Some(Response::from_parts(parts, body))
+}
+
+/// Rewrites a client request for the upstream: URI from the target, HTTP/1.1 version,
+/// hop-by-hop headers removed.
+fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyError> {
+    let (mut parts, body) = req.into_parts();
+    if let Some(protocol) = headers::upgrade_protocol(&parts.headers) {
+        return Err(ProxyError::UpgradeUnsupported { protocol });
+    }
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    parts.uri = format!("{}://{}{path}", target.scheme, target.authority())
+        .parse::<Uri>()
+        .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
+    if parts.version == Version::HTTP_2 {
+        headers::join_cookies(&mut parts.headers);
+    }
+    // The client connection picks HTTP/1.1 or h2 upstream by ALPN; the request itself must
+    // say HTTP/1.1 or an h1-only upstream refuses it.
+    parts.version = Version::HTTP_11;
+    headers::strip_hop_by_hop(&mut parts.headers);
+    // The client derives Host from the URI. `Expect` was answered on this side: hyper sends
+    // the 100 when the body is first read.
+    parts.headers.remove(HOST);
+    parts.headers.remove(EXPECT);
+    parts.extensions = http::Extensions::new();
+    Ok(Outgoing {
+        parts,
+        body: Some(body),
+    })
 }

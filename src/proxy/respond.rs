@@ -10,6 +10,7 @@ use http::header::{HeaderValue, CONTENT_TYPE, PROXY_AUTHENTICATE};
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
+use crate::pacing::PaceError;
 use crate::upstream::{ConnectError, ProxyBody, UpstreamError};
 
 /// How a request ended, for the `outcome` metric label and the canonical log line.
@@ -37,6 +38,12 @@ pub enum Outcome {
     UpstreamTimeout,
     /// pacegate itself failed.
     Internal,
+    /// Refused: the destination is locked out.
+    Locked,
+    /// Refused: no slot within `max_wait`.
+    Deadline,
+    /// Refused: the pacing store is unavailable, or pacegate is shutting down.
+    Unavailable,
 }
 
 impl Outcome {
@@ -54,6 +61,9 @@ impl Outcome {
             Self::UpstreamError => "upstream_error",
             Self::UpstreamTimeout => "upstream_timeout",
             Self::Internal => "internal_error",
+            Self::Locked => "locked",
+            Self::Deadline => "deadline",
+            Self::Unavailable => "unavailable",
         }
     }
 }
@@ -96,6 +106,33 @@ pub enum ProxyError {
     /// Something inside pacegate failed (a certificate could not be minted).
     #[error("{0}")]
     Internal(String),
+    /// The pacer gave no slot.
+    #[error("{}", paced_details(.0))]
+    Paced(PaceError),
+}
+
+fn paced_details(e: &PaceError) -> String {
+    match e {
+        PaceError::Locked { destination, lock } => format!(
+            "destination `{destination}` is locked out since {}: the upstream answered {} to `{}` (seen by {}); pacegate sends nothing to it until an operator runs `pacegate unlock {destination} --config FILE` or POSTs /destinations/{destination}/unlock on the admin listener",
+            humantime::format_rfc3339_seconds(lock.since),
+            lock.status,
+            lock.request,
+            lock.instance
+        ),
+        PaceError::Deadline { destination, max_wait, retry_after } => format!(
+            "no slot for destination `{destination}` within max_wait ({}); the destination is busy or paused, retry in about {}s",
+            humantime::format_duration(*max_wait),
+            retry_after_secs(*retry_after)
+        ),
+        PaceError::Store(e) => format!("pacing store unavailable: {e}"),
+        PaceError::ShuttingDown => "pacegate is shutting down; retry on another instance or after the restart".into(),
+    }
+}
+
+/// Whole seconds for `Retry-After`, rounded up, at least 1.
+fn retry_after_secs(d: std::time::Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0).max(u64::from(d.is_zero()))
 }
 
 impl ProxyError {
@@ -120,6 +157,26 @@ impl ProxyError {
                 "proxy_internal_error",
                 Outcome::Internal,
             ),
+            Self::Paced(p) => match p {
+                PaceError::Locked { .. } => {
+                    (S::FORBIDDEN, "destination_unavailable", Outcome::Locked)
+                }
+                PaceError::Deadline { .. } => (
+                    S::SERVICE_UNAVAILABLE,
+                    "destination_unavailable",
+                    Outcome::Deadline,
+                ),
+                PaceError::Store(_) => (
+                    S::SERVICE_UNAVAILABLE,
+                    "proxy_internal_error",
+                    Outcome::Unavailable,
+                ),
+                PaceError::ShuttingDown => (
+                    S::SERVICE_UNAVAILABLE,
+                    "proxy_internal_response",
+                    Outcome::Unavailable,
+                ),
+            },
             Self::Upstream(e) => match e {
                 UpstreamError::Connect(c) => match c {
                     ConnectError::Forbidden { .. } => (
@@ -187,6 +244,16 @@ impl ProxyError {
             HeaderValue::from_static("text/plain; charset=utf-8"),
         );
         headers.insert("proxy-status", proxy_status(token, &details));
+        let retry_after = match self {
+            Self::Paced(PaceError::Deadline { retry_after, .. }) => {
+                Some(retry_after_secs(*retry_after))
+            }
+            Self::Paced(PaceError::Store(_) | PaceError::ShuttingDown) => Some(1),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         if let Self::AuthRequired { realm } = self {
             let challenge = format!("Basic realm=\"{}\"", sf_escape(realm));
             if let Ok(v) = HeaderValue::from_str(&challenge) {
