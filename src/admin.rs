@@ -172,3 +172,89 @@ impl Admin {
         }
     }
 }
+
+/// Why a command could not talk to the admin listener.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The URL is not `http://host:port`.
+    #[error("`{0}` is not an admin URL like http://127.0.0.1:9464")]
+    BadUrl(String),
+    /// Nothing answered.
+    #[error("cannot reach the admin listener at {url}: {source} (is pacegate running? pass --admin URL if it listens elsewhere)")]
+    Unreachable {
+        /// The admin URL.
+        url: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The exchange failed.
+    #[error("admin request to {url} failed: {reason}")]
+    Http {
+        /// The admin URL.
+        url: String,
+        /// The cause.
+        reason: String,
+    },
+}
+
+/// The admin base URL a config implies: its listen address, with an unspecified IP replaced by
+/// loopback.
+pub fn url_for(listen: std::net::SocketAddr) -> String {
+    let ip = match listen.ip() {
+        std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    format!("http://{}", std::net::SocketAddr::new(ip, listen.port()))
+}
+
+/// One request to an admin listener at `base` (`http://host:port`); returns status and body.
+pub async fn call(
+    base: &str,
+    method: Method,
+    path: &str,
+    token: Option<&str>,
+) -> Result<(StatusCode, String), CallError> {
+    use http_body_util::{BodyExt, Empty};
+    let authority = base
+        .strip_prefix("http://")
+        .map(|rest| rest.trim_end_matches('/'))
+        .filter(|a| !a.is_empty() && !a.contains('/'))
+        .ok_or_else(|| CallError::BadUrl(base.to_owned()))?;
+    let http = |reason: String| CallError::Http {
+        url: base.to_owned(),
+        reason,
+    };
+    let stream = tokio::net::TcpStream::connect(authority)
+        .await
+        .map_err(|source| CallError::Unreachable {
+            url: base.to_owned(),
+            source,
+        })?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| http(e.to_string()))?;
+    tokio::spawn(conn);
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, authority);
+    if let Some(t) = token {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    let req = req
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| http(e.to_string()))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| http(e.to_string()))?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| http(e.to_string()))?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}

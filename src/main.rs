@@ -42,6 +42,29 @@ enum Command {
         #[command(subcommand)]
         command: CaCommand,
     },
+    /// Clear the lockout of a destination, through the admin listener the config names.
+    Unlock {
+        /// The destination (`[destinations.NAME]`).
+        name: String,
+        /// Config file (gives the admin listener and its token variable).
+        #[arg(long, env = "PACEGATE_CONFIG")]
+        config: PathBuf,
+        /// Admin listener to use instead of the config's, e.g. http://10.0.0.5:9464.
+        #[arg(long)]
+        admin: Option<String>,
+    },
+    /// Show every destination's pace, backoff, pause, lockout and queue.
+    Status {
+        /// Config file (gives the admin listener).
+        #[arg(long, env = "PACEGATE_CONFIG")]
+        config: PathBuf,
+        /// Admin listener to use instead of the config's.
+        #[arg(long)]
+        admin: Option<String>,
+        /// Print the JSON of GET /status instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -102,7 +125,110 @@ fn main() -> ExitCode {
         Command::Ca {
             command: CaCommand::Bundle { config, out },
         } => bundle(&config, &out),
+        Command::Unlock {
+            name,
+            config,
+            admin,
+        } => unlock(&name, &config, admin),
+        Command::Status {
+            config,
+            admin,
+            json,
+        } => status(&config, admin, json),
     }
+}
+
+/// Runs one admin call on a small runtime.
+fn admin_call(
+    config: &Config,
+    admin: Option<String>,
+    method: http::Method,
+    path: &str,
+) -> Result<(http::StatusCode, String), ExitCode> {
+    let base = admin.unwrap_or_else(|| pacegate::admin::url_for(config.admin.listen));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| fail(&e))?;
+    runtime
+        .block_on(pacegate::admin::call(
+            &base,
+            method,
+            path,
+            config.admin.token.as_deref(),
+        ))
+        .map_err(|e| fail(&e))
+}
+
+fn unlock(name: &str, path: &Path, admin: Option<String>) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if !config.destinations.iter().any(|d| d.name == name) {
+        eprintln!(
+            "error: {} has no destination named `{name}`",
+            path.display()
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
+    match admin_call(
+        &config,
+        admin,
+        http::Method::POST,
+        &format!("/destinations/{name}/unlock"),
+    ) {
+        Err(code) => code,
+        Ok((status, body)) if status.is_success() => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if v["was_locked"] == true {
+                println!(
+                    "unlocked {name} (locked since {} after {} to {})",
+                    v["lock"]["since"].as_str().unwrap_or("?"),
+                    v["lock"]["status"],
+                    v["lock"]["request"].as_str().unwrap_or("?")
+                );
+            } else {
+                println!("{name} was not locked");
+            }
+            ExitCode::SUCCESS
+        }
+        Ok((status, body)) => {
+            eprintln!(
+                "error: the admin listener answered {status}: {}",
+                body.trim()
+            );
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+fn status(path: &Path, admin: Option<String>, json: bool) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let body = match admin_call(&config, admin, http::Method::GET, "/status") {
+        Err(code) => return code,
+        Ok((s, body)) if s.is_success() => body,
+        Ok((s, body)) => {
+            eprintln!("error: the admin listener answered {s}: {}", body.trim());
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    if json {
+        println!("{body}");
+        return ExitCode::SUCCESS;
+    }
+    let rows: Vec<pacegate::pacing::DestinationStatus> = match serde_json::from_str(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: unexpected /status answer: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    print!("{}", pacegate::pacing::status_table(&rows));
+    ExitCode::SUCCESS
 }
 
 fn serve(path: &Path) -> ExitCode {

@@ -634,3 +634,58 @@ fn lock_free_view(lane: &Lane) -> BudgetView {
 
 #[cfg(test)]
 mod tests;
+
+/// `pacegate status` as a table: one line per destination.
+pub fn status_table(rows: &[DestinationStatus]) -> String {
+    let mut lines = vec![[
+        "DESTINATION".to_owned(),
+        "RATE".into(),
+        "EFFECTIVE".into(),
+        "BACKOFF".into(),
+        "ACHIEVED 10s/60s".into(),
+        "STREAK".into(),
+        "PAUSED".into(),
+        "WAITING".into(),
+        "IN FLIGHT".into(),
+        "OLDEST WAIT".into(),
+        "LOCKOUT".into(),
+    ]];
+    for r in rows {
+        lines.push([
+            r.destination.clone(),
+            format!("{}/s", r.rate),
+            format!("{:.3}/s", r.effective_rate),
+            format!("x{}", r.backoff),
+            format!("{:.2} / {:.2}", r.achieved_rate_10s, r.achieved_rate_60s),
+            r.clean_streak.to_string(),
+            if r.paused_for_seconds > 0.0 {
+                format!("{:.1}s", r.paused_for_seconds)
+            } else {
+                "-".into()
+            },
+            r.waiting.to_string(),
+            r.in_flight.to_string(),
+            format!("{:.1}s", r.oldest_wait_seconds),
+            r.lock.as_ref().map_or("-".into(), |l| {
+                format!(
+                    "LOCKED since {} by {} to {} (pacegate unlock {})",
+                    l.since, l.status, l.request, r.destination
+                )
+            }),
+        ]);
+    }
+    let widths: Vec<usize> = (0..11)
+        .map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for l in &lines {
+        let cells: Vec<String> = l
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}

@@ -54,7 +54,8 @@ where
     }
 }
 
-/// A pacegate running in-process, with its temp dir (CA files live there).
+/// A pacegate running in-process, with its temp dir (CA files, config and state file live
+/// there).
 pub struct TestProxy {
     pub running: Option<Running>,
     pub addr: SocketAddr,
@@ -62,12 +63,25 @@ pub struct TestProxy {
     pub dir: tempfile::TempDir,
 }
 
+/// Config file name inside a [`TestProxy`]'s dir.
+pub const CONFIG_FILE: &str = "pacegate.toml";
+
 impl TestProxy {
     /// Starts pacegate with `extra` TOML appended to a test base config: listeners on port 0,
     /// a CA generated in a temp dir, loopback upstreams allowed, and the fake upstream's CA
     /// trusted. `extra` may add `[destinations.*]` and any other section except `[proxy]`,
     /// `[admin]` and `[tls]`, whose keys go in `proxy_extra`.
     pub async fn start(upstream_ca: &Path, proxy_extra: &str, extra: &str) -> Self {
+        Self::start_with(upstream_ca, proxy_extra, "", extra).await
+    }
+
+    /// Like [`TestProxy::start`], with `admin_extra` keys in `[admin]`.
+    pub async fn start_with(
+        upstream_ca: &Path,
+        proxy_extra: &str,
+        admin_extra: &str,
+        extra: &str,
+    ) -> Self {
         init();
         let dir = tempfile::tempdir().unwrap();
         // Test defaults for [proxy], each dropped when the scenario sets that key itself.
@@ -87,6 +101,7 @@ listen = "127.0.0.1:0"
 
 [admin]
 listen = "127.0.0.1:0"
+{admin_extra}
 
 [tls]
 generate_ca = true
@@ -96,8 +111,14 @@ extra_upstream_roots = ["{}"]
 "#,
             upstream_ca.display()
         );
-        let config = Config::parse(&text, dir.path())
-            .unwrap_or_else(|p| panic!("test config invalid: {p:#?}\n{text}"));
+        std::fs::write(dir.path().join(CONFIG_FILE), &text).unwrap();
+        Self::start_in(dir).await
+    }
+
+    /// Starts pacegate on the config a previous [`TestProxy`] left in `dir`.
+    pub async fn start_in(dir: tempfile::TempDir) -> Self {
+        let config = Config::load(&dir.path().join(CONFIG_FILE))
+            .unwrap_or_else(|e| panic!("test config invalid: {e}"));
         let running = app::start(config).await.expect("pacegate starts");
         Self {
             addr: running.proxy_addr,
@@ -121,12 +142,40 @@ extra_upstream_roots = ["{}"]
         self.running.take().expect("running").stop().await
     }
 
+    /// Stops and starts again on the same config and state file (new ports).
+    pub async fn restart(mut self) -> Self {
+        self.stop().await;
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        Self::start_in(dir).await
+    }
+
+    /// `GET /status` from the admin listener.
+    pub async fn status(&self) -> serde_json::Value {
+        let text = admin_client()
+            .get(format!("http://{}/status", self.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// One destination's entry in `/status`.
+    pub async fn destination(&self, name: &str) -> serde_json::Value {
+        let all = self.status().await;
+        all.as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["destination"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} missing from /status: {all}"))
+    }
+
     /// The admin listener's `/metrics` text.
     pub async fn metrics(&self) -> String {
-        reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .unwrap()
+        admin_client()
             .get(format!("http://{}/metrics", self.admin))
             .send()
             .await
@@ -148,6 +197,11 @@ impl Drop for TestProxy {
             r.begin_shutdown();
         }
     }
+}
+
+/// A plain client for the admin listener.
+pub fn admin_client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
 /// The value of `series` in Prometheus text, 0 when absent.

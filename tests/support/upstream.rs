@@ -4,7 +4,10 @@
 //! Paths: `/status/{code}?h=Name:Value&...` answers that status with those headers;
 //! `/echo` streams the request body back; `/bytes/{n}` streams n bytes; `/gated/{n}` streams
 //! its first 64 KiB, then the rest once [`FakeUpstream::release`] is called; `/sleep/{ms}`
-//! answers after a delay; `/headers` lists the request headers; anything else says hello.
+//! answers after a delay; `/headers` lists the request headers; `/flaky/{n}/{key}` answers 429
+//! (with the `h=` headers) to the first n requests for that key, then 200;
+//! `/retry-date/{secs}` answers 429 with a `Date` and a `Retry-After` date secs after it;
+//! anything else says hello. `/status` also takes `delay={ms}`.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -105,6 +108,7 @@ pub struct Recorded {
 
 struct State {
     recorded: Mutex<Vec<Recorded>>,
+    flaky: Mutex<std::collections::HashMap<String, u32>>,
     received_bytes: AtomicU64,
     gate: Notify,
 }
@@ -129,6 +133,7 @@ impl FakeUpstream {
         let ca = TestCa::new();
         let state = Arc::new(State {
             recorded: Mutex::new(Vec::new()),
+            flaky: Mutex::new(std::collections::HashMap::new()),
             received_bytes: AtomicU64::new(0),
             gate: Notify::new(),
         });
@@ -304,18 +309,51 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
                 .fetch_add(d.len() as u64, Ordering::SeqCst);
         }
     }
+    let with_headers = |mut resp: Response<Body>| {
+        for pair in query.split('&').filter_map(|kv| kv.strip_prefix("h=")) {
+            let (k, v) = pair.split_once(':').unwrap();
+            let v = v.replace("%20", " ");
+            resp.headers_mut().append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(&v).unwrap(),
+            );
+        }
+        resp
+    };
     match segments.as_slice() {
         ["status", code] => {
-            let status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
-            let mut resp = full(status, format!("status {code}\n"));
-            for pair in query.split('&').filter_map(|kv| kv.strip_prefix("h=")) {
-                let (k, v) = pair.split_once(':').unwrap();
-                let v = v.replace("%20", " ");
-                resp.headers_mut().append(
-                    HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                    HeaderValue::from_str(&v).unwrap(),
-                );
+            if let Some(ms) = query.split('&').find_map(|kv| kv.strip_prefix("delay=")) {
+                tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
             }
+            let status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
+            with_headers(full(status, format!("status {code}\n")))
+        }
+        ["flaky", n, key] => {
+            let seen = {
+                let mut flaky = state.flaky.lock().unwrap();
+                let count = flaky.entry((*key).to_owned()).or_insert(0);
+                *count += 1;
+                *count
+            };
+            if seen <= n.parse().unwrap() {
+                with_headers(full(StatusCode::TOO_MANY_REQUESTS, "slow down\n"))
+            } else {
+                full(StatusCode::OK, "finally\n")
+            }
+        }
+        ["retry-date", secs] => {
+            let now = std::time::SystemTime::now();
+            let later = now + Duration::from_secs(secs.parse().unwrap());
+            let mut resp = full(StatusCode::TOO_MANY_REQUESTS, "come back later\n");
+            let h = resp.headers_mut();
+            h.insert(
+                "date",
+                HeaderValue::from_str(&httpdate::fmt_http_date(now)).unwrap(),
+            );
+            h.insert(
+                "retry-after",
+                HeaderValue::from_str(&httpdate::fmt_http_date(later)).unwrap(),
+            );
             resp
         }
         ["bytes", n] => Response::new(stream_body(n.parse().unwrap(), None)),

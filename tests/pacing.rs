@@ -1,0 +1,563 @@
+//! Pacing through the real proxy, measured where it matters: arrival times at the upstream.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::{admin_client, client, Alpn, FakeUpstream, TestProxy};
+
+/// A destination `local` for localhost with the given pacing keys.
+fn local(keys: &str) -> String {
+    format!("[destinations.local]\nhosts = [\"localhost\"]\n{keys}\n")
+}
+
+async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
+    TestProxy::start(&upstream.ca.cert_path, "", &local(keys)).await
+}
+
+/// Sends `n` GETs at once through the proxy; returns the statuses.
+async fn burst_of(proxy: &TestProxy, urls: Vec<String>) -> Vec<u16> {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let tasks: Vec<_> = urls
+        .into_iter()
+        .map(|url| {
+            let via = via.clone();
+            tokio::spawn(async move { via.get(url).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn arrivals(upstream: &FakeUpstream) -> Vec<Instant> {
+    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
+    at.sort();
+    at
+}
+
+/// The most arrivals in any window of length `window`.
+fn busiest(arrivals: &[Instant], window: Duration) -> usize {
+    (0..arrivals.len())
+        .map(|i| {
+            arrivals[i..]
+                .iter()
+                .take_while(|t| **t - arrivals[i] < window)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn the_rate_holds_at_the_upstream_for_http_and_https() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 20").await;
+    let urls = (0..40)
+        .map(|i| {
+            if i % 2 == 0 {
+                format!("{}/?{i}", upstream.http_url("localhost"))
+            } else {
+                format!("{}/?{i}", upstream.https_url("localhost"))
+            }
+        })
+        .collect();
+    let statuses = burst_of(&proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let at = arrivals(&upstream);
+    assert_eq!(at.len(), 40);
+    let span = *at.last().unwrap() - at[0];
+    assert!(
+        span >= Duration::from_millis(1900),
+        "40 requests at 20/s took only {span:?}"
+    );
+    let most = busiest(&at, Duration::from_secs(1));
+    assert!(
+        most <= 21,
+        "{most} requests reached the upstream within one second"
+    );
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains("pacegate_wait_seconds_count{destination=\"local\"} 40"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("pacegate_reservation_seconds_count{store=\"memory\"}"));
+}
+
+#[tokio::test]
+async fn fractional_rates() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 2.5").await;
+    let urls = (0..4)
+        .map(|i| format!("{}/?{i}", upstream.http_url("localhost")))
+        .collect();
+    burst_of(&proxy, urls).await;
+    let at = arrivals(&upstream);
+    for pair in at.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= Duration::from_millis(380), "gap {gap:?} at 2.5/s");
+    }
+    let s = proxy.destination("local").await;
+    assert_eq!(s["rate"], 2.5);
+}
+
+async fn gaps_of_three(proxy: &TestProxy, upstream: &FakeUpstream) -> Vec<Duration> {
+    upstream.clear();
+    let urls = (0..3)
+        .map(|i| format!("{}/?{i}", upstream.http_url("localhost")))
+        .collect();
+    burst_of(proxy, urls).await;
+    arrivals(upstream).windows(2).map(|p| p[1] - p[0]).collect()
+}
+
+#[tokio::test]
+async fn a_429_widens_the_spacing_until_the_clean_streak_decays_it() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 10\ndecay_after = 3\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/status/429", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    let s = proxy.destination("local").await;
+    assert_eq!(
+        (s["backoff"].as_f64(), s["effective_rate"].as_f64()),
+        (Some(2.0), Some(5.0))
+    );
+    // Backoff 2 at rate 10: 200 ms apart.
+    for gap in gaps_of_three(&proxy, &upstream).await {
+        assert!(
+            gap >= Duration::from_millis(190),
+            "gap {gap:?} while widened"
+        );
+    }
+    // Those three were clean: the backoff has decayed to 1, so 100 ms apart again.
+    assert_eq!(proxy.destination("local").await["backoff"], 1.0);
+    for gap in gaps_of_three(&proxy, &upstream).await {
+        assert!(
+            gap >= Duration::from_millis(90) && gap < Duration::from_millis(190),
+            "gap {gap:?} after decay"
+        );
+    }
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains("pacegate_verdicts_total{destination=\"local\",verdict=\"throttled\"} 1")
+    );
+    assert!(metrics.contains("pacegate_verdicts_total{destination=\"local\",verdict=\"clean\"} 6"));
+    assert!(metrics.contains("pacegate_backoff_multiplier{destination=\"local\"} 1"));
+}
+
+#[tokio::test]
+async fn ten_concurrent_429s_widen_once() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nburst = 10\nretry_throttled = 0").await;
+    // The upstream holds each answer, so all ten are in flight under one generation.
+    let urls = (0..10)
+        .map(|i| {
+            format!(
+                "{}/status/429?delay=300&i={i}",
+                upstream.http_url("localhost")
+            )
+        })
+        .collect();
+    let statuses = burst_of(&proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 429));
+    let s = proxy.destination("local").await;
+    assert_eq!(s["backoff"], 2.0, "{s}");
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_backoff_multiplier{destination=\"local\"} 2"));
+}
+
+#[tokio::test]
+async fn retry_after_seconds_pauses_every_request() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let resp = via
+        .get(format!(
+            "{}/status/429?h=Retry-After:2",
+            upstream.http_url("localhost")
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.headers()["retry-after"],
+        "2",
+        "the client sees the upstream's Retry-After"
+    );
+    let s = proxy.destination("local").await;
+    assert!(s["paused_for_seconds"].as_f64().unwrap() > 1.5, "{s}");
+    let metrics = proxy.metrics().await;
+    assert!(
+        !metrics.contains("pacegate_paused_until_seconds{destination=\"local\"} 0\n"),
+        "{metrics}"
+    );
+    // Another request, to another path, waits out the pause.
+    let resp = via
+        .get(format!("{}/other", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let at = arrivals(&upstream);
+    assert!(
+        at[1] - at[0] >= Duration::from_millis(1950),
+        "paused only {:?}",
+        at[1] - at[0]
+    );
+}
+
+#[tokio::test]
+async fn retry_after_as_an_http_date_pauses_every_request() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/retry-date/3", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    via.get(format!("{}/other", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    let at = arrivals(&upstream);
+    // The date is 3 s after the response's Date, which has whole-second precision: the pause
+    // from the response is between 2 and 3 s.
+    assert!(
+        at[1] - at[0] >= Duration::from_millis(1950),
+        "paused only {:?}",
+        at[1] - at[0]
+    );
+}
+
+#[tokio::test]
+async fn a_403_locks_out_until_an_operator_unlocks_even_across_a_restart() {
+    let upstream = FakeUpstream::start().await;
+    std::env::set_var("PACEGATE_TEST_ADMIN_TOKEN", "s3cret-token");
+    let proxy = TestProxy::start_with(
+        &upstream.ca.cert_path,
+        "",
+        "token_env = \"PACEGATE_TEST_ADMIN_TOKEN\"",
+        &local("rate = 100"),
+    )
+    .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let locking = format!("{}/status/403?secret=1", upstream.https_url("localhost"));
+    let resp = via.get(&locking).send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(
+        resp.headers().get("proxy-status").is_none(),
+        "the first 403 is the upstream's own"
+    );
+    let refused = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    let ps = refused.headers()["proxy-status"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        ps.contains("locked out") && ps.contains("pacegate unlock local"),
+        "{ps}"
+    );
+    assert!(!ps.contains("secret=1"), "query strings are not kept: {ps}");
+    assert_eq!(
+        upstream.recorded().len(),
+        1,
+        "nothing reaches a locked destination"
+    );
+    let s = proxy.destination("local").await;
+    assert_eq!(s["lock"]["status"], 403);
+    assert_eq!(
+        s["lock"]["request"],
+        format!("GET https://localhost:{}/status/403", upstream.https.port())
+    );
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_locked{destination=\"local\"} 1"));
+
+    let proxy = proxy.restart().await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let refused = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403, "still locked after a restart");
+    assert!(refused.headers().contains_key("proxy-status"));
+
+    let admin = admin_client();
+    let unlock = format!("http://{}/destinations/local/unlock", proxy.admin);
+    assert_eq!(
+        admin.post(&unlock).send().await.unwrap().status(),
+        401,
+        "POSTs need the token"
+    );
+    let resp = admin
+        .post(&unlock)
+        .bearer_auth("s3cret-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(body["was_locked"], true);
+    let resp = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "service restored");
+    assert_eq!(
+        proxy.destination("local").await["lock"],
+        serde_json::Value::Null
+    );
+}
+
+#[tokio::test]
+async fn throttled_gets_are_retried_and_posts_are_not() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 2").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let base = upstream.https_url("localhost");
+    let resp = via.get(format!("{base}/flaky/2/get")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "finally\n");
+    let resp = via
+        .post(format!("{base}/flaky/2/post"))
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429, "POST is never retried");
+    let resp = via
+        .get(format!("{base}/flaky/9/many?h=Retry-After:1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        429,
+        "after retry_throttled retries, the last throttled answer"
+    );
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert_eq!(resp.text().await.unwrap(), "slow down\n");
+    let count = |key: &str| {
+        upstream
+            .recorded()
+            .iter()
+            .filter(|r| r.path.contains(key))
+            .count()
+    };
+    assert_eq!((count("/get"), count("/post"), count("/many")), (3, 1, 3));
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_retries_total{destination=\"local\"} 4"));
+}
+
+#[tokio::test]
+async fn no_slot_within_max_wait_is_a_503_with_retry_after() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 1\nmax_wait = \"300ms\"").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..3)
+        .map(|i| {
+            let via = via.clone();
+            let url = format!("{}/?{i}", upstream.http_url("localhost"));
+            tokio::spawn(async move { via.get(url).send().await.unwrap() })
+        })
+        .collect();
+    let mut refused = 0;
+    for t in tasks {
+        let resp = t.await.unwrap();
+        if resp.status() == 503 {
+            refused += 1;
+            assert!(
+                resp.headers()["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse::<u64>()
+                    .unwrap()
+                    >= 1
+            );
+            let ps = resp.headers()["proxy-status"].to_str().unwrap();
+            assert!(
+                ps.contains("error=destination_unavailable") && ps.contains("max_wait"),
+                "{ps}"
+            );
+        } else {
+            assert_eq!(resp.status(), 200);
+        }
+    }
+    assert_eq!(refused, 2);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refusals came after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(upstream.recorded().len(), 1);
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_requests_total{destination=\"local\",outcome=\"deadline\"} 2"));
+}
+
+#[tokio::test]
+async fn a_client_that_gives_up_leaves_the_queue_at_once() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 0.5").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
+    assert_eq!(via.get(url("first")).send().await.unwrap().status(), 200);
+    let impatient = support::client_with(Some(&proxy.url()), &[], Alpn::Http1, |b| {
+        b.timeout(Duration::from_millis(300))
+    });
+    assert!(impatient.get(url("gone")).send().await.is_err());
+    support::eventually(Duration::from_secs(2), "the queue to empty", || async {
+        (proxy.destination("local").await["waiting"] == 0).then_some(())
+    })
+    .await;
+    let resp = via.get(url("next")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let paths: Vec<String> = upstream.recorded().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(
+        paths,
+        ["/first", "/next"],
+        "the abandoned request was never sent"
+    );
+    let at = arrivals(&upstream);
+    assert!(
+        at[1] - at[0] < Duration::from_millis(2500),
+        "its slot was passed on: {:?}",
+        at[1] - at[0]
+    );
+}
+
+#[tokio::test]
+async fn max_concurrency_bounds_requests_in_flight() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 1000\nmax_concurrency = 2").await;
+    let urls = (0..6)
+        .map(|i| format!("{}/sleep/300?{i}", upstream.http_url("localhost")))
+        .collect();
+    let proxy_ref = &proxy;
+    let watcher = async {
+        let mut most = 0;
+        for _ in 0..20 {
+            let s = proxy_ref.destination("local").await;
+            most = most.max(s["in_flight"].as_u64().unwrap());
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        most
+    };
+    let (statuses, most) = tokio::join!(burst_of(&proxy, urls), watcher);
+    assert!(statuses.iter().all(|s| *s == 200));
+    assert!(most <= 2 && most >= 1, "in flight peaked at {most}");
+    let at = arrivals(&upstream);
+    // Two at a time, each held 300 ms: the 3rd and 5th arrive a hold time after the 1st and 3rd.
+    assert!(
+        at[2] - at[0] >= Duration::from_millis(280),
+        "{:?}",
+        at[2] - at[0]
+    );
+    assert!(
+        at[4] - at[2] >= Duration::from_millis(280),
+        "{:?}",
+        at[4] - at[2]
+    );
+}
+
+#[tokio::test]
+async fn a_blind_tunnel_to_a_destination_takes_a_slot() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 2\nintercept = false").await;
+    // The client trusts only the upstream's CA: this works only through a blind tunnel.
+    let direct_trust = [upstream.ca.cert_path.as_path()];
+    let started = Instant::now();
+    for i in 0..3 {
+        let c = client(Some(&proxy.url()), &direct_trust, Alpn::Http1);
+        let resp = c
+            .get(format!("{}/?{i}", upstream.https_url("localhost")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "three tunnels at 2/s took {:?}",
+        started.elapsed()
+    );
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_requests_total{destination=\"local\",outcome=\"tunneled\"} 3"));
+}
+
+#[tokio::test]
+async fn status_command_prints_a_table() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 4").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    via.get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    let config = proxy.dir.path().join(support::CONFIG_FILE);
+    let admin = format!("http://{}", proxy.admin);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pacegate"))
+        .args([
+            "status",
+            "--config",
+            config.to_str().unwrap(),
+            "--admin",
+            &admin,
+        ])
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(table.starts_with("DESTINATION"), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("local"))
+        .expect("a row for local");
+    assert!(row.contains("4/s") && row.contains("x1"), "{row}");
+    let unlock = tokio::process::Command::new(env!("CARGO_BIN_EXE_pacegate"))
+        .args([
+            "unlock",
+            "local",
+            "--config",
+            config.to_str().unwrap(),
+            "--admin",
+            &admin,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(unlock.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&unlock.stdout).trim(),
+        "local was not locked"
+    );
+}
