@@ -61,7 +61,9 @@ fn reservation(c: &mut Criterion) {
                     t.await.unwrap();
                 }
                 // Wall time per reservation, all 64 tasks reserving at once.
-                started.elapsed().mul_f64(iters as f64 / (per_task * 64) as f64)
+                started
+                    .elapsed()
+                    .mul_f64(iters as f64 / (per_task * 64) as f64)
             })
         })
     });

@@ -7,16 +7,23 @@
 //! - [`server`]: accept loop on a bound listener, connection limit, one task per connection.
 //! - [`proxy`]: per request: authenticate, route, then forward / intercept / tunnel / refuse;
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
-//! - [`destination`]: host patterns and routing of a target to a configured destination.
+//! - [`destination`]: host patterns, routing of a target to a destination, its pacing keys.
+//! - [`pacing`]: the pacer: per-destination queues that slots are handed to, verdicts,
+//!   Retry-After; `pacing::verdict` reads a response.
+//! - [`budget`]: the store seam and the budget arithmetic both stores share
+//!   (`budget::schedule`); `budget::memory` is the embedded store.
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.
-//! - [`admin`]: the admin listener (`/metrics`, `/healthz`, `/readyz`).
+//! - [`admin`]: the admin listener (`/metrics`, `/status`, `/healthz`, `/readyz`, unlock) and
+//!   the client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
 //!
 //! Words (see `pacing-model.md` in the design notes): *client* sends through pacegate;
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
-//! server; *slot*, *budget*, *store*, *class* and *verdict* belong to the pacing engine.
+//! server; *slot* is the instant one request may be sent; *budget* is a destination's shared
+//! pacing state; *store* is where budgets live; *verdict* is what a response tells the pacer
+//! (clean, throttled, lockout, none); *class* (to come) is a request's priority.
 
 pub mod admin;
 pub mod app;

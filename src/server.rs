@@ -118,7 +118,7 @@ async fn refuse_overloaded(mut stream: TcpStream, limit: usize) {
     );
     let body = format!("pacegate: {details}\n");
     let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\nProxy-Status: pacegate; error=http_request_denied; details=\"{details}\"\r\nRetry-After: 1\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 503 Service Unavailable\r\nProxy-Status: pacegate; error=connection_limit_reached; details=\"{details}\"\r\nRetry-After: 1\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(head.as_bytes())).await;

@@ -337,10 +337,19 @@ async fn throttled_gets_are_retried_and_posts_are_not() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.text().await.unwrap(), "finally\n");
     // Even a body-less POST is never retried: it is not idempotent.
-    let resp = via.post(format!("{base}/flaky/2/post")).send().await.unwrap();
+    let resp = via
+        .post(format!("{base}/flaky/2/post"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 429, "POST is never retried");
     // Nor is a GET with a body.
-    let resp = via.get(format!("{base}/flaky/2/withbody")).body("x").send().await.unwrap();
+    let resp = via
+        .get(format!("{base}/flaky/2/withbody"))
+        .body("x")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 429, "a request with a body is never retried");
     let resp = via
         .get(format!("{base}/flaky/9/many?h=Retry-After:1"))
@@ -362,7 +371,12 @@ async fn throttled_gets_are_retried_and_posts_are_not() {
             .count()
     };
     assert_eq!(
-        (count("/get"), count("/post"), count("/withbody"), count("/many")),
+        (
+            count("/get"),
+            count("/post"),
+            count("/withbody"),
+            count("/many")
+        ),
         (3, 1, 1, 3)
     );
     assert!(proxy
