@@ -125,27 +125,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tls::upstream_client_config(roots)?,
     );
 
-    let bind = |what, addr| async move {
-        TcpListener::bind(addr)
+    let bind = |what: &'static str, addr: SocketAddr| async move {
+        let bound = async {
+            let listener = TcpListener::bind(addr).await?;
+            let local = listener.local_addr()?;
+            Ok::<_, std::io::Error>((listener, local))
+        };
+        bound
             .await
             .map_err(|source| StartError::Bind { what, addr, source })
     };
-    let proxy_listener = bind("proxy", config.proxy.listen).await?;
-    let admin_listener = bind("admin", config.admin.listen).await?;
-    let proxy_addr = proxy_listener
-        .local_addr()
-        .map_err(|source| StartError::Bind {
-            what: "proxy",
-            addr: config.proxy.listen,
-            source,
-        })?;
-    let admin_addr = admin_listener
-        .local_addr()
-        .map_err(|source| StartError::Bind {
-            what: "admin",
-            addr: config.admin.listen,
-            source,
-        })?;
+    let (proxy_listener, proxy_addr) = bind("proxy", config.proxy.listen).await?;
+    let (admin_listener, admin_addr) = bind("admin", config.admin.listen).await?;
 
     let shutdown = Shutdown::new();
     let proxy = Proxy::new(ProxyParts {

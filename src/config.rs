@@ -718,30 +718,46 @@ impl Validator<'_> {
                 "must be a number above 0 and at most 1000000",
             );
         }
-        let burst = d.burst.unwrap_or(1);
-        if burst == 0 {
+        let default = Pace::new(rate);
+        let pace = Pace {
+            burst: d.burst.unwrap_or(default.burst),
+            max_concurrency: d.max_concurrency.unwrap_or(default.max_concurrency),
+            max_wait: self.positive(&format!("{path}.max_wait"), d.max_wait, default.max_wait),
+            throttle_statuses: d
+                .throttle_statuses
+                .clone()
+                .unwrap_or(default.throttle_statuses.clone()),
+            lockout_statuses: d
+                .lockout_statuses
+                .clone()
+                .unwrap_or(default.lockout_statuses.clone()),
+            backoff_factor: d.backoff_factor.unwrap_or(default.backoff_factor),
+            backoff_max: d.backoff_max.unwrap_or(default.backoff_max),
+            decay_after: d.decay_after.unwrap_or(default.decay_after),
+            retry_after_max: self.positive(
+                &format!("{path}.retry_after_max"),
+                d.retry_after_max,
+                default.retry_after_max,
+            ),
+            retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
+            intercept: d.intercept.unwrap_or(default.intercept),
+            rate,
+        };
+        if pace.burst == 0 {
             self.push(&format!("{path}.burst"), "must be at least 1");
         }
-        let backoff_factor = d.backoff_factor.unwrap_or(2.0);
-        if !(backoff_factor.is_finite() && backoff_factor > 1.0) {
+        if !(pace.backoff_factor.is_finite() && pace.backoff_factor > 1.0) {
             self.push(&format!("{path}.backoff_factor"), "must be above 1");
         }
-        let backoff_max = d.backoff_max.unwrap_or(64.0);
-        if !(backoff_max.is_finite() && backoff_max >= 1.0) {
+        if !(pace.backoff_max.is_finite() && pace.backoff_max >= 1.0) {
             self.push(&format!("{path}.backoff_max"), "must be at least 1");
         }
-        let decay_after = d.decay_after.unwrap_or(100);
-        if decay_after == 0 {
+        if pace.decay_after == 0 {
             self.push(&format!("{path}.decay_after"), "must be at least 1");
         }
-        let throttle_statuses = d
-            .throttle_statuses
-            .clone()
-            .unwrap_or_else(|| vec![429, 503]);
-        let lockout_statuses = d.lockout_statuses.clone().unwrap_or_else(|| vec![403]);
         for (key, list) in [
-            ("throttle_statuses", &throttle_statuses),
-            ("lockout_statuses", &lockout_statuses),
+            ("throttle_statuses", &pace.throttle_statuses),
+            ("lockout_statuses", &pace.lockout_statuses),
         ] {
             for (i, s) in list.iter().enumerate() {
                 if !(100..=599).contains(s) {
@@ -752,37 +768,17 @@ impl Validator<'_> {
                 }
             }
         }
-        if let Some(both) = throttle_statuses
+        if let Some(both) = pace
+            .throttle_statuses
             .iter()
-            .find(|s| lockout_statuses.contains(s))
+            .find(|s| pace.lockout_statuses.contains(s))
         {
             self.push(
                 &format!("{path}.lockout_statuses"),
                 format!("{both} is also a throttle status; a status has one verdict"),
             );
         }
-        Pace {
-            rate,
-            burst,
-            max_concurrency: d.max_concurrency.unwrap_or(0),
-            max_wait: self.positive(
-                &format!("{path}.max_wait"),
-                d.max_wait,
-                Duration::from_secs(300),
-            ),
-            throttle_statuses,
-            lockout_statuses,
-            backoff_factor,
-            backoff_max,
-            decay_after,
-            retry_after_max: self.positive(
-                &format!("{path}.retry_after_max"),
-                d.retry_after_max,
-                Duration::from_secs(3600),
-            ),
-            retry_throttled: d.retry_throttled.unwrap_or(3),
-            intercept: d.intercept.unwrap_or(true),
-        }
+        pace
     }
 
     fn tls(&mut self, raw: RawTls) -> TlsConfig {

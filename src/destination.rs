@@ -11,6 +11,26 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+impl Pace {
+    /// The pacing keys at `rate` with every other key at its default.
+    pub fn new(rate: f64) -> Self {
+        Self {
+            rate,
+            burst: 1,
+            max_concurrency: 0,
+            max_wait: Duration::from_secs(300),
+            throttle_statuses: vec![429, 503],
+            lockout_statuses: vec![403],
+            backoff_factor: 2.0,
+            backoff_max: 64.0,
+            decay_after: 100,
+            retry_after_max: Duration::from_secs(3600),
+            retry_throttled: 3,
+            intercept: true,
+        }
+    }
+}
+
 /// The host part of a pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum HostMatch {

@@ -291,6 +291,8 @@ pub struct DestinationStatus {
     pub clean_streak: u32,
     /// Seconds left in a Retry-After pause (0 when none).
     pub paused_for_seconds: f64,
+    /// When the pause ends (RFC 3339), if paused.
+    pub paused_until: Option<String>,
     /// The lockout, when locked.
     pub lock: Option<LockStatus>,
     /// Requests waiting for a slot.
@@ -542,6 +544,10 @@ impl Pacer {
                 achieved_rate_60s: rate_60,
                 clean_streak: seen.clean_streak,
                 paused_for_seconds: seen.paused_for.as_secs_f64(),
+                paused_until: (!seen.paused_for.is_zero()).then(|| {
+                    humantime::format_rfc3339_seconds(SystemTime::now() + seen.paused_for)
+                        .to_string()
+                }),
                 lock: seen.lock.as_ref().map(LockStatus::from),
                 waiting: lane.admitting.load(Ordering::Relaxed).max(waiting),
                 in_flight: lane.in_flight.load(Ordering::Relaxed),
@@ -607,9 +613,10 @@ async fn dispatch(
                 }
             }
             Err(ReserveError::Locked(lock)) => {
+                let seen = self::lock(&lane.seen).clone();
                 lane.note(BudgetView {
                     lock: Some(lock.clone()),
-                    ..lock_free_view(&lane)
+                    ..seen
                 });
                 lane.refuse_all(&lane.locked_error(lock));
             }
@@ -626,10 +633,6 @@ async fn dispatch(
             }
         }
     }
-}
-
-fn lock_free_view(lane: &Lane) -> BudgetView {
-    lock(&lane.seen).clone()
 }
 
 #[cfg(test)]

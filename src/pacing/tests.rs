@@ -12,20 +12,7 @@ use crate::budget::memory::MemoryStore;
 use crate::destination::{Destination, Pace};
 
 fn pace(rate: f64) -> Pace {
-    Pace {
-        rate,
-        burst: 1,
-        max_concurrency: 0,
-        max_wait: Duration::from_secs(300),
-        throttle_statuses: vec![429, 503],
-        lockout_statuses: vec![403],
-        backoff_factor: 2.0,
-        backoff_max: 64.0,
-        decay_after: 100,
-        retry_after_max: Duration::from_secs(3600),
-        retry_throttled: 3,
-        intercept: true,
-    }
+    Pace::new(rate)
 }
 
 async fn pacer(pace: Pace) -> Arc<Pacer> {

@@ -189,18 +189,8 @@ mod tests {
 
         fn pace() -> Pace {
             Pace {
-                rate: 1.0,
-                burst: 1,
-                max_concurrency: 0,
-                max_wait: Duration::from_secs(300),
-                throttle_statuses: vec![429, 503],
-                lockout_statuses: vec![403],
-                backoff_factor: 2.0,
-                backoff_max: 64.0,
-                decay_after: 100,
                 retry_after_max: MAX,
-                retry_throttled: 3,
-                intercept: true,
+                ..Pace::new(1.0)
             }
         }
 
