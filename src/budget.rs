@@ -6,6 +6,7 @@
 //! come) for every instance at once. Nothing here knows HTTP or how responses are classified.
 
 pub mod memory;
+pub mod postgres;
 pub mod schedule;
 
 #[cfg(test)]

@@ -241,7 +241,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn passes_the_store_contract() {
-        contract::run_all(|| async { MemoryStore::ephemeral() }).await;
+        contract::run_all(|| async { MemoryStore::ephemeral() }, Duration::ZERO).await;
     }
 
     #[tokio::test(start_paused = true)]

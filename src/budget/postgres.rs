@@ -1,0 +1,416 @@
+//! The shared store: one Postgres row per destination holds the whole budget, so every
+//! instance on every host that points at the same database shares one ceiling.
+//!
+//! Each operation is one statement calling a function from `migrations/` (`pacegate_reserve`,
+//! `pacegate_record`), run on an autocommit pooled connection that is returned before the
+//! caller waits for its slot. The database clock is the only clock compared: a reservation
+//! returns the slot and `clock_timestamp()`, and the instance turns their difference into a
+//! local monotonic deadline measured from when the answer arrived, which can only make it
+//! later, never earlier.
+
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio::time::Instant;
+use tokio_postgres::NoTls;
+
+use super::{
+    BudgetView, Event, Lockout, Reservation, ReserveError, Rule, Store, StoreError, StoreFuture,
+};
+
+/// The schema's migrations, in order, embedded in the binary.
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "budgets",
+    include_str!("../../migrations/0001_budgets.sql"),
+)];
+
+/// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).
+const MIGRATION_LOCK: i64 = 0x7061_6365_6761_7465; // "pacegate"
+
+const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS pacegate_schema_migrations (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now())";
+const SQL_RESERVE: &str =
+    "SELECT granted, slot, db_now, generation, lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_reserve($1, $2, $3, $4)";
+const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for, lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+const SQL_UNLOCK: &str = "WITH old AS (
+        SELECT destination, lock_since, lock_status, lock_request, lock_instance
+        FROM pacegate_budgets WHERE destination = $1 AND lock_status IS NOT NULL FOR UPDATE)
+    UPDATE pacegate_budgets AS b
+    SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
+    FROM old WHERE b.destination = old.destination
+    RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
+const SQL_VIEW: &str = "SELECT backoff, generation, clean_streak,
+        CASE WHEN paused_until > clock_timestamp()
+            THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
+        lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_budgets WHERE destination = $1";
+
+fn db(e: impl std::fmt::Display) -> StoreError {
+    StoreError(format!("postgres: {e}"))
+}
+
+/// Budgets in Postgres.
+pub struct PostgresStore {
+    pool: Pool,
+}
+
+impl PostgresStore {
+    /// A store over a pool of at most `connections` connections to `url`. Connects lazily.
+    pub fn new(url: &str, connections: usize) -> Result<Self, StoreError> {
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| StoreError(format!("store URL: {e}")))?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(connections)
+            .build()
+            .map_err(|e| StoreError(format!("store pool: {e}")))?;
+        Ok(Self { pool })
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool.get().await.map_err(db)
+    }
+
+    /// Applies the embedded migrations that the database lacks, under an advisory lock, in
+    /// one transaction. Refuses a database whose schema is newer than this binary. Returns
+    /// the versions applied.
+    pub async fn migrate(&self) -> Result<Vec<i32>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(db)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(db)?;
+        tx.batch_execute(CREATE_MIGRATIONS_TABLE)
+            .await
+            .map_err(db)?;
+        let applied: Vec<i32> = tx
+            .query("SELECT version FROM pacegate_schema_migrations", &[])
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        check_not_newer(&applied)?;
+        let mut done = Vec::new();
+        for (version, name, sql) in MIGRATIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            tx.batch_execute(sql)
+                .await
+                .map_err(|e| StoreError(format!("migration {version} ({name}) failed: {e}")))?;
+            tx.execute(
+                "INSERT INTO pacegate_schema_migrations (version, name) VALUES ($1, $2)",
+                &[version, name],
+            )
+            .await
+            .map_err(db)?;
+            done.push(*version);
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(done)
+    }
+
+    /// Checks that the schema is exactly the one this binary knows (for `migrate = false`).
+    pub async fn check_schema(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let applied: Vec<i32> = match client
+            .query("SELECT version FROM pacegate_schema_migrations", &[])
+            .await
+        {
+            Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+            Err(_) => Vec::new(),
+        };
+        check_not_newer(&applied)?;
+        if let Some((missing, _, _)) = MIGRATIONS.iter().find(|(v, _, _)| !applied.contains(v)) {
+            return Err(StoreError(format!(
+                "the store's schema lacks migration {missing}: run `pacegate migrate --store URL` or set [store] migrate = true"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn check_not_newer(applied: &[i32]) -> Result<(), StoreError> {
+    let known = MIGRATIONS.last().map_or(0, |m| m.0);
+    match applied.iter().max() {
+        Some(newest) if *newest > known => Err(StoreError(format!(
+            "the store's schema is at version {newest}, newer than this pacegate binary knows ({known}); upgrade pacegate"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn lockout(
+    since: Option<SystemTime>,
+    status: Option<i32>,
+    request: Option<String>,
+    instance: Option<String>,
+) -> Option<Lockout> {
+    Some(Lockout {
+        since: since?,
+        status: u16::try_from(status?).unwrap_or(0),
+        request: request.unwrap_or_default(),
+        instance: instance.unwrap_or_default(),
+    })
+}
+
+fn view_of(row: &tokio_postgres::Row) -> BudgetView {
+    BudgetView {
+        backoff: row.get(0),
+        generation: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
+        clean_streak: u32::try_from(row.get::<_, i32>(2)).unwrap_or(0),
+        paused_for: Duration::from_secs_f64(row.get::<_, f64>(3).max(0.0)),
+        lock: lockout(row.get(4), row.get(5), row.get(6), row.get(7)),
+    }
+}
+
+/// `later - earlier` on the database clock, zero when negative.
+fn after(later: SystemTime, earlier: SystemTime) -> Duration {
+    later.duration_since(earlier).unwrap_or_default()
+}
+
+impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        not_after: Option<Instant>,
+    ) -> StoreFuture<'a, Result<Reservation, ReserveError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let limit =
+                not_after.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
+            let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
+            let statement = client.prepare_cached(SQL_RESERVE).await.map_err(db)?;
+            let row = client
+                .query_one(
+                    &statement,
+                    &[&destination, &rule.interval.as_secs_f64(), &burst, &limit],
+                )
+                .await
+                .map_err(db)?;
+            // Measured from the answer's arrival: the conversion can only delay the slot.
+            let arrived = Instant::now();
+            drop(client);
+            let granted: bool = row.get(0);
+            let slot: Option<SystemTime> = row.get(1);
+            let db_now: SystemTime = row.get(2);
+            if let Some(lock) = lockout(row.get(4), row.get(5), row.get(6), row.get(7)) {
+                return Err(ReserveError::Locked(lock));
+            }
+            let slot =
+                slot.ok_or_else(|| StoreError("pacegate_reserve returned no slot".into()))?;
+            let at = arrived + after(slot, db_now);
+            if !granted {
+                return Err(ReserveError::TooLate { slot: at });
+            }
+            Ok(Reservation {
+                at,
+                generation: u64::try_from(row.get::<_, i64>(3)).unwrap_or(0),
+            })
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let (kind, generation, retry_after, lock) = match &event {
+                Event::Clean => ("clean", 0i64, None, None),
+                Event::Throttled {
+                    generation,
+                    retry_after,
+                } => (
+                    "throttled",
+                    i64::try_from(*generation).unwrap_or(i64::MAX),
+                    retry_after.map(|d| d.as_secs_f64()),
+                    None,
+                ),
+                Event::Lockout(l) => ("lockout", 0, None, Some(l)),
+            };
+            let decay_after = i32::try_from(rule.decay_after).unwrap_or(i32::MAX);
+            let client = self.client().await?;
+            let statement = client.prepare_cached(SQL_RECORD).await.map_err(db)?;
+            let row = client
+                .query_one(
+                    &statement,
+                    &[
+                        &destination,
+                        &kind,
+                        &generation,
+                        &retry_after,
+                        &rule.backoff_factor,
+                        &rule.backoff_max,
+                        &decay_after,
+                        &rule.retry_after_max.as_secs_f64(),
+                        &lock.map(|l| i32::from(l.status)),
+                        &lock.map(|l| l.request.as_str()),
+                        &lock.map(|l| l.instance.as_str()),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(view_of(&row))
+        })
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(SQL_UNLOCK, &[&destination])
+                .await
+                .map_err(db)?;
+            Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
+        })
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(SQL_VIEW, &[&destination])
+                .await
+                .map_err(db)?;
+            Ok(row.map_or(
+                BudgetView {
+                    backoff: 1.0,
+                    ..BudgetView::default()
+                },
+                |r| view_of(&r),
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testdb {
+    //! A fresh database per test, in the server `PACEGATE_TEST_DATABASE_URL` names.
+
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// Creates a new empty database and returns its URL.
+    pub(crate) async fn fresh() -> String {
+        let admin = std::env::var("PACEGATE_TEST_DATABASE_URL").unwrap_or_else(|_| {
+            panic!(
+                "PACEGATE_TEST_DATABASE_URL is not set: run the tests through scripts/test, which starts a throwaway PostgreSQL, or point it at a server where the tests may create databases"
+            )
+        });
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "pacegate_unit_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let (client, conn) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to PACEGATE_TEST_DATABASE_URL: {e}"));
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap();
+        let mut config: tokio_postgres::Config = admin.parse().unwrap();
+        config.dbname(&name);
+        let (host, port) = match (config.get_hosts().first(), config.get_ports().first()) {
+            (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => (h.clone(), *p),
+            _ => panic!("PACEGATE_TEST_DATABASE_URL must name a TCP host and port"),
+        };
+        let user = config.get_user().unwrap_or("postgres");
+        let password = config
+            .get_password()
+            .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+            .unwrap_or_default();
+        format!("postgres://{user}{password}@{host}:{port}/{name}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::contract;
+
+    async fn store() -> PostgresStore {
+        let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
+        assert_eq!(store.migrate().await.unwrap(), [1]);
+        store
+    }
+
+    #[tokio::test]
+    async fn passes_the_store_contract() {
+        contract::run_all(store, Duration::from_millis(20)).await;
+    }
+
+    #[tokio::test]
+    async fn migrations_apply_once_and_concurrently() {
+        let url = testdb::fresh().await;
+        let stores: Vec<_> = (0..10)
+            .map(|_| PostgresStore::new(&url, 2).unwrap())
+            .collect();
+        let results = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+        let applied: Vec<Vec<i32>> = results.into_iter().map(Result::unwrap).collect();
+        assert_eq!(
+            applied.iter().filter(|a| !a.is_empty()).count(),
+            1,
+            "{applied:?}"
+        );
+        stores[0].check_schema().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_newer_schema_is_refused() {
+        let store = store().await;
+        let client = store.client().await.unwrap();
+        client
+            .execute(
+                "INSERT INTO pacegate_schema_migrations (version, name) VALUES (999, 'future')",
+                &[],
+            )
+            .await
+            .unwrap();
+        drop(client);
+        let err = store.migrate().await.unwrap_err();
+        assert!(err.0.contains("newer than this pacegate binary"), "{err}");
+        assert!(store.check_schema().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_missing_row_is_recreated_at_now() {
+        let store = store().await;
+        let rule = contract::rule(10.0);
+        store.reserve("d", &rule, None).await.unwrap();
+        store
+            .client()
+            .await
+            .unwrap()
+            .execute("TRUNCATE pacegate_budgets", &[])
+            .await
+            .unwrap();
+        let now = Instant::now();
+        let slot = store.reserve("d", &rule, None).await.unwrap();
+        assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
+    }
+}
