@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
 use crate::budget::memory::MemoryStore;
+use crate::budget::postgres::PostgresStore;
 use crate::budget::{Store, StoreError};
 use crate::config::{Backend, Config};
 use crate::destination::Routes;
@@ -106,9 +107,17 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let store: Arc<dyn Store> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::open(&config.store.state_file)?),
         Backend::Postgres => {
-            return Err(
-                StoreError("the postgres store is not available in this version".into()).into(),
-            )
+            let url = config.store.url.as_deref().unwrap_or_default();
+            let store = PostgresStore::new(url, config.store.connections)?;
+            if config.store.migrate {
+                let applied = store.migrate().await?;
+                if !applied.is_empty() {
+                    tracing::info!(?applied, "applied store migrations");
+                }
+            } else {
+                store.check_schema().await?;
+            }
+            Arc::new(store)
         }
     };
     let pacer = Arc::new(Pacer::new(

@@ -227,18 +227,37 @@ pub enum Backend {
     /// In process memory, persisted to `state_file`: one instance.
     #[default]
     Memory,
-    /// Postgres, shared by every instance (not in this version).
+    /// Postgres, shared by every instance that points at the same database.
     Postgres,
 }
 
 /// `[store]`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Clone, Serialize)]
 pub struct StoreConfig {
     /// Default `memory`.
     pub backend: Backend,
     /// Where the memory store keeps lockouts and backoff across restarts. Default
     /// `pacegate-state.json` beside the config file.
     pub state_file: PathBuf,
+    /// The postgres store's URL, from `url` or else `PACEGATE_STORE_URL` (kept out of the
+    /// normalised config: it may hold a password).
+    #[serde(skip)]
+    pub url: Option<String>,
+    /// Connections the postgres store may open. Default 8.
+    pub connections: usize,
+    /// Apply the embedded migrations at start (under an advisory lock). Default true.
+    pub migrate: bool,
+}
+
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("backend", &self.backend)
+            .field("state_file", &self.state_file)
+            .field("connections", &self.connections)
+            .field("migrate", &self.migrate)
+            .finish_non_exhaustive()
+    }
 }
 
 /// `[tls]`: the local CA that intercepted sessions are signed by, and upstream trust.
@@ -466,6 +485,12 @@ struct RawAdmin {
 struct RawStore {
     backend: Option<Backend>,
     state_file: Option<PathBuf>,
+    url: Option<String>,
+    connections: Option<usize>,
+    migrate: Option<bool>,
+    // Every other key is collected so that reserved keys get their own message.
+    #[serde(flatten)]
+    rest: BTreeMap<String, toml::Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -692,8 +717,34 @@ impl Validator<'_> {
 
     fn store(&mut self, raw: RawStore) -> StoreConfig {
         let backend = raw.backend.unwrap_or_default();
+        for key in raw.rest.keys() {
+            let msg = if ["on_unavailable", "instances_hint"].contains(&key.as_str()) {
+                "is reserved for a later version of pacegate; this one refuses requests while the store is unreachable"
+            } else {
+                "unknown key"
+            };
+            self.push(&format!("store.{key}"), msg);
+        }
+        let url = raw.url.or_else(|| {
+            std::env::var("PACEGATE_STORE_URL")
+                .ok()
+                .filter(|u| !u.is_empty())
+        });
         if backend == Backend::Postgres {
-            self.push("store.backend", "\"postgres\" is not available in this version of pacegate; use \"memory\" (one instance)");
+            match &url {
+                None => self.push(
+                    "store.url",
+                    "is required with backend = \"postgres\" (or set PACEGATE_STORE_URL, which keeps the password out of the file)",
+                ),
+                Some(u) if u.parse::<tokio_postgres::Config>().is_err() => {
+                    self.push("store.url", "is not a postgres URL like postgres://user@host:5432/db");
+                }
+                Some(_) => {}
+            }
+        }
+        let connections = raw.connections.unwrap_or(8);
+        if connections < 2 {
+            self.push("store.connections", "must be at least 2");
         }
         StoreConfig {
             backend,
@@ -701,6 +752,9 @@ impl Validator<'_> {
                 raw.state_file
                     .unwrap_or_else(|| "pacegate-state.json".into()),
             ),
+            url,
+            connections,
+            migrate: raw.migrate.unwrap_or(true),
         }
     }
 

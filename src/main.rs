@@ -53,6 +53,12 @@ enum Command {
         #[arg(long)]
         admin: Option<String>,
     },
+    /// Apply the postgres store's migrations (serve does it too, unless [store] migrate = false).
+    Migrate {
+        /// The store, e.g. postgres://pacegate@db:5432/pacegate.
+        #[arg(long, env = "PACEGATE_STORE_URL")]
+        store: String,
+    },
     /// Show every destination's pace, backoff, pause, lockout and queue.
     Status {
         /// Config file (gives the admin listener).
@@ -125,6 +131,7 @@ fn main() -> ExitCode {
         Command::Ca {
             command: CaCommand::Bundle { config, out },
         } => bundle(&config, &out),
+        Command::Migrate { store } => migrate(&store),
         Command::Unlock {
             name,
             config,
@@ -158,6 +165,34 @@ fn admin_call(
             config.admin.token.as_deref(),
         ))
         .map_err(|e| fail(&e))
+}
+
+fn migrate(url: &str) -> ExitCode {
+    let store = match pacegate::budget::postgres::PostgresStore::new(url, 2) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&e),
+    };
+    match runtime.block_on(store.migrate()) {
+        Ok(applied) if applied.is_empty() => {
+            println!("the store's schema is up to date");
+            ExitCode::SUCCESS
+        }
+        Ok(applied) => {
+            println!("applied migrations {applied:?}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
 }
 
 fn unlock(name: &str, path: &Path, admin: Option<String>) -> ExitCode {

@@ -404,8 +404,14 @@ impl Pacer {
         if self.stop.is_cancelled() {
             return Err(PaceError::ShuttingDown);
         }
-        if let Some(lock) = lane.locked.borrow().clone() {
-            return Err(lane.locked_error(lock));
+        if lane.locked.borrow().is_some() {
+            // Confirm with the store: another instance may have unlocked it.
+            if let Ok(view) = self.store.view(&lane.name).await {
+                lane.note(view);
+            }
+            if let Some(lock) = lane.locked.borrow().clone() {
+                return Err(lane.locked_error(lock));
+            }
         }
         lane.admitting.fetch_add(1, Ordering::Relaxed);
         let _admitting = Admitting(lane);
@@ -561,6 +567,10 @@ impl Pacer {
     }
 }
 
+/// How often a dispatcher waiting for a distant slot checks the budget for a lockout taken by
+/// another instance.
+const LOCK_POLL: Duration = Duration::from_millis(500);
+
 /// One destination's dispatcher: reserves a slot whenever someone waits, sleeps until it, and
 /// hands it out.
 async fn dispatch(
@@ -596,17 +606,29 @@ async fn dispatch(
         match reserved {
             Ok(slot) => {
                 locked.borrow_and_update();
-                tokio::select! {
-                    () = tokio::time::sleep_until(slot.at) => {}
-                    _ = locked.changed() => {
-                        // Locked while waiting for the slot: the slot must not be used.
-                        if let Some(lock) = locked.borrow_and_update().clone() {
-                            lane.refuse_all(&lane.locked_error(lock));
-                            continue;
-                        }
-                        tokio::time::sleep_until(slot.at).await;
+                // Wait for the slot. Another instance may lock the destination meanwhile
+                // (a shared store), so a long wait looks at the budget every LOCK_POLL:
+                // waiters are refused promptly, and the slot is never used.
+                let lockout = loop {
+                    let wake = slot.at.min(Instant::now() + LOCK_POLL);
+                    tokio::select! {
+                        () = tokio::time::sleep_until(wake) => {}
+                        _ = locked.changed() => {}
+                        () = stop.cancelled() => return,
                     }
-                    () = stop.cancelled() => return,
+                    if let Some(lock) = locked.borrow_and_update().clone() {
+                        break Some(lock);
+                    }
+                    if Instant::now() >= slot.at {
+                        break None;
+                    }
+                    if let Ok(view) = store.view(&lane.name).await {
+                        lane.note(view);
+                    }
+                };
+                if let Some(lock) = lockout {
+                    lane.refuse_all(&lane.locked_error(lock));
+                    continue;
                 }
                 if !lane.hand_out(slot.at, slot.generation) {
                     tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");

@@ -3,10 +3,10 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use support::process::spawn_binary;
 use support::{client, read_head, Alpn, FakeUpstream, TestProxy};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -82,65 +82,6 @@ async fn tunnels_are_closed_at_the_grace_deadline() {
     assert!(rest.is_empty());
 }
 
-/// A child process that is killed if the test ends without reaping it.
-struct Reaped(Option<std::process::Child>);
-
-impl Reaped {
-    fn id(&self) -> u32 {
-        self.0.as_ref().unwrap().id()
-    }
-
-    fn wait(mut self) -> std::process::ExitStatus {
-        self.0.take().unwrap().wait().unwrap()
-    }
-}
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.0.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// Starts the real binary with JSON logs and returns it with its proxy address.
-fn spawn_binary(
-    config: &std::path::Path,
-) -> (
-    Reaped,
-    std::net::SocketAddr,
-    BufReader<std::process::ChildStderr>,
-) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pacegate"))
-        .args(["--log-format", "json", "serve", "--config"])
-        .arg(config)
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let child = Reaped(Some(child));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut line = String::new();
-    loop {
-        assert!(
-            Instant::now() < deadline,
-            "pacegate did not report listening"
-        );
-        line.clear();
-        assert!(
-            stderr.read_line(&mut line).unwrap() > 0,
-            "pacegate exited early"
-        );
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-        if v["message"] == "pacegate listening" {
-            let addr = v["proxy"].as_str().unwrap().parse().unwrap();
-            return (child, addr, stderr);
-        }
-    }
-}
-
 #[tokio::test]
 async fn the_binary_drains_and_exits_zero_on_sigterm() {
     let upstream = FakeUpstream::start().await;
@@ -154,7 +95,8 @@ async fn the_binary_drains_and_exits_zero_on_sigterm() {
         ),
     )
     .unwrap();
-    let (child, addr, stderr) = spawn_binary(&config);
+    let instance = spawn_binary(&config);
+    let (child, addr, logs) = (instance.child, instance.proxy, instance.logs);
     let via = client(
         Some(&format!("http://{addr}")),
         &[&dir.path().join("ca.pem")],
@@ -181,12 +123,16 @@ async fn the_binary_drains_and_exits_zero_on_sigterm() {
         .await
         .unwrap();
     assert_eq!(exit.code(), Some(0));
-    // One canonical line per request, with the fixed field names.
-    let lines: Vec<serde_json::Value> = stderr
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .collect();
+    // One canonical line per request, with the fixed field names. The reader thread has seen
+    // everything once the pipe closes with the process.
+    let lines = support::eventually(Duration::from_secs(5), "the final log lines", || async {
+        let lines = logs.json();
+        lines
+            .iter()
+            .any(|v| v["message"] == "pacegate stopped")
+            .then_some(lines)
+    })
+    .await;
     let request_line = lines
         .iter()
         .find(|v| v["target"] == "pacegate::request" && v["outcome"] == "forwarded")

@@ -306,14 +306,16 @@ impl Store for PostgresStore {
     }
 }
 
-#[cfg(test)]
-pub(crate) mod testdb {
-    //! A fresh database per test, in the server `PACEGATE_TEST_DATABASE_URL` names.
+#[doc(hidden)]
+pub mod testdb {
+    //! For tests: a fresh database per test, in the server `PACEGATE_TEST_DATABASE_URL`
+    //! names (scripts/test provides one).
 
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    /// Creates a new empty database and returns its URL.
-    pub(crate) async fn fresh() -> String {
+    /// Creates a new empty database and returns its URL. Panics, saying how to get a server,
+    /// when `PACEGATE_TEST_DATABASE_URL` is not set.
+    pub async fn fresh() -> String {
         let admin = std::env::var("PACEGATE_TEST_DATABASE_URL").unwrap_or_else(|_| {
             panic!(
                 "PACEGATE_TEST_DATABASE_URL is not set: run the tests through scripts/test, which starts a throwaway PostgreSQL, or point it at a server where the tests may create databases"

@@ -322,3 +322,40 @@ async fn stopping_refuses_waiters() {
         Err(PaceError::ShuttingDown)
     ));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
+    // Another instance sharing the store locks the destination: this pacer's waiters for a
+    // distant slot must not wait for it.
+    let store = Arc::new(MemoryStore::ephemeral());
+    let dest = Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace: pace(0.1),
+    };
+    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
+    let p = Arc::new(Pacer::new(&[dest], store.clone(), metrics, "here".into()));
+    p.start().await.unwrap();
+    let _first = p.admit("d", far()).await.unwrap();
+    let p2 = p.clone();
+    let waiting = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
+    tokio::time::sleep(ms(100)).await;
+    let lock = Lockout::new(403, "GET https://d/".into(), "elsewhere".into());
+    store
+        .record("d", &rule_of(&pace(0.1)), Event::Lockout(lock))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    match waiting.await.unwrap() {
+        Err(PaceError::Locked { lock, .. }) => assert_eq!(lock.instance, "elsewhere"),
+        other => panic!("expected a lockout refusal, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() <= Duration::from_secs(1),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    // An unlock elsewhere is seen by the next request.
+    store.unlock("d").await.unwrap();
+    assert!(p.admit("d", far()).await.is_ok());
+}

@@ -1,0 +1,94 @@
+//! The real binary as a child process.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// A child process that is killed if the test ends without reaping it.
+pub struct Reaped(Option<std::process::Child>);
+
+impl Reaped {
+    pub fn id(&self) -> u32 {
+        self.0.as_ref().unwrap().id()
+    }
+
+    pub fn wait(mut self) -> std::process::ExitStatus {
+        self.0.take().unwrap().wait().unwrap()
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The log lines of a child, read in the background so that its stderr never fills up.
+#[derive(Clone, Default)]
+pub struct Logs(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Logs {
+    /// Every line so far, parsed as JSON (lines that are not JSON are skipped).
+    pub fn json(&self) -> Vec<serde_json::Value> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+/// A started `pacegate serve`: the process, its proxy and admin addresses, its logs.
+pub struct Instance {
+    pub child: Reaped,
+    pub proxy: std::net::SocketAddr,
+    pub admin: std::net::SocketAddr,
+    pub logs: Logs,
+}
+
+/// Starts the real binary with JSON logs and waits until it reports listening.
+pub fn spawn_binary(config: &std::path::Path) -> Instance {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pacegate"))
+        .args(["--log-format", "json", "serve", "--config"])
+        .arg(config)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let child = Reaped(Some(child));
+    let logs = Logs::default();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink = logs.clone();
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                if v["message"] == "pacegate listening" {
+                    let _ = tx.send((
+                        v["proxy"].as_str().unwrap().parse().unwrap(),
+                        v["admin"].as_str().unwrap().parse().unwrap(),
+                    ));
+                }
+            }
+            sink.0.lock().unwrap().push(line);
+        }
+    });
+    let (proxy, admin) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| {
+            panic!(
+                "pacegate did not report listening; its log:\n{}",
+                logs.0.lock().unwrap().join("\n")
+            )
+        });
+    Instance {
+        child,
+        proxy,
+        admin,
+        logs,
+    }
+}
