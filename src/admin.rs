@@ -94,6 +94,10 @@ impl Admin {
                 resp
             }
             (&Method::GET, "/status") => json(StatusCode::OK, &self.pacer.status().await),
+            (&Method::GET, "/instances") => match self.pacer.instances().await {
+                Ok(list) => json(StatusCode::OK, &list),
+                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+            },
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") if self.shutdown.is_draining() => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
             (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
@@ -107,10 +111,12 @@ impl Admin {
                 let name = &p["/destinations/".len()..p.len() - "/unlock".len()];
                 self.unlock(name).await
             }
-            (_, "/metrics" | "/status" | "/healthz" | "/readyz") => text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n"),
+            (_, "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz") => {
+                text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
+            }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "endpoints: GET /metrics /status /healthz /readyz, POST /destinations/NAME/unlock\n",
+                "endpoints: GET /metrics /status /instances /healthz /readyz, POST /destinations/NAME/unlock\n",
             ),
         }
     }

@@ -10,8 +10,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
+use crate::budget::failover::Failover;
 use crate::budget::memory::MemoryStore;
-use crate::budget::postgres::PostgresStore;
+use crate::budget::postgres::{Instance, PostgresStore};
 use crate::budget::{Store, StoreError};
 use crate::config::{Backend, Config};
 use crate::destination::Routes;
@@ -56,6 +57,8 @@ pub struct Running {
     pub metrics: Arc<Metrics>,
     shutdown: Shutdown,
     pacer: Arc<Pacer>,
+    supervisor: Option<JoinHandle<()>>,
+    supervisor_stop: CancellationToken,
     grace: std::time::Duration,
     proxy_task: JoinHandle<()>,
     admin_stop: CancellationToken,
@@ -84,6 +87,11 @@ impl Running {
         }
         self.admin_stop.cancel();
         let _ = self.admin_task.await;
+        // Last: the store supervisor removes this instance from the live count.
+        self.supervisor_stop.cancel();
+        if let Some(s) = self.supervisor {
+            let _ = s.await;
+        }
         tracing::info!("pacegate stopped");
         forced
     }
@@ -104,6 +112,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     } else {
         tracing::info!(ca_cert = %config.tls.ca_cert.display(), "loaded local CA");
     }
+    let supervisor_stop = CancellationToken::new();
+    let mut supervisor = None;
     let store: Arc<dyn Store> = match config.store.backend {
         Backend::Memory => Arc::new(MemoryStore::open(&config.store.state_file)?),
         Backend::Postgres => {
@@ -117,7 +127,19 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             } else {
                 store.check_schema().await?;
             }
-            Arc::new(store)
+            let failover = Arc::new(Failover::new(
+                store,
+                config.store.on_unavailable,
+                config.store.instances_hint,
+                config.store.timeout,
+                this_instance(),
+                metrics.store_degraded.clone(),
+                metrics.store_instances.clone(),
+            ));
+            supervisor = Some(tokio::spawn(
+                failover.clone().supervise(supervisor_stop.clone()),
+            ));
+            failover
         }
     };
     let pacer = Arc::new(Pacer::new(
@@ -187,6 +209,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics,
         shutdown,
         pacer,
+        supervisor,
+        supervisor_stop,
         grace: config.proxy.shutdown_grace,
         proxy_task,
         admin_stop,
@@ -194,16 +218,29 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     })
 }
 
-/// This process's name in lockout records: `host/pid`.
-fn instance_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .or_else(|_| std::fs::read_to_string("/etc/hostname"))
         .map(|h| h.trim().to_owned())
         .ok()
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into());
-    format!("{host}/{}", std::process::id())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// This process's name in lockout records: `host/pid`.
+fn instance_id() -> String {
+    format!("{}/{}", host_name(), std::process::id())
+}
+
+/// This process as it heartbeats into a shared store; the id is unique per start.
+fn this_instance() -> Instance {
+    Instance {
+        id: format!("{}/{:08x}", instance_id(), rand::random::<u32>()),
+        host: host_name(),
+        pid: i32::try_from(std::process::id()).unwrap_or(0),
+        version: env!("CARGO_PKG_VERSION").into(),
+    }
 }
 
 /// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully.

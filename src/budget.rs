@@ -5,6 +5,7 @@
 //! budgets and applies that arithmetic atomically: `memory` for one instance, `postgres` (to
 //! come) for every instance at once. Nothing here knows HTTP or how responses are classified.
 
+pub mod failover;
 pub mod memory;
 pub mod postgres;
 pub mod schedule;
@@ -127,6 +128,23 @@ pub struct BudgetView {
     pub lock: Option<Lockout>,
 }
 
+/// A live instance sharing the store, as `pacegate status` lists it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InstanceStatus {
+    /// Unique per process start.
+    pub id: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: i32,
+    /// pacegate version.
+    pub version: String,
+    /// When it started (RFC 3339).
+    pub started: String,
+    /// Seconds since its last heartbeat.
+    pub last_seen_seconds_ago: f64,
+}
+
 /// Where budgets live. Every method is atomic per destination; none holds anything (lock,
 /// connection) after it returns, so waiting for a slot holds nothing.
 pub trait Store: Send + Sync + 'static {
@@ -157,4 +175,14 @@ pub trait Store: Send + Sync + 'static {
 
     /// The budget as it stands.
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+
+    /// The live instances sharing this store; empty for a store that is not shared.
+    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        Box::pin(std::future::ready(Ok(Vec::new())))
+    }
+
+    /// Whether the store is unreachable and a fallback is pacing instead.
+    fn degraded(&self) -> bool {
+        false
+    }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::budget::failover::OnUnavailable;
 use crate::destination::{Destination, HostPattern, Pace};
 
 /// Destination keys that belong to later parts of pacegate (quota windows). They are refused
@@ -247,6 +248,13 @@ pub struct StoreConfig {
     pub connections: usize,
     /// Apply the embedded migrations at start (under an advisory lock). Default true.
     pub migrate: bool,
+    /// What to do while the postgres store is unreachable. Default `divide`.
+    pub on_unavailable: OnUnavailable,
+    /// Live instances to assume for `divide` before any heartbeat was seen. Default 1.
+    pub instances_hint: usize,
+    /// Longest wait for the postgres store before it counts as unavailable. Default 100 ms.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -256,6 +264,9 @@ impl fmt::Debug for StoreConfig {
             .field("state_file", &self.state_file)
             .field("connections", &self.connections)
             .field("migrate", &self.migrate)
+            .field("on_unavailable", &self.on_unavailable)
+            .field("instances_hint", &self.instances_hint)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -488,9 +499,10 @@ struct RawStore {
     url: Option<String>,
     connections: Option<usize>,
     migrate: Option<bool>,
-    // Every other key is collected so that reserved keys get their own message.
-    #[serde(flatten)]
-    rest: BTreeMap<String, toml::Value>,
+    on_unavailable: Option<OnUnavailable>,
+    instances_hint: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -717,14 +729,6 @@ impl Validator<'_> {
 
     fn store(&mut self, raw: RawStore) -> StoreConfig {
         let backend = raw.backend.unwrap_or_default();
-        for key in raw.rest.keys() {
-            let msg = if ["on_unavailable", "instances_hint"].contains(&key.as_str()) {
-                "is reserved for a later version of pacegate; this one refuses requests while the store is unreachable"
-            } else {
-                "unknown key"
-            };
-            self.push(&format!("store.{key}"), msg);
-        }
         let url = raw.url.or_else(|| {
             std::env::var("PACEGATE_STORE_URL")
                 .ok()
@@ -755,6 +759,9 @@ impl Validator<'_> {
             url,
             connections,
             migrate: raw.migrate.unwrap_or(true),
+            on_unavailable: raw.on_unavailable.unwrap_or_default(),
+            instances_hint: raw.instances_hint.unwrap_or(1).max(1),
+            timeout: self.positive("store.timeout", raw.timeout, Duration::from_millis(100)),
         }
     }
 

@@ -59,11 +59,15 @@ enum Command {
         #[arg(long, env = "PACEGATE_STORE_URL")]
         store: String,
     },
-    /// Show every destination's pace, backoff, pause, lockout and queue.
+    /// Show every destination's pace, backoff, pause, lockout and queue, and the live
+    /// instances sharing the store.
     Status {
         /// Config file (gives the admin listener).
-        #[arg(long, env = "PACEGATE_CONFIG")]
-        config: PathBuf,
+        #[arg(long, env = "PACEGATE_CONFIG", required_unless_present = "store")]
+        config: Option<PathBuf>,
+        /// Read the shared store directly instead of an admin listener.
+        #[arg(long, conflicts_with_all = ["config", "admin"])]
+        store: Option<String>,
         /// Admin listener to use instead of the config's.
         #[arg(long)]
         admin: Option<String>,
@@ -138,10 +142,14 @@ fn main() -> ExitCode {
             admin,
         } => unlock(&name, &config, admin),
         Command::Status {
+            store: Some(store), ..
+        } => status_from_store(&store),
+        Command::Status {
             config,
             admin,
             json,
-        } => status(&config, admin, json),
+            ..
+        } => status(&config.unwrap_or_default(), admin, json),
     }
 }
 
@@ -263,7 +271,72 @@ fn status(path: &Path, admin: Option<String>, json: bool) -> ExitCode {
         }
     };
     print!("{}", pacegate::pacing::status_table(&rows));
+    if let Ok((s, body)) = admin_call(&config, None, http::Method::GET, "/instances") {
+        let instances: Vec<pacegate::budget::InstanceStatus> =
+            serde_json::from_str(&body).unwrap_or_default();
+        if s.is_success() && !instances.is_empty() {
+            println!();
+            print!("{}", pacegate::pacing::instances_table(&instances));
+        }
+    }
     ExitCode::SUCCESS
+}
+
+fn status_from_store(url: &str) -> ExitCode {
+    use pacegate::budget::postgres::PostgresStore;
+    let store = match PostgresStore::new(url, 2) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&e),
+    };
+    let result = runtime.block_on(async {
+        let budgets = store.budgets().await?;
+        let instances = store
+            .live_instances(pacegate::budget::failover::LIVE_WITHIN)
+            .await?;
+        Ok::<_, pacegate::budget::StoreError>((budgets, instances))
+    });
+    match result {
+        Ok((budgets, instances)) => {
+            println!(
+                "{:<24}  {:>8}  {:>6}  {:>8}  LOCKOUT",
+                "DESTINATION", "BACKOFF", "STREAK", "PAUSED"
+            );
+            for (name, b) in budgets {
+                let paused = if b.paused_for.is_zero() {
+                    "-".to_owned()
+                } else {
+                    format!("{:.1}s", b.paused_for.as_secs_f64())
+                };
+                let lock = b.lock.map_or("-".to_owned(), |l| {
+                    format!(
+                        "LOCKED since {} by {} to {} (pacegate unlock {name})",
+                        humantime::format_rfc3339_seconds(l.since),
+                        l.status,
+                        l.request
+                    )
+                });
+                println!(
+                    "{name:<24}  {:>8}  {:>6}  {paused:>8}  {lock}",
+                    format!("x{}", b.backoff),
+                    b.clean_streak
+                );
+            }
+            println!();
+            print!("{}", pacegate::pacing::instances_table(&instances));
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
 }
 
 fn serve(path: &Path) -> ExitCode {

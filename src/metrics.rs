@@ -62,6 +62,10 @@ pub struct Metrics {
     pub waiting: GaugeVec,
     /// `pacegate_in_flight{destination}`: requests admitted and not finished.
     pub in_flight: GaugeVec,
+    /// `pacegate_store_degraded`: 1 while the shared store is unreachable.
+    pub store_degraded: IntGauge,
+    /// `pacegate_store_instances`: live instances sharing the store (last heartbeat count).
+    pub store_instances: IntGauge,
 }
 
 impl Metrics {
@@ -183,6 +187,16 @@ impl Metrics {
             "pacegate_in_flight",
             "Requests admitted and not yet answered",
         )?;
+        let store_degraded = IntGauge::new(
+            "pacegate_store_degraded",
+            "1 while the shared pacing store is unreachable and on_unavailable applies",
+        )?;
+        let store_instances = IntGauge::new(
+            "pacegate_store_instances",
+            "Live pacegate instances sharing the store, as last seen",
+        )?;
+        registry.register(Box::new(store_degraded.clone()))?;
+        registry.register(Box::new(store_instances.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
@@ -235,6 +249,8 @@ impl Metrics {
             paused_until,
             waiting,
             in_flight,
+            store_degraded,
+            store_instances,
         })
     }
 

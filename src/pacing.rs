@@ -23,7 +23,9 @@ use tokio::sync::{oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::budget::{BudgetView, Event, Lockout, ReserveError, Rule, Store, StoreError};
+use crate::budget::{
+    BudgetView, Event, InstanceStatus, Lockout, ReserveError, Rule, Store, StoreError,
+};
 use crate::destination::{Destination, Pace};
 use crate::metrics::Metrics;
 use verdict::Verdict;
@@ -517,6 +519,11 @@ impl Pacer {
         Ok(cleared)
     }
 
+    /// The live instances sharing the store (empty for a store of one instance).
+    pub async fn instances(&self) -> Result<Vec<InstanceStatus>, StoreError> {
+        self.store.instances().await
+    }
+
     /// Every destination's status, refreshing the per-destination gauges on the way.
     pub async fn status(&self) -> Vec<DestinationStatus> {
         let mut out = Vec::new();
@@ -659,6 +666,21 @@ async fn dispatch(
 
 #[cfg(test)]
 mod tests;
+
+/// The live instances as a table.
+pub fn instances_table(rows: &[InstanceStatus]) -> String {
+    let mut out = format!(
+        "{:<40}  {:<20}  {:>7}  {:<8}  {:<20}  {}\n",
+        "INSTANCE", "HOST", "PID", "VERSION", "STARTED", "LAST SEEN"
+    );
+    for i in rows {
+        out.push_str(&format!(
+            "{:<40}  {:<20}  {:>7}  {:<8}  {:<20}  {:.1}s ago\n",
+            i.id, i.host, i.pid, i.version, i.started, i.last_seen_seconds_ago
+        ));
+    }
+    out
+}
 
 /// `pacegate status` as a table: one line per destination.
 pub fn status_table(rows: &[DestinationStatus]) -> String {

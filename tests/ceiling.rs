@@ -9,8 +9,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use pacegate::budget::postgres::testdb;
+use support::pg::Cluster;
 use support::process::{spawn_binary, Instance};
-use support::{admin_client, client, Alpn, FakeUpstream};
+use support::{admin_client, client, eventually, metric_value, Alpn, FakeUpstream};
 
 const RATE: f64 = 20.0;
 const INSTANCES: usize = 3;
@@ -51,9 +52,11 @@ struct Fleet {
 
 impl Fleet {
     async fn start(store: &str, keys: &str) -> Self {
-        let dirs: Vec<_> = (0..INSTANCES)
-            .map(|_| tempfile::tempdir().unwrap())
-            .collect();
+        Self::start_n(INSTANCES, store, keys).await
+    }
+
+    async fn start_n(n: usize, store: &str, keys: &str) -> Self {
+        let dirs: Vec<_> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
         let instances = dirs
             .iter()
             .map(|d| instance(d.path(), store, keys))
@@ -70,6 +73,32 @@ impl Fleet {
             &[],
             Alpn::Http1,
         )
+    }
+
+    async fn metric(&self, i: usize, series: &str) -> f64 {
+        let text = admin_client()
+            .get(format!("http://{}/metrics", self.instances[i].admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metric_value(&text, series)
+    }
+
+    /// Waits until every instance sees `n` live instances.
+    async fn see_live(&self, n: usize) {
+        for i in 0..self.instances.len() {
+            eventually(
+                Duration::from_secs(15),
+                "the live instance count",
+                || async {
+                    (self.metric(i, "pacegate_store_instances").await == n as f64).then_some(())
+                },
+            )
+            .await;
+        }
     }
 
     async fn status(&self, i: usize) -> serde_json::Value {
@@ -232,4 +261,202 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
         );
     }
     assert_eq!(upstream.recorded().len(), before + INSTANCES);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_instance_leaves_the_others_on_the_ceiling_and_the_live_count() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let mut fleet = Fleet::start(&postgres_store().await, &format!("rate = {RATE}")).await;
+    fleet.see_live(INSTANCES).await;
+    let load = {
+        let fleet = &fleet;
+        let upstream = &upstream;
+        async move {
+            let mut tasks = Vec::new();
+            for i in 0..INSTANCES {
+                let via = fleet.client(i);
+                for n in 0..25 {
+                    let via = via.clone();
+                    let url = format!("{}/?i={i}&n={n}", upstream.http_url("localhost"));
+                    // Requests through the killed instance fail; the others must not.
+                    tasks.push(tokio::spawn(async move {
+                        (i, via.get(url).send().await.map(|r| r.status()))
+                    }));
+                }
+            }
+            tasks
+        }
+    };
+    let tasks = load.await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let victim = fleet.instances.remove(0);
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &victim.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let killed_at = Instant::now();
+    for t in tasks {
+        let (i, result) = t.await.unwrap();
+        if i != 0 {
+            assert_eq!(result.unwrap(), 200);
+        }
+    }
+    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
+    at.sort();
+    let most = busiest(&at, Duration::from_secs(1));
+    assert!(
+        most <= 21,
+        "{most} requests within one second after a kill -9"
+    );
+    // The survivors see the dead instance leave the live count within a heartbeat timeout.
+    eventually(
+        Duration::from_secs(10),
+        "the dead instance to leave the live count",
+        || async {
+            (fleet.metric(0, "pacegate_store_instances").await == (INSTANCES - 1) as f64)
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        killed_at.elapsed()
+    );
+    drop(victim);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_divides_the_rate_and_keeps_lockouts() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = Cluster::start();
+    let upstream = FakeUpstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"postgres\"\nurl = \"{}\"\n",
+        cluster.url()
+    );
+    let fleet = Fleet::start_n(2, &store, &format!("rate = {RATE}\nretry_throttled = 0")).await;
+    fleet.see_live(2).await;
+    let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
+
+    cluster.down();
+    // The outage is noticed at the next reservation or heartbeat, within about a second.
+    for i in 0..2 {
+        fleet.client(i).get(url("probe")).send().await.unwrap();
+        eventually(Duration::from_secs(5), "the degraded flag", || async {
+            (fleet.metric(i, "pacegate_store_degraded").await == 1.0).then_some(())
+        })
+        .await;
+    }
+    upstream.clear();
+    // Each paces alone at rate / 2: the aggregate still holds the ceiling.
+    let mut tasks = Vec::new();
+    for i in 0..2 {
+        for n in 0..30 {
+            let via = fleet.client(i);
+            let u = url(&format!("?i={i}&n={n}"));
+            tasks.push(tokio::spawn(async move {
+                via.get(u).send().await.unwrap().status()
+            }));
+        }
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
+    at.sort();
+    let most = busiest(&at, Duration::from_secs(1));
+    assert!(
+        most <= 21,
+        "{most} requests within one second while the store was down"
+    );
+
+    // A lockout taken during the outage locks that instance now and the store afterwards.
+    assert_eq!(
+        fleet
+            .client(0)
+            .get(url("status/403"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
+    assert_eq!(
+        fleet
+            .client(0)
+            .get(url("fine"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        403
+    );
+    cluster.up();
+    for i in 0..2 {
+        eventually(
+            Duration::from_secs(5),
+            "recovery without a restart",
+            || async { (fleet.metric(i, "pacegate_store_degraded").await == 0.0).then_some(()) },
+        )
+        .await;
+    }
+    let resp = fleet.client(1).get(url("fine")).send().await.unwrap();
+    assert_eq!(
+        resp.status(),
+        403,
+        "the lockout reached the store and so the other instance"
+    );
+    let (client, conn) = tokio_postgres::connect(&cluster.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let row = client
+        .query_one(
+            "SELECT lock_status FROM pacegate_budgets WHERE destination = 'local'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<i32>>(0), Some(403));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_with_refuse_gets_a_clear_refusal() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = Cluster::start();
+    let upstream = FakeUpstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"postgres\"\nurl = \"{}\"\non_unavailable = \"refuse\"\n",
+        cluster.url()
+    );
+    let fleet = Fleet::start_n(1, &store, "rate = 50").await;
+    let url = format!("{}/", upstream.http_url("localhost"));
+    assert_eq!(
+        fleet.client(0).get(&url).send().await.unwrap().status(),
+        200
+    );
+    cluster.down();
+    let started = Instant::now();
+    let resp = fleet.client(0).get(&url).send().await.unwrap();
+    assert_eq!(resp.status(), 503);
+    let ps = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+    assert!(ps.contains("pacing store unavailable"), "{ps}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    cluster.up();
+    eventually(
+        Duration::from_secs(6),
+        "service after the store's return",
+        || async {
+            let resp = fleet.client(0).get(&url).send().await.ok()?;
+            (resp.status() == 200).then_some(())
+        },
+    )
+    .await;
 }

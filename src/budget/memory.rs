@@ -92,6 +92,18 @@ impl MemoryStore {
         Ok(store)
     }
 
+    /// Sets a budget's backoff, generation, streak and lock from a view of another store, so
+    /// that pacing taken over from it starts where it was (a lockout above all).
+    pub fn seed(&self, destination: &str, view: &BudgetView) {
+        let mut budgets = self.lock();
+        let b = budgets.entry(destination.to_owned()).or_default();
+        b.backoff = view.backoff.max(1.0);
+        b.generation = view.generation;
+        b.clean_streak = view.clean_streak;
+        b.lock = view.lock.clone();
+        b.paused_until = b.paused_until.max(self.now() + view.paused_for);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Budget>> {
         // A panic while holding the lock cannot leave a budget half-updated (every update is
         // a handful of field writes), so a poisoned lock is still usable.

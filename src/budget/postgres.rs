@@ -15,15 +15,23 @@ use tokio::time::Instant;
 use tokio_postgres::NoTls;
 
 use super::{
-    BudgetView, Event, Lockout, Reservation, ReserveError, Rule, Store, StoreError, StoreFuture,
+    BudgetView, Event, InstanceStatus, Lockout, Reservation, ReserveError, Rule, Store, StoreError,
+    StoreFuture,
 };
 
 /// The schema's migrations, in order, embedded in the binary.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "budgets",
-    include_str!("../../migrations/0001_budgets.sql"),
-)];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "budgets",
+        include_str!("../../migrations/0001_budgets.sql"),
+    ),
+    (
+        2,
+        "instances",
+        include_str!("../../migrations/0002_instances.sql"),
+    ),
+];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).
 const MIGRATION_LOCK: i64 = 0x7061_6365_6761_7465; // "pacegate"
@@ -44,14 +52,36 @@ const SQL_UNLOCK: &str = "WITH old AS (
     SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
     FROM old WHERE b.destination = old.destination
     RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
+const SQL_HEARTBEAT: &str =
+    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
+        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp())
+    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()";
+const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
+        extract(epoch FROM clock_timestamp() - last_seen)::double precision
+    FROM pacegate_instances
+    WHERE last_seen > clock_timestamp() - make_interval(secs => $1)
+    ORDER BY started_at";
+const SQL_FORGET: &str = "DELETE FROM pacegate_instances WHERE id = $1";
+const SQL_BUDGETS: &str = "SELECT destination, backoff, generation, clean_streak,
+        CASE WHEN paused_until > clock_timestamp()
+            THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
+        lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_budgets ORDER BY destination";
 const SQL_VIEW: &str = "SELECT backoff, generation, clean_streak,
         CASE WHEN paused_until > clock_timestamp()
             THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
         lock_since, lock_status, lock_request, lock_instance
     FROM pacegate_budgets WHERE destination = $1";
 
-fn db(e: impl std::fmt::Display) -> StoreError {
-    StoreError(format!("postgres: {e}"))
+/// The whole cause chain: tokio-postgres' own message is only "db error".
+fn db(e: impl std::error::Error) -> StoreError {
+    let mut msg = format!("postgres: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    StoreError(msg)
 }
 
 /// Budgets in Postgres.
@@ -123,6 +153,66 @@ impl PostgresStore {
         Ok(done)
     }
 
+    /// Every budget in the store, by destination name.
+    pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
+        let client = self.client().await?;
+        let rows = client.query(SQL_BUDGETS, &[]).await.map_err(db)?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let name: String = r.get(0);
+                let view = BudgetView {
+                    backoff: r.get(1),
+                    generation: u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
+                    clean_streak: u32::try_from(r.get::<_, i32>(3)).unwrap_or(0),
+                    paused_for: Duration::from_secs_f64(r.get::<_, f64>(4).max(0.0)),
+                    lock: lockout(r.get(5), r.get(6), r.get(7), r.get(8)),
+                };
+                (name, view)
+            })
+            .collect())
+    }
+
+    /// Records that `me` is alive now.
+    pub async fn heartbeat(&self, me: &Instance) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(SQL_HEARTBEAT, &[&me.id, &me.host, &me.pid, &me.version])
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    /// Instances whose last heartbeat is younger than `within`.
+    pub async fn live_instances(
+        &self,
+        within: Duration,
+    ) -> Result<Vec<InstanceStatus>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(SQL_LIVE, &[&within.as_secs_f64()])
+            .await
+            .map_err(db)?;
+        Ok(rows
+            .iter()
+            .map(|r| InstanceStatus {
+                id: r.get(0),
+                host: r.get(1),
+                pid: r.get(2),
+                version: r.get(3),
+                started: humantime::format_rfc3339_seconds(r.get::<_, SystemTime>(4)).to_string(),
+                last_seen_seconds_ago: r.get(6),
+            })
+            .collect())
+    }
+
+    /// Removes `me` from the live instances (a clean shutdown).
+    pub async fn forget(&self, me: &Instance) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
+        Ok(())
+    }
+
     /// Checks that the schema is exactly the one this binary knows (for `migrate = false`).
     pub async fn check_schema(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
@@ -141,6 +231,19 @@ impl PostgresStore {
         }
         Ok(())
     }
+}
+
+/// This process, as it heartbeats into the store.
+#[derive(Debug, Clone)]
+pub struct Instance {
+    /// Unique per process start.
+    pub id: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: i32,
+    /// pacegate version.
+    pub version: String,
 }
 
 fn check_not_newer(applied: &[i32]) -> Result<(), StoreError> {
@@ -357,7 +460,7 @@ mod tests {
 
     async fn store() -> PostgresStore {
         let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-        assert_eq!(store.migrate().await.unwrap(), [1]);
+        assert_eq!(store.migrate().await.unwrap(), [1, 2]);
         store
     }
 
@@ -397,6 +500,40 @@ mod tests {
         let err = store.migrate().await.unwrap_err();
         assert!(err.0.contains("newer than this pacegate binary"), "{err}");
         assert!(store.check_schema().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn heartbeats_count_live_instances() {
+        let store = store().await;
+        let me = |n: i32| Instance {
+            id: format!("host/{n}/x"),
+            host: "host".into(),
+            pid: n,
+            version: "test".into(),
+        };
+        store.heartbeat(&me(1)).await.unwrap();
+        store.heartbeat(&me(2)).await.unwrap();
+        store.heartbeat(&me(1)).await.unwrap();
+        let live = store.live_instances(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(live.iter().map(|i| i.pid).collect::<Vec<_>>(), [1, 2]);
+        store.forget(&me(2)).await.unwrap();
+        assert_eq!(
+            store
+                .live_instances(Duration::from_secs(5))
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            store
+                .live_instances(Duration::from_millis(200))
+                .await
+                .unwrap()
+                .is_empty(),
+            "a silent instance leaves the count"
+        );
     }
 
     #[tokio::test]

@@ -1,0 +1,312 @@
+//! The postgres store with a way down: what happens while the database is unreachable.
+//!
+//! Never fail open. Every call to the database is bounded by `timeout`; the first failure
+//! marks the store *degraded* (one ERROR log, `pacegate_store_degraded` = 1), and until the
+//! database answers again:
+//! - `divide`: this instance paces on a local budget at `rate / n`, where `n` is the number
+//!   of live instances last seen (heartbeats), or `instances_hint` if it never saw one, so the
+//!   aggregate ceiling still holds. The local budget starts from the last known shared one,
+//!   lockouts included.
+//! - `refuse`: reservations fail with "pacing store unavailable".
+//!
+//! Lockouts taken meanwhile are kept and written to the database when it returns, so none is
+//! lost. A supervisor heartbeats every second, counts the live instances, and probes the
+//! database while degraded, so the instance is back on the shared budget within seconds.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus::IntGauge;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::memory::MemoryStore;
+use super::postgres::{Instance, PostgresStore};
+use super::{
+    BudgetView, Event, InstanceStatus, Lockout, Reservation, ReserveError, Rule, Store, StoreError,
+    StoreFuture,
+};
+
+/// How often the supervisor heartbeats (and probes while degraded).
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// An instance whose last heartbeat is older than this no longer counts as live.
+pub const LIVE_WITHIN: Duration = Duration::from_secs(5);
+
+/// `[store] on_unavailable`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Pace locally at `rate / n`.
+    #[default]
+    Divide,
+    /// Refuse requests until the store is back.
+    Refuse,
+}
+
+/// The postgres store, degrading per `OnUnavailable` while it is unreachable.
+pub struct Failover {
+    primary: PostgresStore,
+    local: MemoryStore,
+    mode: OnUnavailable,
+    timeout: Duration,
+    me: Instance,
+    degraded: AtomicBool,
+    /// Live instances last seen (at least 1).
+    live: AtomicUsize,
+    /// The last budget read from the database, per destination, to seed the local one.
+    last_known: Mutex<HashMap<String, BudgetView>>,
+    /// Lockouts taken while degraded, to be written back.
+    pending: Mutex<Vec<(String, Rule, Lockout)>>,
+    degraded_gauge: IntGauge,
+    instances_gauge: IntGauge,
+}
+
+fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Failover {
+    /// Wraps `primary`. `instances_hint` is the live count assumed until a heartbeat is seen.
+    pub fn new(
+        primary: PostgresStore,
+        mode: OnUnavailable,
+        instances_hint: usize,
+        timeout: Duration,
+        me: Instance,
+        degraded_gauge: IntGauge,
+        instances_gauge: IntGauge,
+    ) -> Self {
+        Self {
+            primary,
+            local: MemoryStore::ephemeral(),
+            mode,
+            timeout,
+            me,
+            degraded: AtomicBool::new(false),
+            live: AtomicUsize::new(instances_hint.max(1)),
+            last_known: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Vec::new()),
+            degraded_gauge,
+            instances_gauge,
+        }
+    }
+
+    /// Whether the store is degraded now.
+    pub fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::SeqCst)
+    }
+
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError(format!(
+                    "no answer within {}",
+                    humantime::format_duration(self.timeout)
+                )))
+            })
+    }
+
+    fn degrade(&self, why: &StoreError) {
+        if self.degraded.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Start the local budgets from the last shared ones: a lockout must not be forgotten.
+        for (dest, view) in guard(&self.last_known).iter() {
+            self.local.seed(dest, view);
+        }
+        self.degraded_gauge.set(1);
+        let live = self.live.load(Ordering::SeqCst);
+        match self.mode {
+            OnUnavailable::Divide => tracing::error!(
+                "pacing store unavailable ({why}); pacing locally at rate / {live} (live instances last seen) until it returns"
+            ),
+            OnUnavailable::Refuse => {
+                tracing::error!("pacing store unavailable ({why}); refusing paced requests until it returns (on_unavailable = refuse)")
+            }
+        }
+    }
+
+    async fn recover(&self) -> Result<(), StoreError> {
+        let pending: Vec<_> = std::mem::take(&mut *guard(&self.pending));
+        for (i, (dest, rule, lock)) in pending.iter().enumerate() {
+            if let Err(e) = self
+                .bounded(
+                    self.primary
+                        .record(dest, rule, Event::Lockout(lock.clone())),
+                )
+                .await
+            {
+                guard(&self.pending).extend(pending[i..].iter().cloned());
+                return Err(e);
+            }
+        }
+        if self.degraded.swap(false, Ordering::SeqCst) {
+            self.degraded_gauge.set(0);
+            tracing::error!(
+                lockouts_written = pending.len(),
+                "pacing store is back; pacing on the shared budget again"
+            );
+        }
+        Ok(())
+    }
+
+    /// Heartbeats every [`HEARTBEAT`] until `stop`, keeps the live count, and while degraded
+    /// probes the database and recovers when it answers. Removes this instance's row on stop.
+    pub async fn supervise(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            match self.bounded(self.primary.heartbeat(&self.me)).await {
+                Ok(()) => {
+                    if self.is_degraded() {
+                        if let Err(e) = self.recover().await {
+                            tracing::debug!(
+                                "store answered a heartbeat but not the lockout write-back: {e}"
+                            );
+                        }
+                    }
+                    if let Ok(live) = self.bounded(self.primary.live_instances(LIVE_WITHIN)).await {
+                        self.live.store(live.len().max(1), Ordering::SeqCst);
+                        self.instances_gauge.set(live.len() as i64);
+                    }
+                }
+                Err(e) => self.degrade(&e),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(HEARTBEAT) => {}
+                () = stop.cancelled() => break,
+            }
+        }
+        let _ = self.bounded(self.primary.forget(&self.me)).await;
+    }
+
+    fn divided(&self, rule: &Rule) -> Rule {
+        let n = u32::try_from(self.live.load(Ordering::SeqCst))
+            .unwrap_or(u32::MAX)
+            .max(1);
+        Rule {
+            interval: rule.interval * n,
+            ..rule.clone()
+        }
+    }
+
+    fn unavailable() -> StoreError {
+        StoreError(
+            "pacing store unavailable (on_unavailable = refuse); retry when it is back".into(),
+        )
+    }
+
+    fn remember(&self, destination: &str, view: &BudgetView) {
+        guard(&self.last_known).insert(destination.to_owned(), view.clone());
+    }
+}
+
+impl Store for Failover {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        Box::pin(self.bounded(self.primary.live_instances(LIVE_WITHIN)))
+    }
+
+    fn degraded(&self) -> bool {
+        self.is_degraded()
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        not_after: Option<Instant>,
+    ) -> StoreFuture<'a, Result<Reservation, ReserveError>> {
+        Box::pin(async move {
+            if !self.is_degraded() {
+                match tokio::time::timeout(
+                    self.timeout,
+                    self.primary.reserve(destination, rule, not_after),
+                )
+                .await
+                {
+                    Ok(Err(ReserveError::Store(e))) => self.degrade(&e),
+                    Ok(result) => return result,
+                    Err(_) => self.degrade(&StoreError(format!(
+                        "no answer within {}",
+                        humantime::format_duration(self.timeout)
+                    ))),
+                }
+            }
+            match self.mode {
+                OnUnavailable::Refuse => Err(ReserveError::Store(Self::unavailable())),
+                OnUnavailable::Divide => {
+                    self.local
+                        .reserve(destination, &self.divided(rule), not_after)
+                        .await
+                }
+            }
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            if !self.is_degraded() {
+                match self
+                    .bounded(self.primary.record(destination, rule, event.clone()))
+                    .await
+                {
+                    Ok(view) => {
+                        self.remember(destination, &view);
+                        return Ok(view);
+                    }
+                    Err(e) => self.degrade(&e),
+                }
+            }
+            if let Event::Lockout(lock) = &event {
+                guard(&self.pending).push((destination.to_owned(), rule.clone(), lock.clone()));
+            }
+            self.local.record(destination, rule, event).await
+        })
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        Box::pin(async move {
+            if self.is_degraded() {
+                return Err(StoreError(
+                    "the pacing store is unreachable; a lockout can only be cleared in the shared store, retry when it is back".into(),
+                ));
+            }
+            let cleared = self.bounded(self.primary.unlock(destination)).await?;
+            if let Some(view) = guard(&self.last_known).get_mut(destination) {
+                view.lock = None;
+            }
+            Ok(cleared)
+        })
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            if !self.is_degraded() {
+                match self.bounded(self.primary.view(destination)).await {
+                    Ok(view) => {
+                        self.remember(destination, &view);
+                        return Ok(view);
+                    }
+                    Err(e) => self.degrade(&e),
+                }
+            }
+            self.local.view(destination).await
+        })
+    }
+}
