@@ -118,7 +118,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Backend::Memory => Arc::new(MemoryStore::open(&config.store.state_file)?),
         Backend::Postgres => {
             let url = config.store.url.as_deref().unwrap_or_default();
-            let store = PostgresStore::new(url, config.store.connections)?;
+            let store = PostgresStore::new(url, config.store.connections - 1)?;
             if config.store.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
@@ -127,8 +127,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             } else {
                 store.check_schema().await?;
             }
+            // One connection of the configured ones is kept for heartbeats (see Failover).
+            let control = PostgresStore::new(url, 1)?;
             let failover = Arc::new(Failover::new(
                 store,
+                control,
                 config.store.on_unavailable,
                 config.store.instances_hint,
                 config.store.timeout,

@@ -748,7 +748,12 @@ impl Validator<'_> {
         }
         let connections = raw.connections.unwrap_or(8);
         if connections < 2 {
-            self.push("store.connections", "must be at least 2");
+            // One connection is kept for heartbeats and probes, so that lockouts and the live
+            // count stay current while reservations hold every other one.
+            self.push(
+                "store.connections",
+                "must be at least 2: one is kept for heartbeats, the rest serve reservations",
+            );
         }
         StoreConfig {
             backend,

@@ -184,7 +184,7 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
     let upstream = FakeUpstream::start().await;
     let fleet = Fleet::start(
         &postgres_store().await,
-        "rate = 50\nretry_throttled = 0\ndecay_after = 1000",
+        "rate = 50\nretry_throttled = 0\ndecay_after = 4",
     )
     .await;
     let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
@@ -216,6 +216,12 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
         throttled_at.elapsed() >= Duration::from_millis(1800),
         "instance 2 was not paused"
     );
+
+    // A second throttle, seen by instance 1 under the new generation, widens again; the
+    // clean streak starts from zero.
+    let resp = fleet.client(1).get(url("status/429")).send().await.unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(fleet.status(2).await["backoff"], 4.0);
 
     // A 403 seen by instance 1 locks out every instance.
     assert_eq!(
@@ -261,6 +267,28 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
         );
     }
     assert_eq!(upstream.recorded().len(), before + INSTANCES);
+    // Those three clean responses, one per instance, count towards one shared streak: N
+    // instances do not decay N times faster. The fourth decays the backoff once, 4 to 2.
+    assert_eq!(fleet.status(0).await["backoff"], 4.0);
+    assert_eq!(fleet.status(0).await["clean_streak"], 3);
+    assert_eq!(
+        fleet
+            .client(1)
+            .get(url("fourth"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    for i in 0..INSTANCES {
+        let s = fleet.status(i).await;
+        assert_eq!(
+            (s["backoff"].as_f64(), s["clean_streak"].as_u64()),
+            (Some(2.0), Some(0)),
+            "instance {i}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,13 +40,34 @@ fn files(dir: &str) -> Vec<PathBuf> {
     out
 }
 
+/// What shipped configs take from the environment.
+const SHIPPED_ENV: &[(&str, &str)] = &[
+    (
+        "PACEGATE_STORE_URL",
+        "postgres://pacegate@127.0.0.1:5432/pacegate",
+    ),
+    ("PACEGATE_PROXY_PASSWORD", "test"),
+    ("PACEGATE_ADMIN_TOKEN", "test"),
+];
+
 #[test]
 fn every_shipped_config_passes_check_config() {
     for config in files("config") {
         let dir = dir_with_ca();
+        // shared.toml keeps its CA in ca/ (a volume shared by the replicas).
+        let out = pacegate(&[
+            "ca",
+            "init",
+            "--dir",
+            dir.path().join("ca").to_str().unwrap(),
+        ]);
+        assert!(out.status.success());
         let copy = dir.path().join(config.file_name().unwrap());
         std::fs::copy(&config, &copy).unwrap();
-        let out = pacegate(&["check-config", "--config", copy.to_str().unwrap()]);
+        let out = pacegate_env(
+            &["check-config", "--config", copy.to_str().unwrap()],
+            SHIPPED_ENV,
+        );
         assert_eq!(
             out.status.code(),
             Some(0),
@@ -57,7 +78,10 @@ fn every_shipped_config_passes_check_config() {
         // The normalised output is itself a valid config that normalises to the same text.
         let normalised = dir.path().join("normalised.toml");
         std::fs::write(&normalised, &out.stdout).unwrap();
-        let again = pacegate(&["check-config", "--config", normalised.to_str().unwrap()]);
+        let again = pacegate_env(
+            &["check-config", "--config", normalised.to_str().unwrap()],
+            SHIPPED_ENV,
+        );
         assert_eq!(again.status.code(), Some(0), "{}", text(&again.stderr));
         assert_eq!(text(&again.stdout), text(&out.stdout));
     }
@@ -216,4 +240,35 @@ fn help_and_exit_codes() {
     let out = pacegate(&["serve", "--config", config.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("cannot listen"));
+}
+
+#[test]
+fn every_config_the_compose_file_mounts_is_shipped_and_checked() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let compose = std::fs::read_to_string(root.join("docker/compose.yaml")).unwrap();
+    let mounted: Vec<&str> = compose
+        .split_whitespace()
+        .filter_map(|w| w.trim_start_matches("- ").split(':').next())
+        .filter(|p| p.starts_with("../config/"))
+        .collect();
+    assert!(!mounted.is_empty(), "compose mounts no config");
+    for m in mounted {
+        let config = root.join("docker").join(m);
+        assert!(config.is_file(), "{m} is mounted but missing");
+        let dir = dir_with_ca();
+        let out = pacegate(&[
+            "ca",
+            "init",
+            "--dir",
+            dir.path().join("ca").to_str().unwrap(),
+        ]);
+        assert!(out.status.success());
+        let copy = dir.path().join("mounted.toml");
+        std::fs::copy(&config, &copy).unwrap();
+        let out = pacegate_env(
+            &["check-config", "--config", copy.to_str().unwrap()],
+            SHIPPED_ENV,
+        );
+        assert_eq!(out.status.code(), Some(0), "{m}: {}", text(&out.stderr));
+    }
 }

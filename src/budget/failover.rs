@@ -48,6 +48,9 @@ pub enum OnUnavailable {
 /// The postgres store, degrading per `OnUnavailable` while it is unreachable.
 pub struct Failover {
     primary: PostgresStore,
+    /// A connection of its own for heartbeats and probes, so that they are never starved by
+    /// reservations holding every pooled connection.
+    control: PostgresStore,
     local: MemoryStore,
     mode: OnUnavailable,
     timeout: Duration,
@@ -68,9 +71,12 @@ fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Failover {
-    /// Wraps `primary`. `instances_hint` is the live count assumed until a heartbeat is seen.
+    /// Wraps `primary`; `control` (one connection) carries the heartbeats. `instances_hint` is
+    /// the live count assumed until a heartbeat is seen.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         primary: PostgresStore,
+        control: PostgresStore,
         mode: OnUnavailable,
         instances_hint: usize,
         timeout: Duration,
@@ -80,6 +86,7 @@ impl Failover {
     ) -> Self {
         Self {
             primary,
+            control,
             local: MemoryStore::ephemeral(),
             mode,
             timeout,
@@ -160,7 +167,7 @@ impl Failover {
     /// probes the database and recovers when it answers. Removes this instance's row on stop.
     pub async fn supervise(self: Arc<Self>, stop: CancellationToken) {
         loop {
-            match self.bounded(self.primary.heartbeat(&self.me)).await {
+            match self.bounded(self.control.heartbeat(&self.me)).await {
                 Ok(()) => {
                     if self.is_degraded() {
                         if let Err(e) = self.recover().await {
@@ -169,7 +176,7 @@ impl Failover {
                             );
                         }
                     }
-                    if let Ok(live) = self.bounded(self.primary.live_instances(LIVE_WITHIN)).await {
+                    if let Ok(live) = self.bounded(self.control.live_instances(LIVE_WITHIN)).await {
                         self.live.store(live.len().max(1), Ordering::SeqCst);
                         self.instances_gauge.set(live.len() as i64);
                     }
@@ -181,7 +188,7 @@ impl Failover {
                 () = stop.cancelled() => break,
             }
         }
-        let _ = self.bounded(self.primary.forget(&self.me)).await;
+        let _ = self.bounded(self.control.forget(&self.me)).await;
     }
 
     fn divided(&self, rule: &Rule) -> Rule {
@@ -211,7 +218,7 @@ impl Store for Failover {
     }
 
     fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
-        Box::pin(self.bounded(self.primary.live_instances(LIVE_WITHIN)))
+        Box::pin(self.bounded(self.control.live_instances(LIVE_WITHIN)))
     }
 
     fn degraded(&self) -> bool {
