@@ -40,6 +40,27 @@ const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS pacegate_schem
     version integer PRIMARY KEY,
     name text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now())";
+/// The common case of a reservation, as one UPDATE: the row exists, is not locked, and the
+/// slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
+/// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
+/// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
+/// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
+/// which. The clock is read once per statement, before any wait for the row lock, so a
+/// contended reservation is computed from a slightly earlier "now": its slot can only be
+/// earlier on the beat, never closer to another slot, and the instance then waits from when
+/// the answer arrived.
+const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
+    SET next_at = GREATEST(b.next_at,
+            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
+        + make_interval(secs => $2 * b.backoff)
+    FROM (SELECT clock_timestamp() AS now) AS c
+    WHERE b.destination = $1
+      AND b.lock_status IS NULL
+      AND ($4::float8 IS NULL OR
+           GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
+               <= c.now + make_interval(secs => $4::float8))
+    RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
+        c.now, b.generation";
 const SQL_RESERVE: &str =
     "SELECT granted, slot, db_now, generation, lock_since, lock_status, lock_request, lock_instance
     FROM pacegate_reserve($1, $2, $3, $4)";
@@ -301,14 +322,20 @@ impl Store for PostgresStore {
             let limit =
                 not_after.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
             let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&destination, &rule.interval.as_secs_f64(), &burst, &limit];
+            let fast = client.prepare_cached(SQL_RESERVE_FAST).await.map_err(db)?;
+            if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
+                let arrived = Instant::now();
+                drop(client);
+                let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
+                return Ok(Reservation {
+                    at: arrived + after(slot, db_now),
+                    generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                });
+            }
             let statement = client.prepare_cached(SQL_RESERVE).await.map_err(db)?;
-            let row = client
-                .query_one(
-                    &statement,
-                    &[&destination, &rule.interval.as_secs_f64(), &burst, &limit],
-                )
-                .await
-                .map_err(db)?;
+            let row = client.query_one(&statement, &params).await.map_err(db)?;
             // Measured from the answer's arrival: the conversion can only delay the slot.
             let arrived = Instant::now();
             drop(client);

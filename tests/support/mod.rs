@@ -20,6 +20,7 @@ use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+#[allow(unused_imports)]
 pub use upstream::FakeUpstream;
 
 /// Installs the crypto provider and a test log subscriber, once per test binary.

@@ -1,0 +1,119 @@
+//! The postgres store: one reservation's latency (p50/p95/p99 over 2,000 calls), reservations
+//! per second on one destination with 1, 4 and 16 concurrent reservers, and over 64
+//! destinations; then the Python reference design on the same database for comparison.
+//!
+//! Run: `cargo bench --bench store_postgres`. It uses `PACEGATE_TEST_DATABASE_URL` when set,
+//! else starts a throwaway cluster from the local PostgreSQL binaries. Under `cargo test` it
+//! runs a short smoke version. Figures are recorded in docs/benchmarks.md.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pacegate::budget::postgres::{testdb, PostgresStore};
+use pacegate::budget::{Rule, Store};
+
+fn rule() -> Rule {
+    // Far faster than any reservation: the slot is always "now", nobody waits.
+    Rule {
+        interval: Duration::from_nanos(1000),
+        burst: 1,
+        backoff_factor: 2.0,
+        backoff_max: 64.0,
+        decay_after: 100,
+        retry_after_max: Duration::from_secs(3600),
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+async fn latency(store: &PostgresStore, calls: usize) -> Vec<f64> {
+    let rule = rule();
+    for _ in 0..100 {
+        store.reserve("latency", &rule, None).await.unwrap();
+    }
+    let mut samples = Vec::with_capacity(calls);
+    for _ in 0..calls {
+        let started = Instant::now();
+        store.reserve("latency", &rule, None).await.unwrap();
+        samples.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples
+}
+
+async fn throughput(url: &str, reservers: usize, destinations: usize, run: Duration) -> f64 {
+    let store = Arc::new(PostgresStore::new(url, reservers).unwrap());
+    let rule = Arc::new(rule());
+    let stop_at = Instant::now() + run;
+    let tasks: Vec<_> = (0..reservers)
+        .map(|r| {
+            let (store, rule) = (store.clone(), rule.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < stop_at {
+                    let dest = format!("d{}", (r + n as usize) % destinations);
+                    store.reserve(&dest, &rule, None).await.unwrap();
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    total as f64 / run.as_secs_f64()
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cluster = std::env::var("PACEGATE_TEST_DATABASE_URL")
+        .is_err()
+        .then(support::pg::Cluster::start);
+    rt.block_on(async {
+        let url = match &cluster {
+            Some(c) => c.url(),
+            None => testdb::fresh().await,
+        };
+        let store = PostgresStore::new(&url, 2).unwrap();
+        store.migrate().await.unwrap();
+        let calls = if full { 2000 } else { 50 };
+        let s = latency(&store, calls).await;
+        println!(
+            "store_postgres: one reservation, {calls} calls: p50 {:.3} ms, p95 {:.3} ms, p99 {:.3} ms",
+            percentile(&s, 0.5),
+            percentile(&s, 0.95),
+            percentile(&s, 0.99)
+        );
+        let run = if full { Duration::from_secs(3) } else { Duration::from_millis(200) };
+        for reservers in [1, 4, 16] {
+            let rate = throughput(&url, reservers, 1, run).await;
+            println!("store_postgres: one destination, {reservers} reservers: {rate:.0} reservations/s");
+        }
+        let rate = throughput(&url, 16, 64, run).await;
+        println!("store_postgres: 64 destinations, 16 reservers: {rate:.0} reservations/s");
+        if full {
+            let out = std::process::Command::new("python3")
+                .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/reference_reserve.py"))
+                .arg(&url)
+                .arg(calls.to_string())
+                .output();
+            match out {
+                Ok(o) if o.status.success() => print!("{}", String::from_utf8_lossy(&o.stdout)),
+                _ => println!("reference not run: it needs python3 with psycopg (pip install 'psycopg[binary]')"),
+            }
+        }
+    });
+    drop(cluster);
+}
