@@ -488,3 +488,69 @@ async fn a_store_outage_with_refuse_gets_a_clear_refusal() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_and_status_work_against_the_store_directly() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let url = testdb::fresh().await;
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pacegate"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["migrate", "--store", &url]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "applied migrations [1, 2]"
+    );
+    let out = run(&["migrate", "--store", &url]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "the store's schema is up to date"
+    );
+
+    let upstream = FakeUpstream::start().await;
+    let store = format!("[store]\nbackend = \"postgres\"\nurl = \"{url}\"\nmigrate = false\n");
+    let fleet = Fleet::start_n(2, &store, "rate = 50").await;
+    fleet.see_live(2).await;
+    let resp = fleet
+        .client(0)
+        .get(format!("{}/status/403", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    let out = run(&["status", "--store", &url]);
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("local"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains("LOCKED") && row.contains("403"), "{row}");
+    assert_eq!(
+        table
+            .lines()
+            .filter(|l| l.contains(&format!("/{}/", fleet.instances[0].child.id())))
+            .count(),
+        1,
+        "{table}"
+    );
+    assert!(table.contains("INSTANCE"), "{table}");
+    let live = table
+        .lines()
+        .skip_while(|l| !l.starts_with("INSTANCE"))
+        .skip(1)
+        .count();
+    assert_eq!(live, 2, "{table}");
+}
