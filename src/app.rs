@@ -118,7 +118,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Backend::Memory => Arc::new(MemoryStore::open(&config.store.state_file)?),
         Backend::Postgres => {
             let url = config.store.url.as_deref().unwrap_or_default();
-            let store = PostgresStore::new(url, config.store.connections - 1)?;
+            let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
+            let store =
+                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?;
             if config.store.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
@@ -128,7 +130,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 store.check_schema().await?;
             }
             // One connection of the configured ones is kept for heartbeats (see Failover).
-            let control = PostgresStore::new(url, 1)?;
+            let control = PostgresStore::with_roots(url, 1, roots)?;
             let failover = Arc::new(Failover::new(
                 store,
                 control,

@@ -246,6 +246,9 @@ pub struct StoreConfig {
     pub url: Option<String>,
     /// Connections the postgres store may open. Default 8.
     pub connections: usize,
+    /// PEM roots trusted for the store's TLS certificate, beside the system roots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
     /// Apply the embedded migrations at start (under an advisory lock). Default true.
     pub migrate: bool,
     /// What to do while the postgres store is unreachable. Default `divide`.
@@ -498,6 +501,7 @@ struct RawStore {
     state_file: Option<PathBuf>,
     url: Option<String>,
     connections: Option<usize>,
+    ca_file: Option<PathBuf>,
     migrate: Option<bool>,
     on_unavailable: Option<OnUnavailable>,
     instances_hint: Option<usize>,
@@ -763,6 +767,16 @@ impl Validator<'_> {
             ),
             url,
             connections,
+            ca_file: raw.ca_file.map(|p| {
+                let p = self.path(p);
+                if !p.is_file() {
+                    self.push(
+                        "store.ca_file",
+                        format!("{} is not a readable file", p.display()),
+                    );
+                }
+                p
+            }),
             migrate: raw.migrate.unwrap_or(true),
             on_unavailable: raw.on_unavailable.unwrap_or_default(),
             instances_hint: raw.instances_hint.unwrap_or(1).max(1),

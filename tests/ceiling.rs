@@ -554,3 +554,53 @@ async fn migrate_and_status_work_against_the_store_directly() {
         .count();
     assert_eq!(live, 2, "{table}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_can_be_reached_over_verified_tls() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    // The upstream's test CA also signs the database's certificate (for 127.0.0.1).
+    let cluster = Cluster::start_tls(&upstream.ca.leaf_pem, &upstream.ca.key_pem);
+    let url = format!("{}?sslmode=require", cluster.url());
+    let trusted = format!(
+        "[store]\nbackend = \"postgres\"\nurl = \"{url}\"\nca_file = \"{}\"\n",
+        upstream.ca.cert_path.display()
+    );
+    let fleet = Fleet::start_n(1, &trusted, "rate = 50").await;
+    let resp = fleet
+        .client(0)
+        .get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(fleet.metric(0, "pacegate_store_degraded").await, 0.0);
+    let (client, conn) = tokio_postgres::connect(&cluster.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tls_sessions: i64 = client
+        .query_one("SELECT count(*) FROM pg_stat_ssl WHERE ssl", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(tls_sessions >= 1, "pacegate's connections use TLS");
+
+    // Without the CA the certificate is not trusted, and pacegate refuses to start.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pacegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\n[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n[destinations.local]\nhosts = [\"localhost\"]\nrate = 1\n"
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pacegate"))
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
+}

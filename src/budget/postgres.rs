@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio::time::Instant;
-use tokio_postgres::NoTls;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
     BudgetView, Event, InstanceStatus, Lockout, Reservation, ReserveError, Rule, Store, StoreError,
@@ -113,12 +113,27 @@ pub struct PostgresStore {
 impl PostgresStore {
     /// A store over a pool of at most `connections` connections to `url`. Connects lazily.
     pub fn new(url: &str, connections: usize) -> Result<Self, StoreError> {
+        let roots = crate::tls::upstream_roots(&[]).map_err(|e| StoreError(e.to_string()))?;
+        Self::with_roots(url, connections, roots)
+    }
+
+    /// Like [`PostgresStore::new`], trusting `roots` for a store reached over TLS. TLS follows
+    /// the URL's `sslmode` (`disable`, `prefer` (the default), `require`); when it is used the
+    /// server's certificate is always verified against `roots` and the host name, as libpq's
+    /// `verify-full` does.
+    pub fn with_roots(
+        url: &str,
+        connections: usize,
+        roots: rustls::RootCertStore,
+    ) -> Result<Self, StoreError> {
         let config: tokio_postgres::Config = url
             .parse()
             .map_err(|e| StoreError(format!("store URL: {e}")))?;
+        let tls =
+            crate::tls::upstream_client_config(roots).map_err(|e| StoreError(e.to_string()))?;
         let manager = Manager::from_config(
             config,
-            NoTls,
+            MakeRustlsConnect::new(tls),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },

@@ -41,6 +41,15 @@ fn find_bin() -> PathBuf {
 impl Cluster {
     /// Creates and starts a cluster with a `pacegate` superuser and trust authentication.
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Like [`Cluster::start`], serving TLS with this certificate and key (PEM).
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Self {
+        Self::start_with(Some((cert_pem, key_pem)))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let bin = find_bin();
         let root = Command::new("id")
@@ -81,6 +90,33 @@ impl Cluster {
                 "UTF8",
             ],
         );
+        if let Some((cert, key)) = tls {
+            let data = PathBuf::from(cluster.data());
+            std::fs::write(data.join("server.crt"), cert).unwrap();
+            std::fs::write(data.join("server.key"), key).unwrap();
+            let mut conf = std::fs::OpenOptions::new()
+                .append(true)
+                .open(data.join("postgresql.conf"))
+                .unwrap();
+            std::io::Write::write_all(
+                &mut conf,
+                b"ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n",
+            )
+            .unwrap();
+            for f in ["server.crt", "server.key"] {
+                let path = data.join(f);
+                if let Some(user) = &cluster.run_as {
+                    assert!(Command::new("chown")
+                        .arg(user)
+                        .arg(&path)
+                        .status()
+                        .unwrap()
+                        .success());
+                }
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            }
+        }
         cluster.up();
         cluster
     }

@@ -43,6 +43,10 @@ pub fn pattern(i: u64) -> u8 {
 pub struct TestCa {
     pub dir: tempfile::TempDir,
     pub cert_path: PathBuf,
+    /// The leaf (localhost, 127.0.0.1, ::1) and its key, as PEM, for servers other than the
+    /// fake upstream (a TLS PostgreSQL).
+    pub leaf_pem: String,
+    pub key_pem: String,
     leaf: rustls_pki_types::CertificateDer<'static>,
     key_der: Vec<u8>,
 }
@@ -69,6 +73,8 @@ impl TestCa {
         Self {
             dir,
             cert_path,
+            leaf_pem: leaf.pem(),
+            key_pem: key.serialize_pem(),
             leaf: leaf.der().clone(),
             key_der: key.serialize_der(),
         }
