@@ -11,7 +11,9 @@
 //! - [`pacing`]: the pacer: per-destination queues that slots are handed to, verdicts,
 //!   Retry-After; `pacing::verdict` reads a response.
 //! - [`budget`]: the store seam and the budget arithmetic both stores share
-//!   (`budget::schedule`); `budget::memory` is the embedded store.
+//!   (`budget::schedule`); `budget::memory` is the embedded store, `budget::postgres` the
+//!   shared one (its SQL and migrations), `budget::failover` what happens while the database
+//!   is unreachable (divide or refuse, heartbeats, lockout write-back).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.
