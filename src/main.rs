@@ -153,6 +153,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// A current-thread runtime for one command's few calls.
+fn small_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| fail(&e))
+}
+
+/// The postgres store at `url` (two connections), with a runtime to use it on.
+fn store_at(
+    url: &str,
+) -> Result<
+    (
+        pacegate::budget::postgres::PostgresStore,
+        tokio::runtime::Runtime,
+    ),
+    ExitCode,
+> {
+    let store = pacegate::budget::postgres::PostgresStore::new(url, 2).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(EXIT_USAGE)
+    })?;
+    Ok((store, small_runtime()?))
+}
+
 /// Runs one admin call on a small runtime.
 fn admin_call(
     config: &Config,
@@ -161,10 +186,7 @@ fn admin_call(
     path: &str,
 ) -> Result<(http::StatusCode, String), ExitCode> {
     let base = admin.unwrap_or_else(|| pacegate::admin::url_for(config.admin.listen));
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| fail(&e))?;
+    let runtime = small_runtime()?;
     runtime
         .block_on(pacegate::admin::call(
             &base,
@@ -176,19 +198,9 @@ fn admin_call(
 }
 
 fn migrate(url: &str) -> ExitCode {
-    let store = match pacegate::budget::postgres::PostgresStore::new(url, 2) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(EXIT_USAGE);
-        }
-    };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => return fail(&e),
+    let (store, runtime) = match store_at(url) {
+        Ok(opened) => opened,
+        Err(code) => return code,
     };
     match runtime.block_on(store.migrate()) {
         Ok(applied) if applied.is_empty() => {
@@ -283,20 +295,9 @@ fn status(path: &Path, admin: Option<String>, json: bool) -> ExitCode {
 }
 
 fn status_from_store(url: &str) -> ExitCode {
-    use pacegate::budget::postgres::PostgresStore;
-    let store = match PostgresStore::new(url, 2) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(EXIT_USAGE);
-        }
-    };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => return fail(&e),
+    let (store, runtime) = match store_at(url) {
+        Ok(opened) => opened,
+        Err(code) => return code,
     };
     let result = runtime.block_on(async {
         let budgets = store.budgets().await?;
