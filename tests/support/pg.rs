@@ -57,8 +57,22 @@ impl Cluster {
             .output()
             .map(|o| o.stdout == b"0\n")
             .unwrap_or(false);
-        // initdb refuses to run as root.
-        let run_as = root.then(|| "postgres".to_owned());
+        // initdb refuses to run as root: use the server's own user, or the one scripts/test
+        // creates where there is none.
+        let run_as = root.then(|| {
+            let exists = |u: &str| {
+                Command::new("id")
+                    .args(["-u", u])
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            };
+            if exists("postgres") {
+                "postgres"
+            } else {
+                "pacegate-test"
+            }
+            .to_owned()
+        });
         if let Some(user) = &run_as {
             assert!(Command::new("chown")
                 .arg(user)
