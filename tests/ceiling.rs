@@ -604,3 +604,64 @@ async fn the_store_can_be_reached_over_verified_tls() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_other_instances_are_refused_within_a_second_of_a_lockout() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let db = testdb::fresh().await;
+    let store = format!("[store]\nbackend = \"postgres\"\nurl = \"{db}\"\n");
+    let fleet = Fleet::start_n(1, &store, "rate = 0.1").await;
+    let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
+    // The instance sends one request, then holds a second for the slot 10 s later.
+    assert_eq!(
+        fleet
+            .client(0)
+            .get(url("first"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let waiting = {
+        let via = fleet.client(0);
+        let u = url("waiting");
+        tokio::spawn(async move { via.get(u).send().await.unwrap() })
+    };
+    eventually(
+        Duration::from_secs(5),
+        "a request waiting for its slot",
+        || async { (fleet.status(0).await["waiting"] == 1).then_some(()) },
+    )
+    .await;
+    // Another instance takes a lockout: its verdict lands in the shared row.
+    let (client, conn) = tokio_postgres::connect(&db, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .execute(
+            "SELECT pacegate_record('local', 'lockout', 0, NULL, 2, 64, 100, 3600, 403, 'GET http://elsewhere/', 'other-instance')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let locked_at = Instant::now();
+    let resp = waiting.await.unwrap();
+    let refused_after = locked_at.elapsed();
+    assert_eq!(resp.status(), 403);
+    assert!(resp.headers()["proxy-status"]
+        .to_str()
+        .unwrap()
+        .contains("other-instance"));
+    assert!(
+        refused_after < Duration::from_millis(1500),
+        "refused {refused_after:?} after the lockout"
+    );
+    assert_eq!(
+        upstream.recorded().len(),
+        1,
+        "the waiting request was never sent"
+    );
+}

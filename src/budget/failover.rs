@@ -31,6 +31,10 @@ use super::{
 
 /// How often the supervisor heartbeats (and probes while degraded).
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// The first probe after the store stopped answering, doubling up to [`PROBE_MAX`].
+const PROBE_FIRST: Duration = Duration::from_millis(250);
+/// The longest interval between probes of an unreachable store.
+const PROBE_MAX: Duration = Duration::from_secs(2);
 /// An instance whose last heartbeat is older than this no longer counts as live.
 pub const LIVE_WITHIN: Duration = Duration::from_secs(5);
 
@@ -166,9 +170,16 @@ impl Failover {
     /// Heartbeats every [`HEARTBEAT`] until `stop`, keeps the live count, and while degraded
     /// probes the database and recovers when it answers. Removes this instance's row on stop.
     pub async fn supervise(self: Arc<Self>, stop: CancellationToken) {
+        let mut failures = 0u32;
         loop {
-            match self.bounded(self.control.heartbeat(&self.me)).await {
+            // The heartbeat is off the request path: it gets more time than a reservation
+            // before it declares the store unreachable.
+            let beat = tokio::time::timeout(HEARTBEAT, self.control.heartbeat(&self.me)).await;
+            match beat
+                .unwrap_or_else(|_| Err(StoreError("heartbeat got no answer within 1s".into())))
+            {
                 Ok(()) => {
+                    failures = 0;
                     if self.is_degraded() {
                         if let Err(e) = self.recover().await {
                             tracing::debug!(
@@ -176,15 +187,29 @@ impl Failover {
                             );
                         }
                     }
-                    if let Ok(live) = self.bounded(self.control.live_instances(LIVE_WITHIN)).await {
+                    if let Ok(Ok(live)) =
+                        tokio::time::timeout(HEARTBEAT, self.control.live_instances(LIVE_WITHIN))
+                            .await
+                    {
                         self.live.store(live.len().max(1), Ordering::SeqCst);
                         self.instances_gauge.set(live.len() as i64);
                     }
                 }
-                Err(e) => self.degrade(&e),
+                Err(e) => {
+                    failures += 1;
+                    self.degrade(&e);
+                }
             }
+            // While the store is away, probe it with a growing interval (250 ms, 500 ms, 1 s,
+            // then every 2 s), so that pacing is back on the shared budget within about two
+            // seconds of its return.
+            let pause = if failures == 0 {
+                HEARTBEAT
+            } else {
+                (PROBE_FIRST * 2u32.saturating_pow(failures - 1)).min(PROBE_MAX)
+            };
             tokio::select! {
-                () = tokio::time::sleep(HEARTBEAT) => {}
+                () = tokio::time::sleep(pause) => {}
                 () = stop.cancelled() => break,
             }
         }
