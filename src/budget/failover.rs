@@ -64,6 +64,9 @@ pub struct Failover {
     live: AtomicUsize,
     /// The last budget read from the database, per destination, to seed the local one.
     last_known: Mutex<HashMap<String, BudgetView>>,
+    /// The end of the last interval this instance reserved, per destination: where the local
+    /// schedule continues when the store goes away.
+    last_slot_end: Mutex<HashMap<String, Instant>>,
     /// Lockouts taken while degraded, to be written back.
     pending: Mutex<Vec<(String, Rule, Lockout)>>,
     degraded_gauge: IntGauge,
@@ -98,6 +101,7 @@ impl Failover {
             degraded: AtomicBool::new(false),
             live: AtomicUsize::new(instances_hint.max(1)),
             last_known: Mutex::new(HashMap::new()),
+            last_slot_end: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
             degraded_gauge,
             instances_gauge,
@@ -127,9 +131,11 @@ impl Failover {
         if self.degraded.swap(true, Ordering::SeqCst) {
             return;
         }
-        // Start the local budgets from the last shared ones: a lockout must not be forgotten.
+        // Start the local budgets from the last shared ones: a lockout must not be forgotten,
+        // and the local schedule continues after the last slot taken, without a burst.
+        let ends = guard(&self.last_slot_end).clone();
         for (dest, view) in guard(&self.last_known).iter() {
-            self.local.seed(dest, view);
+            self.local.seed(dest, view, ends.get(dest).copied());
         }
         self.degraded_gauge.set(1);
         let live = self.live.load(Ordering::SeqCst);
@@ -265,6 +271,12 @@ impl Store for Failover {
                 .await
                 {
                     Ok(Err(ReserveError::Store(e))) => self.degrade(&e),
+                    Ok(Ok(slot)) => {
+                        // Slots are spaced at least `interval * n` apart while dividing.
+                        let end = slot.at + self.divided(rule).interval;
+                        guard(&self.last_slot_end).insert(destination.to_owned(), end);
+                        return Ok(slot);
+                    }
                     Ok(result) => return result,
                     Err(_) => self.degrade(&StoreError(format!(
                         "no answer within {}",

@@ -93,8 +93,10 @@ impl MemoryStore {
     }
 
     /// Sets a budget's backoff, generation, streak and lock from a view of another store, so
-    /// that pacing taken over from it starts where it was (a lockout above all).
-    pub fn seed(&self, destination: &str, view: &BudgetView) {
+    /// that pacing taken over from it starts where it was (a lockout above all). `next_at`,
+    /// when given, is the earliest the next slot may be: taking over continues the schedule
+    /// instead of starting a burst.
+    pub fn seed(&self, destination: &str, view: &BudgetView, next_at: Option<Instant>) {
         let mut budgets = self.lock();
         let b = budgets.entry(destination.to_owned()).or_default();
         b.backoff = view.backoff.max(1.0);
@@ -102,6 +104,9 @@ impl MemoryStore {
         b.clean_streak = view.clean_streak;
         b.lock = view.lock.clone();
         b.paused_until = b.paused_until.max(self.now() + view.paused_for);
+        if let Some(at) = next_at {
+            b.next_at = b.next_at.max(at.saturating_duration_since(self.epoch));
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Budget>> {
