@@ -574,6 +574,14 @@ impl Pacer {
     }
 }
 
+/// One tick of tokio's timer wheel.
+const TIMER_TICK: Duration = Duration::from_millis(1);
+/// Yields before falling back to the timer (bounds the spin, and lets paused-clock tests
+/// advance).
+const MAX_SPINS: u32 = 20_000;
+/// Lanes whose interval is at least this long yield through the last tick before a slot.
+const SPIN_FROM: Duration = Duration::from_millis(20);
+
 /// How often a dispatcher waiting for a distant slot checks the budget for a lockout taken by
 /// another instance.
 const LOCK_POLL: Duration = Duration::from_millis(500);
@@ -616,8 +624,15 @@ async fn dispatch(
                 // Wait for the slot. Another instance may lock the destination meanwhile
                 // (a shared store), so a long wait looks at the budget every LOCK_POLL:
                 // waiters are refused promptly, and the slot is never used.
+                let spin = lane.rule.interval.mul_f64(self::lock(&lane.seen).backoff) >= SPIN_FROM;
                 let lockout = loop {
-                    let wake = slot.at.min(Instant::now() + LOCK_POLL);
+                    // The timer wheel rounds a deadline up to the next millisecond: aim one
+                    // tick early, then yield until the slot (never before it).
+                    let wake = slot
+                        .at
+                        .checked_sub(TIMER_TICK)
+                        .unwrap_or(slot.at)
+                        .min(Instant::now() + LOCK_POLL);
                     tokio::select! {
                         () = tokio::time::sleep_until(wake) => {}
                         _ = locked.changed() => {}
@@ -626,7 +641,17 @@ async fn dispatch(
                     if let Some(lock) = locked.borrow_and_update().clone() {
                         break Some(lock);
                     }
-                    if Instant::now() >= slot.at {
+                    if Instant::now() + TIMER_TICK >= slot.at {
+                        // Yielding costs CPU for up to a tick per slot: worth it only where a
+                        // tick is a small part of the interval.
+                        let mut spins = if spin { 0 } else { MAX_SPINS };
+                        while Instant::now() < slot.at && spins < MAX_SPINS {
+                            tokio::task::yield_now().await;
+                            spins += 1;
+                        }
+                        if Instant::now() < slot.at {
+                            tokio::time::sleep_until(slot.at).await;
+                        }
                         break None;
                     }
                     if let Ok(view) = store.view(&lane.name).await {
