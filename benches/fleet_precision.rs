@@ -11,7 +11,6 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use pacegate::budget::postgres::testdb;
 use support::process::spawn_binary;
 use support::{client, Alpn, FakeUpstream};
 
@@ -26,14 +25,8 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let cluster = std::env::var("PACEGATE_TEST_DATABASE_URL")
-        .is_err()
-        .then(support::pg::Cluster::start);
     rt.block_on(async {
-        let url = match &cluster {
-            Some(c) => c.url(),
-            None => testdb::fresh().await,
-        };
+        let (_cluster, url) = support::database().await;
         let upstream = FakeUpstream::start().await;
         let dirs: Vec<_> = (0..INSTANCES).map(|_| tempfile::tempdir().unwrap()).collect();
         let fleet: Vec<_> = dirs
@@ -73,15 +66,8 @@ fn main() {
         }
         let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
         at.sort();
-        let interval = Duration::from_secs_f64(1.0 / RATE);
-        let origin = at.iter().enumerate().map(|(k, t)| *t - interval * k as u32).min().unwrap();
-        let mut late: Vec<f64> = at
-            .iter()
-            .enumerate()
-            .map(|(k, t)| (*t - (origin + interval * k as u32)).as_secs_f64() * 1000.0)
-            .collect();
-        late.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let pct = |p: f64| late[((late.len() - 1) as f64 * p).round() as usize];
+        let late = support::lateness_ms(&at, RATE);
+        let pct = |p: f64| support::percentile(&late, p);
         let span = (*at.last().unwrap() - at[0]).as_secs_f64();
         println!(
             "fleet_precision: {INSTANCES} instances, {} requests at {RATE}/s over {span:.3} s; lateness at the upstream vs the beat: p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms",
@@ -92,5 +78,4 @@ fn main() {
         );
         drop(fleet);
     });
-    drop(cluster);
 }

@@ -43,21 +43,8 @@ fn main() {
         }
         let mut at: Vec<_> = upstream.recorded().iter().map(|r| r.at).collect();
         at.sort();
-        let interval = Duration::from_secs_f64(1.0 / RATE);
-        // The beat's origin is that of the least late request: the slots are origin + k / rate.
-        let origin = at
-            .iter()
-            .enumerate()
-            .map(|(k, t)| *t - interval * k as u32)
-            .min()
-            .unwrap();
-        let mut late: Vec<f64> = at
-            .iter()
-            .enumerate()
-            .map(|(k, t)| (*t - (origin + interval * k as u32)).as_secs_f64() * 1000.0)
-            .collect();
-        late.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let pct = |p: f64| late[((late.len() - 1) as f64 * p).round() as usize];
+        let late = support::lateness_ms(&at, RATE);
+        let pct = |p: f64| support::percentile(&late, p);
         let span = (*at.last().unwrap() - at[0]).as_secs_f64();
         println!(
             "pacing_precision: {n} requests at {RATE}/s over {span:.3} s; lateness at the upstream vs the beat: p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms",

@@ -12,7 +12,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pacegate::budget::postgres::{testdb, PostgresStore};
+use pacegate::budget::postgres::PostgresStore;
 use pacegate::budget::{Rule, Store};
 
 fn rule() -> Rule {
@@ -25,10 +25,6 @@ fn rule() -> Rule {
         decay_after: 100,
         retry_after_max: Duration::from_secs(3600),
     }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 async fn latency(store: &PostgresStore, calls: usize) -> Vec<f64> {
@@ -78,23 +74,17 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let cluster = std::env::var("PACEGATE_TEST_DATABASE_URL")
-        .is_err()
-        .then(support::pg::Cluster::start);
     rt.block_on(async {
-        let url = match &cluster {
-            Some(c) => c.url(),
-            None => testdb::fresh().await,
-        };
+        let (_cluster, url) = support::database().await;
         let store = PostgresStore::new(&url, 2).unwrap();
         store.migrate().await.unwrap();
         let calls = if full { 2000 } else { 50 };
         let s = latency(&store, calls).await;
         println!(
             "store_postgres: one reservation, {calls} calls: p50 {:.3} ms, p95 {:.3} ms, p99 {:.3} ms",
-            percentile(&s, 0.5),
-            percentile(&s, 0.95),
-            percentile(&s, 0.99)
+            support::percentile(&s, 0.5),
+            support::percentile(&s, 0.95),
+            support::percentile(&s, 0.99)
         );
         let run = if full { Duration::from_secs(3) } else { Duration::from_millis(200) };
         for reservers in [1, 4, 16] {
@@ -115,5 +105,4 @@ fn main() {
             }
         }
     });
-    drop(cluster);
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use pacegate::budget::postgres::testdb;
 use support::pg::Cluster;
 use support::process::{spawn_binary, Instance};
-use support::{admin_client, client, eventually, metric_value, Alpn, FakeUpstream};
+use support::{admin_client, client, eventually, metric_value, status_of, Alpn, FakeUpstream};
 
 const RATE: f64 = 20.0;
 const INSTANCES: usize = 3;
@@ -202,16 +202,7 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
         let s = fleet.status(i).await;
         assert_eq!(s["backoff"], 2.0, "instance {i}: {s}");
     }
-    assert_eq!(
-        fleet
-            .client(2)
-            .get(url("after-pause"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(status_of(&fleet.client(2), url("after-pause")).await, 200);
     assert!(
         throttled_at.elapsed() >= Duration::from_millis(1800),
         "instance 2 was not paused"
@@ -224,16 +215,7 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
     assert_eq!(fleet.status(2).await["backoff"], 4.0);
 
     // A 403 seen by instance 1 locks out every instance.
-    assert_eq!(
-        fleet
-            .client(1)
-            .get(url("status/403"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        403
-    );
+    assert_eq!(status_of(&fleet.client(1), url("status/403")).await, 403);
     for i in [0, 2] {
         let resp = fleet.client(i).get(url("fine")).send().await.unwrap();
         assert_eq!(resp.status(), 403, "instance {i}");
@@ -255,13 +237,7 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
     );
     for i in 0..INSTANCES {
         assert_eq!(
-            fleet
-                .client(i)
-                .get(url("again"))
-                .send()
-                .await
-                .unwrap()
-                .status(),
+            status_of(&fleet.client(i), url("again")).await,
             200,
             "instance {i}"
         );
@@ -271,16 +247,7 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
     // instances do not decay N times faster. The fourth decays the backoff once, 4 to 2.
     assert_eq!(fleet.status(0).await["backoff"], 4.0);
     assert_eq!(fleet.status(0).await["clean_streak"], 3);
-    assert_eq!(
-        fleet
-            .client(1)
-            .get(url("fourth"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(status_of(&fleet.client(1), url("fourth")).await, 200);
     for i in 0..INSTANCES {
         let s = fleet.status(i).await;
         assert_eq!(
@@ -413,26 +380,8 @@ async fn a_store_outage_divides_the_rate_and_keeps_lockouts() {
     );
 
     // A lockout taken during the outage locks that instance now and the store afterwards.
-    assert_eq!(
-        fleet
-            .client(0)
-            .get(url("status/403"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        403
-    );
-    assert_eq!(
-        fleet
-            .client(0)
-            .get(url("fine"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        403
-    );
+    assert_eq!(status_of(&fleet.client(0), url("status/403")).await, 403);
+    assert_eq!(status_of(&fleet.client(0), url("fine")).await, 403);
     cluster.up();
     for i in 0..2 {
         eventually(
@@ -473,10 +422,7 @@ async fn a_store_outage_with_refuse_gets_a_clear_refusal() {
     );
     let fleet = Fleet::start_n(1, &store, "rate = 50").await;
     let url = format!("{}/", upstream.http_url("localhost"));
-    assert_eq!(
-        fleet.client(0).get(&url).send().await.unwrap().status(),
-        200
-    );
+    assert_eq!(status_of(&fleet.client(0), &url).await, 200);
     cluster.down();
     let started = Instant::now();
     let resp = fleet.client(0).get(&url).send().await.unwrap();
@@ -625,16 +571,7 @@ async fn waiters_on_other_instances_are_refused_within_a_second_of_a_lockout() {
     let fleet = Fleet::start_n(1, &store, "rate = 0.1").await;
     let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
     // The instance sends one request, then holds a second for the slot 10 s later.
-    assert_eq!(
-        fleet
-            .client(0)
-            .get(url("first"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(status_of(&fleet.client(0), url("first")).await, 200);
     let waiting = {
         let via = fleet.client(0);
         let u = url("waiting");

@@ -202,6 +202,49 @@ impl Drop for TestProxy {
     }
 }
 
+/// Sends a GET through `client` and returns the response's status.
+pub async fn status_of(client: &reqwest::Client, url: impl reqwest::IntoUrl) -> u16 {
+    client.get(url).send().await.unwrap().status().as_u16()
+}
+
+/// A PostgreSQL for a bench or test: a fresh database in the server
+/// `PACEGATE_TEST_DATABASE_URL` names, or else a throwaway cluster of its own, which must be
+/// kept alive as long as the URL is used.
+pub async fn database() -> (Option<pg::Cluster>, String) {
+    if std::env::var("PACEGATE_TEST_DATABASE_URL").is_ok() {
+        (None, pacegate::budget::postgres::testdb::fresh().await)
+    } else {
+        let cluster = pg::Cluster::start();
+        let url = cluster.url();
+        (Some(cluster), url)
+    }
+}
+
+/// How late each arrival is against the beat `origin + k / rate`, in milliseconds, sorted;
+/// the origin is that of the least late arrival. `arrivals` must be sorted.
+pub fn lateness_ms(arrivals: &[std::time::Instant], rate: f64) -> Vec<f64> {
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let beat = |k: usize| interval * u32::try_from(k).unwrap();
+    let origin = arrivals
+        .iter()
+        .enumerate()
+        .map(|(k, t)| *t - beat(k))
+        .min()
+        .unwrap();
+    let mut late: Vec<f64> = arrivals
+        .iter()
+        .enumerate()
+        .map(|(k, t)| (*t - (origin + beat(k))).as_secs_f64() * 1000.0)
+        .collect();
+    late.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    late
+}
+
+/// The `p` quantile (0 to 1) of sorted samples.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
 /// A plain client for the admin listener.
 pub fn admin_client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
