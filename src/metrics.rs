@@ -44,6 +44,9 @@ pub struct Metrics {
     pub verdicts: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
+    /// `pacegate_slots_dropped_total{destination}`: slots not used because they came too late
+    /// (a stalled process or store); each costs one slot of pace, never adds one.
+    pub slots_dropped: IntCounterVec,
     /// `pacegate_wait_seconds{destination}`: time from arrival to slot.
     pub wait_seconds: HistogramVec,
     /// `pacegate_reservation_seconds{store}`: time one slot reservation takes in the store.
@@ -137,6 +140,13 @@ impl Metrics {
             ),
             &["destination", "verdict"],
         )?;
+        let slots_dropped = IntCounterVec::new(
+            Opts::new(
+                "pacegate_slots_dropped_total",
+                "Slots not used because they came too late to send on, by destination",
+            ),
+            &["destination"],
+        )?;
         let retries = IntCounterVec::new(
             Opts::new(
                 "pacegate_retries_total",
@@ -208,7 +218,7 @@ impl Metrics {
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(cert_cache.clone()))?;
         registry.register(Box::new(cert_cache_entries.clone()))?;
-        for c in [&verdicts, &retries] {
+        for c in [&verdicts, &retries, &slots_dropped] {
             registry.register(Box::new(c.clone()))?;
         }
         for h in [&wait_seconds, &reservation_seconds] {
@@ -240,6 +250,7 @@ impl Metrics {
             cert_cache_entries,
             verdicts,
             retries,
+            slots_dropped,
             wait_seconds,
             reservation_seconds,
             backoff,

@@ -579,6 +579,8 @@ const TIMER_TICK: Duration = Duration::from_millis(1);
 /// Yields before falling back to the timer (bounds the spin, and lets paused-clock tests
 /// advance).
 const MAX_SPINS: u32 = 20_000;
+/// A slot is used up to half an interval late, and never less than this.
+const MIN_MAX_LATE: Duration = Duration::from_millis(2);
 /// Lanes whose interval is at least this long yield through the last tick before a slot.
 const SPIN_FROM: Duration = Duration::from_millis(20);
 
@@ -598,6 +600,7 @@ async fn dispatch(
     let reservation_seconds = metrics
         .reservation_seconds
         .with_label_values(&[store.kind()]);
+    let slots_dropped = metrics.slots_dropped.with_label_values(&[&lane.name]);
     loop {
         // Wait for work. `notify_one` keeps a permit, so a waiter that arrives between the
         // check and the wait is not missed.
@@ -660,6 +663,17 @@ async fn dispatch(
                 };
                 if let Some(lock) = lockout {
                     lane.refuse_all(&lane.locked_error(lock));
+                    continue;
+                }
+                // A slot is an instant, not a licence: a request sent well after it (this
+                // process was descheduled, or the store's answer was delayed) would bunch with
+                // the next ones. Such a slot is dropped, which can only slow the destination.
+                let late = Instant::now().saturating_duration_since(slot.at) + slot.excess_delay;
+                let max_late = (lane.rule.interval.mul_f64(self::lock(&lane.seen).backoff) / 2)
+                    .max(MIN_MAX_LATE);
+                if late > max_late {
+                    slots_dropped.inc();
+                    tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
                     continue;
                 }
                 if !lane.hand_out(slot.at, slot.generation) {

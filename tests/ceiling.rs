@@ -75,6 +75,50 @@ impl Fleet {
         )
     }
 
+    /// For a failed timing assertion: the store errors each instance logged, and every
+    /// arrival (ms after the first, and the request).
+    fn explain(&self, upstream: &FakeUpstream) -> String {
+        let errors: Vec<usize> = self
+            .instances
+            .iter()
+            .map(|i| {
+                i.logs
+                    .json()
+                    .iter()
+                    .filter(|l| l["level"] == "ERROR")
+                    .count()
+            })
+            .collect();
+        let mut seen = upstream.recorded();
+        seen.sort_by_key(|r| r.at);
+        let first = seen.first().map(|r| r.at);
+        let arrivals: Vec<String> = seen
+            .iter()
+            .map(|r| {
+                format!(
+                    "{:.1}ms {}",
+                    (r.at - first.unwrap()).as_secs_f64() * 1000.0,
+                    r.path
+                )
+            })
+            .collect();
+        let dropped: Vec<usize> = self
+            .instances
+            .iter()
+            .map(|i| {
+                let lines = i.logs.json();
+                lines
+                    .iter()
+                    .filter(|l| l["message"] == "slot too late to use; reserving another")
+                    .count()
+            })
+            .collect();
+        format!(
+            "store errors per instance {errors:?}; slots dropped per instance {dropped:?}; arrivals: {}",
+            arrivals.join(", ")
+        )
+    }
+
     async fn metric(&self, i: usize, series: &str) -> f64 {
         let text = admin_client()
             .get(format!("http://{}/metrics", self.instances[i].admin))
@@ -159,10 +203,15 @@ async fn three_processes_on_one_postgres_keep_one_ceiling() {
     let most = busiest(&at, Duration::from_secs(1));
     assert!(
         most <= 21,
-        "{most} requests reached the upstream within one second at rate {RATE}"
+        "{most} requests reached the upstream within one second at rate {RATE}; {}",
+        fleet.explain(&upstream)
     );
     let achieved = (at.len() - 1) as f64 / (*at.last().unwrap() - at[0]).as_secs_f64();
-    assert!(achieved >= 0.95 * RATE, "achieved only {achieved:.2}/s");
+    assert!(
+        achieved >= 0.95 * RATE,
+        "achieved only {achieved:.2}/s; {}",
+        fleet.explain(&upstream)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -196,6 +196,7 @@ impl Store for MemoryStore {
                 Ok((slot, generation)) => Ok(Reservation {
                     at: self.epoch + slot,
                     generation,
+                    excess_delay: Duration::ZERO,
                 }),
                 Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
                 Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate {

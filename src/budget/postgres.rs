@@ -8,6 +8,7 @@
 //! local monotonic deadline measured from when the answer arrived, which can only make it
 //! later, never earlier.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
@@ -45,10 +46,10 @@ const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS pacegate_schem
 /// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
 /// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
 /// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
-/// which. The clock is read once per statement, before any wait for the row lock, so a
-/// contended reservation is computed from a slightly earlier "now": its slot can only be
-/// earlier on the beat, never closer to another slot, and the instance then waits from when
-/// the answer arrived.
+/// which. `c.now` is read once, before any wait for the row lock, so a contended reservation
+/// computes its slot from a slightly earlier "now": the slot can only be earlier on the beat,
+/// never closer to another slot. The database time returned is read again after the update,
+/// so that waiting for the lock does not make the local deadline late.
 const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
     SET next_at = GREATEST(b.next_at,
             GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
@@ -60,7 +61,7 @@ const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
                <= c.now + make_interval(secs => $4::float8))
     RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
-        c.now, b.generation";
+        clock_timestamp(), b.generation, c.now";
 const SQL_RESERVE: &str =
     "SELECT granted, slot, db_now, generation, lock_since, lock_status, lock_request, lock_instance
     FROM pacegate_reserve($1, $2, $3, $4)";
@@ -108,6 +109,9 @@ fn db(e: impl std::error::Error) -> StoreError {
 /// Budgets in Postgres.
 pub struct PostgresStore {
     pool: Pool,
+    /// The usual reservation round trip in µs: a minimum that drifts slowly upwards, so that
+    /// a store on another host (a long but steady round trip) is not mistaken for a stall.
+    usual_rtt_us: AtomicU64,
 }
 
 impl PostgresStore {
@@ -142,7 +146,23 @@ impl PostgresStore {
             .max_size(connections)
             .build()
             .map_err(|e| StoreError(format!("store pool: {e}")))?;
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            usual_rtt_us: AtomicU64::new(u64::MAX),
+        })
+    }
+
+    /// How much longer than usual a reservation's round trip took; updates the usual one.
+    fn excess(&self, rtt: Duration) -> Duration {
+        let rtt_us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX);
+        let usual = self.usual_rtt_us.load(Ordering::Relaxed);
+        let updated = if rtt_us < usual {
+            rtt_us
+        } else {
+            usual + (rtt_us - usual) / 256
+        };
+        self.usual_rtt_us.store(updated, Ordering::Relaxed);
+        Duration::from_micros(rtt_us.saturating_sub(usual.min(rtt_us)))
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -337,16 +357,22 @@ impl Store for PostgresStore {
             let limit =
                 not_after.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
             let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
+            let sent = Instant::now();
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
                 [&destination, &rule.interval.as_secs_f64(), &burst, &limit];
             let fast = client.prepare_cached(SQL_RESERVE_FAST).await.map_err(db)?;
             if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
                 let arrived = Instant::now();
                 drop(client);
-                let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
+                let (slot, db_now, started): (SystemTime, SystemTime, SystemTime) =
+                    (row.get(0), row.get(1), row.get(3));
+                // The round trip less the time the statement spent inside the database (waiting
+                // for the row lock, mostly): what is left delays the answer after `db_now`.
+                let transit = (arrived - sent).saturating_sub(after(db_now, started));
                 return Ok(Reservation {
                     at: arrived + after(slot, db_now),
                     generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                    excess_delay: self.excess(transit),
                 });
             }
             let statement = client.prepare_cached(SQL_RESERVE).await.map_err(db)?;
@@ -369,6 +395,7 @@ impl Store for PostgresStore {
             Ok(Reservation {
                 at,
                 generation: u64::try_from(row.get::<_, i64>(3)).unwrap_or(0),
+                excess_delay: self.excess(arrived - sent),
             })
         })
     }
