@@ -220,21 +220,34 @@ pub async fn database() -> (Option<pg::Cluster>, String) {
     }
 }
 
-/// How late each arrival is against the beat `origin + k / rate`, in milliseconds, sorted;
-/// the origin is that of the least late arrival. `arrivals` must be sorted.
+/// How late each arrival is against the beat (instants `origin + k / rate`), in milliseconds,
+/// sorted. Each arrival is matched to the beat position before it, so a slot that was never
+/// used (dropped, or nobody waiting) does not count as lateness for the ones after; the
+/// origin is the phase of the least late arrival. Meaningful while lateness stays under one
+/// interval.
 pub fn lateness_ms(arrivals: &[std::time::Instant], rate: f64) -> Vec<f64> {
-    let interval = Duration::from_secs_f64(1.0 / rate);
-    let beat = |k: usize| interval * u32::try_from(k).unwrap();
-    let origin = arrivals
+    let interval = 1000.0 / rate;
+    let first = arrivals[0];
+    let phase: Vec<f64> = arrivals
         .iter()
-        .enumerate()
-        .map(|(k, t)| *t - beat(k))
-        .min()
-        .unwrap();
-    let mut late: Vec<f64> = arrivals
+        .map(|t| ((*t - first).as_secs_f64() * 1000.0).rem_euclid(interval))
+        .collect();
+    // The phases may straddle the wrap (a beat just before `first`): measure from the phase
+    // that leaves the largest empty arc before it.
+    let mut sorted = phase.clone();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let gaps = sorted.windows(2).map(|w| (w[1] - w[0], w[1]));
+    let wrap = (sorted[0] + interval - sorted[sorted.len() - 1], sorted[0]);
+    let origin = gaps
+        .chain(std::iter::once(wrap))
+        .fold(
+            (f64::MIN, 0.0),
+            |best, g| if g.0 > best.0 { g } else { best },
+        )
+        .1;
+    let mut late: Vec<f64> = phase
         .iter()
-        .enumerate()
-        .map(|(k, t)| (*t - (origin + beat(k))).as_secs_f64() * 1000.0)
+        .map(|p| (p - origin).rem_euclid(interval))
         .collect();
     late.sort_by(|a, b| a.partial_cmp(b).unwrap());
     late
