@@ -115,6 +115,9 @@ pub enum ReserveError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The store did not answer within this bound; it may still be there. Try again.
+    #[error("the store did not answer within {0:?}")]
+    Busy(Duration),
 }
 
 /// A budget as shown by status and metrics.

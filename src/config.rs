@@ -255,7 +255,9 @@ pub struct StoreConfig {
     pub on_unavailable: OnUnavailable,
     /// Live instances to assume for `divide` before any heartbeat was seen. Default 1.
     pub instances_hint: usize,
-    /// Longest wait for the postgres store before it counts as unavailable. Default 100 ms.
+    /// Longest wait for a reservation's answer from the postgres store; a slower one delays
+    /// that slot (the store counts as unreachable only on a connection error or a missed
+    /// heartbeat). Default 100 ms.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
 }

@@ -699,6 +699,10 @@ async fn dispatch(
                 lane.refuse_all(&PaceError::Store(e));
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            Err(ReserveError::Busy(after)) => {
+                // The waiters keep waiting, within their own deadlines.
+                tracing::warn!(destination = %lane.name, "the store did not answer within {after:?}; trying again");
+            }
         }
     }
 }

@@ -1,8 +1,10 @@
 //! The postgres store with a way down: what happens while the database is unreachable.
 //!
-//! Never fail open. Every call to the database is bounded by `timeout`; the first failure
-//! marks the store *degraded* (one ERROR log, `pacegate_store_degraded` = 1), and until the
-//! database answers again:
+//! Never fail open. A reservation waits at most `timeout` for the database; a slow answer
+//! only delays that slot, since pacing locally beside instances that still reach the store
+//! could exceed the ceiling. A connection error, or no answer within a heartbeat (1 s) to any
+//! other call, marks the store *degraded* (one ERROR log, `pacegate_store_degraded` = 1), and
+//! until the database answers again:
 //! - `divide`: this instance paces on a local budget at `rate / n`, where `n` is the number
 //!   of live instances last seen (heartbeats), or `instances_hint` if it never saw one, so the
 //!   aggregate ceiling still holds. The local budget starts from the last known shared one,
@@ -113,18 +115,19 @@ impl Failover {
         self.degraded.load(Ordering::SeqCst)
     }
 
+    /// Calls other than reservations (verdicts, views, unlocks, write-backs) are off the
+    /// hot path of pacing: they get a heartbeat's time before the store counts as gone.
     async fn bounded<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        tokio::time::timeout(self.timeout, call)
-            .await
-            .unwrap_or_else(|_| {
-                Err(StoreError(format!(
-                    "no answer within {}",
-                    humantime::format_duration(self.timeout)
-                )))
-            })
+        let bound = self.timeout.max(HEARTBEAT);
+        tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
+            Err(StoreError(format!(
+                "no answer within {}",
+                humantime::format_duration(bound)
+            )))
+        })
     }
 
     fn degrade(&self, why: &StoreError) {
@@ -278,10 +281,11 @@ impl Store for Failover {
                         return Ok(slot);
                     }
                     Ok(result) => return result,
-                    Err(_) => self.degrade(&StoreError(format!(
-                        "no answer within {}",
-                        humantime::format_duration(self.timeout)
-                    ))),
+                    // Slow is not gone: pacing locally beside instances that still reach the
+                    // store could exceed the ceiling, so a slow answer only delays this slot.
+                    // The store counts as unreachable on a connection error, or when the
+                    // supervisor's heartbeat gets no answer.
+                    Err(_) => return Err(ReserveError::Busy(self.timeout)),
                 }
             }
             match self.mode {
