@@ -120,8 +120,8 @@ pub enum ReserveError {
     Busy(Duration),
 }
 
-/// A budget as shown by status and metrics.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// A budget as shown by status and metrics. The default is a fresh budget (backoff 1).
+#[derive(Debug, Clone, PartialEq)]
 pub struct BudgetView {
     /// Interval multiplier.
     pub backoff: f64,
@@ -150,6 +150,18 @@ pub struct InstanceStatus {
     pub started: String,
     /// Seconds since its last heartbeat.
     pub last_seen_seconds_ago: f64,
+}
+
+impl Default for BudgetView {
+    fn default() -> Self {
+        Self {
+            backoff: 1.0,
+            generation: 0,
+            clean_streak: 0,
+            paused_for: Duration::ZERO,
+            lock: None,
+        }
+    }
 }
 
 /// Where budgets live. Every method is atomic per destination; none holds anything (lock,

@@ -173,10 +173,7 @@ impl Lane {
             queue: Mutex::new(Queue::default()),
             work: Notify::new(),
             locked: watch::channel(None).0,
-            seen: Mutex::new(BudgetView {
-                backoff: 1.0,
-                ..BudgetView::default()
-            }),
+            seen: Mutex::new(BudgetView::default()),
             in_flight: AtomicUsize::new(0),
             admitting: AtomicUsize::new(0),
             sends: Mutex::new(SendLog::new()),

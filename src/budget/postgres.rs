@@ -84,16 +84,25 @@ const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
     WHERE last_seen > clock_timestamp() - make_interval(secs => $1)
     ORDER BY started_at";
 const SQL_FORGET: &str = "DELETE FROM pacegate_instances WHERE id = $1";
-const SQL_BUDGETS: &str = "SELECT destination, backoff, generation, clean_streak,
+/// The columns `view_of` reads, in its order.
+macro_rules! view_columns {
+    () => {
+        "backoff, generation, clean_streak,
         CASE WHEN paused_until > clock_timestamp()
             THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
-        lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_budgets ORDER BY destination";
-const SQL_VIEW: &str = "SELECT backoff, generation, clean_streak,
-        CASE WHEN paused_until > clock_timestamp()
-            THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
-        lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_budgets WHERE destination = $1";
+        lock_since, lock_status, lock_request, lock_instance"
+    };
+}
+const SQL_BUDGETS: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    ", destination FROM pacegate_budgets ORDER BY destination"
+);
+const SQL_VIEW: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    " FROM pacegate_budgets WHERE destination = $1"
+);
 
 /// The whole cause chain: tokio-postgres' own message is only "db error".
 fn db(e: impl std::error::Error) -> StoreError {
@@ -213,20 +222,7 @@ impl PostgresStore {
     pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
         let client = self.client().await?;
         let rows = client.query(SQL_BUDGETS, &[]).await.map_err(db)?;
-        Ok(rows
-            .iter()
-            .map(|r| {
-                let name: String = r.get(0);
-                let view = BudgetView {
-                    backoff: r.get(1),
-                    generation: u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
-                    clean_streak: u32::try_from(r.get::<_, i32>(3)).unwrap_or(0),
-                    paused_for: Duration::from_secs_f64(r.get::<_, f64>(4).max(0.0)),
-                    lock: lockout(r.get(5), r.get(6), r.get(7), r.get(8)),
-                };
-                (name, view)
-            })
-            .collect())
+        Ok(rows.iter().map(|r| (r.get(8), view_of(r))).collect())
     }
 
     /// Records that `me` is alive now.
@@ -467,13 +463,7 @@ impl Store for PostgresStore {
                 .query_opt(SQL_VIEW, &[&destination])
                 .await
                 .map_err(db)?;
-            Ok(row.map_or(
-                BudgetView {
-                    backoff: 1.0,
-                    ..BudgetView::default()
-                },
-                |r| view_of(&r),
-            ))
+            Ok(row.map_or(BudgetView::default(), |r| view_of(&r)))
         })
     }
 }
