@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion};
 use futures_util::FutureExt;
 use pacegate::budget::memory::MemoryStore;
-use pacegate::budget::{Rule, Store};
+use pacegate::budget::{Ask, ClassQueue, Rule, Store};
+use pacegate::class::Class;
 
 fn rule() -> Rule {
     // A fast destination, so that slots stay near "now" over millions of reservations.
@@ -20,6 +21,23 @@ fn rule() -> Rule {
         backoff_max: 64.0,
         decay_after: 100,
         retry_after_max: Duration::from_secs(3600),
+        shares: Arc::from(vec![0.0]),
+        quota: Vec::new(),
+    }
+}
+
+/// One request waiting alone: the common case.
+const ALONE: [ClassQueue; 1] = [ClassQueue {
+    class: Class(0),
+    count: 1,
+    oldest: Duration::ZERO,
+    next: None,
+}];
+
+fn ask() -> Ask<'static> {
+    Ask {
+        queues: &ALONE,
+        not_after: None,
     }
 }
 
@@ -36,7 +54,7 @@ fn reservation(c: &mut Criterion) {
         let _guard = rt.enter();
         b.iter(|| {
             store
-                .reserve("d", &rule, None)
+                .reserve("d", &rule, ask())
                 .now_or_never()
                 .expect("the memory store answers at once")
                 .unwrap()
@@ -52,7 +70,7 @@ fn reservation(c: &mut Criterion) {
                         let (store, rule) = (store.clone(), rule.clone());
                         tokio::spawn(async move {
                             for _ in 0..per_task {
-                                store.reserve("d", &rule, None).await.unwrap();
+                                store.reserve("d", &rule, ask()).await.unwrap();
                             }
                         })
                     })

@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pacegate::budget::postgres::PostgresStore;
-use pacegate::budget::{Rule, Store};
+use pacegate::budget::{Ask, ClassQueue, Rule, Store};
+use pacegate::class::Class;
 
 fn rule() -> Rule {
     // Far faster than any reservation: the slot is always "now", nobody waits.
@@ -24,18 +25,35 @@ fn rule() -> Rule {
         backoff_max: 64.0,
         decay_after: 100,
         retry_after_max: Duration::from_secs(3600),
+        shares: Arc::from(vec![0.0]),
+        quota: Vec::new(),
     }
+}
+
+/// One reservation for one request waiting alone: the common case.
+async fn reserve(store: &PostgresStore, destination: &str, rule: &Rule) {
+    let queues = [ClassQueue {
+        class: Class(0),
+        count: 1,
+        oldest: Duration::ZERO,
+        next: None,
+    }];
+    let ask = Ask {
+        queues: &queues,
+        not_after: None,
+    };
+    store.reserve(destination, rule, ask).await.unwrap();
 }
 
 async fn latency(store: &PostgresStore, calls: usize) -> Vec<f64> {
     let rule = rule();
     for _ in 0..100 {
-        store.reserve("latency", &rule, None).await.unwrap();
+        reserve(store, "latency", &rule).await;
     }
     let mut samples = Vec::with_capacity(calls);
     for _ in 0..calls {
         let started = Instant::now();
-        store.reserve("latency", &rule, None).await.unwrap();
+        reserve(store, "latency", &rule).await;
         samples.push(started.elapsed().as_secs_f64() * 1000.0);
     }
     samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -53,7 +71,7 @@ async fn throughput(url: &str, reservers: usize, destinations: usize, run: Durat
                 let mut n = 0u64;
                 while Instant::now() < stop_at {
                     let dest = format!("d{}", (r + n as usize) % destinations);
-                    store.reserve(&dest, &rule, None).await.unwrap();
+                    reserve(&store, &dest, &rule).await;
                     n += 1;
                 }
                 n

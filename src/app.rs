@@ -119,8 +119,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Backend::Postgres => {
             let url = config.store.url.as_deref().unwrap_or_default();
             let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
+            let me = this_instance();
+            // Waiting requests are reported under the id heartbeats renew: that is their lease.
             let store =
-                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?;
+                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?
+                    .with_instance(&me.id);
             if config.store.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
@@ -130,14 +133,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 store.check_schema().await?;
             }
             // One connection of the configured ones is kept for heartbeats (see Failover).
-            let control = PostgresStore::with_roots(url, 1, roots)?;
+            let control = PostgresStore::with_roots(url, 1, roots)?.with_instance(&me.id);
             let failover = Arc::new(Failover::new(
                 store,
                 control,
                 config.store.on_unavailable,
                 config.store.instances_hint,
                 config.store.timeout,
-                this_instance(),
+                me,
                 metrics.store_degraded.clone(),
                 metrics.store_instances.clone(),
             ));
@@ -149,6 +152,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     };
     let pacer = Arc::new(Pacer::new(
         &config.destinations,
+        config.classes.clone(),
         store,
         metrics.clone(),
         instance_id(),

@@ -15,10 +15,14 @@ pub(crate) mod contract;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+
+use crate::class::Class;
+use crate::destination::Quota;
 
 /// A boxed, sendable future borrowing the store.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -38,6 +42,66 @@ pub struct Rule {
     pub decay_after: u32,
     /// The longest pause a Retry-After can impose.
     pub retry_after_max: Duration,
+    /// Each class's guaranteed share of the slots while it has waiters, by rank (0: none).
+    pub shares: Arc<[f64]>,
+    /// Quota windows on top of the rate.
+    pub quota: Vec<Quota>,
+}
+
+impl Rule {
+    /// How late a slot may still be used: half an interval (at backoff 1), and never less than
+    /// 2 ms. A later slot is dropped by the pacer; quota windows keep this much more room, so
+    /// that a slot used late cannot put one send too many in a window at the upstream.
+    pub fn max_late(&self) -> Duration {
+        (self.interval / 2).max(Duration::from_millis(2))
+    }
+
+    /// How long an instance whose waiter deserves no slot waits before asking again.
+    pub fn yield_for(&self, backoff: f64) -> Duration {
+        (self.interval.mul_f64(backoff) / 2)
+            .clamp(Duration::from_millis(5), Duration::from_millis(250))
+    }
+}
+
+/// An instance whose heartbeat is older than this no longer holds its waiters' places.
+pub const WAITER_LEASE: Duration = Duration::from_secs(3);
+
+/// This instance's waiting requests of one class, as a reservation tells the store.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClassQueue {
+    /// The class.
+    pub class: Class,
+    /// How many wait (at least 1).
+    pub count: u32,
+    /// How long the oldest has waited.
+    pub oldest: Duration,
+    /// How long the second oldest has waited: it is the oldest once the oldest is served.
+    pub next: Option<Duration>,
+}
+
+/// A reservation request: this instance's waiting requests, every class that has any, most
+/// urgent first. The store gives the next slot to the oldest waiting request of the class
+/// that deserves it (the most urgent, unless a class with a share is owed one) over every
+/// instance; when that request is this instance's, the slot is granted, otherwise the caller
+/// yields.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// This instance's waiting requests by class; not empty.
+    pub queues: &'a [ClassQueue],
+    /// Take no slot later than this.
+    pub not_after: Option<Instant>,
+}
+
+/// Requests of one class waiting over every instance: `(class, count, oldest wait)`.
+pub type ClassWaiting = (Class, u32, Duration);
+
+/// A slot granted to one of this instance's waiting requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// The slot.
+    pub slot: Reservation,
+    /// The class whose oldest request it is for.
+    pub class: Class,
 }
 
 /// A lockout: what halted a destination.
@@ -118,6 +182,10 @@ pub enum ReserveError {
     /// The store did not answer within this bound; it may still be there. Try again.
     #[error("the store did not answer within {0:?}")]
     Busy(Duration),
+    /// A request waiting on another instance deserves the next slot; nothing was taken. Ask
+    /// again after this long, or sooner if this instance's waiting requests change.
+    #[error("a request on another instance goes first")]
+    Yield(Duration),
 }
 
 /// A budget as shown by status and metrics. The default is a fresh budget (backoff 1).
@@ -170,13 +238,37 @@ pub trait Store: Send + Sync + 'static {
     /// `memory` or `postgres`, for the `store` metric label.
     fn kind(&self) -> &'static str;
 
-    /// Reserves the next slot of `destination`, unless it would fall after `not_after`.
+    /// Tells the store this instance's waiting requests and reserves the next slot of
+    /// `destination` for one of them if one deserves it (see [`Ask`]).
     fn reserve<'a>(
         &'a self,
         destination: &'a str,
         rule: &'a Rule,
-        not_after: Option<Instant>,
-    ) -> StoreFuture<'a, Result<Reservation, ReserveError>>;
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>>;
+
+    /// Tells the store this instance's waiting requests without reserving: `queues` replaces
+    /// what it said before (empty: nothing waits here any more).
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>>;
+
+    /// Every instance's waiting requests of `destination` by class (live instances only):
+    /// `(class, count, oldest wait)`.
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>>;
+
+    /// Slots taken in each quota window of `destination` that ends now, counting those
+    /// reserved ahead (so at most the limit), in `rule.quota`'s order.
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>>;
 
     /// Applies a verdict and returns the budget after it.
     fn record<'a>(

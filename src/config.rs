@@ -16,13 +16,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::budget::failover::OnUnavailable;
-use crate::destination::{Destination, HostPattern, Pace};
+use crate::class::Classes;
+use crate::destination::{Destination, HostPattern, Pace, Quota};
 
-/// Destination keys that belong to later parts of pacegate (quota windows). They are refused
-/// rather than silently ignored, so that nobody believes a limit is enforced when it is not.
-const RESERVED_DESTINATION_KEYS: &[&str] = &["quota"];
-/// Top-level sections that belong to later parts of pacegate (priority classes).
-const RESERVED_SECTIONS: &[&str] = &["classes"];
+/// The largest quota `limit`: every instance keeps up to this many send times per window.
+const MAX_QUOTA_LIMIT: u32 = 1_000_000;
 
 /// One thing wrong with a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +100,10 @@ pub struct Config {
     pub tls: TlsConfig,
     /// `[store]`.
     pub store: StoreConfig,
+    /// `[classes]`: priority classes, most urgent first. Not printed when absent, so that the
+    /// normalised config means the same as the file.
+    #[serde(skip_serializing_if = "Classes::is_implicit")]
+    pub classes: Classes,
     /// `[destinations.NAME]`, in name order.
     #[serde(serialize_with = "ser_destinations")]
     pub destinations: Vec<Destination>,
@@ -353,6 +355,10 @@ impl Config {
         let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", &mut problems);
         let tls: Option<RawTls> = section(table.remove("tls"), "tls", &mut problems);
         let store: Option<RawStore> = section(table.remove("store"), "store", &mut problems);
+        let classes: Option<Option<RawClasses>> = match table.remove("classes") {
+            None => Some(None),
+            some => section::<RawClasses>(some, "classes", &mut problems).map(Some),
+        };
         let mut raw_dests = BTreeMap::new();
         match table.remove("destinations") {
             None => {}
@@ -370,14 +376,7 @@ impl Config {
             )),
         }
         for key in table.keys() {
-            if RESERVED_SECTIONS.contains(&key.as_str()) {
-                problems.push(problem(
-                    key,
-                    "is reserved for a later version of pacegate and not supported yet",
-                ));
-            } else {
-                problems.push(problem(key, "unknown section"));
-            }
+            problems.push(problem(key, "unknown section"));
         }
 
         let mut v = Validator { problems, base };
@@ -387,6 +386,9 @@ impl Config {
             admin: v.admin(admin.unwrap_or_default()),
             tls: v.tls(tls.unwrap_or_default()),
             store: v.store(store.unwrap_or_default()),
+            classes: classes
+                .flatten()
+                .map_or_else(Classes::default, |c| v.classes(c)),
             destinations: v.destinations(raw_dests),
         };
         if v.problems.is_empty() {
@@ -539,10 +541,21 @@ struct RawDestination {
     retry_after_max: Option<Duration>,
     retry_throttled: Option<u32>,
     intercept: Option<bool>,
-    // Every other key is collected so that reserved keys get their own message.
-    #[serde(flatten)]
-    rest: BTreeMap<String, toml::Value>,
+    quota: Option<Vec<Quota>>,
 }
+
+#[derive(Debug, Default, Deserialize)]
+struct RawClasses {
+    order: Option<Vec<String>>,
+    default: Option<String>,
+    share: Option<BTreeMap<String, f64>>,
+    #[serde(default)]
+    max_wait: BTreeMap<String, RawDuration>,
+}
+
+/// A duration written like `"250ms"`.
+#[derive(Debug, Deserialize)]
+struct RawDuration(#[serde(with = "humantime_serde")] Duration);
 
 struct Validator<'a> {
     problems: Vec<ConfigProblem>,
@@ -823,8 +836,23 @@ impl Validator<'_> {
             ),
             retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
             intercept: d.intercept.unwrap_or(default.intercept),
+            quota: d.quota.clone().unwrap_or_default(),
             rate,
         };
+        for (i, q) in pace.quota.iter().enumerate() {
+            if !(1..=MAX_QUOTA_LIMIT).contains(&q.limit) {
+                self.push(
+                    &format!("{path}.quota[{i}].limit"),
+                    format!("must be 1 to {MAX_QUOTA_LIMIT}"),
+                );
+            }
+            if q.per < Duration::from_millis(1) {
+                self.push(
+                    &format!("{path}.quota[{i}].per"),
+                    "must be at least 1ms (write it like \"1m\" or \"1d\")",
+                );
+            }
+        }
         if pace.burst == 0 {
             self.push(&format!("{path}.burst"), "must be at least 1");
         }
@@ -910,6 +938,85 @@ impl Validator<'_> {
         }
     }
 
+    fn classes(&mut self, raw: RawClasses) -> Classes {
+        let order = raw.order.unwrap_or_default();
+        if order.is_empty() {
+            self.push(
+                "classes.order",
+                "is required: the class names, most urgent first, e.g. [\"interactive\", \"backfill\"]",
+            );
+        }
+        if order.len() > usize::from(u16::MAX) {
+            self.push("classes.order", "lists too many classes");
+        }
+        for (i, name) in order.iter().enumerate() {
+            let path = format!("classes.order[{i}]");
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                self.push(
+                    &path,
+                    "class names may hold only letters, digits, `_` and `-` (they travel in proxy user names and headers)",
+                );
+            }
+            if order[..i].contains(name) {
+                self.push(&path, format!("`{name}` is listed twice"));
+            }
+        }
+        let listed = |name: &str| order.iter().any(|n| n == name);
+        let default = match raw.default {
+            Some(d) => {
+                if !order.is_empty() && !listed(&d) {
+                    self.push("classes.default", format!("`{d}` is not in classes.order"));
+                }
+                d
+            }
+            None => {
+                if !order.is_empty() {
+                    self.push(
+                        "classes.default",
+                        "is required: the class of a request that names none",
+                    );
+                }
+                order.first().cloned().unwrap_or_default()
+            }
+        };
+        let share = raw.share.unwrap_or_default();
+        for (name, s) in &share {
+            let path = format!("classes.share.{name}");
+            if !listed(name) {
+                self.push(&path, "names no class in classes.order");
+            }
+            if !(s.is_finite() && *s > 0.0 && *s < 1.0) {
+                self.push(&path, "must be a fraction above 0 and below 1");
+            }
+        }
+        let total: f64 = share.values().filter(|s| s.is_finite()).sum();
+        if total > 1.0 {
+            self.push(
+                "classes.share",
+                format!("the shares add up to {total}, more than every slot"),
+            );
+        }
+        let mut max_wait = BTreeMap::new();
+        for (name, RawDuration(d)) in raw.max_wait {
+            let path = format!("classes.max_wait.{name}");
+            if !listed(&name) {
+                self.push(&path, "names no class in classes.order");
+            }
+            max_wait.insert(name, self.positive(&path, Some(d), d));
+        }
+        Classes {
+            order,
+            default,
+            share,
+            max_wait,
+            configured: true,
+        }
+    }
+
     fn destinations(&mut self, raw: BTreeMap<String, RawDestination>) -> Vec<Destination> {
         let mut out: Vec<Destination> = Vec::new();
         for (name, d) in raw {
@@ -923,14 +1030,6 @@ impl Validator<'_> {
                     &path,
                     "destination names may hold only letters, digits, `_` and `-`",
                 );
-            }
-            for key in d.rest.keys() {
-                let msg = if RESERVED_DESTINATION_KEYS.contains(&key.as_str()) {
-                    "is reserved for a later version of pacegate and not supported yet; remove it (it would not be enforced)"
-                } else {
-                    "unknown key"
-                };
-                self.push(&format!("{path}.{key}"), msg);
             }
             let hosts_raw = d.hosts.clone().unwrap_or_default();
             if hosts_raw.is_empty() {
@@ -1027,7 +1126,7 @@ mod tests {
             [destinations.img]
             hosts = ["img.example.com", "bad host"]
             rate = 5
-            quota = []
+            quota = [{ limit = 0, per = "1m" }]
             [destinations.cdn]
             hosts = ["*.example.com"]
             [classes]
@@ -1041,14 +1140,59 @@ mod tests {
             "proxy.listen",
             "proxy.limits.header_read_timeout",
             "upstream.connect_timeout",
-            "destinations.img.quota",
+            "destinations.img.quota[0].limit",
             "destinations.img.hosts[1]",
             "destinations.img.hosts[0]",
             "destinations.cdn.rate",
-            "classes",
+            "classes.order",
         ] {
             assert!(p.contains(&expected), "missing {expected} in {err:#?}");
         }
+    }
+
+    #[test]
+    fn classes_and_quotas_are_read() {
+        let c = parse(
+            r#"
+            [tls]
+            generate_ca = true
+            [classes]
+            order = ["interactive", "scheduled", "backfill"]
+            default = "scheduled"
+            [classes.share]
+            backfill = 0.1
+            [classes.max_wait]
+            interactive = "5s"
+            [destinations.api]
+            hosts = ["api.example.com"]
+            rate = 10
+            quota = [{ limit = 600, per = "1m" }, { limit = 20000, per = "1d" }]
+            "#,
+        )
+        .unwrap();
+        let interactive = c.classes.lookup("interactive").unwrap();
+        assert_eq!(
+            c.classes.max_wait(interactive),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(c.classes.default_class(), crate::class::Class(1));
+        assert_eq!(c.classes.shares(), vec![0.0, 0.0, 0.1]);
+        assert_eq!(c.destinations[0].pace.quota[1].limit, 20000);
+        assert_eq!(
+            c.destinations[0].pace.quota[1].per,
+            Duration::from_secs(86400)
+        );
+        // The normalised output reads back the same.
+        let again = Config::parse(&c.to_toml(), Path::new("/nonexistent")).unwrap();
+        assert_eq!(again.classes, c.classes);
+        assert_eq!(
+            again.destinations[0].pace.quota,
+            c.destinations[0].pace.quota
+        );
+        // Without [classes], one class named `default`, and none in the normalised output.
+        let minimal = parse(MINIMAL).unwrap();
+        assert_eq!(minimal.classes.order, ["default"]);
+        assert!(!minimal.to_toml().contains("[classes]"));
     }
 
     #[test]

@@ -27,8 +27,19 @@ impl Pace {
             retry_after_max: Duration::from_secs(3600),
             retry_throttled: 3,
             intercept: true,
+            quota: Vec::new(),
         }
     }
+}
+
+/// A quota window: no `per` may hold more than `limit` sends, over every instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Quota {
+    /// Sends allowed in any window.
+    pub limit: u32,
+    /// The window's length.
+    #[serde(with = "humantime_serde")]
+    pub per: Duration,
 }
 
 /// The host part of a pattern.
@@ -163,6 +174,8 @@ pub struct Pace {
     /// Intercept CONNECT (default); false makes it a blind tunnel that takes one slot and
     /// sees no verdicts.
     pub intercept: bool,
+    /// Quota windows on top of the rate. Default none.
+    pub quota: Vec<Quota>,
 }
 
 /// The routing table: which destination, if any, a target host and port belong to.

@@ -7,7 +7,9 @@
 //! - [`server`]: accept loop on a bound listener, connection limit, one task per connection.
 //! - [`proxy`]: per request: authenticate, route, then forward / intercept / tunnel / refuse;
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
-//! - [`destination`]: host patterns, routing of a target to a destination, its pacing keys.
+//! - [`destination`]: host patterns, routing of a target to a destination, its pacing keys
+//!   and quota windows.
+//! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`pacing`]: the pacer: per-destination queues that slots are handed to, verdicts,
 //!   Retry-After; `pacing::verdict` reads a response.
 //! - [`budget`]: the store seam and the budget arithmetic both stores share
@@ -25,11 +27,12 @@
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
 //! server; *slot* is the instant one request may be sent; *budget* is a destination's shared
 //! pacing state; *store* is where budgets live; *verdict* is what a response tells the pacer
-//! (clean, throttled, lockout, none); *class* (to come) is a request's priority.
+//! (clean, throttled, lockout, none); *class* is a request's priority.
 
 pub mod admin;
 pub mod app;
 pub mod budget;
+pub mod class;
 pub mod config;
 pub mod destination;
 pub mod metrics;

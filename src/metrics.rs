@@ -61,8 +61,18 @@ pub struct Metrics {
     pub locked: GaugeVec,
     /// `pacegate_paused_until_seconds{destination}`: Unix time a Retry-After pause ends (0: none).
     pub paused_until: GaugeVec,
-    /// `pacegate_waiting{destination}`: requests waiting for a slot.
+    /// `pacegate_waiting{destination,class}`: requests waiting for a slot on this instance.
     pub waiting: GaugeVec,
+    /// `pacegate_store_waiting{destination,class}`: requests waiting on every instance, as the
+    /// store sees them.
+    pub store_waiting: GaugeVec,
+    /// `pacegate_oldest_wait_seconds{destination,class}`: the oldest wait on any instance.
+    pub oldest_wait: GaugeVec,
+    /// `pacegate_granted_total{destination,class}`: slots granted on this instance.
+    pub granted: IntCounterVec,
+    /// `pacegate_quota_used{destination,window}`: slots taken in the last quota window, over
+    /// every instance.
+    pub quota_used: GaugeVec,
     /// `pacegate_in_flight{destination}`: requests admitted and not finished.
     pub in_flight: GaugeVec,
     /// `pacegate_store_degraded`: 1 while the shared store is unreachable.
@@ -192,7 +202,35 @@ impl Metrics {
             "pacegate_paused_until_seconds",
             "Unix time at which a Retry-After pause ends (0: none)",
         )?;
-        let waiting = gauge("pacegate_waiting", "Requests waiting for a slot")?;
+        let by_class = |name: &str, help: &str| {
+            GaugeVec::new(Opts::new(name, help), &["destination", "class"])
+        };
+        let waiting = by_class(
+            "pacegate_waiting",
+            "Requests waiting for a slot on this instance",
+        )?;
+        let store_waiting = by_class(
+            "pacegate_store_waiting",
+            "Requests waiting for a slot on every instance, as the store sees them",
+        )?;
+        let oldest_wait = by_class(
+            "pacegate_oldest_wait_seconds",
+            "How long the oldest waiting request has waited, on any instance",
+        )?;
+        let granted = IntCounterVec::new(
+            Opts::new(
+                "pacegate_granted_total",
+                "Slots granted to requests on this instance, by destination and class",
+            ),
+            &["destination", "class"],
+        )?;
+        let quota_used = GaugeVec::new(
+            Opts::new(
+                "pacegate_quota_used",
+                "Slots taken in the last quota window over every instance (limit in the window label's destination config)",
+            ),
+            &["destination", "window"],
+        )?;
         let in_flight = gauge(
             "pacegate_in_flight",
             "Requests admitted and not yet answered",
@@ -218,7 +256,7 @@ impl Metrics {
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(cert_cache.clone()))?;
         registry.register(Box::new(cert_cache_entries.clone()))?;
-        for c in [&verdicts, &retries, &slots_dropped] {
+        for c in [&verdicts, &retries, &slots_dropped, &granted] {
             registry.register(Box::new(c.clone()))?;
         }
         for h in [&wait_seconds, &reservation_seconds] {
@@ -231,6 +269,9 @@ impl Metrics {
             &locked,
             &paused_until,
             &waiting,
+            &store_waiting,
+            &oldest_wait,
+            &quota_used,
             &in_flight,
         ] {
             registry.register(Box::new(g.clone()))?;
@@ -259,6 +300,10 @@ impl Metrics {
             locked,
             paused_until,
             waiting,
+            store_waiting,
+            oldest_wait,
+            granted,
+            quota_used,
             in_flight,
             store_degraded,
             store_instances,
@@ -286,7 +331,23 @@ impl Metrics {
                 .map_or(0.0, |d| d.as_secs_f64())
         };
         self.paused_until.with_label_values(&d).set(until);
-        self.waiting.with_label_values(&d).set(s.waiting as f64);
+        for c in &s.classes {
+            let dc = [s.destination.as_str(), c.class.as_str()];
+            self.waiting
+                .with_label_values(&dc)
+                .set(c.waiting_here as f64);
+            self.store_waiting
+                .with_label_values(&dc)
+                .set(c.waiting as f64);
+            self.oldest_wait
+                .with_label_values(&dc)
+                .set(c.oldest_wait_seconds);
+        }
+        for q in &s.quota {
+            self.quota_used
+                .with_label_values(&[s.destination.as_str(), q.window.as_str()])
+                .set(f64::from(q.used));
+        }
         self.in_flight.with_label_values(&d).set(s.in_flight as f64);
     }
 

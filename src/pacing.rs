@@ -24,8 +24,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::budget::{
-    BudgetView, Event, InstanceStatus, Lockout, ReserveError, Rule, Store, StoreError,
+    Ask, BudgetView, ClassQueue, Event, InstanceStatus, Lockout, ReserveError, Rule, Store,
+    StoreError,
 };
+use crate::class::{Class, Classes};
 use crate::destination::{Destination, Pace};
 use crate::metrics::Metrics;
 use verdict::Verdict;
@@ -46,6 +48,8 @@ pub enum PaceError {
     Deadline {
         /// The destination.
         destination: String,
+        /// The request's class.
+        class: String,
         /// The configured `max_wait`.
         max_wait: Duration,
         /// A hint for the client: when a slot is likely to be free.
@@ -63,6 +67,8 @@ pub enum PaceError {
 /// request as in flight; drop it when the exchange is over.
 pub struct Admission {
     lane: Arc<Lane>,
+    /// The class the slot was granted to.
+    pub class: Class,
     generation: u64,
     /// How long the request waited for its slot.
     pub waited: Duration,
@@ -84,19 +90,104 @@ impl Admission {
 
 struct Grant {
     generation: u64,
+    class: Class,
 }
 
 struct Waiter {
     id: u64,
+    class: Class,
     since: Instant,
     deadline: Instant,
     tx: oneshot::Sender<Result<Grant, PaceError>>,
 }
 
-#[derive(Default)]
+/// The waiting requests of a lane: one FIFO per class, most urgent first.
 struct Queue {
     next_id: u64,
-    waiters: VecDeque<Waiter>,
+    classes: Vec<VecDeque<Waiter>>,
+}
+
+/// What the store was last told of one class's waiting requests: enough to see when it
+/// must be told again (the ages of the oldest follow from their ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Told {
+    class: Class,
+    count: usize,
+    oldest: u64,
+}
+
+impl Queue {
+    fn new(classes: usize) -> Self {
+        Self {
+            next_id: 0,
+            classes: (0..classes.max(1)).map(|_| VecDeque::new()).collect(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.classes.iter().map(VecDeque::len).sum()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Waiter> {
+        self.classes.iter().flatten()
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&Waiter) -> bool) {
+        for q in &mut self.classes {
+            q.retain(&mut keep);
+        }
+    }
+
+    fn drain(&mut self) -> Vec<Waiter> {
+        self.classes.iter_mut().flat_map(|q| q.drain(..)).collect()
+    }
+
+    fn classes(&self) -> impl Iterator<Item = (Class, &VecDeque<Waiter>)> {
+        self.classes
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(i, q)| (Class(u16::try_from(i).unwrap_or(u16::MAX)), q))
+    }
+
+    /// The wait list as the store takes it.
+    fn wait_list(&self, now: Instant) -> Vec<ClassQueue> {
+        self.classes()
+            .map(|(class, q)| ClassQueue {
+                class,
+                count: u32::try_from(q.len()).unwrap_or(u32::MAX),
+                oldest: now - q[0].since,
+                next: q.get(1).map(|w| now - w.since),
+            })
+            .collect()
+    }
+
+    fn told(&self) -> Vec<Told> {
+        self.classes()
+            .map(|(class, q)| Told {
+                class,
+                count: q.len(),
+                oldest: q[0].id,
+            })
+            .collect()
+    }
+}
+
+/// What the store knows after granting a slot to `class`'s oldest request: that request gone.
+fn after_grant(told: &[Told], queue: &Queue, class: Class) -> Vec<Told> {
+    told.iter()
+        .filter_map(|t| {
+            if t.class != class {
+                return Some(*t);
+            }
+            let next = queue.classes[usize::from(class.0)].get(1)?;
+            Some(Told {
+                count: t.count - 1,
+                oldest: next.id,
+                ..*t
+            })
+        })
+        .collect()
 }
 
 /// Sends per second over the last 64 seconds, for the achieved rate.
@@ -125,6 +216,16 @@ impl SendLog {
         self.counts[i] += 1;
     }
 
+    /// Sends over the last `window` whole seconds, the current one included.
+    fn count(&self, now: Instant, window: u64) -> u64 {
+        let current = (now - self.epoch).as_secs();
+        let first = current.saturating_sub(window - 1);
+        (0..64)
+            .filter(|&i| (first..=current).contains(&self.seconds[i]))
+            .map(|i| u64::from(self.counts[i]))
+            .sum()
+    }
+
     /// Sends per second over the last `window` whole seconds, the current one included.
     fn rate(&self, now: Instant, window: u64) -> f64 {
         let current = (now - self.epoch).as_secs();
@@ -142,6 +243,7 @@ struct Lane {
     name: Arc<str>,
     rule: Rule,
     pace: Pace,
+    classes: Arc<Classes>,
     queue: Mutex<Queue>,
     work: Notify,
     concurrency: Option<Arc<Semaphore>>,
@@ -154,6 +256,8 @@ struct Lane {
     /// Requests in `admit`: waiting for a concurrency permit or a slot.
     admitting: AtomicUsize,
     sends: Mutex<SendLog>,
+    /// Slots granted per class, for status.
+    granted: Mutex<Vec<SendLog>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -162,15 +266,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Lane {
-    fn new(d: &Destination) -> Self {
+    fn new(d: &Destination, classes: Arc<Classes>) -> Self {
         let pace = d.pace.clone();
         Self {
             name: Arc::from(d.name.as_str()),
-            rule: rule_of(&pace),
+            rule: rule_of(&pace, &classes),
             concurrency: (pace.max_concurrency > 0)
                 .then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
             pace,
-            queue: Mutex::new(Queue::default()),
+            queue: Mutex::new(Queue::new(classes.len())),
+            granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
+            classes,
             work: Notify::new(),
             locked: watch::channel(None).0,
             seen: Mutex::new(BudgetView::default()),
@@ -187,19 +293,25 @@ impl Lane {
         }
     }
 
-    fn deadline_error(&self, retry_after: Duration) -> PaceError {
+    fn deadline_error(&self, class: Class, retry_after: Duration) -> PaceError {
         PaceError::Deadline {
             destination: self.name.to_string(),
-            max_wait: self.pace.max_wait,
+            class: self.classes.name(class).to_owned(),
+            max_wait: self.max_wait(class),
             retry_after,
         }
+    }
+
+    /// How long a request of `class` may wait for a slot.
+    fn max_wait(&self, class: Class) -> Duration {
+        self.classes.max_wait(class).unwrap_or(self.pace.max_wait)
     }
 
     /// A guess at when a slot will be free for a new request: the queue ahead of it at the
     /// current interval.
     fn estimated_wait(&self) -> Duration {
         let backoff = lock(&self.seen).backoff;
-        let ahead = lock(&self.queue).waiters.len() as u32 + 1;
+        let ahead = lock(&self.queue).len() as u32 + 1;
         (self.rule.interval.mul_f64(backoff) * ahead).max(lock(&self.seen).paused_for)
     }
 
@@ -214,34 +326,44 @@ impl Lane {
     }
 
     fn refuse_all(&self, error: &PaceError) {
-        let waiters: Vec<Waiter> = lock(&self.queue).waiters.drain(..).collect();
+        let waiters: Vec<Waiter> = lock(&self.queue).drain();
         for w in waiters {
             let _ = w.tx.send(Err(error.clone()));
         }
     }
 
-    /// Hands a slot due at `at` to the oldest waiter that can still use it. Waiters whose
-    /// deadline falls before the slot are refused; they could not have been served in time.
-    fn hand_out(&self, at: Instant, generation: u64) -> bool {
+    /// Hands a slot due at `at` to the oldest waiter of `class` that can still use it, or,
+    /// if that class has none left, to the oldest of the most urgent class that has one.
+    /// Waiters whose deadline falls before the slot are refused; they could not have been
+    /// served in time.
+    fn hand_out(&self, class: Class, at: Instant, generation: u64) -> bool {
         let mut queue = lock(&self.queue);
-        while let Some(w) = queue.waiters.pop_front() {
-            if w.tx.is_closed() {
-                continue;
-            }
-            if w.deadline < at {
-                let _ = w.tx.send(Err(self.deadline_error(self.rule.interval)));
-                continue;
-            }
-            if w.tx.send(Ok(Grant { generation })).is_ok() {
-                return true;
+        let first = usize::from(class.0).min(queue.classes.len() - 1);
+        let order = std::iter::once(first).chain((0..queue.classes.len()).filter(|i| *i != first));
+        for i in order {
+            while let Some(w) = queue.classes[i].pop_front() {
+                if w.tx.is_closed() {
+                    continue;
+                }
+                let class = Class(u16::try_from(i).unwrap_or(u16::MAX));
+                if w.deadline < at {
+                    let _ =
+                        w.tx.send(Err(self.deadline_error(class, self.rule.interval)));
+                    continue;
+                }
+                if w.tx.send(Ok(Grant { generation, class })).is_ok() {
+                    return true;
+                }
             }
         }
         false
     }
 }
 
-fn rule_of(pace: &Pace) -> Rule {
+fn rule_of(pace: &Pace, classes: &Classes) -> Rule {
     Rule {
+        shares: Arc::from(classes.shares()),
+        quota: pace.quota.clone(),
         interval: Duration::from_secs_f64(1.0 / pace.rate),
         burst: pace.burst,
         backoff_factor: pace.backoff_factor,
@@ -259,7 +381,9 @@ struct QueueSeat<'a> {
 
 impl Drop for QueueSeat<'_> {
     fn drop(&mut self) {
-        lock(&self.lane.queue).waiters.retain(|w| w.id != self.id);
+        lock(&self.lane.queue).retain(|w| w.id != self.id);
+        // The dispatcher tells the store that this request no longer waits.
+        self.lane.work.notify_one();
     }
 }
 
@@ -300,6 +424,39 @@ pub struct DestinationStatus {
     pub in_flight: usize,
     /// Seconds the oldest waiting request has waited.
     pub oldest_wait_seconds: f64,
+    /// Per class, most urgent first.
+    #[serde(default)]
+    pub classes: Vec<ClassStatus>,
+    /// Quota windows, as configured.
+    #[serde(default)]
+    pub quota: Vec<QuotaStatus>,
+}
+
+/// One class of one destination, for status.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct ClassStatus {
+    /// Class name.
+    pub class: String,
+    /// Requests of this class waiting on every instance (this one's when the store cannot
+    /// say).
+    pub waiting: usize,
+    /// Requests of this class waiting on this instance.
+    pub waiting_here: usize,
+    /// Seconds the oldest of them has waited, on any instance.
+    pub oldest_wait_seconds: f64,
+    /// Slots this instance granted to the class over the last minute.
+    pub granted_last_minute: u64,
+}
+
+/// One quota window of one destination, for status.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct QuotaStatus {
+    /// The window's length (`1m`, `1day`).
+    pub window: String,
+    /// Sends allowed in it.
+    pub limit: u32,
+    /// Slots taken in the last window, over every instance.
+    pub used: u32,
 }
 
 /// A lockout as status shows it.
@@ -329,6 +486,7 @@ impl From<&Lockout> for LockStatus {
 /// The pacer of every configured destination.
 pub struct Pacer {
     lanes: HashMap<Arc<str>, Arc<Lane>>,
+    classes: Arc<Classes>,
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
     instance: String,
@@ -340,16 +498,24 @@ impl Pacer {
     /// [`Pacer::start`] to run the dispatchers.
     pub fn new(
         destinations: &[Destination],
+        classes: Classes,
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
         instance: String,
     ) -> Self {
+        let classes = Arc::new(classes);
         let lanes = destinations
             .iter()
-            .map(|d| (Arc::from(d.name.as_str()), Arc::new(Lane::new(d))))
+            .map(|d| {
+                (
+                    Arc::from(d.name.as_str()),
+                    Arc::new(Lane::new(d, classes.clone())),
+                )
+            })
             .collect();
         Self {
             lanes,
+            classes,
             store,
             metrics,
             instance,
@@ -391,11 +557,23 @@ impl Pacer {
         &self.lane(destination).pace
     }
 
-    /// Waits for a slot of `destination`, up to `deadline`. Cancel-safe: dropping the future
-    /// leaves the queue at once.
+    /// The priority classes.
+    pub fn classes(&self) -> &Classes {
+        &self.classes
+    }
+
+    /// How long a request of `class` may wait for a slot of `destination`: the class's
+    /// `max_wait` if it has one, else the destination's.
+    pub fn max_wait(&self, destination: &str, class: Class) -> Duration {
+        self.lane(destination).max_wait(class)
+    }
+
+    /// Waits for a slot of `destination` for a request of `class`, up to `deadline`.
+    /// Cancel-safe: dropping the future leaves the queue at once.
     pub async fn admit(
         &self,
         destination: &str,
+        class: Class,
         deadline: Instant,
     ) -> Result<Admission, PaceError> {
         let lane = self.lane(destination);
@@ -418,7 +596,7 @@ impl Pacer {
             None => None,
             Some(sem) => tokio::select! {
                 p = sem.clone().acquire_owned() => p.ok(),
-                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(lane.estimated_wait())),
+                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
             },
         };
         let (tx, rx) = oneshot::channel();
@@ -426,8 +604,10 @@ impl Pacer {
             let mut queue = lock(&lane.queue);
             queue.next_id += 1;
             let id = queue.next_id;
-            queue.waiters.push_back(Waiter {
+            let rank = usize::from(class.0).min(queue.classes.len() - 1);
+            queue.classes[rank].push_back(Waiter {
                 id,
+                class,
                 since: started,
                 deadline,
                 tx,
@@ -438,10 +618,17 @@ impl Pacer {
         lane.work.notify_one();
         let granted = tokio::select! {
             g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
-            () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(lane.estimated_wait())),
+            () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
         }?;
         let now = Instant::now();
         lock(&lane.sends).record(now);
+        if let Some(log) = lock(&lane.granted).get_mut(usize::from(granted.class.0)) {
+            log.record(now);
+        }
+        self.metrics
+            .granted
+            .with_label_values(&[&lane.name, self.classes.name(granted.class)])
+            .inc();
         lane.in_flight.fetch_add(1, Ordering::Relaxed);
         let waited = now - started;
         self.metrics
@@ -450,6 +637,7 @@ impl Pacer {
             .observe(waited.as_secs_f64());
         Ok(Admission {
             lane: lane.clone(),
+            class: granted.class,
             generation: granted.generation,
             waited,
             _permit: permit,
@@ -533,14 +721,54 @@ impl Pacer {
             let (waiting, oldest) = {
                 let q = lock(&lane.queue);
                 (
-                    q.waiters.len(),
-                    q.waiters
-                        .iter()
-                        .map(|w| now - w.since)
-                        .max()
-                        .unwrap_or_default(),
+                    q.len(),
+                    q.iter().map(|w| now - w.since).max().unwrap_or_default(),
                 )
             };
+            // Every instance's waiting requests; this instance's own when the store cannot
+            // say (it is unreachable).
+            let everywhere = self.store.waiting(&lane.name).await.ok();
+            let classes = {
+                let q = lock(&lane.queue);
+                let granted = lock(&lane.granted);
+                self.classes
+                    .all()
+                    .map(|class| {
+                        let here = &q.classes[usize::from(class.0)];
+                        let all = everywhere
+                            .as_ref()
+                            .and_then(|e| e.iter().find(|w| w.0 == class));
+                        let oldest_here = here.front().map_or(Duration::ZERO, |w| now - w.since);
+                        ClassStatus {
+                            class: self.classes.name(class).to_owned(),
+                            waiting_here: here.len(),
+                            waiting: all.map_or(here.len(), |w| w.1 as usize),
+                            oldest_wait_seconds: all
+                                .map_or(oldest_here, |w| w.2.max(oldest_here))
+                                .as_secs_f64(),
+                            granted_last_minute: granted
+                                .get(usize::from(class.0))
+                                .map_or(0, |g| g.count(now, 60)),
+                        }
+                    })
+                    .collect()
+            };
+            let used = self
+                .store
+                .quota_used(&lane.name, &lane.rule)
+                .await
+                .unwrap_or_default();
+            let quota = lane
+                .rule
+                .quota
+                .iter()
+                .enumerate()
+                .map(|(i, q)| QuotaStatus {
+                    window: humantime::format_duration(q.per).to_string(),
+                    limit: q.limit,
+                    used: used.get(i).copied().unwrap_or(0),
+                })
+                .collect();
             let (rate_10, rate_60) = {
                 let sends = lock(&lane.sends);
                 (sends.rate(now, 10), sends.rate(now, 60))
@@ -562,6 +790,8 @@ impl Pacer {
                 waiting: lane.admitting.load(Ordering::Relaxed).max(waiting),
                 in_flight: lane.in_flight.load(Ordering::Relaxed),
                 oldest_wait_seconds: oldest.as_secs_f64(),
+                classes,
+                quota,
             };
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);
@@ -576,8 +806,6 @@ const TIMER_TICK: Duration = Duration::from_millis(1);
 /// Yields before falling back to the timer (bounds the spin, and lets paused-clock tests
 /// advance).
 const MAX_SPINS: u32 = 20_000;
-/// A slot is used up to half an interval late, and never less than this.
-const MIN_MAX_LATE: Duration = Duration::from_millis(2);
 /// Lanes whose interval is at least this long yield through the last tick before a slot.
 const SPIN_FROM: Duration = Duration::from_millis(20);
 
@@ -585,8 +813,12 @@ const SPIN_FROM: Duration = Duration::from_millis(20);
 /// another instance.
 const LOCK_POLL: Duration = Duration::from_millis(500);
 
-/// One destination's dispatcher: reserves a slot whenever someone waits, sleeps until it, and
-/// hands it out.
+/// One destination's dispatcher: whenever someone waits, tells the store this instance's wait
+/// list and asks for the next slot. The store grants it to the request that deserves it over
+/// every instance (by class, then age); when that request is one of ours the dispatcher sleeps
+/// until the slot and hands it out, otherwise it yields and asks again shortly. The
+/// dispatcher is the only writer of this instance's wait list in the store, so its updates
+/// arrive in order.
 async fn dispatch(
     lane: Arc<Lane>,
     store: Arc<dyn Store>,
@@ -598,33 +830,57 @@ async fn dispatch(
         .reservation_seconds
         .with_label_values(&[store.kind()]);
     let slots_dropped = metrics.slots_dropped.with_label_values(&[&lane.name]);
+    // What the store was last told of this instance's waiting requests.
+    let mut told: Vec<Told> = Vec::new();
     loop {
         // Wait for work. `notify_one` keeps a permit, so a waiter that arrives between the
         // check and the wait is not missed.
         let latest = loop {
             let latest = {
                 let mut q = lock(&lane.queue);
-                q.waiters.retain(|w| !w.tx.is_closed());
-                q.waiters.iter().map(|w| w.deadline).max()
+                q.retain(|w| !w.tx.is_closed());
+                q.iter().map(|w| w.deadline).max()
             };
             if let Some(latest) = latest {
                 break latest;
+            }
+            if !told.is_empty() && store.wait_list(&lane.name, &[]).await.is_ok() {
+                told.clear();
             }
             tokio::select! {
                 () = lane.work.notified() => {}
                 () = stop.cancelled() => return,
             }
         };
+        let (queues, asked) = {
+            let q = lock(&lane.queue);
+            (q.wait_list(Instant::now()), q.told())
+        };
+        let ask = Ask {
+            queues: &queues,
+            not_after: Some(latest),
+        };
         let started = Instant::now();
-        let reserved = store.reserve(&lane.name, &lane.rule, Some(latest)).await;
+        let reserved = store.reserve(&lane.name, &lane.rule, ask).await;
         reservation_seconds.observe(started.elapsed().as_secs_f64());
+        if !matches!(
+            reserved,
+            Err(ReserveError::Busy(_) | ReserveError::Store(_))
+        ) {
+            told = asked;
+        }
         match reserved {
-            Ok(slot) => {
+            Ok(grant) => {
+                told = after_grant(&told, &lock(&lane.queue), grant.class);
+                let slot = grant.slot;
                 locked.borrow_and_update();
                 // Wait for the slot. Another instance may lock the destination meanwhile
                 // (a shared store), so a long wait looks at the budget every LOCK_POLL:
-                // waiters are refused promptly, and the slot is never used.
+                // waiters are refused promptly, and the slot is never used. Requests that
+                // arrive or leave meanwhile are told to the store at once, so that other
+                // instances grant their slots knowing them.
                 let spin = lane.rule.interval.mul_f64(self::lock(&lane.seen).backoff) >= SPIN_FROM;
+                let mut poll_at = Instant::now() + LOCK_POLL;
                 let lockout = loop {
                     // The timer wheel rounds a deadline up to the next millisecond: aim one
                     // tick early, then yield until the slot (never before it).
@@ -632,10 +888,20 @@ async fn dispatch(
                         .at
                         .checked_sub(TIMER_TICK)
                         .unwrap_or(slot.at)
-                        .min(Instant::now() + LOCK_POLL);
+                        .min(poll_at);
                     tokio::select! {
                         () = tokio::time::sleep_until(wake) => {}
                         _ = locked.changed() => {}
+                        () = lane.work.notified() => {
+                            let (now_told, queues) = {
+                                let q = lock(&lane.queue);
+                                (q.told(), q.wait_list(Instant::now()))
+                            };
+                            if now_told != told && store.wait_list(&lane.name, &queues).await.is_ok() {
+                                told = now_told;
+                            }
+                            continue;
+                        }
                         () = stop.cancelled() => return,
                     }
                     if let Some(lock) = locked.borrow_and_update().clone() {
@@ -654,8 +920,11 @@ async fn dispatch(
                         }
                         break None;
                     }
-                    if let Ok(view) = store.view(&lane.name).await {
-                        lane.note(view);
+                    if Instant::now() >= poll_at {
+                        poll_at = Instant::now() + LOCK_POLL;
+                        if let Ok(view) = store.view(&lane.name).await {
+                            lane.note(view);
+                        }
                     }
                 };
                 if let Some(lock) = lockout {
@@ -666,15 +935,27 @@ async fn dispatch(
                 // process was descheduled, or the store's answer was delayed) would bunch with
                 // the next ones. Such a slot is dropped, which can only slow the destination.
                 let late = Instant::now().saturating_duration_since(slot.at) + slot.excess_delay;
-                let max_late = (lane.rule.interval.mul_f64(self::lock(&lane.seen).backoff) / 2)
-                    .max(MIN_MAX_LATE);
-                if late > max_late {
+                if late > lane.rule.max_late() {
                     slots_dropped.inc();
                     tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
                     continue;
                 }
-                if !lane.hand_out(slot.at, slot.generation) {
+                if !lane.hand_out(grant.class, slot.at, slot.generation) {
                     tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");
+                }
+            }
+            Err(ReserveError::Yield(after)) => {
+                // A request on another instance goes first. Ask again shortly, or at once if
+                // a request arrives or leaves here.
+                tokio::select! {
+                    () = tokio::time::sleep(after) => {}
+                    () = lane.work.notified() => {}
+                    _ = locked.changed() => {
+                        if let Some(lock) = locked.borrow_and_update().clone() {
+                            lane.refuse_all(&lane.locked_error(lock));
+                        }
+                    }
+                    () = stop.cancelled() => return,
                 }
             }
             Err(ReserveError::Locked(lock)) => {
@@ -689,7 +970,10 @@ async fn dispatch(
                 // Every waiter's deadline is before the first free slot: refuse them all now
                 // rather than let them wait for nothing.
                 let retry_after = slot.saturating_duration_since(Instant::now());
-                lane.refuse_all(&lane.deadline_error(retry_after));
+                let waiters = lock(&lane.queue).drain();
+                for w in waiters {
+                    let _ = w.tx.send(Err(lane.deadline_error(w.class, retry_after)));
+                }
             }
             Err(ReserveError::Store(e)) => {
                 tracing::error!(destination = %lane.name, "cannot reserve a slot: {e}");

@@ -144,10 +144,29 @@ impl Proxy {
                 return Handled::refused(err, None, target_text);
             }
         }
-        let target = match self.target_of(&req) {
+        let mut target = match self.target_of(&req) {
             Ok(t) => t,
             Err(err) => return Handled::refused(err, None, target_text),
         };
+        // The class named on the proxy connection: header, else the proxy user name.
+        let classes = self.inner.pacer.classes();
+        let user = auth::user_name(req.headers());
+        match classes.of_request(
+            req.headers(),
+            user.as_deref(),
+            self.inner.auth.is_some(),
+            classes.default_class(),
+        ) {
+            Ok(class) => target.class = class,
+            Err(e) => {
+                let destination = target.destination.clone();
+                return Handled::refused(
+                    ProxyError::UnknownClass(e),
+                    destination,
+                    target.authority(),
+                );
+            }
+        }
         if target.destination.is_none() && self.inner.unmatched == Unmatched::Deny {
             let err = ProxyError::Unmatched {
                 target: target.authority(),
@@ -216,6 +235,7 @@ impl Proxy {
             host,
             port,
             destination,
+            class: self.inner.pacer.classes().default_class(),
         })
     }
 
@@ -243,6 +263,7 @@ impl Proxy {
             waited_ms = handled.pace.waited.map_or(0.0, |w| w.as_secs_f64() * 1000.0),
             verdict = handled.pace.verdict.map_or("", |v| v.as_str()),
             retries = handled.pace.retries,
+            class = handled.pace.class.map_or("", |c| self.inner.pacer.classes().name(c)),
             reason = handled.reason.as_deref().unwrap_or(""),
         );
         handled.response

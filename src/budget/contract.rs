@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Event, Lockout, ReserveError, Rule, Store};
+use super::{Ask, ClassQueue, Event, Lockout, Reservation, ReserveError, Rule, Store};
+use crate::class::Class;
+use crate::destination::Quota;
 
 /// A rule at `rate` per second: burst 1, factor 2, max 8, decay after 3, Retry-After cap 60 s.
 pub(crate) fn rule(rate: f64) -> Rule {
@@ -20,7 +22,52 @@ pub(crate) fn rule(rate: f64) -> Rule {
         backoff_max: 8.0,
         decay_after: 3,
         retry_after_max: Duration::from_secs(60),
+        shares: Arc::from(vec![0.0; 3]),
+        quota: Vec::new(),
     }
+}
+
+const INTERACTIVE: Class = Class(0);
+const BACKFILL: Class = Class(2);
+
+fn waiting(class: Class, count: u32, oldest_ms: u64) -> ClassQueue {
+    ClassQueue {
+        class,
+        count,
+        oldest: Duration::from_millis(oldest_ms),
+        next: (count > 1).then(|| Duration::from_millis(oldest_ms / 2)),
+    }
+}
+
+/// Reserves a slot for one request of the default class waiting alone.
+pub(crate) async fn take(
+    store: &impl Store,
+    destination: &str,
+    rule: &Rule,
+    not_after: Option<Instant>,
+) -> Result<Reservation, ReserveError> {
+    let queues = [waiting(Class(1), 1, 0)];
+    let ask = Ask {
+        queues: &queues,
+        not_after,
+    };
+    store
+        .reserve(destination, rule, ask)
+        .await
+        .map(|grant| grant.slot)
+}
+
+/// Reserves for the given wait list; returns the class granted.
+async fn ask(
+    store: &impl Store,
+    rule: &Rule,
+    queues: &[ClassQueue],
+) -> Result<Class, ReserveError> {
+    let ask = Ask {
+        queues,
+        not_after: None,
+    };
+    store.reserve("d", rule, ask).await.map(|g| g.class)
 }
 
 fn close(a: Instant, b: Instant, tol: Duration, what: &str) {
@@ -45,16 +92,159 @@ where
     lockout_until_unlocked(&fresh().await).await;
     destinations_are_independent(&fresh().await, tol).await;
     concurrent_reservations_are_strictly_increasing(Arc::new(fresh().await), tol).await;
+    shares_are_honoured_and_lent(&fresh().await).await;
+    quota_windows_hold(&fresh().await, tol).await;
+}
+
+/// The checks that need two instances on one store; `pair` opens two handles on one fresh
+/// store that report their waiting requests as different, live instances.
+pub(crate) async fn run_shared<S, F, Fut>(pair: F)
+where
+    S: Store,
+    F: Fn() -> Fut,
+    Fut: Future<Output = (S, S)>,
+{
+    the_most_urgent_request_anywhere_goes_first(pair().await).await;
+    first_come_first_served_within_a_class_anywhere(pair().await).await;
+    waiting_counts_every_instance(pair().await).await;
+}
+
+async fn the_most_urgent_request_anywhere_goes_first<S: Store>((a, b): (S, S)) {
+    let r = rule(100.0);
+    a.wait_list("d", &[waiting(BACKFILL, 50, 5_000)])
+        .await
+        .unwrap();
+    b.wait_list("d", &[waiting(INTERACTIVE, 1, 1)])
+        .await
+        .unwrap();
+    // a's backfill, however old, yields to b's interactive request.
+    match ask(&a, &r, &[waiting(BACKFILL, 50, 5_000)]).await {
+        Err(ReserveError::Yield(after)) => assert!(after <= Duration::from_millis(250)),
+        other => panic!("expected a yield, got {other:?}"),
+    }
+    assert_eq!(
+        ask(&b, &r, &[waiting(INTERACTIVE, 1, 1)]).await.unwrap(),
+        INTERACTIVE
+    );
+    // Served, b's request no longer counts: a goes next.
+    assert_eq!(
+        ask(&a, &r, &[waiting(BACKFILL, 50, 5_000)]).await.unwrap(),
+        BACKFILL
+    );
+}
+
+async fn first_come_first_served_within_a_class_anywhere<S: Store>((a, b): (S, S)) {
+    let r = rule(100.0);
+    a.wait_list("d", &[waiting(BACKFILL, 1, 5_000)])
+        .await
+        .unwrap();
+    assert!(matches!(
+        ask(&b, &r, &[waiting(BACKFILL, 1, 1_000)]).await,
+        Err(ReserveError::Yield(_))
+    ));
+    assert_eq!(
+        ask(&a, &r, &[waiting(BACKFILL, 1, 5_000)]).await.unwrap(),
+        BACKFILL
+    );
+    assert_eq!(
+        ask(&b, &r, &[waiting(BACKFILL, 1, 1_000)]).await.unwrap(),
+        BACKFILL
+    );
+    // A request that left is forgotten at once.
+    a.wait_list("d", &[waiting(INTERACTIVE, 1, 9_000)])
+        .await
+        .unwrap();
+    a.wait_list("d", &[]).await.unwrap();
+    assert_eq!(
+        ask(&b, &r, &[waiting(BACKFILL, 1, 1)]).await.unwrap(),
+        BACKFILL
+    );
+}
+
+async fn waiting_counts_every_instance<S: Store>((a, b): (S, S)) {
+    a.wait_list("d", &[waiting(BACKFILL, 3, 2_000)])
+        .await
+        .unwrap();
+    b.wait_list(
+        "d",
+        &[waiting(INTERACTIVE, 1, 10), waiting(BACKFILL, 2, 500)],
+    )
+    .await
+    .unwrap();
+    let list = a.waiting("d").await.unwrap();
+    assert_eq!(list.len(), 2, "{list:?}");
+    assert_eq!((list[0].0, list[0].1), (INTERACTIVE, 1));
+    assert_eq!((list[1].0, list[1].1), (BACKFILL, 5));
+    assert!(list[1].2 >= Duration::from_millis(1_900), "{list:?}");
+    b.wait_list("d", &[]).await.unwrap();
+    assert_eq!(b.waiting("d").await.unwrap()[0].1, 3);
+}
+
+async fn shares_are_honoured_and_lent(store: &impl Store) {
+    let r = Rule {
+        shares: Arc::from(vec![0.0, 0.0, 0.2]),
+        ..rule(1000.0)
+    };
+    let both = [waiting(INTERACTIVE, 100, 10), waiting(BACKFILL, 100, 10)];
+    let mut got = Vec::new();
+    for _ in 0..20 {
+        got.push(ask(store, &r, &both).await.unwrap());
+    }
+    let backfill = got.iter().filter(|c| **c == BACKFILL).count();
+    assert_eq!(backfill, 4, "a share of 0.2 gets 4 of 20: {got:?}");
+    // Alone, backfill gets every slot.
+    for _ in 0..5 {
+        assert_eq!(
+            ask(store, &r, &[waiting(BACKFILL, 100, 10)]).await.unwrap(),
+            BACKFILL
+        );
+    }
+}
+
+async fn quota_windows_hold(store: &impl Store, tol: Duration) {
+    let r = Rule {
+        quota: vec![Quota {
+            limit: 3,
+            per: Duration::from_millis(500),
+        }],
+        ..rule(100.0)
+    };
+    let first = take(store, "d", &r, None).await.unwrap();
+    for n in 1..3u32 {
+        let slot = take(store, "d", &r, None).await.unwrap();
+        close(
+            slot.at,
+            first.at + r.interval * n,
+            tol,
+            "within the quota, the beat",
+        );
+    }
+    // The fourth waits until the first has left the window, plus the lateness a slot may
+    // be used with.
+    let fourth = take(store, "d", &r, None).await.unwrap();
+    close(
+        fourth.at,
+        first.at + Duration::from_millis(500) + r.max_late(),
+        tol,
+        "the fourth slot of a 3 per 500 ms quota",
+    );
+    tokio::time::sleep_until(first.at + Duration::from_millis(100)).await;
+    let used = store.quota_used("d", &r).await.unwrap();
+    assert_eq!(
+        used,
+        [3],
+        "three slots in the last window (the fourth is ahead)"
+    );
 }
 
 async fn slots_keep_the_beat(store: &impl Store, tol: Duration) {
     let r = rule(10.0);
-    let first = store.reserve("d", &r, None).await.unwrap();
+    let first = take(store, "d", &r, None).await.unwrap();
     assert_eq!(first.generation, 0);
     for n in 1..10u32 {
         // Reserving late must not shift the beat.
         tokio::time::sleep(Duration::from_millis(7)).await;
-        let slot = store.reserve("d", &r, None).await.unwrap();
+        let slot = take(store, "d", &r, None).await.unwrap();
         close(
             slot.at,
             first.at + r.interval * n,
@@ -66,7 +256,7 @@ async fn slots_keep_the_beat(store: &impl Store, tol: Duration) {
 
 async fn a_new_destination_starts_now(store: &impl Store, tol: Duration) {
     let now = Instant::now();
-    let slot = store.reserve("fresh", &rule(1.0), None).await.unwrap();
+    let slot = take(store, "fresh", &rule(1.0), None).await.unwrap();
     close(slot.at, now, tol, "first slot of a new destination");
     let view = store.view("never-used").await.unwrap();
     assert_eq!(
@@ -84,14 +274,14 @@ async fn burst_then_spacing(store: &impl Store, tol: Duration) {
     let now = Instant::now();
     for _ in 0..3 {
         close(
-            store.reserve("d", &r, None).await.unwrap().at,
+            take(store, "d", &r, None).await.unwrap().at,
             now,
             tol,
             "burst slots are immediate",
         );
     }
     close(
-        store.reserve("d", &r, None).await.unwrap().at,
+        take(store, "d", &r, None).await.unwrap().at,
         now + r.interval,
         tol,
         "then spaced",
@@ -100,9 +290,9 @@ async fn burst_then_spacing(store: &impl Store, tol: Duration) {
 
 async fn too_late_takes_nothing(store: &impl Store, tol: Duration) {
     let r = rule(1.0);
-    let first = store.reserve("d", &r, None).await.unwrap();
+    let first = take(store, "d", &r, None).await.unwrap();
     let limit = Instant::now() + Duration::from_millis(100);
-    match store.reserve("d", &r, Some(limit)).await {
+    match take(store, "d", &r, Some(limit)).await {
         Err(ReserveError::TooLate { slot }) => close(
             slot,
             first.at + r.interval,
@@ -111,7 +301,7 @@ async fn too_late_takes_nothing(store: &impl Store, tol: Duration) {
         ),
         other => panic!("expected TooLate, got {other:?}"),
     }
-    let next = store.reserve("d", &r, None).await.unwrap();
+    let next = take(store, "d", &r, None).await.unwrap();
     close(
         next.at,
         first.at + r.interval,
@@ -122,7 +312,7 @@ async fn too_late_takes_nothing(store: &impl Store, tol: Duration) {
 
 async fn throttles_widen_once_per_generation(store: &impl Store, tol: Duration) {
     let r = rule(10.0);
-    let reserved = store.reserve("d", &r, None).await.unwrap();
+    let reserved = take(store, "d", &r, None).await.unwrap();
     for _ in 0..10 {
         let event = Event::Throttled {
             generation: reserved.generation,
@@ -136,15 +326,15 @@ async fn throttles_widen_once_per_generation(store: &impl Store, tol: Duration) 
         (2.0, 1),
         "ten throttles of one generation widen once"
     );
-    let a = store.reserve("d", &r, None).await.unwrap();
+    let a = take(store, "d", &r, None).await.unwrap();
     assert_eq!(a.generation, 1);
-    let b = store.reserve("d", &r, None).await.unwrap();
+    let b = take(store, "d", &r, None).await.unwrap();
     close(b.at, a.at + r.interval * 2, tol, "the interval doubled");
 }
 
 async fn retry_after_pauses_the_destination(store: &impl Store, tol: Duration) {
     let r = rule(100.0);
-    store.reserve("d", &r, None).await.unwrap();
+    take(store, "d", &r, None).await.unwrap();
     let now = Instant::now();
     let event = Event::Throttled {
         generation: 0,
@@ -152,7 +342,7 @@ async fn retry_after_pauses_the_destination(store: &impl Store, tol: Duration) {
     };
     let view = store.record("d", &r, event).await.unwrap();
     assert!(view.paused_for > Duration::from_millis(4900), "{view:?}");
-    let slot = store.reserve("d", &r, None).await.unwrap();
+    let slot = take(store, "d", &r, None).await.unwrap();
     assert!(
         slot.at >= now + Duration::from_secs(5) - tol,
         "no slot inside the pause"
@@ -202,7 +392,7 @@ async fn lockout_until_unlocked(store: &impl Store) {
         .record("d", &r, Event::Lockout(lock.clone()))
         .await
         .unwrap();
-    match store.reserve("d", &r, None).await {
+    match take(store, "d", &r, None).await {
         Err(ReserveError::Locked(l)) => assert_eq!(
             (l.status, l.request, l.instance),
             (403, lock.request.clone(), lock.instance.clone())
@@ -211,7 +401,7 @@ async fn lockout_until_unlocked(store: &impl Store) {
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
-        store.reserve("d", &r, None).await.is_err(),
+        take(store, "d", &r, None).await.is_err(),
         "time does not clear a lockout"
     );
     let second = Lockout::new(403, "GET https://d/y".into(), "instance-b".into());
@@ -225,16 +415,16 @@ async fn lockout_until_unlocked(store: &impl Store) {
         store.unlock("d").await.unwrap().map(|l| l.request),
         Some(lock.request)
     );
-    assert!(store.reserve("d", &r, None).await.is_ok());
+    assert!(take(store, "d", &r, None).await.is_ok());
     assert_eq!(store.unlock("d").await.unwrap(), None);
 }
 
 async fn destinations_are_independent(store: &impl Store, tol: Duration) {
     let r = rule(1.0);
     let now = Instant::now();
-    store.reserve("a", &r, None).await.unwrap();
+    take(store, "a", &r, None).await.unwrap();
     close(
-        store.reserve("b", &r, None).await.unwrap().at,
+        take(store, "b", &r, None).await.unwrap().at,
         now,
         tol,
         "b is not behind a",
@@ -253,7 +443,7 @@ async fn concurrent_reservations_are_strictly_increasing<S: Store>(store: Arc<S>
     let tasks: Vec<_> = (0..64)
         .map(|_| {
             let (store, r) = (store.clone(), r.clone());
-            tokio::spawn(async move { store.reserve("d", &r, None).await.unwrap().at })
+            tokio::spawn(async move { take(&*store, "d", &r, None).await.unwrap().at })
         })
         .collect();
     let mut slots = Vec::new();

@@ -27,9 +27,10 @@ use tokio_util::sync::CancellationToken;
 use super::memory::MemoryStore;
 use super::postgres::{Instance, PostgresStore};
 use super::{
-    BudgetView, Event, InstanceStatus, Lockout, Reservation, ReserveError, Rule, Store, StoreError,
-    StoreFuture,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, InstanceStatus, Lockout, ReserveError,
+    Rule, Store, StoreError, StoreFuture,
 };
+use crate::destination::Quota;
 
 /// How often the supervisor heartbeats (and probes while degraded).
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -229,8 +230,19 @@ impl Failover {
         let n = u32::try_from(self.live.load(Ordering::SeqCst))
             .unwrap_or(u32::MAX)
             .max(1);
+        // Quota windows are divided too. The local store has not seen the shared window's
+        // history, so this bounds each instance's own sends, not the window as a whole.
+        let quota = rule
+            .quota
+            .iter()
+            .map(|q| Quota {
+                limit: (q.limit / n).max(1),
+                per: q.per,
+            })
+            .collect();
         Rule {
             interval: rule.interval * n,
+            quota,
             ..rule.clone()
         }
     }
@@ -263,22 +275,22 @@ impl Store for Failover {
         &'a self,
         destination: &'a str,
         rule: &'a Rule,
-        not_after: Option<Instant>,
-    ) -> StoreFuture<'a, Result<Reservation, ReserveError>> {
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         Box::pin(async move {
             if !self.is_degraded() {
                 match tokio::time::timeout(
                     self.timeout,
-                    self.primary.reserve(destination, rule, not_after),
+                    self.primary.reserve(destination, rule, ask),
                 )
                 .await
                 {
                     Ok(Err(ReserveError::Store(e))) => self.degrade(&e),
-                    Ok(Ok(slot)) => {
+                    Ok(Ok(grant)) => {
                         // Slots are spaced at least `interval * n` apart while dividing.
-                        let end = slot.at + self.divided(rule).interval;
+                        let end = grant.slot.at + self.divided(rule).interval;
                         guard(&self.last_slot_end).insert(destination.to_owned(), end);
-                        return Ok(slot);
+                        return Ok(grant);
                     }
                     Ok(result) => return result,
                     // Slow is not gone: pacing locally beside instances that still reach the
@@ -291,11 +303,63 @@ impl Store for Failover {
             match self.mode {
                 OnUnavailable::Refuse => Err(ReserveError::Store(Self::unavailable())),
                 OnUnavailable::Divide => {
-                    self.local
-                        .reserve(destination, &self.divided(rule), not_after)
-                        .await
+                    let divided = self.divided(rule);
+                    self.local.reserve(destination, &divided, ask).await
                 }
             }
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            if !self.is_degraded() {
+                match self
+                    .bounded(self.primary.wait_list(destination, queues))
+                    .await
+                {
+                    Ok(()) => return Ok(()),
+                    Err(e) => self.degrade(&e),
+                }
+            }
+            self.local.wait_list(destination, queues).await
+        })
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        Box::pin(async move {
+            if !self.is_degraded() {
+                match self.bounded(self.primary.waiting(destination)).await {
+                    Ok(list) => return Ok(list),
+                    Err(e) => self.degrade(&e),
+                }
+            }
+            self.local.waiting(destination).await
+        })
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        Box::pin(async move {
+            if !self.is_degraded() {
+                match self
+                    .bounded(self.primary.quota_used(destination, rule))
+                    .await
+                {
+                    Ok(used) => return Ok(used),
+                    Err(e) => self.degrade(&e),
+                }
+            }
+            self.local.quota_used(destination, rule).await
         })
     }
 

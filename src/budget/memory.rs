@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -15,7 +15,8 @@ use tokio::time::Instant;
 
 use super::schedule::{Budget, NoSlot};
 use super::{
-    BudgetView, Event, Lockout, Reservation, ReserveError, Rule, Store, StoreError, StoreFuture,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Reservation, ReserveError,
+    Rule, Store, StoreError, StoreFuture,
 };
 
 /// The file format of the state file.
@@ -36,10 +37,13 @@ struct Persisted {
 /// Budgets in memory, optionally persisted to a state file.
 pub struct MemoryStore {
     epoch: Instant,
-    budgets: Mutex<HashMap<String, Budget>>,
+    budgets: Arc<Mutex<HashMap<String, Budget>>>,
     state_file: Option<PathBuf>,
     /// Serialises writes, so that the file always ends with the latest snapshot.
     writer: tokio::sync::Mutex<()>,
+    /// Whose waiting requests this handle reports: one process is one instance, but tests
+    /// open several handles on one store to play several instances.
+    instance: String,
 }
 
 impl MemoryStore {
@@ -47,9 +51,22 @@ impl MemoryStore {
     pub fn ephemeral() -> Self {
         Self {
             epoch: Instant::now(),
-            budgets: Mutex::new(HashMap::new()),
+            budgets: Arc::default(),
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
+            instance: "local".into(),
+        }
+    }
+
+    /// Another handle on the same budgets, reporting the waiting requests of `instance` (for
+    /// tests that play several instances on one store; it writes no state file).
+    pub fn instance(&self, instance: &str) -> Self {
+        Self {
+            epoch: self.epoch,
+            budgets: self.budgets.clone(),
+            state_file: None,
+            writer: tokio::sync::Mutex::new(()),
+            instance: instance.to_owned(),
         }
     }
 
@@ -185,26 +202,85 @@ impl Store for MemoryStore {
         &'a self,
         destination: &'a str,
         rule: &'a Rule,
-        not_after: Option<Instant>,
-    ) -> StoreFuture<'a, Result<Reservation, ReserveError>> {
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         let result = {
             let now = self.now();
-            let limit = not_after.map(|t| t.saturating_duration_since(self.epoch));
+            let limit = ask
+                .not_after
+                .map(|t| t.saturating_duration_since(self.epoch));
             let mut budgets = self.lock();
             let budget = budgets.entry(destination.to_owned()).or_default();
-            match budget.reserve(rule, now, limit) {
-                Ok((slot, generation)) => Ok(Reservation {
-                    at: self.epoch + slot,
-                    generation,
-                    excess_delay: Duration::ZERO,
+            match budget.reserve_for(rule, now, &self.instance, ask.queues, limit) {
+                Ok((slot, generation, class)) => Ok(Grant {
+                    slot: Reservation {
+                        at: self.epoch + slot,
+                        generation,
+                        excess_delay: Duration::ZERO,
+                    },
+                    class,
                 }),
                 Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
                 Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate {
                     slot: self.epoch + slot,
                 }),
+                Err(NoSlot::Yield) => Err(ReserveError::Yield(rule.yield_for(budget.backoff))),
             }
         };
         Box::pin(std::future::ready(result))
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        let now = self.now();
+        let mut budgets = self.lock();
+        if let Some(budget) = budgets.get_mut(destination) {
+            budget.tell(&self.instance, queues, now);
+        } else if !queues.is_empty() {
+            let budget = budgets.entry(destination.to_owned()).or_default();
+            budget.tell(&self.instance, queues, now);
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        let now = self.now();
+        let list = self
+            .lock()
+            .get(destination)
+            .map_or_else(Vec::new, |b| b.waiting_at(now));
+        Box::pin(std::future::ready(Ok(list)))
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        let now = self.now();
+        let budgets = self.lock();
+        let used = rule
+            .quota
+            .iter()
+            .map(|q| {
+                budgets.get(destination).map_or(0, |b| {
+                    let from = now.checked_sub(q.per);
+                    let n = b
+                        .sends
+                        .iter()
+                        .filter(|t| from.is_none_or(|f| **t > f))
+                        .count();
+                    (n as u32).min(q.limit)
+                })
+            })
+            .collect();
+        Box::pin(std::future::ready(Ok(used)))
     }
 
     fn record<'a>(
@@ -260,6 +336,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn passes_the_store_contract() {
         contract::run_all(|| async { MemoryStore::ephemeral() }, Duration::ZERO).await;
+        contract::run_shared(|| async {
+            let a = MemoryStore::ephemeral();
+            let b = a.instance("b");
+            (a, b)
+        })
+        .await;
     }
 
     #[tokio::test(start_paused = true)]
@@ -294,13 +376,13 @@ mod tests {
             (403, "GET https://a/x")
         );
         assert!(matches!(
-            store.reserve("b", &rule, None).await,
+            contract::take(&store, "b", &rule, None).await,
             Err(ReserveError::Locked(_))
         ));
         store.unlock("b").await.unwrap();
         let store = MemoryStore::open(&path).unwrap();
         assert!(
-            store.reserve("b", &rule, None).await.is_ok(),
+            contract::take(&store, "b", &rule, None).await.is_ok(),
             "the unlock was persisted too"
         );
     }

@@ -15,10 +15,13 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio::time::Instant;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use tokio_postgres::types::ToSql;
+
 use super::{
-    BudgetView, Event, InstanceStatus, Lockout, Reservation, ReserveError, Rule, Store, StoreError,
-    StoreFuture,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, InstanceStatus, Lockout, Reservation,
+    ReserveError, Rule, Store, StoreError, StoreFuture, WAITER_LEASE,
 };
+use crate::class::Class;
 
 /// The schema's migrations, in order, embedded in the binary.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -32,6 +35,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "instances",
         include_str!("../../migrations/0002_instances.sql"),
     ),
+    (
+        3,
+        "classes",
+        include_str!("../../migrations/0003_classes.sql"),
+    ),
 ];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).
@@ -41,8 +49,9 @@ const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS pacegate_schem
     version integer PRIMARY KEY,
     name text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now())";
-/// The common case of a reservation, as one UPDATE: the row exists, is not locked, and the
-/// slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
+/// The common case of a reservation, as one UPDATE: one request waits here and none anywhere
+/// else (so it deserves the slot, and no share is owed), the destination has no quota
+/// window, the row exists, is not locked, and the slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
 /// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
 /// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
 /// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
@@ -57,14 +66,32 @@ const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
     FROM (SELECT clock_timestamp() AS now) AS c
     WHERE b.destination = $1
       AND b.lock_status IS NULL
+      AND b.credits = '{}'
+      AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = $1)
       AND ($4::float8 IS NULL OR
            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
                <= c.now + make_interval(secs => $4::float8))
     RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
         clock_timestamp(), b.generation, c.now";
-const SQL_RESERVE: &str =
-    "SELECT granted, slot, db_now, generation, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_reserve($1, $2, $3, $4)";
+const SQL_RESERVE_FOR: &str =
+    "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
+const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
+/// Every live instance's waiting requests of a destination, by class.
+const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
+        extract(epoch FROM clock_timestamp() - min(w.since))::double precision
+    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+    WHERE w.destination = $1
+      AND (w.instance = $2 OR l.last_seen > clock_timestamp() - make_interval(secs => $3))
+    GROUP BY w.class ORDER BY w.class";
+const SQL_QUOTA_USED: &str = "SELECT count(*) FROM pacegate_sends
+    WHERE destination = $1 AND at > clock_timestamp() - make_interval(secs => $2)";
+/// Waiting requests of instances whose lease ran out: they no longer count, and would keep
+/// reservations off the one-statement path.
+const SQL_EXPIRE_WAITING: &str = "DELETE FROM pacegate_waiting AS w
+    WHERE NOT EXISTS (SELECT 1 FROM pacegate_instances AS l
+        WHERE l.id = w.instance AND l.last_seen > clock_timestamp() - make_interval(secs => $1))";
+const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
 const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for, lock_since, lock_status, lock_request, lock_instance
     FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 const SQL_UNLOCK: &str = "WITH old AS (
@@ -115,15 +142,55 @@ fn db(e: impl std::error::Error) -> StoreError {
     StoreError(msg)
 }
 
+/// A wait list as the arrays `pacegate_tell` takes: classes, counts, and the ages in seconds
+/// of the oldest and second oldest.
+#[allow(clippy::type_complexity)]
+fn columns(queues: &[ClassQueue]) -> (Vec<i32>, Vec<i32>, Vec<f64>, Vec<Option<f64>>) {
+    (
+        queues.iter().map(|q| i32::from(q.class.0)).collect(),
+        queues
+            .iter()
+            .map(|q| i32::try_from(q.count).unwrap_or(i32::MAX))
+            .collect(),
+        queues.iter().map(|q| q.oldest.as_secs_f64()).collect(),
+        queues
+            .iter()
+            .map(|q| q.next.map(|n| n.as_secs_f64()))
+            .collect(),
+    )
+}
+
 /// Budgets in Postgres.
 pub struct PostgresStore {
     pool: Pool,
     /// The usual reservation round trip in µs: a minimum that drifts slowly upwards, so that
     /// a store on another host (a long but steady round trip) is not mistaken for a stall.
     usual_rtt_us: AtomicU64,
+    /// The instance whose waiting requests this handle reports (its heartbeat is its lease).
+    instance: String,
+}
+
+/// A fresh instance id for a handle that is not given one.
+fn anonymous_instance() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!(
+        "anonymous-{}-{nanos:x}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 impl PostgresStore {
+    /// Reports waiting requests as `instance`'s (the id this process heartbeats with).
+    pub fn with_instance(mut self, instance: &str) -> Self {
+        self.instance = instance.to_owned();
+        self
+    }
+
     /// A store over a pool of at most `connections` connections to `url`. Connects lazily.
     pub fn new(url: &str, connections: usize) -> Result<Self, StoreError> {
         let roots = crate::tls::upstream_roots(&[]).map_err(|e| StoreError(e.to_string()))?;
@@ -158,6 +225,7 @@ impl PostgresStore {
         Ok(Self {
             pool,
             usual_rtt_us: AtomicU64::new(u64::MAX),
+            instance: anonymous_instance(),
         })
     }
 
@@ -225,11 +293,16 @@ impl PostgresStore {
         Ok(rows.iter().map(|r| (r.get(8), view_of(r))).collect())
     }
 
-    /// Records that `me` is alive now.
+    /// Records that `me` is alive now (renewing its waiters' lease), and drops the waiting
+    /// requests of instances whose lease ran out.
     pub async fn heartbeat(&self, me: &Instance) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
             .execute(SQL_HEARTBEAT, &[&me.id, &me.host, &me.pid, &me.version])
+            .await
+            .map_err(db)?;
+        client
+            .execute(SQL_EXPIRE_WAITING, &[&WAITER_LEASE.as_secs_f64()])
             .await
             .map_err(db)?;
         Ok(())
@@ -262,6 +335,10 @@ impl PostgresStore {
     pub async fn forget(&self, me: &Instance) -> Result<(), StoreError> {
         let client = self.client().await?;
         client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
+        client
+            .execute(SQL_FORGET_WAITING, &[&me.id])
+            .await
+            .map_err(db)?;
         Ok(())
     }
 
@@ -346,53 +423,171 @@ impl Store for PostgresStore {
         &'a self,
         destination: &'a str,
         rule: &'a Rule,
-        not_after: Option<Instant>,
-    ) -> StoreFuture<'a, Result<Reservation, ReserveError>> {
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let limit =
-                not_after.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
+            let limit = ask
+                .not_after
+                .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
             let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
+            let interval = rule.interval.as_secs_f64();
             let sent = Instant::now();
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&destination, &rule.interval.as_secs_f64(), &burst, &limit];
-            let fast = client.prepare_cached(SQL_RESERVE_FAST).await.map_err(db)?;
-            if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
-                let arrived = Instant::now();
-                drop(client);
-                let (slot, db_now, started): (SystemTime, SystemTime, SystemTime) =
-                    (row.get(0), row.get(1), row.get(3));
-                // The round trip less the time the statement spent inside the database (waiting
-                // for the row lock, mostly): what is left delays the answer after `db_now`.
-                let transit = (arrived - sent).saturating_sub(after(db_now, started));
-                return Ok(Reservation {
-                    at: arrived + after(slot, db_now),
-                    generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
-                    excess_delay: self.excess(transit),
-                });
+            if let [only] = ask.queues {
+                if only.count == 1 && rule.quota.is_empty() {
+                    let params: [&(dyn ToSql + Sync); 4] =
+                        [&destination, &interval, &burst, &limit];
+                    let fast = client.prepare_cached(SQL_RESERVE_FAST).await.map_err(db)?;
+                    if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
+                        let arrived = Instant::now();
+                        drop(client);
+                        let (slot, db_now, started): (SystemTime, SystemTime, SystemTime) =
+                            (row.get(0), row.get(1), row.get(3));
+                        // The round trip less the time the statement spent inside the
+                        // database (waiting for the row lock, mostly): what is left delays the
+                        // answer after `db_now`.
+                        let transit = (arrived - sent).saturating_sub(after(db_now, started));
+                        return Ok(Grant {
+                            slot: Reservation {
+                                at: arrived + after(slot, db_now),
+                                generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                                excess_delay: self.excess(transit),
+                            },
+                            class: only.class,
+                        });
+                    }
+                }
             }
-            let statement = client.prepare_cached(SQL_RESERVE).await.map_err(db)?;
-            let row = client.query_one(&statement, &params).await.map_err(db)?;
+            let (classes, counts, oldest, next) = columns(ask.queues);
+            let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
+            let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
+            let shares: Vec<f64> = rule.shares.to_vec();
+            let statement = client.prepare_cached(SQL_RESERVE_FOR).await.map_err(db)?;
+            let row = client
+                .query_one(
+                    &statement,
+                    &[
+                        &destination,
+                        &interval,
+                        &burst,
+                        &limit,
+                        &self.instance,
+                        &WAITER_LEASE.as_secs_f64(),
+                        &shares,
+                        &limits,
+                        &pers,
+                        &rule.max_late().as_secs_f64(),
+                        &classes,
+                        &counts,
+                        &oldest,
+                        &next,
+                    ],
+                )
+                .await
+                .map_err(db)?;
             // Measured from the answer's arrival: the conversion can only delay the slot.
             let arrived = Instant::now();
             drop(client);
-            let granted: bool = row.get(0);
+            let outcome: &str = row.get(0);
             let slot: Option<SystemTime> = row.get(1);
             let db_now: SystemTime = row.get(2);
-            if let Some(lock) = lockout(row.get(4), row.get(5), row.get(6), row.get(7)) {
-                return Err(ReserveError::Locked(lock));
+            let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
+            let at = |slot: Option<SystemTime>| {
+                slot.map(|s| arrived + after(s, db_now))
+                    .ok_or_else(|| StoreError("pacegate_reserve_for returned no slot".into()))
+            };
+            match outcome {
+                "granted" => Ok(Grant {
+                    slot: Reservation {
+                        at: at(slot)?,
+                        generation,
+                        excess_delay: self.excess(arrived - sent),
+                    },
+                    class: Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0)),
+                }),
+                "yield" => Err(ReserveError::Yield(rule.yield_for(row.get(5)))),
+                "too_late" => Err(ReserveError::TooLate { slot: at(slot)? }),
+                "locked" => Err(lockout(row.get(6), row.get(7), row.get(8), row.get(9))
+                    .map_or_else(
+                        || ReserveError::Store(StoreError("a lockout without a status".into())),
+                        ReserveError::Locked,
+                    )),
+                other => Err(ReserveError::Store(StoreError(format!(
+                    "pacegate_reserve_for answered `{other}`"
+                )))),
             }
-            let slot =
-                slot.ok_or_else(|| StoreError("pacegate_reserve returned no slot".into()))?;
-            let at = arrived + after(slot, db_now);
-            if !granted {
-                return Err(ReserveError::TooLate { slot: at });
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let (classes, counts, oldest, next) = columns(queues);
+            let client = self.client().await?;
+            let statement = client.prepare_cached(SQL_TELL).await.map_err(db)?;
+            client
+                .execute(
+                    &statement,
+                    &[
+                        &destination,
+                        &self.instance,
+                        &classes,
+                        &counts,
+                        &oldest,
+                        &next,
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(())
+        })
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let rows = client
+                .query(
+                    SQL_WAITING,
+                    &[&destination, &self.instance, &WAITER_LEASE.as_secs_f64()],
+                )
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    (
+                        Class(u16::try_from(r.get::<_, i32>(0)).unwrap_or(0)),
+                        u32::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                        Duration::from_secs_f64(r.get::<_, f64>(2).max(0.0)),
+                    )
+                })
+                .collect())
+        })
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let mut used = Vec::new();
+            for q in &rule.quota {
+                let row = client
+                    .query_one(SQL_QUOTA_USED, &[&destination, &q.per.as_secs_f64()])
+                    .await
+                    .map_err(db)?;
+                used.push(u32::try_from(row.get::<_, i64>(0)).map_or(q.limit, |n| n.min(q.limit)));
             }
-            Ok(Reservation {
-                at,
-                generation: u64::try_from(row.get::<_, i64>(3)).unwrap_or(0),
-                excess_delay: self.excess(arrived - sent),
-            })
+            Ok(used)
         })
     }
 
@@ -519,13 +714,76 @@ mod tests {
 
     async fn store() -> PostgresStore {
         let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-        assert_eq!(store.migrate().await.unwrap(), [1, 2]);
+        assert_eq!(store.migrate().await.unwrap(), [1, 2, 3]);
         store
+    }
+
+    fn instance(id: &str) -> Instance {
+        Instance {
+            id: id.into(),
+            host: "test".into(),
+            pid: 1,
+            version: "0".into(),
+        }
+    }
+
+    /// Two live instances on one fresh store.
+    async fn pair() -> (PostgresStore, PostgresStore) {
+        let url = testdb::fresh().await;
+        let a = PostgresStore::new(&url, 4).unwrap().with_instance("a");
+        a.migrate().await.unwrap();
+        let b = PostgresStore::new(&url, 4).unwrap().with_instance("b");
+        a.heartbeat(&instance("a")).await.unwrap();
+        b.heartbeat(&instance("b")).await.unwrap();
+        (a, b)
     }
 
     #[tokio::test]
     async fn passes_the_store_contract() {
         contract::run_all(store, Duration::from_millis(20)).await;
+        contract::run_shared(pair).await;
+    }
+
+    #[tokio::test]
+    async fn waiters_count_only_while_their_instance_heartbeats() {
+        let (a, b) = pair().await;
+        let r = contract::rule(100.0);
+        let interactive = [ClassQueue {
+            class: Class(0),
+            count: 5,
+            oldest: Duration::from_secs(1),
+            next: None,
+        }];
+        let backfill = [ClassQueue {
+            class: Class(2),
+            ..interactive[0]
+        }];
+        let ask = |queues| Ask {
+            queues,
+            not_after: None,
+        };
+        a.wait_list("d", &interactive).await.unwrap();
+        assert!(matches!(
+            b.reserve("d", &r, ask(&backfill)).await,
+            Err(ReserveError::Yield(_))
+        ));
+        // a's lease runs out: its heartbeat is older than WAITER_LEASE.
+        a.client()
+            .await
+            .unwrap()
+            .execute(
+                "UPDATE pacegate_instances SET last_seen = last_seen - interval '1 hour' WHERE id = 'a'",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            b.reserve("d", &r, ask(&backfill)).await.unwrap().class,
+            Class(2)
+        );
+        // Its rows are dropped at the next heartbeat of anyone.
+        b.heartbeat(&instance("b")).await.unwrap();
+        assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(2));
     }
 
     #[tokio::test]
@@ -599,7 +857,7 @@ mod tests {
     async fn a_missing_row_is_recreated_at_now() {
         let store = store().await;
         let rule = contract::rule(10.0);
-        store.reserve("d", &rule, None).await.unwrap();
+        contract::take(&store, "d", &rule, None).await.unwrap();
         store
             .client()
             .await
@@ -608,7 +866,7 @@ mod tests {
             .await
             .unwrap();
         let now = Instant::now();
-        let slot = store.reserve("d", &rule, None).await.unwrap();
+        let slot = contract::take(&store, "d", &rule, None).await.unwrap();
         assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
     }
 }

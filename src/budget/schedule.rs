@@ -2,9 +2,28 @@
 //! an argument, as an offset from the store's own epoch, so both stores (and tests on paused
 //! time) compute exactly the same thing.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use super::{Event, Lockout, Rule};
+use super::{ClassQueue, Event, Lockout, Rule};
+use crate::class::Class;
+
+/// Where waiting times are counted from: far enough before the store's epoch that a request
+/// that started waiting before the store did still has a place in the order.
+const SINCE_ORIGIN: Duration = Duration::from_secs(1 << 40);
+
+/// One instance's waiting requests of one class, in store time shifted by [`SINCE_ORIGIN`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Waiting {
+    /// The class.
+    pub class: Class,
+    /// How many wait.
+    pub count: u32,
+    /// When the oldest started waiting.
+    pub since: Duration,
+    /// When the second oldest started waiting.
+    pub next_since: Option<Duration>,
+}
 
 /// One destination's budget.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,6 +40,12 @@ pub struct Budget {
     pub clean_streak: u32,
     /// Set by a lockout verdict, cleared only by an operator.
     pub lock: Option<Lockout>,
+    /// Each class's credit towards its share, by rank (see [`choose`]).
+    pub credits: Vec<f64>,
+    /// The latest slots, as many as the largest quota limit (none without a quota).
+    pub sends: VecDeque<Duration>,
+    /// Each instance's waiting requests, by instance id.
+    pub waiting: BTreeMap<String, Vec<Waiting>>,
 }
 
 impl Default for Budget {
@@ -32,6 +57,9 @@ impl Default for Budget {
             generation: 0,
             clean_streak: 0,
             lock: None,
+            credits: Vec::new(),
+            sends: VecDeque::new(),
+            waiting: BTreeMap::new(),
         }
     }
 }
@@ -46,6 +74,38 @@ pub enum NoSlot {
         /// When the slot would have been.
         slot: Duration,
     },
+    /// A request waiting on another instance deserves the next slot.
+    Yield,
+}
+
+/// Which class deserves the next slot, given the classes that have requests waiting (on any
+/// instance), and the credits after that slot.
+///
+/// A class with a share earns that share of every slot granted while it has waiters; once it
+/// has earned a whole slot it takes the next one, before more urgent classes. Otherwise the
+/// most urgent waiting class takes it. A class with nothing waiting earns nothing and keeps
+/// no credit: its share is lent to the others. So a class with share `s` and waiters gets at
+/// least `s` of the slots, to within one slot.
+pub fn choose(credits: &[f64], shares: &[f64], waiting: &[Class]) -> Option<(Class, Vec<f64>)> {
+    let mut next = vec![0.0; shares.len()];
+    for c in waiting {
+        let i = usize::from(c.0);
+        if shares.get(i).is_some_and(|s| *s > 0.0) {
+            next[i] = credits.get(i).copied().unwrap_or(0.0) + shares[i];
+        }
+    }
+    // Shares are decimal fractions; credits are compared with room for their rounding.
+    let owed = |c: &&Class| next.get(usize::from(c.0)).is_some_and(|v| *v >= 1.0 - 1e-9);
+    let chosen = waiting
+        .iter()
+        .filter(owed)
+        .min()
+        .or_else(|| waiting.iter().min())
+        .copied()?;
+    if let Some(v) = next.get_mut(usize::from(chosen.0)) {
+        *v = (*v - 1.0).max(0.0);
+    }
+    Some((chosen, next))
 }
 
 impl Budget {
@@ -64,6 +124,9 @@ impl Budget {
     /// Because `next_at` advances from the schedule, not from when a request actually went out,
     /// timer lateness never accumulates; after an idle spell longer than the tolerance, the
     /// schedule restarts from `now`.
+    ///
+    /// With quota windows, a slot also waits until the oldest send of a full window has left
+    /// it, plus [`Rule::max_late`] so that a slot used late still cannot crowd a window.
     pub fn reserve(
         &mut self,
         rule: &Rule,
@@ -75,14 +138,116 @@ impl Budget {
         }
         let t = self.interval(rule);
         let tolerance = t * (rule.burst - 1);
-        let slot = now
+        let mut slot = now
             .max(self.next_at.saturating_sub(tolerance))
             .max(self.paused_until);
+        for q in &rule.quota {
+            let limit = q.limit as usize;
+            if self.sends.len() >= limit {
+                let first = self.sends[self.sends.len() - limit];
+                slot = slot.max(first + q.per + rule.max_late());
+            }
+        }
+        if let Some(last) = self.sends.back() {
+            slot = slot.max(*last);
+        }
         if not_after.is_some_and(|limit| slot > limit) {
             return Err(NoSlot::TooLate { slot });
         }
         self.next_at = self.next_at.max(slot) + t;
+        if let Some(keep) = rule.quota.iter().map(|q| q.limit as usize).max() {
+            self.sends.push_back(slot);
+            while self.sends.len() > keep {
+                self.sends.pop_front();
+            }
+        }
         Ok((slot, self.generation))
+    }
+
+    /// Records `instance`'s waiting requests at `now`, replacing what it said before.
+    pub fn tell(&mut self, instance: &str, queues: &[ClassQueue], now: Duration) {
+        let list: Vec<Waiting> = queues
+            .iter()
+            .filter(|q| q.count > 0)
+            .map(|q| Waiting {
+                class: q.class,
+                count: q.count,
+                since: (now + SINCE_ORIGIN).saturating_sub(q.oldest),
+                next_since: q.next.map(|n| (now + SINCE_ORIGIN).saturating_sub(n)),
+            })
+            .collect();
+        if list.is_empty() {
+            self.waiting.remove(instance);
+        } else {
+            self.waiting.insert(instance.to_owned(), list);
+        }
+    }
+
+    /// Every instance's waiting requests by class at `now`: `(class, count, oldest wait)`.
+    pub fn waiting_at(&self, now: Duration) -> Vec<(Class, u32, Duration)> {
+        self.waiting_by_class()
+            .into_iter()
+            .map(|(c, n, since)| (c, n, (now + SINCE_ORIGIN).saturating_sub(since)))
+            .collect()
+    }
+
+    /// Every instance's waiting requests by class: `(class, count, oldest since)`.
+    fn waiting_by_class(&self) -> Vec<(Class, u32, Duration)> {
+        let mut by: BTreeMap<Class, (u32, Duration)> = BTreeMap::new();
+        for w in self.waiting.values().flatten() {
+            let e = by.entry(w.class).or_insert((0, w.since));
+            e.0 += w.count;
+            e.1 = e.1.min(w.since);
+        }
+        by.into_iter().map(|(c, (n, s))| (c, n, s)).collect()
+    }
+
+    /// Records `instance`'s waiting requests, then reserves the next slot for the request
+    /// that deserves it over every instance ([`choose`] picks the class; the oldest request
+    /// of that class, instance ids breaking ties, gets it). When that request is `instance`'s,
+    /// the slot is taken and its class returned; otherwise [`NoSlot::Yield`] and nothing
+    /// is taken.
+    pub fn reserve_for(
+        &mut self,
+        rule: &Rule,
+        now: Duration,
+        instance: &str,
+        queues: &[ClassQueue],
+        not_after: Option<Duration>,
+    ) -> Result<(Duration, u64, Class), NoSlot> {
+        self.tell(instance, queues, now);
+        if let Some(lock) = &self.lock {
+            return Err(NoSlot::Locked(lock.clone()));
+        }
+        let classes: Vec<Class> = self.waiting_by_class().iter().map(|w| w.0).collect();
+        let Some((class, credits)) = choose(&self.credits, &rule.shares, &classes) else {
+            return Err(NoSlot::Yield);
+        };
+        let first = self
+            .waiting
+            .iter()
+            .flat_map(|(id, list)| list.iter().map(move |w| (w, id)))
+            .filter(|(w, _)| w.class == class)
+            .min_by(|a, b| a.0.since.cmp(&b.0.since).then(a.1.cmp(b.1)))
+            .map(|(_, id)| id.as_str());
+        if first != Some(instance) {
+            return Err(NoSlot::Yield);
+        }
+        let (slot, generation) = self.reserve(rule, now, not_after)?;
+        self.credits = credits;
+        // The request served leaves the list; the next oldest of its class is the oldest.
+        if let Some(list) = self.waiting.get_mut(instance) {
+            if let Some(w) = list.iter_mut().find(|w| w.class == class) {
+                w.count -= 1;
+                w.since = w.next_since.unwrap_or(w.since);
+                w.next_since = None;
+            }
+            list.retain(|w| w.count > 0);
+            if list.is_empty() {
+                self.waiting.remove(instance);
+            }
+        }
+        Ok((slot, generation, class))
     }
 
     /// Applies a verdict observed at `now`. Returns whether the backoff or the lock changed,
@@ -141,7 +306,158 @@ mod tests {
             backoff_max: 8.0,
             decay_after: 3,
             retry_after_max: Duration::from_secs(60),
+            shares: std::sync::Arc::from(vec![0.0; 3]),
+            quota: Vec::new(),
         }
+    }
+
+    const INTERACTIVE: Class = Class(0);
+    const SCHEDULED: Class = Class(1);
+    const BACKFILL: Class = Class(2);
+
+    /// Grants `n` slots with every class in `waiting` always waiting; returns who got each.
+    fn run(shares: &[f64], waiting: &[Class], n: usize) -> Vec<Class> {
+        let mut credits = Vec::new();
+        (0..n)
+            .map(|_| {
+                let (c, next) = choose(&credits, shares, waiting).unwrap();
+                credits = next;
+                c
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_most_urgent_waiting_class_goes_first() {
+        assert_eq!(
+            run(&[0.0; 3], &[BACKFILL, INTERACTIVE], 5),
+            [INTERACTIVE; 5]
+        );
+        assert_eq!(run(&[0.0; 3], &[BACKFILL, SCHEDULED], 2), [SCHEDULED; 2]);
+        assert_eq!(choose(&[], &[0.0; 3], &[]), None);
+    }
+
+    #[test]
+    fn a_share_is_honoured_while_its_class_waits() {
+        let got = run(&[0.0, 0.0, 0.2], &[INTERACTIVE, BACKFILL], 100);
+        let backfill = got.iter().filter(|c| **c == BACKFILL).count();
+        assert_eq!(backfill, 20, "{got:?}");
+        // Spread out, not bunched: every run of five slots holds exactly one.
+        for five in got.chunks(5) {
+            assert_eq!(five.iter().filter(|c| **c == BACKFILL).count(), 1);
+        }
+        // Two shared classes and an urgent one.
+        let got = run(&[0.0, 0.25, 0.1], &[INTERACTIVE, SCHEDULED, BACKFILL], 200);
+        let count = |k| got.iter().filter(|c| **c == k).count();
+        // Each gets its share, to within one slot.
+        assert!(count(SCHEDULED).abs_diff(50) <= 1, "{got:?}");
+        assert!(count(BACKFILL).abs_diff(20) <= 1, "{got:?}");
+    }
+
+    #[test]
+    fn a_share_is_lent_when_its_class_is_idle_and_not_saved_up() {
+        // Backfill alone gets every slot; interactive alone too, whatever backfill's share.
+        assert_eq!(run(&[0.0, 0.0, 0.2], &[BACKFILL], 10), [BACKFILL; 10]);
+        assert_eq!(run(&[0.0, 0.0, 0.2], &[INTERACTIVE], 10), [INTERACTIVE; 10]);
+        // A long idle spell earns no credit: when backfill comes back it gets its share, not
+        // a burst of what it missed.
+        let (_, credits) = choose(&[], &[0.0, 0.0, 0.2], &[INTERACTIVE]).unwrap();
+        assert_eq!(credits, [0.0; 3]);
+        let (first, _) = choose(&credits, &[0.0, 0.0, 0.2], &[INTERACTIVE, BACKFILL]).unwrap();
+        assert_eq!(first, INTERACTIVE);
+    }
+
+    fn queue(class: Class, count: u32, oldest_ms: u64, next_ms: Option<u64>) -> ClassQueue {
+        ClassQueue {
+            class,
+            count,
+            oldest: Duration::from_millis(oldest_ms),
+            next: next_ms.map(Duration::from_millis),
+        }
+    }
+
+    #[test]
+    fn the_oldest_request_of_the_class_wins_over_every_instance() {
+        let r = rule(10.0, 1);
+        let mut b = Budget::default();
+        let now = Duration::from_secs(10);
+        // Instance a has backfill waiting for 5 s; b has an interactive request of 1 ms.
+        let ask_b = [queue(INTERACTIVE, 1, 1, None)];
+        b.tell("b", &ask_b, now);
+        assert_eq!(
+            b.reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None),
+            Err(NoSlot::Yield)
+        );
+        let (_, _, class) = b.reserve_for(&r, now, "b", &ask_b, None).unwrap();
+        assert_eq!(class, INTERACTIVE);
+        // b's request was served and left the list; a goes next.
+        assert!(!b.waiting.contains_key("b"));
+        let (_, _, class) = b
+            .reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None)
+            .unwrap();
+        assert_eq!(class, BACKFILL);
+        assert_eq!(b.waiting["a"][0].count, 49);
+        assert_eq!(b.waiting_at(now)[0], (BACKFILL, 49, Duration::from_secs(4)));
+        // Within a class, the older head wins, whichever instance asks.
+        b.tell("c", &[queue(BACKFILL, 1, 4500, None)], now);
+        assert_eq!(
+            b.reserve_for(&r, now, "a", &[queue(BACKFILL, 49, 4000, None)], None),
+            Err(NoSlot::Yield)
+        );
+        assert!(b
+            .reserve_for(&r, now, "c", &[queue(BACKFILL, 1, 4500, None)], None)
+            .is_ok());
+    }
+
+    #[test]
+    fn quota_windows_are_exact_at_their_edges() {
+        let mut r = rule(10.0, 1);
+        r.quota = vec![crate::destination::Quota {
+            limit: 3,
+            per: Duration::from_secs(10),
+        }];
+        let margin = r.max_late();
+        let mut b = Budget::default();
+        let slots: Vec<Duration> = (0..7)
+            .map(|_| b.reserve(&r, Duration::ZERO, None).unwrap().0)
+            .collect();
+        let ms = |d: Duration| d.as_millis() as u64;
+        let m = ms(margin);
+        assert_eq!(
+            slots.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+            [
+                0,
+                100,
+                200,
+                10_000 + m,
+                10_100 + m,
+                10_200 + m,
+                20_000 + 2 * m
+            ]
+        );
+        // No window of 10 s holds more than 3, even with each slot used up to max_late late.
+        for (i, s) in slots.iter().enumerate() {
+            let late_first = *s + margin;
+            let after = |start: Duration| {
+                slots[i + 1..]
+                    .iter()
+                    .filter(|t| **t < start + Duration::from_secs(10))
+                    .count()
+            };
+            assert!(after(*s) < 3, "window from slot {i}");
+            assert!(after(late_first) < 3, "window from slot {i}, used late");
+        }
+        // Two windows: the tighter one at each moment rules.
+        r.quota.push(crate::destination::Quota {
+            limit: 5,
+            per: Duration::from_secs(60),
+        });
+        let mut b = Budget::default();
+        let slots: Vec<u64> = (0..6)
+            .map(|_| ms(b.reserve(&r, Duration::ZERO, None).unwrap().0))
+            .collect();
+        assert_eq!(slots[5], 60_000 + m);
+        assert_eq!(b.sends.len(), 5, "keeps only the largest limit's worth");
     }
 
     fn ms(n: u64) -> Duration {

@@ -24,6 +24,7 @@ async fn pacer(pace: Pace) -> Arc<Pacer> {
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
         &[dest],
+        Classes::default(),
         Arc::new(MemoryStore::ephemeral()),
         metrics,
         "test".into(),
@@ -31,6 +32,9 @@ async fn pacer(pace: Pace) -> Arc<Pacer> {
     p.start().await.unwrap();
     p
 }
+
+/// The one class of a config without `[classes]`.
+const ONE: Class = Class(0);
 
 fn far() -> Instant {
     Instant::now() + Duration::from_secs(3600)
@@ -54,7 +58,7 @@ async fn grant_times(p: &Arc<Pacer>, n: usize) -> Vec<Duration> {
         .map(|_| {
             let p = p.clone();
             tokio::spawn(async move {
-                let a = p.admit("d", far()).await.unwrap();
+                let a = p.admit("d", ONE, far()).await.unwrap();
                 drop(a);
                 Instant::now() - start
             })
@@ -107,7 +111,7 @@ async fn first_come_first_served() {
     for i in 0..5 {
         let (p, tx) = (p.clone(), tx.clone());
         tokio::spawn(async move {
-            let _a = p.admit("d", far()).await.unwrap();
+            let _a = p.admit("d", ONE, far()).await.unwrap();
             tx.send(i).unwrap();
         });
         // Arrivals 1 ms apart, in order.
@@ -124,9 +128,9 @@ async fn first_come_first_served() {
 #[tokio::test(start_paused = true)]
 async fn no_slot_within_max_wait_is_refused_at_once() {
     let p = pacer(pace(1.0)).await;
-    let _first = p.admit("d", far()).await.unwrap();
+    let _first = p.admit("d", ONE, far()).await.unwrap();
     let started = Instant::now();
-    match p.admit("d", Instant::now() + ms(500)).await {
+    match p.admit("d", ONE, Instant::now() + ms(500)).await {
         Err(PaceError::Deadline { retry_after, .. }) => {
             assert_eq!(
                 started.elapsed(),
@@ -138,16 +142,16 @@ async fn no_slot_within_max_wait_is_refused_at_once() {
         other => panic!("expected a deadline refusal, got {:?}", other.err()),
     }
     // The refusal took no slot: the next request gets the slot at 1 s.
-    p.admit("d", far()).await.unwrap();
+    p.admit("d", ONE, far()).await.unwrap();
     assert_eq!(started.elapsed(), ms(1000));
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_request_that_gives_up_leaves_the_queue_at_once() {
     let p = pacer(pace(1.0)).await;
-    let _first = p.admit("d", far()).await.unwrap();
+    let _first = p.admit("d", ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let abandoned = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
+    let abandoned = tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(100)).await;
     assert_eq!(p.status().await[0].waiting, 1);
     abandoned.abort();
@@ -159,18 +163,18 @@ async fn a_request_that_gives_up_leaves_the_queue_at_once() {
     );
     // The slot it was to get goes to the next request instead of being lost.
     let started = Instant::now();
-    p.admit("d", far()).await.unwrap();
+    p.admit("d", ONE, far()).await.unwrap();
     assert_eq!(started.elapsed(), ms(900));
 }
 
 #[tokio::test(start_paused = true)]
 async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
     let p = pacer(pace(1.0)).await;
-    let first = p.admit("d", far()).await.unwrap();
+    let first = p.admit("d", ONE, far()).await.unwrap();
     let waiting: Vec<_> = (0..3)
         .map(|_| {
             let p = p.clone();
-            tokio::spawn(async move { p.admit("d", far()).await.map(|_| ()) })
+            tokio::spawn(async move { p.admit("d", ONE, far()).await.map(|_| ()) })
         })
         .collect();
     tokio::time::sleep(ms(10)).await;
@@ -196,18 +200,21 @@ async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
         "waiting requests are refused at once"
     );
     assert!(matches!(
-        p.admit("d", far()).await,
+        p.admit("d", ONE, far()).await,
         Err(PaceError::Locked { .. })
     ));
     tokio::time::sleep(Duration::from_secs(86_400)).await;
     assert!(
-        matches!(p.admit("d", far()).await, Err(PaceError::Locked { .. })),
+        matches!(
+            p.admit("d", ONE, far()).await,
+            Err(PaceError::Locked { .. })
+        ),
         "time never clears it"
     );
     let status = p.status().await;
     assert_eq!(status[0].lock.as_ref().map(|l| l.status), Some(403));
     assert!(p.unlock("d").await.unwrap().is_some());
-    assert!(p.admit("d", far()).await.is_ok());
+    assert!(p.admit("d", ONE, far()).await.is_ok());
     assert!(matches!(p.unlock("nope").await, Err(None)));
 }
 
@@ -220,7 +227,7 @@ async fn ten_concurrent_throttles_widen_once() {
     .await;
     let mut admitted = Vec::new();
     for _ in 0..10 {
-        admitted.push(p.admit("d", far()).await.unwrap());
+        admitted.push(p.admit("d", ONE, far()).await.unwrap());
     }
     for a in &admitted {
         p.observe(a, 429, &HeaderMap::new(), "GET /").await;
@@ -233,7 +240,7 @@ async fn ten_concurrent_throttles_widen_once() {
 #[tokio::test(start_paused = true)]
 async fn retry_after_pauses_every_request() {
     let p = pacer(pace(100.0)).await;
-    let a = p.admit("d", far()).await.unwrap();
+    let a = p.admit("d", ONE, far()).await.unwrap();
     let v = p
         .observe(&a, 429, &headers(&[("retry-after", "3")]), "GET /")
         .await;
@@ -245,7 +252,7 @@ async fn retry_after_pauses_every_request() {
     );
     assert!(p.status().await[0].paused_for_seconds > 2.9);
     let started = Instant::now();
-    p.admit("d", far()).await.unwrap();
+    p.admit("d", ONE, far()).await.unwrap();
     assert!(
         started.elapsed() >= Duration::from_secs(3),
         "waited {:?}",
@@ -260,11 +267,11 @@ async fn decay_restores_the_rate_after_a_clean_streak() {
         ..pace(10.0)
     })
     .await;
-    let a = p.admit("d", far()).await.unwrap();
+    let a = p.admit("d", ONE, far()).await.unwrap();
     p.observe(&a, 429, &HeaderMap::new(), "GET /").await;
     assert_eq!(p.status().await[0].backoff, 2.0);
     for _ in 0..3 {
-        let a = p.admit("d", far()).await.unwrap();
+        let a = p.admit("d", ONE, far()).await.unwrap();
         p.observe(&a, 200, &HeaderMap::new(), "GET /").await;
     }
     assert_eq!(p.status().await[0].backoff, 1.0);
@@ -277,10 +284,11 @@ async fn max_concurrency_bounds_requests_in_flight() {
         ..pace(1000.0)
     })
     .await;
-    let a = p.admit("d", far()).await.unwrap();
-    let b = p.admit("d", far()).await.unwrap();
+    let a = p.admit("d", ONE, far()).await.unwrap();
+    let b = p.admit("d", ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let third = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| Instant::now()) });
+    let third =
+        tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| Instant::now()) });
     tokio::time::sleep(ms(500)).await;
     assert!(
         !third.is_finished(),
@@ -297,10 +305,10 @@ async fn max_concurrency_bounds_requests_in_flight() {
 #[tokio::test(start_paused = true)]
 async fn status_shows_waiting_and_oldest_wait() {
     let p = pacer(pace(1.0)).await;
-    let _a = p.admit("d", far()).await.unwrap();
+    let _a = p.admit("d", ONE, far()).await.unwrap();
     for _ in 0..3 {
         let p = p.clone();
-        tokio::spawn(async move { p.admit("d", far()).await.map(|_| ()) });
+        tokio::spawn(async move { p.admit("d", ONE, far()).await.map(|_| ()) });
     }
     tokio::time::sleep(ms(400)).await;
     let s = &p.status().await[0];
@@ -312,9 +320,9 @@ async fn status_shows_waiting_and_oldest_wait() {
 #[tokio::test(start_paused = true)]
 async fn stopping_refuses_waiters() {
     let p = pacer(pace(0.1)).await;
-    let _a = p.admit("d", far()).await.unwrap();
+    let _a = p.admit("d", ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let waiting = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
+    let waiting = tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(10)).await;
     p.stop();
     assert!(matches!(
@@ -334,15 +342,25 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
         pace: pace(0.1),
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
-    let p = Arc::new(Pacer::new(&[dest], store.clone(), metrics, "here".into()));
+    let p = Arc::new(Pacer::new(
+        &[dest],
+        Classes::default(),
+        store.clone(),
+        metrics,
+        "here".into(),
+    ));
     p.start().await.unwrap();
-    let _first = p.admit("d", far()).await.unwrap();
+    let _first = p.admit("d", ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let waiting = tokio::spawn(async move { p2.admit("d", far()).await.map(|_| ()) });
+    let waiting = tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(100)).await;
     let lock = Lockout::new(403, "GET https://d/".into(), "elsewhere".into());
     store
-        .record("d", &rule_of(&pace(0.1)), Event::Lockout(lock))
+        .record(
+            "d",
+            &rule_of(&pace(0.1), &Classes::default()),
+            Event::Lockout(lock),
+        )
         .await
         .unwrap();
     let started = Instant::now();
@@ -357,5 +375,5 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
     );
     // An unlock elsewhere is seen by the next request.
     store.unlock("d").await.unwrap();
-    assert!(p.admit("d", far()).await.is_ok());
+    assert!(p.admit("d", ONE, far()).await.is_ok());
 }

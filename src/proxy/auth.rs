@@ -33,6 +33,21 @@ pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
         .is_some_and(|u| constant_time_eq(&u.password_sha256, &offered))
 }
 
+/// The user name of `Proxy-Authorization: Basic` credentials, if any (the password is not
+/// checked here).
+pub(super) fn user_name(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(PROXY_AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, encoded) = value.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let name = decoded.split(|b| *b == b':').next()?;
+    String::from_utf8(name.to_vec()).ok()
+}
+
 /// Compares digests without an early exit, so timing does not reveal how much matched.
 fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0

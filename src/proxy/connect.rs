@@ -45,8 +45,8 @@ impl Proxy {
             return self.intercept(req, target);
         }
         // `intercept = false`: the tunnel takes one slot and sees no verdicts.
-        let deadline = Deadline::now() + pacer.pace(&destination).max_wait;
-        match pacer.admit(&destination, deadline).await {
+        let deadline = Deadline::now() + pacer.max_wait(&destination, target.class);
+        match pacer.admit(&destination, target.class, deadline).await {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,
             Err(e) => Handled::refused(ProxyError::Paced(e), Some(destination), target.authority()),
         }

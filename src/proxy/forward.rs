@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use super::respond::{Outcome, ProxyError};
 use super::{headers, Handled, Proxy};
+use crate::class::{Class, CLASS_HEADER};
 use crate::metrics::UNMATCHED;
 use crate::pacing::verdict::Verdict;
 use crate::upstream::{BoxError, ProxyBody};
@@ -37,6 +38,9 @@ pub struct Target {
     pub port: u16,
     /// The matched destination's name, `None` for unmatched hosts.
     pub destination: Option<Arc<str>>,
+    /// The class the client asked for on the proxy connection (CONNECT or absolute-form
+    /// request); a request inside an intercepted session may name another with the header.
+    pub class: Class,
 }
 
 impl Target {
@@ -100,6 +104,7 @@ pub(super) struct PaceNote {
     pub(super) waited: Option<std::time::Duration>,
     pub(super) verdict: Option<Verdict>,
     pub(super) retries: u32,
+    pub(super) class: Option<Class>,
 }
 
 impl Proxy {
@@ -109,10 +114,16 @@ impl Proxy {
         let destination = target.destination.clone();
         let authority = target.authority();
         let mut note = PaceNote::default();
-        let result = match prepare(req, &target) {
+        let class = self
+            .inner
+            .pacer
+            .classes()
+            .of_request(req.headers(), None, self.inner.auth.is_some(), target.class)
+            .map_err(ProxyError::UnknownClass);
+        let result = match class.and_then(|class| Ok((class, prepare(req, &target)?))) {
             Err(e) => Err(e),
-            Ok(mut outgoing) => match &destination {
-                Some(dest) => self.paced(outgoing, dest, &mut note).await,
+            Ok((class, mut outgoing)) => match &destination {
+                Some(dest) => self.paced(outgoing, dest, class, &mut note).await,
                 None => self.send(outgoing.take(), UNMATCHED).await,
             },
         };
@@ -157,16 +168,19 @@ impl Proxy {
         &self,
         mut outgoing: Outgoing,
         destination: &str,
+        class: Class,
         note: &mut PaceNote,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let pacer = &self.inner.pacer;
         let pace = pacer.pace(destination).clone();
-        let deadline = Instant::now() + pace.max_wait;
+        note.class = Some(class);
+        // One deadline for the request and its retries; each retry waits in the same class.
+        let deadline = Instant::now() + pacer.max_wait(destination, class);
         let retryable = outgoing.retryable();
         let request_line = outgoing.request_line();
         let mut last_throttled: Option<Response<ProxyBody>> = None;
         loop {
-            let admission = match pacer.admit(destination, deadline).await {
+            let admission = match pacer.admit(destination, class, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.
                 Err(_) if last_throttled.is_some() => {
@@ -257,6 +271,8 @@ fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyErr
     // say HTTP/1.1 or an h1-only upstream refuses it.
     parts.version = Version::HTTP_11;
     headers::strip_hop_by_hop(&mut parts.headers);
+    // The class is for pacegate, not for the upstream.
+    parts.headers.remove(CLASS_HEADER);
     // The client derives Host from the URI. `Expect` was answered on this side: hyper sends
     // the 100 when the body is first read.
     parts.headers.remove(HOST);

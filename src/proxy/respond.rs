@@ -10,6 +10,7 @@ use http::header::{HeaderValue, CONTENT_TYPE, PROXY_AUTHENTICATE};
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
+use crate::class::UnknownClass;
 use crate::pacing::PaceError;
 use crate::upstream::{ConnectError, ProxyBody, UpstreamError};
 
@@ -109,6 +110,9 @@ pub enum ProxyError {
     /// The pacer gave no slot.
     #[error("{}", paced_details(.0))]
     Paced(PaceError),
+    /// The request names a class that is not configured.
+    #[error("{0}: name one of them in the Pacegate-Class header or the proxy URL's user name (http://CLASS@host:port), or none for the default")]
+    UnknownClass(UnknownClass),
 }
 
 fn paced_details(e: &PaceError) -> String {
@@ -120,8 +124,8 @@ fn paced_details(e: &PaceError) -> String {
             lock.request,
             lock.instance
         ),
-        PaceError::Deadline { destination, max_wait, retry_after } => format!(
-            "no slot for destination `{destination}` within max_wait ({}); the destination is busy or paused, retry in about {}s",
+        PaceError::Deadline { destination, class, max_wait, retry_after } => format!(
+            "no slot for destination `{destination}` within max_wait ({}, class `{class}`); the destination is busy or paused, retry in about {}s",
             humantime::format_duration(*max_wait),
             retry_after_secs(*retry_after)
         ),
@@ -140,7 +144,9 @@ impl ProxyError {
     fn classify(&self) -> (StatusCode, &'static str, Outcome) {
         use StatusCode as S;
         match self {
-            Self::BadRequest(_) => (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest),
+            Self::BadRequest(_) | Self::UnknownClass(_) => {
+                (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest)
+            }
             Self::AuthRequired { .. } => (
                 S::PROXY_AUTHENTICATION_REQUIRED,
                 "http_request_denied",
