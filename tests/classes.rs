@@ -1,0 +1,120 @@
+//! Priority classes through the real proxy: how a request names its class, what a wrong name
+//! gets, and that the class travels with the request through its retries.
+
+mod support;
+
+use support::{client, metric_value, Alpn, FakeUpstream, TestProxy};
+
+const CLASSES: &str = r#"
+[classes]
+order = ["interactive", "scheduled", "backfill"]
+default = "scheduled"
+[classes.max_wait]
+interactive = "5s"
+"#;
+
+async fn start(upstream: &FakeUpstream) -> TestProxy {
+    let config = format!(
+        "{CLASSES}\n[destinations.local]\nhosts = [\"localhost\"]\nrate = 50\nretry_throttled = 2\n"
+    );
+    TestProxy::start(&upstream.ca.cert_path, "", &config).await
+}
+
+async fn granted(proxy: &TestProxy, class: &str) -> f64 {
+    metric_value(
+        &proxy.metrics().await,
+        &format!("pacegate_granted_total{{class=\"{class}\",destination=\"local\"}}"),
+    )
+}
+
+#[tokio::test]
+async fn the_class_header_picks_the_class_and_never_reaches_the_upstream() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    for url in [
+        format!("{}/headers", upstream.http_url("localhost")),
+        format!("{}/headers", upstream.https_url("localhost")),
+    ] {
+        let resp = via
+            .get(&url)
+            .header("Pacegate-Class", "backfill")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let seen = resp.text().await.unwrap().to_ascii_lowercase();
+        assert!(!seen.contains("pacegate-class"), "{url}: {seen}");
+    }
+    assert_eq!(granted(&proxy, "backfill").await, 2.0);
+    // No header, no user name: the default class.
+    let url = format!("{}/", upstream.http_url("localhost"));
+    assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
+    assert_eq!(granted(&proxy, "scheduled").await, 1.0);
+}
+
+#[tokio::test]
+async fn the_proxy_user_name_picks_the_class() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream).await;
+    let with_user = proxy.url().replace("http://", "http://interactive@");
+    let via = client(Some(&with_user), &[&proxy.ca_path()], Alpn::Http1);
+    for url in [
+        format!("{}/", upstream.http_url("localhost")),
+        format!("{}/", upstream.https_url("localhost")),
+    ] {
+        assert_eq!(via.get(&url).send().await.unwrap().status(), 200, "{url}");
+    }
+    assert_eq!(granted(&proxy, "interactive").await, 2.0);
+}
+
+#[tokio::test]
+async fn an_unknown_class_is_a_clear_400_never_a_default() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/", upstream.http_url("localhost")))
+        .header("Pacegate-Class", "urgent")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let status = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+    assert!(status.starts_with("pacegate; error=http_request_error"), "{status}");
+    assert!(status.contains("unknown class `urgent`"), "{status}");
+    assert!(status.contains("interactive, scheduled, backfill"), "{status}");
+    // A misspelt user name too, for https as well (the CONNECT is refused).
+    let typo = proxy.url().replace("http://", "http://bakfill@");
+    let via = client(Some(&typo), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert!(via
+        .get(format!("{}/", upstream.https_url("localhost")))
+        .send()
+        .await
+        .is_err());
+    assert!(upstream.recorded().is_empty(), "nothing reached the upstream");
+}
+
+#[tokio::test]
+async fn retries_keep_their_class() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/flaky/2/k", upstream.https_url("localhost")))
+        .header("Pacegate-Class", "backfill")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(upstream.recorded().len(), 3);
+    // Three slots, all granted to backfill.
+    assert_eq!(granted(&proxy, "backfill").await, 3.0);
+    assert_eq!(granted(&proxy, "scheduled").await, 0.0);
+}
