@@ -677,3 +677,155 @@ async fn waiters_on_other_instances_are_refused_within_a_second_of_a_lockout() {
         "the waiting request was never sent"
     );
 }
+
+const CLASSES: &str = r#"
+[classes]
+order = ["interactive", "scheduled", "backfill"]
+default = "scheduled"
+"#;
+
+/// Sends `n` requests of `class` through instance `i` in the background; each path is
+/// `/{class}/{k}`. Their outcomes are not awaited.
+fn queue_up(fleet: &Fleet, upstream: &FakeUpstream, i: usize, class: &'static str, n: usize) {
+    let via = fleet.client(i);
+    for k in 0..n {
+        let (via, url) = (
+            via.clone(),
+            format!("{}/{class}/{k}", upstream.http_url("localhost")),
+        );
+        tokio::spawn(async move {
+            let _ = via.get(url).header("Pacegate-Class", class).send().await;
+        });
+    }
+}
+
+/// Arrivals at the upstream of requests whose path starts with `/{class}/`.
+fn arrivals_of(upstream: &FakeUpstream, class: &str) -> Vec<Instant> {
+    let prefix = format!("/{class}/");
+    let mut at: Vec<Instant> = upstream
+        .recorded()
+        .iter()
+        .filter(|r| r.path.starts_with(&prefix))
+        .map(|r| r.at)
+        .collect();
+    at.sort();
+    at
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interactive_request_goes_before_backfill_queued_on_another_instance() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let store = format!("{}{CLASSES}", postgres_store().await);
+    let fleet = Fleet::start_n(2, &store, "rate = 4").await;
+    let interval = Duration::from_millis(250);
+    queue_up(&fleet, &upstream, 0, "backfill", 50);
+    // Instance 1 sees instance 0's queue through the store.
+    eventually(
+        Duration::from_secs(10),
+        "backfill queued on instance 0",
+        || async {
+            let seen = fleet
+                .metric(
+                    1,
+                    "pacegate_store_waiting{class=\"backfill\",destination=\"local\"}",
+                )
+                .await;
+            (seen >= 40.0).then_some(())
+        },
+    )
+    .await;
+    let sent = Instant::now();
+    let resp = fleet
+        .client(1)
+        .get(format!("{}/interactive/0", upstream.http_url("localhost")))
+        .header("Pacegate-Class", "interactive")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let arrived = arrivals_of(&upstream, "interactive")[0];
+    let backfill_meanwhile = arrivals_of(&upstream, "backfill")
+        .iter()
+        .filter(|t| **t > sent && **t < arrived)
+        .count();
+    assert!(
+        arrived - sent <= interval * 2 + Duration::from_millis(100),
+        "the interactive request waited {:?} behind {backfill_meanwhile} backfill requests; {}",
+        arrived - sent,
+        fleet.explain(&upstream)
+    );
+    assert!(backfill_meanwhile <= 2, "{}", fleet.explain(&upstream));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_instance_that_holds_waiters_frees_their_precedence() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let store = format!("{}{CLASSES}", postgres_store().await);
+    let mut fleet = Fleet::start_n(2, &store, "rate = 2").await;
+    fleet.see_live(2).await;
+    // Instance 0 holds far more interactive requests than it can send; instance 1's backfill
+    // must wait behind them.
+    queue_up(&fleet, &upstream, 0, "interactive", 40);
+    eventually(
+        Duration::from_secs(10),
+        "interactive queued on instance 0",
+        || async {
+            let seen = fleet
+                .metric(
+                    1,
+                    "pacegate_store_waiting{class=\"interactive\",destination=\"local\"}",
+                )
+                .await;
+            (seen >= 30.0).then_some(())
+        },
+    )
+    .await;
+    queue_up(&fleet, &upstream, 1, "backfill", 5);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        arrivals_of(&upstream, "backfill").is_empty(),
+        "backfill went before waiting interactive requests; {}",
+        fleet.explain(&upstream)
+    );
+    let victim = fleet.instances.remove(0);
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &victim.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let killed_at = Instant::now();
+    let first = eventually(Duration::from_secs(15), "a backfill arrival", || async {
+        arrivals_of(&upstream, "backfill").first().copied()
+    })
+    .await;
+    // One lease (3 s) plus the yield and a slot at 2/s.
+    assert!(
+        first - killed_at <= pacegate::budget::WAITER_LEASE + Duration::from_millis(1500),
+        "backfill waited {:?} after the kill",
+        first - killed_at
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_window_holds_over_every_instance() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let fleet = Fleet::start(
+        &postgres_store().await,
+        "rate = 10\nquota = [{ limit = 30, per = \"10s\" }]",
+    )
+    .await;
+    // 20 through each of three instances: two full windows' worth.
+    let at = load(&fleet, &upstream, 20).await;
+    assert_eq!(at.len(), 60);
+    let most = busiest(&at, Duration::from_secs(10));
+    assert!(
+        most <= 30,
+        "{most} requests reached the upstream within 10 s under a quota of 30; {}",
+        fleet.explain(&upstream)
+    );
+    // The quota, not the rate, set the pace: the second 30 waited for the window.
+    assert!(at[59] - at[0] >= Duration::from_secs(10));
+}

@@ -81,9 +81,15 @@ async fn an_unknown_class_is_a_clear_400_never_a_default() {
         .unwrap();
     assert_eq!(resp.status(), 400);
     let status = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
-    assert!(status.starts_with("pacegate; error=http_request_error"), "{status}");
+    assert!(
+        status.starts_with("pacegate; error=http_request_error"),
+        "{status}"
+    );
     assert!(status.contains("unknown class `urgent`"), "{status}");
-    assert!(status.contains("interactive, scheduled, backfill"), "{status}");
+    assert!(
+        status.contains("interactive, scheduled, backfill"),
+        "{status}"
+    );
     // A misspelt user name too, for https as well (the CONNECT is refused).
     let typo = proxy.url().replace("http://", "http://bakfill@");
     let via = client(Some(&typo), &[&proxy.ca_path()], Alpn::Http1);
@@ -98,7 +104,10 @@ async fn an_unknown_class_is_a_clear_400_never_a_default() {
         .send()
         .await
         .is_err());
-    assert!(upstream.recorded().is_empty(), "nothing reached the upstream");
+    assert!(
+        upstream.recorded().is_empty(),
+        "nothing reached the upstream"
+    );
 }
 
 #[tokio::test]
