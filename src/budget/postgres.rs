@@ -767,13 +767,13 @@ mod tests {
             b.reserve("d", &r, ask(&backfill)).await,
             Err(ReserveError::Yield(_))
         ));
-        // a's lease runs out: its heartbeat is older than WAITER_LEASE.
+        // a's lease runs out: its last heartbeat is just older than WAITER_LEASE.
         a.client()
             .await
             .unwrap()
             .execute(
-                "UPDATE pacegate_instances SET last_seen = last_seen - interval '1 hour' WHERE id = 'a'",
-                &[],
+                "UPDATE pacegate_instances SET last_seen = last_seen - make_interval(secs => $1) WHERE id = 'a'",
+                &[&(WAITER_LEASE.as_secs_f64() + 0.5)],
             )
             .await
             .unwrap();
