@@ -951,11 +951,7 @@ impl Validator<'_> {
         }
         for (i, name) in order.iter().enumerate() {
             let path = format!("classes.order[{i}]");
-            if name.is_empty()
-                || !name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-            {
+            if !is_plain_name(name) {
                 self.push(
                     &path,
                     "class names may hold only letters, digits, `_` and `-` (they travel in proxy user names and headers)",
@@ -1021,11 +1017,7 @@ impl Validator<'_> {
         let mut out: Vec<Destination> = Vec::new();
         for (name, d) in raw {
             let path = format!("destinations.{name}");
-            if name.is_empty()
-                || !name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-            {
+            if !is_plain_name(&name) {
                 self.push(
                     &path,
                     "destination names may hold only letters, digits, `_` and `-`",
@@ -1064,6 +1056,14 @@ impl Validator<'_> {
         }
         out
     }
+}
+
+/// A name of letters, digits, `_` and `-`: safe in metric labels, URLs, user names and headers.
+fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// SHA-256 of `data`.

@@ -228,12 +228,7 @@ impl SendLog {
 
     /// Sends per second over the last `window` whole seconds, the current one included.
     fn rate(&self, now: Instant, window: u64) -> f64 {
-        let current = (now - self.epoch).as_secs();
-        let first = current.saturating_sub(window - 1);
-        let sent: u64 = (0..64)
-            .filter(|&i| (first..=current).contains(&self.seconds[i]))
-            .map(|i| u64::from(self.counts[i]))
-            .sum();
+        let sent = self.count(now, window);
         let elapsed = (now - self.epoch).as_secs_f64().min(window as f64).max(1.0);
         sent as f64 / elapsed
     }
@@ -718,20 +713,14 @@ impl Pacer {
                 lane.note(view);
             }
             let seen = lock(&lane.seen).clone();
-            let (waiting, oldest) = {
-                let q = lock(&lane.queue);
-                (
-                    q.len(),
-                    q.iter().map(|w| now - w.since).max().unwrap_or_default(),
-                )
-            };
             // Every instance's waiting requests; this instance's own when the store cannot
             // say (it is unreachable).
             let everywhere = self.store.waiting(&lane.name).await.ok();
-            let classes = {
+            let (classes, waiting, oldest) = {
                 let q = lock(&lane.queue);
                 let granted = lock(&lane.granted);
-                self.classes
+                let classes: Vec<ClassStatus> = self
+                    .classes
                     .all()
                     .map(|class| {
                         let here = &q.classes[usize::from(class.0)];
@@ -751,7 +740,9 @@ impl Pacer {
                                 .map_or(0, |g| g.count(now, 60)),
                         }
                     })
-                    .collect()
+                    .collect();
+                let oldest = q.iter().map(|w| now - w.since).max().unwrap_or_default();
+                (classes, q.len(), oldest)
             };
             let used = self
                 .store

@@ -131,6 +131,17 @@ impl Fleet {
         metric_value(&text, series)
     }
 
+    /// Waits until instance `i` sees at least `n` requests of `class` waiting over every
+    /// instance, through the store.
+    async fn sees_waiting(&self, i: usize, class: &str, n: usize) {
+        let series = format!("pacegate_store_waiting{{class=\"{class}\",destination=\"local\"}}");
+        let what = format!("{n} {class} requests waiting");
+        eventually(Duration::from_secs(10), &what, || async {
+            (self.metric(i, &series).await >= n as f64).then_some(())
+        })
+        .await;
+    }
+
     /// Waits until every instance sees `n` live instances.
     async fn see_live(&self, n: usize) {
         for i in 0..self.instances.len() {
@@ -721,20 +732,7 @@ async fn an_interactive_request_goes_before_backfill_queued_on_another_instance(
     let interval = Duration::from_millis(250);
     queue_up(&fleet, &upstream, 0, "backfill", 50);
     // Instance 1 sees instance 0's queue through the store.
-    eventually(
-        Duration::from_secs(10),
-        "backfill queued on instance 0",
-        || async {
-            let seen = fleet
-                .metric(
-                    1,
-                    "pacegate_store_waiting{class=\"backfill\",destination=\"local\"}",
-                )
-                .await;
-            (seen >= 40.0).then_some(())
-        },
-    )
-    .await;
+    fleet.sees_waiting(1, "backfill", 40).await;
     let sent = Instant::now();
     let resp = fleet
         .client(1)
@@ -768,20 +766,7 @@ async fn killing_the_instance_that_holds_waiters_frees_their_precedence() {
     // Instance 0 holds far more interactive requests than it can send; instance 1's backfill
     // must wait behind them.
     queue_up(&fleet, &upstream, 0, "interactive", 40);
-    eventually(
-        Duration::from_secs(10),
-        "interactive queued on instance 0",
-        || async {
-            let seen = fleet
-                .metric(
-                    1,
-                    "pacegate_store_waiting{class=\"interactive\",destination=\"local\"}",
-                )
-                .await;
-            (seen >= 30.0).then_some(())
-        },
-    )
-    .await;
+    fleet.sees_waiting(1, "interactive", 30).await;
     queue_up(&fleet, &upstream, 1, "backfill", 5);
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(

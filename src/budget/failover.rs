@@ -131,6 +131,26 @@ impl Failover {
         })
     }
 
+    /// The shared store's answer (within [`Failover::bounded`]), unless the store is, or now
+    /// turns out to be, unreachable: then `local`'s.
+    async fn shared_or_local<T, L, LF>(
+        &self,
+        shared: impl std::future::Future<Output = Result<T, StoreError>>,
+        local: L,
+    ) -> Result<T, StoreError>
+    where
+        L: FnOnce() -> LF,
+        LF: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        if !self.is_degraded() {
+            match self.bounded(shared).await {
+                Ok(answer) => return Ok(answer),
+                Err(e) => self.degrade(&e),
+            }
+        }
+        local().await
+    }
+
     fn degrade(&self, why: &StoreError) {
         if self.degraded.swap(true, Ordering::SeqCst) {
             return;
@@ -315,33 +335,20 @@ impl Store for Failover {
         destination: &'a str,
         queues: &'a [ClassQueue],
     ) -> StoreFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            if !self.is_degraded() {
-                match self
-                    .bounded(self.primary.wait_list(destination, queues))
-                    .await
-                {
-                    Ok(()) => return Ok(()),
-                    Err(e) => self.degrade(&e),
-                }
-            }
-            self.local.wait_list(destination, queues).await
-        })
+        Box::pin(
+            self.shared_or_local(self.primary.wait_list(destination, queues), || {
+                self.local.wait_list(destination, queues)
+            }),
+        )
     }
 
     fn waiting<'a>(
         &'a self,
         destination: &'a str,
     ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
-        Box::pin(async move {
-            if !self.is_degraded() {
-                match self.bounded(self.primary.waiting(destination)).await {
-                    Ok(list) => return Ok(list),
-                    Err(e) => self.degrade(&e),
-                }
-            }
-            self.local.waiting(destination).await
-        })
+        Box::pin(self.shared_or_local(self.primary.waiting(destination), || {
+            self.local.waiting(destination)
+        }))
     }
 
     fn quota_used<'a>(
@@ -349,18 +356,11 @@ impl Store for Failover {
         destination: &'a str,
         rule: &'a Rule,
     ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
-        Box::pin(async move {
-            if !self.is_degraded() {
-                match self
-                    .bounded(self.primary.quota_used(destination, rule))
-                    .await
-                {
-                    Ok(used) => return Ok(used),
-                    Err(e) => self.degrade(&e),
-                }
-            }
-            self.local.quota_used(destination, rule).await
-        })
+        Box::pin(
+            self.shared_or_local(self.primary.quota_used(destination, rule), || {
+                self.local.quota_used(destination, rule)
+            }),
+        )
     }
 
     fn record<'a>(
@@ -369,24 +369,19 @@ impl Store for Failover {
         rule: &'a Rule,
         event: Event,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        Box::pin(async move {
-            if !self.is_degraded() {
-                match self
-                    .bounded(self.primary.record(destination, rule, event.clone()))
-                    .await
-                {
-                    Ok(view) => {
-                        self.remember(destination, &view);
-                        return Ok(view);
-                    }
-                    Err(e) => self.degrade(&e),
-                }
-            }
+        let to_share = event.clone();
+        let shared = async move {
+            let view = self.primary.record(destination, rule, to_share).await?;
+            self.remember(destination, &view);
+            Ok(view)
+        };
+        Box::pin(self.shared_or_local(shared, move || {
+            // Written to the shared store when it is back, so that no lockout is lost.
             if let Event::Lockout(lock) = &event {
                 guard(&self.pending).push((destination.to_owned(), rule.clone(), lock.clone()));
             }
-            self.local.record(destination, rule, event).await
-        })
+            self.local.record(destination, rule, event)
+        }))
     }
 
     fn unlock<'a>(
@@ -408,17 +403,11 @@ impl Store for Failover {
     }
 
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        Box::pin(async move {
-            if !self.is_degraded() {
-                match self.bounded(self.primary.view(destination)).await {
-                    Ok(view) => {
-                        self.remember(destination, &view);
-                        return Ok(view);
-                    }
-                    Err(e) => self.degrade(&e),
-                }
-            }
-            self.local.view(destination).await
-        })
+        let shared = async {
+            let view = self.primary.view(destination).await?;
+            self.remember(destination, &view);
+            Ok(view)
+        };
+        Box::pin(self.shared_or_local(shared, || self.local.view(destination)))
     }
 }

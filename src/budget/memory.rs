@@ -237,9 +237,8 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, Result<(), StoreError>> {
         let now = self.now();
         let mut budgets = self.lock();
-        if let Some(budget) = budgets.get_mut(destination) {
-            budget.tell(&self.instance, queues, now);
-        } else if !queues.is_empty() {
+        // An empty list for a destination never seen creates no budget.
+        if !queues.is_empty() || budgets.contains_key(destination) {
             let budget = budgets.entry(destination.to_owned()).or_default();
             budget.tell(&self.instance, queues, now);
         }

@@ -461,7 +461,6 @@ impl Store for PostgresStore {
             let (classes, counts, oldest, next) = columns(ask.queues);
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
-            let shares: Vec<f64> = rule.shares.to_vec();
             let statement = client.prepare_cached(SQL_RESERVE_FOR).await.map_err(db)?;
             let row = client
                 .query_one(
@@ -473,7 +472,7 @@ impl Store for PostgresStore {
                         &limit,
                         &self.instance,
                         &WAITER_LEASE.as_secs_f64(),
-                        &shares,
+                        &&*rule.shares,
                         &limits,
                         &pers,
                         &rule.max_late().as_secs_f64(),

@@ -16,21 +16,7 @@ fn pace(rate: f64) -> Pace {
 }
 
 async fn pacer(pace: Pace) -> Arc<Pacer> {
-    let dest = Destination {
-        name: "d".into(),
-        hosts: vec![],
-        pace,
-    };
-    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
-    let p = Arc::new(Pacer::new(
-        &[dest],
-        Classes::default(),
-        Arc::new(MemoryStore::ephemeral()),
-        metrics,
-        "test".into(),
-    ));
-    p.start().await.unwrap();
-    p
+    pacer_with(pace, Classes::default()).await
 }
 
 /// The one class of a config without `[classes]`.

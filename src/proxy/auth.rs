@@ -5,28 +5,26 @@ use http::header::{HeaderMap, PROXY_AUTHORIZATION};
 
 use crate::config::{sha256, AuthConfig};
 
+/// The user name and password of `Proxy-Authorization: Basic` credentials, as sent.
+fn basic_credentials(headers: &HeaderMap) -> Option<(Vec<u8>, Vec<u8>)> {
+    let value = headers.get(PROXY_AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, encoded) = value.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let colon = decoded.iter().position(|b| *b == b':')?;
+    Some((decoded[..colon].to_vec(), decoded[colon + 1..].to_vec()))
+}
+
 /// Whether the request carries `Proxy-Authorization: Basic` credentials of a configured user.
 pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
-    let Some(value) = headers
-        .get(PROXY_AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    else {
+    let Some((name, password)) = basic_credentials(headers) else {
         return false;
     };
-    let Some((scheme, encoded)) = value.trim().split_once(' ') else {
-        return false;
-    };
-    if !scheme.eq_ignore_ascii_case("basic") {
-        return false;
-    }
-    let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(encoded.trim()) else {
-        return false;
-    };
-    let Some(colon) = decoded.iter().position(|b| *b == b':') else {
-        return false;
-    };
-    let (name, password) = (&decoded[..colon], &decoded[colon + 1..]);
-    let offered = sha256(password);
+    let offered = sha256(&password);
     auth.users
         .iter()
         .find(|u| u.name.as_bytes() == name)
@@ -36,16 +34,7 @@ pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
 /// The user name of `Proxy-Authorization: Basic` credentials, if any (the password is not
 /// checked here).
 pub(super) fn user_name(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(PROXY_AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, encoded) = value.trim().split_once(' ')?;
-    if !scheme.eq_ignore_ascii_case("basic") {
-        return None;
-    }
-    let decoded = base64::engine::general_purpose::STANDARD
-        .decode(encoded.trim())
-        .ok()?;
-    let name = decoded.split(|b| *b == b':').next()?;
-    String::from_utf8(name.to_vec()).ok()
+    String::from_utf8(basic_credentials(headers)?.0).ok()
 }
 
 /// Compares digests without an early exit, so timing does not reveal how much matched.
