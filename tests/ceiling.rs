@@ -142,6 +142,17 @@ impl Fleet {
         .await;
     }
 
+    /// Kills instance `i` with SIGKILL (no goodbye to the store); returns when.
+    fn kill_9(&mut self, i: usize) -> Instant {
+        let victim = self.instances.remove(i);
+        assert!(std::process::Command::new("kill")
+            .args(["-9", &victim.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+        Instant::now()
+    }
+
     /// Waits until every instance sees `n` live instances.
     async fn see_live(&self, n: usize) {
         for i in 0..self.instances.len() {
@@ -360,13 +371,7 @@ async fn a_killed_instance_leaves_the_others_on_the_ceiling_and_the_live_count()
     };
     let tasks = load.await;
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let victim = fleet.instances.remove(0);
-    assert!(std::process::Command::new("kill")
-        .args(["-9", &victim.child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-    let killed_at = Instant::now();
+    let killed_at = fleet.kill_9(0);
     for t in tasks {
         let (i, result) = t.await.unwrap();
         if i != 0 {
@@ -406,7 +411,6 @@ async fn a_killed_instance_leaves_the_others_on_the_ceiling_and_the_live_count()
         "took {:?}",
         killed_at.elapsed()
     );
-    drop(victim);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -774,13 +778,7 @@ async fn killing_the_instance_that_holds_waiters_frees_their_precedence() {
         "backfill went before waiting interactive requests; {}",
         fleet.explain(&upstream)
     );
-    let victim = fleet.instances.remove(0);
-    assert!(std::process::Command::new("kill")
-        .args(["-9", &victim.child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-    let killed_at = Instant::now();
+    let killed_at = fleet.kill_9(0);
     let first = eventually(Duration::from_secs(15), "a backfill arrival", || async {
         arrivals_of(&upstream, "backfill").first().copied()
     })
