@@ -57,7 +57,7 @@ pub struct Running {
     pub metrics: Arc<Metrics>,
     shutdown: Shutdown,
     pacer: Arc<Pacer>,
-    supervisor: Option<JoinHandle<()>>,
+    supervisor: JoinHandle<()>,
     supervisor_stop: CancellationToken,
     grace: std::time::Duration,
     proxy_task: JoinHandle<()>,
@@ -87,11 +87,10 @@ impl Running {
         }
         self.admin_stop.cancel();
         let _ = self.admin_task.await;
-        // Last: the store supervisor removes this instance from the live count.
+        // Last: the store supervisor removes this instance from the live count, or writes
+        // the quota windows a last time.
         self.supervisor_stop.cancel();
-        if let Some(s) = self.supervisor {
-            let _ = s.await;
-        }
+        let _ = self.supervisor.await;
         tracing::info!("pacegate stopped");
         forced
     }
@@ -113,9 +112,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tracing::info!(ca_cert = %config.tls.ca_cert.display(), "loaded local CA");
     }
     let supervisor_stop = CancellationToken::new();
-    let mut supervisor = None;
-    let store: Arc<dyn Store> = match config.store.backend {
-        Backend::Memory => Arc::new(MemoryStore::open(&config.store.state_file)?),
+    // The store's supervisor: the memory store's quota-window writer, or the postgres
+    // store's heartbeats and failover.
+    let (store, supervisor): (Arc<dyn Store>, JoinHandle<()>) = match config.store.backend {
+        Backend::Memory => {
+            let store = Arc::new(MemoryStore::open(&config.store.state_file)?);
+            let supervisor = tokio::spawn(store.clone().keep_sends(supervisor_stop.clone()));
+            (store, supervisor)
+        }
         Backend::Postgres => {
             let url = config.store.url.as_deref().unwrap_or_default();
             let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
@@ -144,10 +148,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 metrics.store_degraded.clone(),
                 metrics.store_instances.clone(),
             ));
-            supervisor = Some(tokio::spawn(
-                failover.clone().supervise(supervisor_stop.clone()),
-            ));
-            failover
+            let supervisor = tokio::spawn(failover.clone().supervise(supervisor_stop.clone()));
+            (failover, supervisor)
         }
     };
     let pacer = Arc::new(Pacer::new(

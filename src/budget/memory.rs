@@ -2,16 +2,20 @@
 //!
 //! Backoff and lockouts survive a restart: whenever they change, every budget's backoff,
 //! generation, streak and lock are written to the state file atomically (temp file, fsync,
-//! rename). The schedule itself (`next_at`, pauses) is monotonic time and is not kept: after a
-//! restart the schedule starts from now, which is what an idle destination does anyway.
+//! rename). So do quota windows' latest slots, as wall-clock times, written at most every
+//! second by [`MemoryStore::keep_sends`]. The schedule itself (`next_at`, pauses) is monotonic
+//! time and is not kept: after a restart the schedule starts from now, which is what an idle
+//! destination does anyway.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::schedule::{Budget, NoSlot};
 use super::{
@@ -32,7 +36,18 @@ struct Persisted {
     generation: u64,
     clean_streak: u32,
     lock: Option<Lockout>,
+    /// The quota windows' latest slots, as Unix times in seconds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    sends: Vec<f64>,
 }
+
+/// What the store's time 0 is before its epoch: far enough that slots taken before the store
+/// started (a quota window's sends from the state file, a request that waited before it)
+/// still have a place on its timeline.
+const ORIGIN: Duration = Duration::from_secs(1 << 32);
+
+/// How often changed quota windows are written to the state file.
+const SAVE_SENDS_EVERY: Duration = Duration::from_secs(1);
 
 /// Budgets in memory, optionally persisted to a state file.
 pub struct MemoryStore {
@@ -44,6 +59,8 @@ pub struct MemoryStore {
     /// Whose waiting requests this handle reports: one process is one instance, but tests
     /// open several handles on one store to play several instances.
     instance: String,
+    /// A quota window took a slot since the state file was last written.
+    sends_changed: AtomicBool,
 }
 
 impl MemoryStore {
@@ -55,6 +72,7 @@ impl MemoryStore {
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
             instance: "local".into(),
+            sends_changed: AtomicBool::new(false),
         }
     }
 
@@ -67,6 +85,7 @@ impl MemoryStore {
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
             instance: instance.to_owned(),
+            sends_changed: AtomicBool::new(false),
         }
     }
 
@@ -101,6 +120,7 @@ impl MemoryStore {
                     generation: p.generation,
                     clean_streak: p.clean_streak,
                     lock: p.lock,
+                    sends: p.sends.iter().map(|t| store.at_unix(*t)).collect(),
                     ..Budget::default()
                 },
             );
@@ -122,7 +142,27 @@ impl MemoryStore {
         b.lock = view.lock.clone();
         b.paused_until = b.paused_until.max(self.now() + view.paused_for);
         if let Some(at) = next_at {
-            b.next_at = b.next_at.max(at.saturating_duration_since(self.epoch));
+            b.next_at = b.next_at.max(self.offset(at));
+        }
+    }
+
+    /// Writes the state file whenever a quota window took a slot, at most every second, and
+    /// once more when `stop` is cancelled. A crash loses at most the last second of them.
+    pub async fn keep_sends(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            let stopping = tokio::select! {
+                () = tokio::time::sleep(SAVE_SENDS_EVERY) => false,
+                () = stop.cancelled() => true,
+            };
+            if self.sends_changed.swap(false, Ordering::Relaxed) {
+                if let Err(e) = self.persist().await {
+                    self.sends_changed.store(true, Ordering::Relaxed);
+                    tracing::error!("cannot save quota windows: {e}");
+                }
+            }
+            if stopping {
+                return;
+            }
         }
     }
 
@@ -132,8 +172,41 @@ impl MemoryStore {
         self.budgets.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Now on the store's timeline.
     fn now(&self) -> Duration {
-        Instant::now() - self.epoch
+        self.offset(Instant::now())
+    }
+
+    /// An instant on the store's timeline.
+    fn offset(&self, at: Instant) -> Duration {
+        if at >= self.epoch {
+            ORIGIN + (at - self.epoch)
+        } else {
+            ORIGIN.saturating_sub(self.epoch - at)
+        }
+    }
+
+    /// A time on the store's timeline as an instant (never before the epoch: only slots, which
+    /// are never in the past, are converted).
+    fn instant(&self, t: Duration) -> Instant {
+        self.epoch + t.saturating_sub(ORIGIN)
+    }
+
+    fn at_unix(&self, secs: f64) -> Duration {
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs_f64(secs.max(0.0));
+        let ago = SystemTime::now().duration_since(wall).unwrap_or_default();
+        self.now().saturating_sub(ago)
+    }
+
+    fn unix_of(&self, t: Duration) -> f64 {
+        let now = self.now();
+        let wall = if t <= now {
+            SystemTime::now() - (now - t)
+        } else {
+            SystemTime::now() + (t - now)
+        };
+        wall.duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
     }
 
     fn view_of(&self, budget: &Budget, now: Duration) -> BudgetView {
@@ -162,6 +235,7 @@ impl MemoryStore {
                         generation: b.generation,
                         clean_streak: b.clean_streak,
                         lock: b.lock.clone(),
+                        sends: b.sends.iter().map(|t| self.unix_of(*t)).collect(),
                     };
                     (name.clone(), p)
                 })
@@ -206,23 +280,26 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         let result = {
             let now = self.now();
-            let limit = ask
-                .not_after
-                .map(|t| t.saturating_duration_since(self.epoch));
+            let limit = ask.not_after.map(|t| self.offset(t));
             let mut budgets = self.lock();
             let budget = budgets.entry(destination.to_owned()).or_default();
             match budget.reserve_for(rule, now, &self.instance, ask.queues, limit) {
-                Ok((slot, generation, class)) => Ok(Grant {
-                    slot: Reservation {
-                        at: self.epoch + slot,
-                        generation,
-                        excess_delay: Duration::ZERO,
-                    },
-                    class,
-                }),
+                Ok((slot, generation, class)) => {
+                    if !rule.quota.is_empty() {
+                        self.sends_changed.store(true, Ordering::Relaxed);
+                    }
+                    Ok(Grant {
+                        slot: Reservation {
+                            at: self.instant(slot),
+                            generation,
+                            excess_delay: Duration::ZERO,
+                        },
+                        class,
+                    })
+                }
                 Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
                 Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate {
-                    slot: self.epoch + slot,
+                    slot: self.instant(slot),
                 }),
                 Err(NoSlot::Yield) => Err(ReserveError::Yield(rule.yield_for(budget.backoff))),
             }
@@ -341,6 +418,39 @@ mod tests {
             (a, b)
         })
         .await;
+    }
+
+    #[tokio::test]
+    async fn quota_windows_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let rule = Rule {
+            quota: vec![crate::destination::Quota {
+                limit: 2,
+                per: Duration::from_secs(10),
+            }],
+            ..contract::rule(100.0)
+        };
+        let first = {
+            let store = Arc::new(MemoryStore::open(&path).unwrap());
+            let stop = CancellationToken::new();
+            let keeper = tokio::spawn(store.clone().keep_sends(stop.clone()));
+            let first = contract::take(&*store, "q", &rule, None).await.unwrap();
+            contract::take(&*store, "q", &rule, None).await.unwrap();
+            stop.cancel();
+            keeper.await.unwrap();
+            first.at
+        };
+        // A new process: the window is still full until the first slot leaves it.
+        let store = MemoryStore::open(&path).unwrap();
+        let third = contract::take(&store, "q", &rule, None).await.unwrap();
+        let expected = first + Duration::from_secs(10) + rule.max_late();
+        let off = if third.at > expected {
+            third.at - expected
+        } else {
+            expected - third.at
+        };
+        assert!(off < Duration::from_millis(50), "off by {off:?}");
     }
 
     #[tokio::test(start_paused = true)]

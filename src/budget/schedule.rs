@@ -8,11 +8,7 @@ use std::time::Duration;
 use super::{ClassQueue, Event, Lockout, Rule};
 use crate::class::Class;
 
-/// Where waiting times are counted from: far enough before the store's epoch that a request
-/// that started waiting before the store did still has a place in the order.
-const SINCE_ORIGIN: Duration = Duration::from_secs(1 << 40);
-
-/// One instance's waiting requests of one class, in store time shifted by [`SINCE_ORIGIN`].
+/// One instance's waiting requests of one class, in store time.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Waiting {
     /// The class.
@@ -172,8 +168,8 @@ impl Budget {
             .map(|q| Waiting {
                 class: q.class,
                 count: q.count,
-                since: (now + SINCE_ORIGIN).saturating_sub(q.oldest),
-                next_since: q.next.map(|n| (now + SINCE_ORIGIN).saturating_sub(n)),
+                since: now.saturating_sub(q.oldest),
+                next_since: q.next.map(|n| now.saturating_sub(n)),
             })
             .collect();
         if list.is_empty() {
@@ -187,7 +183,7 @@ impl Budget {
     pub fn waiting_at(&self, now: Duration) -> Vec<(Class, u32, Duration)> {
         self.waiting_by_class()
             .into_iter()
-            .map(|(c, n, since)| (c, n, (now + SINCE_ORIGIN).saturating_sub(since)))
+            .map(|(c, n, since)| (c, n, now.saturating_sub(since)))
             .collect()
     }
 
