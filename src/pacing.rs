@@ -997,23 +997,32 @@ pub fn instances_table(rows: &[InstanceStatus]) -> String {
     out
 }
 
-/// `pacegate status` as a table: one line per destination.
+/// `pacegate status` as a table: one line per destination, then (with more than one class)
+/// one per destination and class.
 pub fn status_table(rows: &[DestinationStatus]) -> String {
     let mut lines = vec![[
-        "DESTINATION".to_owned(),
-        "RATE".into(),
-        "EFFECTIVE".into(),
-        "BACKOFF".into(),
-        "ACHIEVED 10s/60s".into(),
-        "STREAK".into(),
-        "PAUSED".into(),
-        "WAITING".into(),
-        "IN FLIGHT".into(),
-        "OLDEST WAIT".into(),
-        "LOCKOUT".into(),
-    ]];
+        "DESTINATION",
+        "RATE",
+        "EFFECTIVE",
+        "BACKOFF",
+        "ACHIEVED 10s/60s",
+        "STREAK",
+        "PAUSED",
+        "WAITING",
+        "IN FLIGHT",
+        "OLDEST WAIT",
+        "QUOTA USED",
+        "LOCKOUT",
+    ]
+    .map(String::from)
+    .to_vec()];
     for r in rows {
-        lines.push([
+        let quota: Vec<String> = r
+            .quota
+            .iter()
+            .map(|q| format!("{}/{} per {}", q.used, q.limit, q.window))
+            .collect();
+        lines.push(vec![
             r.destination.clone(),
             format!("{}/s", r.rate),
             format!("{:.3}/s", r.effective_rate),
@@ -1028,6 +1037,11 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
             r.waiting.to_string(),
             r.in_flight.to_string(),
             format!("{:.1}s", r.oldest_wait_seconds),
+            if quota.is_empty() {
+                "-".into()
+            } else {
+                quota.join(", ")
+            },
             r.lock.as_ref().map_or("-".into(), |l| {
                 format!(
                     "LOCKED since {} by {} to {} (pacegate unlock {})",
@@ -1036,11 +1050,42 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
             }),
         ]);
     }
-    let widths: Vec<usize> = (0..11)
+    let mut out = aligned(&lines);
+    if rows.iter().any(|r| r.classes.len() > 1) {
+        let mut lines = vec![[
+            "DESTINATION",
+            "CLASS",
+            "WAITING ALL/HERE",
+            "OLDEST WAIT",
+            "GRANTED LAST MIN (HERE)",
+        ]
+        .map(String::from)
+        .to_vec()];
+        for r in rows {
+            for c in &r.classes {
+                lines.push(vec![
+                    r.destination.clone(),
+                    c.class.clone(),
+                    format!("{} / {}", c.waiting, c.waiting_here),
+                    format!("{:.1}s", c.oldest_wait_seconds),
+                    c.granted_last_minute.to_string(),
+                ]);
+            }
+        }
+        out.push('\n');
+        out.push_str(&aligned(&lines));
+    }
+    out
+}
+
+/// Rows of cells as left-aligned columns.
+fn aligned(lines: &[Vec<String>]) -> String {
+    let columns = lines.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
         .map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
-    for l in &lines {
+    for l in lines {
         let cells: Vec<String> = l
             .iter()
             .zip(&widths)

@@ -481,3 +481,46 @@ async fn a_class_max_wait_overrides_the_destination() {
     }
     assert!(Instant::now() - started <= Duration::from_secs(5));
 }
+
+#[tokio::test(start_paused = true)]
+async fn status_shows_each_class_and_quota_window() {
+    let p = pacer_with(
+        Pace {
+            quota: vec![crate::destination::Quota {
+                limit: 30,
+                per: Duration::from_secs(10),
+            }],
+            ..pace(10.0)
+        },
+        classes(0.0),
+    )
+    .await;
+    let _first = p.admit("d", BACKFILL, far()).await.unwrap();
+    let p2 = p.clone();
+    let _waiting = tokio::spawn(async move { p2.admit("d", INTERACTIVE, far()).await.map(|_| ()) });
+    tokio::time::sleep(ms(20)).await;
+    let status = p.status().await;
+    let classes: Vec<(&str, usize, u64)> = status[0]
+        .classes
+        .iter()
+        .map(|c| (c.class.as_str(), c.waiting, c.granted_last_minute))
+        .collect();
+    assert_eq!(
+        classes,
+        [
+            ("interactive", 1, 0),
+            ("scheduled", 0, 0),
+            ("backfill", 0, 1)
+        ]
+    );
+    // The interactive request's slot is reserved ahead: two of the window's 30 are taken.
+    assert_eq!(status[0].quota[0].used, 2);
+    let table = status_table(&status);
+    assert!(table.contains("2/30 per 10s"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("d ") && l.contains("interactive") && l.contains("1 / 1")),
+        "{table}"
+    );
+}
