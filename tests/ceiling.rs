@@ -812,3 +812,84 @@ async fn a_quota_window_holds_over_every_instance() {
     // The quota, not the rate, set the pace: the second 30 waited for the window.
     assert!(at[59] - at[0] >= Duration::from_secs(10));
 }
+
+/// Keeps `concurrency` requests of `class` in flight through instance `i` until `stop` is
+/// set; each path is `/{class}/{task}-{n}`.
+fn saturate(
+    fleet: &Fleet,
+    upstream: &FakeUpstream,
+    i: usize,
+    class: &'static str,
+    concurrency: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    let via = fleet.client(i);
+    let base = upstream.http_url("localhost");
+    for task in 0..concurrency {
+        let (via, base, stop) = (via.clone(), base.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let url = format!("{base}/{class}/{task}-{n}");
+                let _ = via.get(url).header("Pacegate-Class", class).send().await;
+                n += 1;
+            }
+        });
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_holds_across_instances_and_is_lent_when_idle() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let store = format!(
+        "{}{CLASSES}[classes.share]\nbackfill = 0.2\n",
+        postgres_store().await
+    );
+    let fleet = Fleet::start_n(2, &store, "rate = 20").await;
+    fleet.see_live(2).await;
+    let interactive_stop = Arc::new(AtomicBool::new(false));
+    let backfill_stop = Arc::new(AtomicBool::new(false));
+    // Interactive demand saturates the destination through one instance, backfill through
+    // the other.
+    saturate(&fleet, &upstream, 0, "interactive", 20, &interactive_stop);
+    saturate(&fleet, &upstream, 1, "backfill", 20, &backfill_stop);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let from = Instant::now();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let to = Instant::now();
+    let count = |class: &str, from: Instant, to: Instant| {
+        arrivals_of(&upstream, class)
+            .iter()
+            .filter(|t| **t >= from && **t < to)
+            .count()
+    };
+    let (interactive, backfill) = (count("interactive", from, to), count("backfill", from, to));
+    let fraction = backfill as f64 / (interactive + backfill) as f64;
+    println!(
+        "with share 0.2: backfill {backfill}, interactive {interactive} in 30 s ({:.1} %)",
+        fraction * 100.0
+    );
+    assert!(
+        (0.18..=0.25).contains(&fraction),
+        "backfill got {backfill} of {} slots over 30 s ({:.1} %) with share 0.2",
+        interactive + backfill,
+        fraction * 100.0
+    );
+    // No interactive demand: backfill gets every slot, at the full rate.
+    interactive_stop.store(true, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let from = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let to = Instant::now();
+    backfill_stop.store(true, Ordering::Relaxed);
+    let (interactive, backfill) = (count("interactive", from, to), count("backfill", from, to));
+    println!("alone: backfill {backfill} in 3 s");
+    assert_eq!(interactive, 0);
+    assert!(
+        backfill >= 51,
+        "alone, backfill got only {backfill} slots in 3 s at rate 20"
+    );
+}
