@@ -37,6 +37,7 @@ const ALONE: [ClassQueue; 1] = [ClassQueue {
 fn ask() -> Ask<'static> {
     Ask {
         queues: &ALONE,
+        changed: true,
         not_after: None,
     }
 }

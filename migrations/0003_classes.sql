@@ -46,7 +46,8 @@ CREATE FUNCTION pacegate_tell(
         WHERE u.n > 0;
 $$;
 
--- Records the caller's waiting requests, then reserves the next slot for the request that
+-- Records the caller's waiting requests (unless p_tell is false: unchanged since it last
+-- said; the function itself takes a granted request off the list), then reserves the next slot for the request that
 -- deserves it over every live instance: budget::schedule::Budget::reserve_for, atomically.
 -- `outcome` is 'granted' (with `slot` and `class`), 'yield' (another instance's request goes
 -- first; nothing taken), 'too_late' (with `slot`) or 'locked'.
@@ -64,7 +65,8 @@ CREATE FUNCTION pacegate_reserve_for(
     p_classes integer[],
     p_counts integer[],
     p_oldest double precision[],
-    p_next double precision[]
+    p_next double precision[],
+    p_tell boolean
 ) RETURNS TABLE (
     outcome text,
     slot timestamptz,
@@ -98,7 +100,9 @@ BEGIN
         SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
     END IF;
     now_ts := clock_timestamp();
-    PERFORM pacegate_tell(p_destination, p_instance, now_ts, p_classes, p_counts, p_oldest, p_next);
+    IF p_tell THEN
+        PERFORM pacegate_tell(p_destination, p_instance, now_ts, p_classes, p_counts, p_oldest, p_next);
+    END IF;
     IF b.lock_status IS NOT NULL THEN
         RETURN QUERY SELECT 'locked'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
             b.backoff, b.lock_since, b.lock_status, b.lock_request, b.lock_instance;

@@ -88,6 +88,10 @@ pub struct ClassQueue {
 pub struct Ask<'a> {
     /// This instance's waiting requests by class; not empty.
     pub queues: &'a [ClassQueue],
+    /// Whether `queues` differ from what this instance last told the store (the store
+    /// itself takes a granted request off the list). When false the store keeps its copy,
+    /// which saves rewriting it on every reservation of a busy destination.
+    pub changed: bool,
     /// Take no slot later than this.
     pub not_after: Option<Instant>,
 }

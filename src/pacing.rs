@@ -849,6 +849,7 @@ async fn dispatch(
         };
         let ask = Ask {
             queues: &queues,
+            changed: asked != told,
             not_after: Some(latest),
         };
         let started = Instant::now();
@@ -937,7 +938,10 @@ async fn dispatch(
             }
             Err(ReserveError::Yield(after)) => {
                 // A request on another instance goes first. Ask again shortly, or at once if
-                // a request arrives or leaves here.
+                // a request arrives or leaves here. The next ask tells the wait list again:
+                // should the store have dropped it (a lease that ran out while this process
+                // stalled), this instance would otherwise yield for ever.
+                told.clear();
                 tokio::select! {
                     () = tokio::time::sleep(after) => {}
                     () = lane.work.notified() => {}

@@ -283,7 +283,13 @@ impl Store for MemoryStore {
             let limit = ask.not_after.map(|t| self.offset(t));
             let mut budgets = self.lock();
             let budget = budgets.entry(destination.to_owned()).or_default();
-            match budget.reserve_for(rule, now, &self.instance, ask.queues, limit) {
+            match budget.reserve_for(
+                rule,
+                now,
+                &self.instance,
+                ask.changed.then_some(ask.queues),
+                limit,
+            ) {
                 Ok((slot, generation, class)) => {
                     if !rule.quota.is_empty() {
                         self.sends_changed.store(true, Ordering::Relaxed);

@@ -75,7 +75,7 @@ const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
         clock_timestamp(), b.generation, c.now";
 const SQL_RESERVE_FOR: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
+    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
 const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Every live instance's waiting requests of a destination, by class.
 const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
@@ -480,6 +480,7 @@ impl Store for PostgresStore {
                         &counts,
                         &oldest,
                         &next,
+                        &ask.changed,
                     ],
                 )
                 .await
@@ -759,6 +760,7 @@ mod tests {
         }];
         let ask = |queues| Ask {
             queues,
+            changed: true,
             not_after: None,
         };
         a.wait_list("d", &interactive).await.unwrap();

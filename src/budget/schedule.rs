@@ -198,7 +198,8 @@ impl Budget {
         by.into_iter().map(|(c, (n, s))| (c, n, s)).collect()
     }
 
-    /// Records `instance`'s waiting requests, then reserves the next slot for the request
+    /// Records `instance`'s waiting requests (unless `queues` is `None`: unchanged since it
+    /// last said), then reserves the next slot for the request
     /// that deserves it over every instance ([`choose`] picks the class; the oldest request
     /// of that class, instance ids breaking ties, gets it). When that request is `instance`'s,
     /// the slot is taken and its class returned; otherwise [`NoSlot::Yield`] and nothing
@@ -208,10 +209,12 @@ impl Budget {
         rule: &Rule,
         now: Duration,
         instance: &str,
-        queues: &[ClassQueue],
+        queues: Option<&[ClassQueue]>,
         not_after: Option<Duration>,
     ) -> Result<(Duration, u64, Class), NoSlot> {
-        self.tell(instance, queues, now);
+        if let Some(queues) = queues {
+            self.tell(instance, queues, now);
+        }
         if let Some(lock) = &self.lock {
             return Err(NoSlot::Locked(lock.clone()));
         }
@@ -381,15 +384,27 @@ mod tests {
         let ask_b = [queue(INTERACTIVE, 1, 1, None)];
         b.tell("b", &ask_b, now);
         assert_eq!(
-            b.reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None),
+            b.reserve_for(
+                &r,
+                now,
+                "a",
+                Some(&[queue(BACKFILL, 50, 5000, Some(4000))]),
+                None
+            ),
             Err(NoSlot::Yield)
         );
-        let (_, _, class) = b.reserve_for(&r, now, "b", &ask_b, None).unwrap();
+        let (_, _, class) = b.reserve_for(&r, now, "b", Some(&ask_b), None).unwrap();
         assert_eq!(class, INTERACTIVE);
         // b's request was served and left the list; a goes next.
         assert!(!b.waiting.contains_key("b"));
         let (_, _, class) = b
-            .reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None)
+            .reserve_for(
+                &r,
+                now,
+                "a",
+                Some(&[queue(BACKFILL, 50, 5000, Some(4000))]),
+                None,
+            )
             .unwrap();
         assert_eq!(class, BACKFILL);
         assert_eq!(b.waiting["a"][0].count, 49);
@@ -397,11 +412,11 @@ mod tests {
         // Within a class, the older head wins, whichever instance asks.
         b.tell("c", &[queue(BACKFILL, 1, 4500, None)], now);
         assert_eq!(
-            b.reserve_for(&r, now, "a", &[queue(BACKFILL, 49, 4000, None)], None),
+            b.reserve_for(&r, now, "a", Some(&[queue(BACKFILL, 49, 4000, None)]), None),
             Err(NoSlot::Yield)
         );
         assert!(b
-            .reserve_for(&r, now, "c", &[queue(BACKFILL, 1, 4500, None)], None)
+            .reserve_for(&r, now, "c", Some(&[queue(BACKFILL, 1, 4500, None)]), None)
             .is_ok());
     }
 
