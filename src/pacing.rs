@@ -376,9 +376,17 @@ struct QueueSeat<'a> {
 
 impl Drop for QueueSeat<'_> {
     fn drop(&mut self) {
-        lock(&self.lane.queue).retain(|w| w.id != self.id);
-        // The dispatcher tells the store that this request no longer waits.
-        self.lane.work.notify_one();
+        let left = {
+            let mut queue = lock(&self.lane.queue);
+            let before = queue.len();
+            queue.retain(|w| w.id != self.id);
+            queue.len() < before
+        };
+        // A request that gave up while still queued: the dispatcher tells the store that it no
+        // longer waits. (One that got its slot was already taken off the queue.)
+        if left {
+            self.lane.work.notify_one();
+        }
     }
 }
 

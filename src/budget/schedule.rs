@@ -212,6 +212,19 @@ impl Budget {
         queues: Option<&[ClassQueue]>,
         not_after: Option<Duration>,
     ) -> Result<(Duration, u64, Class), NoSlot> {
+        // The common case in one step: a lone request, nothing waiting anywhere else and no
+        // share owed, deserves the slot; there is no list to keep.
+        if let Some([only]) = queues {
+            let alone = only.count == 1
+                && self.waiting.keys().all(|k| k == instance)
+                && self.credits.iter().all(|c| *c == 0.0);
+            if alone {
+                if let Ok((slot, generation)) = self.reserve(rule, now, not_after) {
+                    self.waiting.remove(instance);
+                    return Ok((slot, generation, only.class));
+                }
+            }
+        }
         if let Some(queues) = queues {
             self.tell(instance, queues, now);
         }
