@@ -829,8 +829,10 @@ async fn dispatch(
         .reservation_seconds
         .with_label_values(&[store.kind()]);
     let slots_dropped = metrics.slots_dropped.with_label_values(&[&lane.name]);
-    // What the store was last told of this instance's waiting requests.
+    // What the store was last told of this instance's waiting requests, and whether to tell
+    // it again even if that has not changed.
     let mut told: Vec<Told> = Vec::new();
+    let mut tell_again = false;
     loop {
         // Wait for work. `notify_one` keeps a permit, so a waiter that arrives between the
         // check and the wait is not missed.
@@ -857,7 +859,7 @@ async fn dispatch(
         };
         let ask = Ask {
             queues: &queues,
-            changed: asked != told,
+            changed: tell_again || asked != told,
             not_after: Some(latest),
         };
         let started = Instant::now();
@@ -868,6 +870,7 @@ async fn dispatch(
             Err(ReserveError::Busy(_) | ReserveError::Store(_))
         ) {
             told = asked;
+            tell_again = false;
         }
         match reserved {
             Ok(grant) => {
@@ -949,7 +952,7 @@ async fn dispatch(
                 // a request arrives or leaves here. The next ask tells the wait list again:
                 // should the store have dropped it (a lease that ran out while this process
                 // stalled), this instance would otherwise yield for ever.
-                told.clear();
+                tell_again = true;
                 tokio::select! {
                     () = tokio::time::sleep(after) => {}
                     () = lane.work.notified() => {}

@@ -127,3 +127,28 @@ async fn retries_keep_their_class() {
     assert_eq!(granted(&proxy, "backfill").await, 3.0);
     assert_eq!(granted(&proxy, "scheduled").await, 0.0);
 }
+
+#[tokio::test]
+async fn with_authentication_the_user_picks_a_class_when_it_names_one() {
+    // sha256("pw")
+    let hash = "30c952fab122c3f9759f02a6d95c3758b246b4fee239957b2d4fee46e26170c4";
+    let auth = format!(
+        "[proxy.auth]\nusers = [{{ name = \"backfill\", password_sha256 = \"{hash}\" }}, {{ name = \"worker\", password_sha256 = \"{hash}\" }}]"
+    );
+    let upstream = FakeUpstream::start().await;
+    let config = format!("{CLASSES}\n[destinations.local]\nhosts = [\"localhost\"]\nrate = 50\n");
+    let proxy = TestProxy::start(&upstream.ca.cert_path, &auth, &config).await;
+    let url = format!("{}/", upstream.http_url("localhost"));
+    for (user, class) in [("backfill", "backfill"), ("worker", "scheduled")] {
+        let with_user = proxy
+            .url()
+            .replace("http://", &format!("http://{user}:pw@"));
+        let via = client(Some(&with_user), &[&proxy.ca_path()], Alpn::Http1);
+        assert_eq!(via.get(&url).send().await.unwrap().status(), 200, "{user}");
+        assert_eq!(granted(&proxy, class).await, 1.0, "{user}");
+    }
+    // The class still needs the password.
+    let wrong = proxy.url().replace("http://", "http://backfill:nope@");
+    let via = client(Some(&wrong), &[&proxy.ca_path()], Alpn::Http1);
+    assert_eq!(via.get(&url).send().await.unwrap().status(), 407);
+}

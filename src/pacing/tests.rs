@@ -524,3 +524,48 @@ async fn status_shows_each_class_and_quota_window() {
         "{table}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_gives_up_leaves_the_store_at_once() {
+    let dest = Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace: pace(1.0),
+    };
+    let store = MemoryStore::ephemeral();
+    // Another instance has an older interactive request waiting, so this one yields.
+    let other = store.instance("other");
+    let urgent = [crate::budget::ClassQueue {
+        class: INTERACTIVE,
+        count: 1,
+        oldest: Duration::from_secs(10),
+        next: None,
+    }];
+    other.wait_list("d", &urgent).await.unwrap();
+    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
+    let p = Arc::new(Pacer::new(
+        &[dest],
+        classes(0.0),
+        Arc::new(store),
+        metrics,
+        "here".into(),
+    ));
+    p.start().await.unwrap();
+    let p2 = p.clone();
+    let waiting = tokio::spawn(async move { p2.admit("d", BACKFILL, far()).await.map(|_| ()) });
+    tokio::time::sleep(ms(1)).await;
+    let classes_waiting = |list: Vec<crate::budget::ClassWaiting>| {
+        list.iter().map(|w| (w.0, w.1)).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        classes_waiting(other.waiting("d").await.unwrap()),
+        [(INTERACTIVE, 1), (BACKFILL, 1)]
+    );
+    waiting.abort();
+    tokio::time::sleep(ms(1)).await;
+    assert_eq!(
+        classes_waiting(other.waiting("d").await.unwrap()),
+        [(INTERACTIVE, 1)],
+        "the request that gave up still counts"
+    );
+}
