@@ -865,10 +865,13 @@ async fn dispatch(
         let started = Instant::now();
         let reserved = store.reserve(&lane.name, &lane.rule, ask).await;
         reservation_seconds.observe(started.elapsed().as_secs_f64());
-        if !matches!(
+        if matches!(
             reserved,
             Err(ReserveError::Busy(_) | ReserveError::Store(_))
         ) {
+            // The store may or may not have taken the list (and granted a slot from it).
+            tell_again = true;
+        } else {
             told = asked;
             tell_again = false;
         }
