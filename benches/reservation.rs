@@ -27,17 +27,18 @@ fn rule() -> Rule {
 }
 
 /// One request waiting alone: the common case.
-const ALONE: [ClassQueue; 1] = [ClassQueue {
-    class: Class(0),
-    count: 1,
-    oldest: Duration::ZERO,
-    next: None,
-}];
+fn alone() -> [ClassQueue; 1] {
+    [ClassQueue {
+        class: Class(0),
+        count: 1,
+        oldest: tokio::time::Instant::now(),
+        next: None,
+    }]
+}
 
-fn ask() -> Ask<'static> {
+fn ask(queues: &[ClassQueue]) -> Ask<'_> {
     Ask {
-        queues: &ALONE,
-        changed: true,
+        queues,
         not_after: None,
     }
 }
@@ -53,9 +54,10 @@ fn reservation(c: &mut Criterion) {
     let mut group = c.benchmark_group("memory_reservation");
     group.bench_function("uncontended", |b| {
         let _guard = rt.enter();
+        let queues = alone();
         b.iter(|| {
             store
-                .reserve("d", &rule, ask())
+                .reserve("d", &rule, ask(&queues))
                 .now_or_never()
                 .expect("the memory store answers at once")
                 .unwrap()
@@ -70,8 +72,9 @@ fn reservation(c: &mut Criterion) {
                     .map(|_| {
                         let (store, rule) = (store.clone(), rule.clone());
                         tokio::spawn(async move {
+                            let queues = alone();
                             for _ in 0..per_task {
-                                store.reserve("d", &rule, ask()).await.unwrap();
+                                store.reserve("d", &rule, ask(&queues)).await.unwrap();
                             }
                         })
                     })

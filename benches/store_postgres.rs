@@ -36,12 +36,11 @@ async fn reserve(store: &PostgresStore, destination: &str, rule: &Rule) {
     let queues = [ClassQueue {
         class: Class(0),
         count: 1,
-        oldest: Duration::ZERO,
+        oldest: tokio::time::Instant::now(),
         next: None,
     }];
     let ask = Ask {
         queues: &queues,
-        changed: true,
         not_after: None,
     };
     store.reserve(destination, rule, ask).await.unwrap();
@@ -95,20 +94,31 @@ async fn latency_among_waiters(
     .unwrap();
     let store = PostgresStore::new(url, 2).unwrap().with_instance("bench");
     let rule = rule();
-    // A long queue here, so that it never runs dry.
-    let queues = [ClassQueue {
-        class: Class(0),
-        count: 1_000_000,
-        oldest: Duration::ZERO,
-        next: Some(Duration::ZERO),
-    }];
-    let ask = |changed| Ask {
-        queues: &queues,
-        changed,
-        not_after: None,
+    // A long queue here, so that it never runs dry: request k arrived k µs before `start`.
+    let start = tokio::time::Instant::now();
+    let arrived = |k: u32| start - Duration::from_micros(u64::from(k));
+    const QUEUED: u32 = 1_000_000;
+    // `served` requests have had their slot and `joined` more have joined the queue's tail.
+    let (mut served, mut joined) = (0u32, 0u32);
+    let mut reserve = async |new_arrival: bool| {
+        joined += u32::from(new_arrival);
+        let head = QUEUED - served;
+        let list = [ClassQueue {
+            class: Class(0),
+            count: QUEUED - served + joined,
+            oldest: arrived(head),
+            next: Some(arrived(head - 1)),
+        }];
+        let ask = Ask {
+            queues: &list,
+            not_after: None,
+        };
+        let grant = store.reserve(&destination, &rule, ask).await.unwrap();
+        served += 1;
+        grant
     };
     for _ in 0..100 {
-        store.reserve(&destination, &rule, ask(true)).await.unwrap();
+        reserve(true).await;
     }
     let sorted = |samples: &mut Vec<f64>| {
         samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -121,10 +131,7 @@ async fn latency_among_waiters(
     for changed in [false, true] {
         for _ in 0..calls {
             let started = Instant::now();
-            let grant = store
-                .reserve(&destination, &rule, ask(changed))
-                .await
-                .unwrap();
+            let grant = reserve(changed).await;
             samples.push(started.elapsed().as_secs_f64() * 1000.0);
             assert_eq!(grant.class, Class(0));
         }

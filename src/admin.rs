@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
-use crate::pacing::Pacer;
+use crate::pacing::{Pacer, UnlockError};
 use crate::shutdown::Shutdown;
 
 /// What the admin endpoints read and act on.
@@ -126,7 +126,7 @@ impl Admin {
         struct Unlocked<'a> {
             destination: &'a str,
             was_locked: bool,
-            lock: Option<crate::pacing::LockStatus>,
+            lock: Option<crate::status::LockStatus>,
         }
         match self.pacer.unlock(name).await {
             Ok(cleared) => json(
@@ -137,11 +137,10 @@ impl Admin {
                     lock: cleared.as_ref().map(Into::into),
                 },
             ),
-            Err(None) => text(
-                StatusCode::NOT_FOUND,
-                format!("no destination named `{name}`\n"),
-            ),
-            Err(Some(e)) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+            Err(e @ UnlockError::Unknown(_)) => text(StatusCode::NOT_FOUND, format!("{e}\n")),
+            Err(e @ UnlockError::Store(_)) => {
+                text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n"))
+            }
         }
     }
 

@@ -15,7 +15,6 @@ use crate::budget::memory::MemoryStore;
 use crate::budget::postgres::{Instance, PostgresStore};
 use crate::budget::{Store, StoreError};
 use crate::config::{Backend, Config};
-use crate::destination::Routes;
 use crate::metrics::Metrics;
 use crate::pacing::Pacer;
 use crate::proxy::{Proxy, ProxyParts};
@@ -182,7 +181,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
 
     let shutdown = Shutdown::new();
     let proxy = Proxy::new(ProxyParts {
-        routes: Routes::new(config.destinations.clone()),
         unmatched: config.proxy.unmatched,
         auth: config.proxy.auth.clone(),
         limits: config.proxy.limits.clone(),

@@ -23,6 +23,8 @@ use tokio::time::Instant;
 
 use crate::class::Class;
 use crate::destination::Quota;
+pub use crate::status::InstanceStatus;
+use crate::status::LockStatus;
 
 /// A boxed, sendable future borrowing the store.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -67,31 +69,28 @@ impl Rule {
 pub const WAITER_LEASE: Duration = Duration::from_secs(3);
 
 /// This instance's waiting requests of one class, as a reservation tells the store.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClassQueue {
     /// The class.
     pub class: Class,
     /// How many wait (at least 1).
     pub count: u32,
-    /// How long the oldest has waited.
-    pub oldest: Duration,
-    /// How long the second oldest has waited: it is the oldest once the oldest is served.
-    pub next: Option<Duration>,
+    /// When the oldest started waiting.
+    pub oldest: Instant,
+    /// When the second oldest started waiting: it is the oldest once the oldest is served.
+    pub next: Option<Instant>,
 }
 
 /// A reservation request: this instance's waiting requests, every class that has any, most
 /// urgent first. The store gives the next slot to the oldest waiting request of the class
 /// that deserves it (the most urgent, unless a class with a share is owed one) over every
 /// instance; when that request is this instance's, the slot is granted, otherwise the caller
-/// yields.
+/// yields. The caller hands its whole wait list every time; a store that can skip rewriting
+/// an unchanged one does so on its own.
 #[derive(Debug, Clone, Copy)]
 pub struct Ask<'a> {
     /// This instance's waiting requests by class; not empty.
     pub queues: &'a [ClassQueue],
-    /// Whether `queues` differ from what this instance last told the store (the store
-    /// itself takes a granted request off the list). When false the store keeps its copy,
-    /// which saves rewriting it on every reservation of a busy destination.
-    pub changed: bool,
     /// Take no slot later than this.
     pub not_after: Option<Instant>,
 }
@@ -130,6 +129,17 @@ impl Lockout {
             status,
             request,
             instance,
+        }
+    }
+}
+
+impl From<&Lockout> for LockStatus {
+    fn from(l: &Lockout) -> Self {
+        Self {
+            since: humantime::format_rfc3339_seconds(l.since).to_string(),
+            status: l.status,
+            request: l.request.clone(),
+            instance: l.instance.clone(),
         }
     }
 }
@@ -205,23 +215,6 @@ pub struct BudgetView {
     pub paused_for: Duration,
     /// The lockout, if locked.
     pub lock: Option<Lockout>,
-}
-
-/// A live instance sharing the store, as `pacegate status` lists it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct InstanceStatus {
-    /// Unique per process start.
-    pub id: String,
-    /// Host name.
-    pub host: String,
-    /// Process id.
-    pub pid: i32,
-    /// pacegate version.
-    pub version: String,
-    /// When it started (RFC 3339).
-    pub started: String,
-    /// Seconds since its last heartbeat.
-    pub last_seen_seconds_ago: f64,
 }
 
 impl Default for BudgetView {

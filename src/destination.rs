@@ -178,33 +178,34 @@ pub struct Pace {
     pub quota: Vec<Quota>,
 }
 
-/// The routing table: which destination, if any, a target host and port belong to.
-#[derive(Debug, Clone, Default)]
-pub struct Routes {
-    destinations: Vec<Destination>,
+/// The routing table: which destination, if any, a target host and port belong to. `T` is
+/// what routing yields for a destination (the pacer's handle to its lane).
+#[derive(Debug, Clone)]
+pub struct Routes<T> {
+    entries: Vec<(Vec<HostPattern>, T)>,
 }
 
-impl Routes {
+impl<T> FromIterator<(Vec<HostPattern>, T)> for Routes<T> {
     /// Builds the table; config validation guarantees that patterns do not overlap.
-    pub fn new(destinations: Vec<Destination>) -> Self {
-        Self { destinations }
+    fn from_iter<I: IntoIterator<Item = (Vec<HostPattern>, T)>>(entries: I) -> Self {
+        Self {
+            entries: entries.into_iter().collect(),
+        }
     }
+}
 
-    /// The destination with this name.
-    pub fn get(&self, name: &str) -> Option<&Destination> {
-        self.destinations.iter().find(|d| d.name == name)
-    }
-
-    /// The destination a normalised host and port belong to.
-    pub fn route(&self, host: &str, port: u16) -> Option<&Destination> {
-        self.destinations
+impl<T> Routes<T> {
+    /// What a normalised host and port route to.
+    pub fn route(&self, host: &str, port: u16) -> Option<&T> {
+        self.entries
             .iter()
-            .find(|d| d.hosts.iter().any(|p| p.matches(host, port)))
+            .find(|(hosts, _)| hosts.iter().any(|p| p.matches(host, port)))
+            .map(|(_, t)| t)
     }
 
-    /// Every configured destination, in config order.
-    pub fn destinations(&self) -> &[Destination] {
-        &self.destinations
+    /// Every destination's entry, in config order.
+    pub fn all(&self) -> impl Iterator<Item = &T> {
+        self.entries.iter().map(|(_, t)| t)
     }
 }
 

@@ -2,16 +2,20 @@
 //!
 //! The modules, in the order a request meets them:
 //!
-//! - [`app`]: wiring: config -> metrics, TLS, upstream client, proxy, listeners; run and stop.
+//! - [`cli`]: the binary's commands, one function each (`main` only parses the arguments).
+//! - [`app`]: wiring: config -> metrics, TLS, store, pacer, upstream client, proxy,
+//!   listeners; run and stop.
 //! - [`config`]: the TOML file model -> validation -> typed [`config::Config`].
 //! - [`server`]: accept loop on a bound listener, connection limit, one task per connection.
 //! - [`proxy`]: per request: authenticate, route, then forward / intercept / tunnel / refuse;
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
-//! - [`destination`]: host patterns, routing of a target to a destination, its pacing keys
-//!   and quota windows.
+//! - [`destination`]: host patterns, the routing table, a destination's pacing keys and
+//!   quota windows.
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
-//! - [`pacing`]: the pacer: per-destination queues that slots are handed to, verdicts,
-//!   Retry-After; `pacing::verdict` reads a response.
+//! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
+//!   destination's lane) that the request carries; `pacing::lane` queues waiting requests
+//!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::rate`
+//!   counts the achieved rate, `pacing::verdict` reads a response.
 //! - [`budget`]: the store seam and the budget arithmetic both stores share
 //!   (`budget::schedule`); `budget::memory` is the embedded store, `budget::postgres` the
 //!   shared one (its SQL and migrations), `budget::failover` what happens while the database
@@ -19,6 +23,7 @@
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.
+//! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
 //! - [`admin`]: the admin listener (`/metrics`, `/status`, `/healthz`, `/readyz`, unlock) and
 //!   the client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
@@ -33,6 +38,7 @@ pub mod admin;
 pub mod app;
 pub mod budget;
 pub mod class;
+pub mod cli;
 pub mod config;
 pub mod destination;
 pub mod metrics;
@@ -40,5 +46,6 @@ pub mod pacing;
 pub mod proxy;
 pub mod server;
 pub mod shutdown;
+pub mod status;
 pub mod tls;
 pub mod upstream;

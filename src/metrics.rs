@@ -10,7 +10,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::pacing::DestinationStatus;
+use crate::status::DestinationStatus;
 
 /// The destination label of requests that match no configured destination.
 pub const UNMATCHED: &str = "unmatched";

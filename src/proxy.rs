@@ -16,7 +16,7 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 
 use crate::config::{AuthConfig, Limits, Unmatched};
-use crate::destination::{normalise_host, Routes};
+use crate::destination::normalise_host;
 use crate::metrics::{Metrics, UNMATCHED};
 use crate::pacing::Pacer;
 use crate::shutdown::Shutdown;
@@ -31,8 +31,6 @@ pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T
 
 /// What the proxy needs, assembled by the app.
 pub struct ProxyParts {
-    /// Destination routing.
-    pub routes: Routes,
     /// Policy for unmatched hosts.
     pub unmatched: Unmatched,
     /// Proxy authentication, if on.
@@ -121,11 +119,28 @@ impl Proxy {
                 ProxyError::BadRequest(
                     "CONNECT inside an intercepted session is not allowed".into(),
                 ),
-                target.destination.clone(),
+                target.name(),
                 target.authority(),
             )
         } else {
-            self.forward(req, target).await
+            // An inner request may name its own class with the header; else it keeps the
+            // CONNECT's.
+            match self.inner.pacer.classes().of_request(
+                req.headers(),
+                None,
+                self.inner.auth.is_some(),
+                target.class,
+            ) {
+                Ok(class) => {
+                    let target = Target { class, ..target };
+                    self.forward(req, target).await
+                }
+                Err(e) => Handled::refused(
+                    ProxyError::UnknownClass(e),
+                    target.name(),
+                    target.authority(),
+                ),
+            }
         };
         self.finish(started, &method, handled)
     }
@@ -159,10 +174,9 @@ impl Proxy {
         ) {
             Ok(class) => target.class = class,
             Err(e) => {
-                let destination = target.destination.clone();
                 return Handled::refused(
                     ProxyError::UnknownClass(e),
-                    destination,
+                    target.name(),
                     target.authority(),
                 );
             }
@@ -225,11 +239,7 @@ impl Proxy {
             }
             None => 80,
         };
-        let destination = self
-            .inner
-            .routes
-            .route(&host, port)
-            .map(|d| Arc::from(d.name.as_str()));
+        let destination = self.inner.pacer.route(&host, port);
         Ok(Target {
             scheme,
             host,

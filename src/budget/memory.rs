@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::schedule::{Budget, NoSlot};
+use super::schedule::{Budget, NoSlot, Waiting};
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Reservation, ReserveError,
     Rule, Store, StoreError, StoreFuture,
@@ -192,6 +192,19 @@ impl MemoryStore {
         self.epoch + t.saturating_sub(ORIGIN)
     }
 
+    /// A wait list on the store's timeline.
+    fn waiting_list(&self, queues: &[ClassQueue]) -> Vec<Waiting> {
+        queues
+            .iter()
+            .map(|q| Waiting {
+                class: q.class,
+                count: q.count,
+                since: self.offset(q.oldest),
+                next_since: q.next.map(|n| self.offset(n)),
+            })
+            .collect()
+    }
+
     fn at_unix(&self, secs: f64) -> Duration {
         let wall = SystemTime::UNIX_EPOCH + Duration::from_secs_f64(secs.max(0.0));
         let ago = SystemTime::now().duration_since(wall).unwrap_or_default();
@@ -283,13 +296,8 @@ impl Store for MemoryStore {
             let limit = ask.not_after.map(|t| self.offset(t));
             let mut budgets = self.lock();
             let budget = budgets.entry(destination.to_owned()).or_default();
-            match budget.reserve_for(
-                rule,
-                now,
-                &self.instance,
-                ask.changed.then_some(ask.queues),
-                limit,
-            ) {
+            let list = self.waiting_list(ask.queues);
+            match budget.reserve_for(rule, now, &self.instance, &list, limit) {
                 Ok((slot, generation, class)) => {
                     if !rule.quota.is_empty() {
                         self.sends_changed.store(true, Ordering::Relaxed);
@@ -318,12 +326,11 @@ impl Store for MemoryStore {
         destination: &'a str,
         queues: &'a [ClassQueue],
     ) -> StoreFuture<'a, Result<(), StoreError>> {
-        let now = self.now();
         let mut budgets = self.lock();
         // An empty list for a destination never seen creates no budget.
         if !queues.is_empty() || budgets.contains_key(destination) {
             let budget = budgets.entry(destination.to_owned()).or_default();
-            budget.tell(&self.instance, queues, now);
+            budget.tell(&self.instance, &self.waiting_list(queues));
         }
         Box::pin(std::future::ready(Ok(())))
     }

@@ -8,10 +8,12 @@
 //! local monotonic deadline measured from when the answer arrived, which can only make it
 //! later, never earlier.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -143,21 +145,63 @@ fn db(e: impl std::error::Error) -> StoreError {
 }
 
 /// A wait list as the arrays `pacegate_tell` takes: classes, counts, and the ages in seconds
-/// of the oldest and second oldest.
+/// of the oldest and second oldest, now.
 #[allow(clippy::type_complexity)]
 fn columns(queues: &[ClassQueue]) -> (Vec<i32>, Vec<i32>, Vec<f64>, Vec<Option<f64>>) {
+    let now = Instant::now();
+    let age = |since: Instant| now.saturating_duration_since(since).as_secs_f64();
     (
         queues.iter().map(|q| i32::from(q.class.0)).collect(),
         queues
             .iter()
             .map(|q| i32::try_from(q.count).unwrap_or(i32::MAX))
             .collect(),
-        queues.iter().map(|q| q.oldest.as_secs_f64()).collect(),
-        queues
-            .iter()
-            .map(|q| q.next.map(|n| n.as_secs_f64()))
-            .collect(),
+        queues.iter().map(|q| age(q.oldest)).collect(),
+        queues.iter().map(|q| q.next.map(age)).collect(),
     )
+}
+
+/// One class's waiting requests as this instance's rows in `pacegate_waiting` hold them:
+/// enough to see whether a wait list would change them. (The second oldest is not compared:
+/// the rows lose it when a slot is granted, and only the oldest decides who goes first.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Row {
+    class: Class,
+    count: u32,
+    oldest: Instant,
+}
+
+fn rows_of(queues: &[ClassQueue]) -> Vec<Row> {
+    queues
+        .iter()
+        .map(|q| Row {
+            class: q.class,
+            count: q.count,
+            oldest: q.oldest,
+        })
+        .collect()
+}
+
+/// What this instance's rows hold after `pacegate_reserve_for` granted a slot to the oldest
+/// request of `class` from `queues`: that request gone, the second oldest the oldest.
+fn after_grant(queues: &[ClassQueue], class: Class) -> Vec<Row> {
+    queues
+        .iter()
+        .filter_map(|q| {
+            if q.class != class {
+                return Some(Row {
+                    class: q.class,
+                    count: q.count,
+                    oldest: q.oldest,
+                });
+            }
+            Some(Row {
+                class,
+                count: q.count - 1,
+                oldest: q.next?,
+            })
+        })
+        .collect()
 }
 
 /// Budgets in Postgres.
@@ -168,6 +212,11 @@ pub struct PostgresStore {
     usual_rtt_us: AtomicU64,
     /// The instance whose waiting requests this handle reports (its heartbeat is its lease).
     instance: String,
+    /// What this instance's rows in `pacegate_waiting` hold, per destination, where known:
+    /// a busy destination's reservation then need not rewrite an unchanged wait list. Unknown
+    /// (absent) from before a statement is sent until its answer arrives, and after a yield,
+    /// so that an answer that never came, or rows another instance expired, are written again.
+    written: Mutex<HashMap<String, Vec<Row>>>,
 }
 
 /// A fresh instance id for a handle that is not given one.
@@ -226,6 +275,7 @@ impl PostgresStore {
             pool,
             usual_rtt_us: AtomicU64::new(u64::MAX),
             instance: anonymous_instance(),
+            written: Mutex::new(HashMap::new()),
         })
     }
 
@@ -240,6 +290,19 @@ impl PostgresStore {
         };
         self.usual_rtt_us.store(updated, Ordering::Relaxed);
         Duration::from_micros(rtt_us.saturating_sub(usual.min(rtt_us)))
+    }
+
+    /// Whether this instance's rows already hold `rows`; either way they count as unknown
+    /// until [`PostgresStore::wrote`] says what the statement about to be sent left there.
+    fn unchanged(&self, destination: &str, rows: &[Row]) -> bool {
+        self.written
+            .lock()
+            .remove(destination)
+            .is_some_and(|w| w == rows)
+    }
+
+    fn wrote(&self, destination: &str, rows: Vec<Row>) {
+        self.written.lock().insert(destination.to_owned(), rows);
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -447,6 +510,9 @@ impl Store for PostgresStore {
                         // database (waiting for the row lock, mostly): what is left delays the
                         // answer after `db_now`.
                         let transit = (arrived - sent).saturating_sub(after(db_now, started));
+                        // The fast path runs only while no instance has rows for the
+                        // destination.
+                        self.wrote(destination, Vec::new());
                         return Ok(Grant {
                             slot: Reservation {
                                 at: arrived + after(slot, db_now),
@@ -458,6 +524,7 @@ impl Store for PostgresStore {
                     }
                 }
             }
+            let tell = !self.unchanged(destination, &rows_of(ask.queues));
             let (classes, counts, oldest, next) = columns(ask.queues);
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
@@ -480,7 +547,7 @@ impl Store for PostgresStore {
                         &counts,
                         &oldest,
                         &next,
-                        &ask.changed,
+                        &tell,
                     ],
                 )
                 .await
@@ -497,21 +564,35 @@ impl Store for PostgresStore {
                     .ok_or_else(|| StoreError("pacegate_reserve_for returned no slot".into()))
             };
             match outcome {
-                "granted" => Ok(Grant {
-                    slot: Reservation {
-                        at: at(slot)?,
-                        generation,
-                        excess_delay: self.excess(arrived - sent),
-                    },
-                    class: Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0)),
-                }),
+                "granted" => {
+                    let class = Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0));
+                    self.wrote(destination, after_grant(ask.queues, class));
+                    Ok(Grant {
+                        slot: Reservation {
+                            at: at(slot)?,
+                            generation,
+                            excess_delay: self.excess(arrived - sent),
+                        },
+                        class,
+                    })
+                }
+                // Another instance's request goes first: tell the list again next time, in
+                // case the store dropped these rows (a lease that ran out while this process
+                // stalled), or this instance would yield for ever.
                 "yield" => Err(ReserveError::Yield(rule.yield_for(row.get(5)))),
-                "too_late" => Err(ReserveError::TooLate { slot: at(slot)? }),
-                "locked" => Err(lockout(row.get(6), row.get(7), row.get(8), row.get(9))
-                    .map_or_else(
-                        || ReserveError::Store(StoreError("a lockout without a status".into())),
-                        ReserveError::Locked,
-                    )),
+                "too_late" => {
+                    self.wrote(destination, rows_of(ask.queues));
+                    Err(ReserveError::TooLate { slot: at(slot)? })
+                }
+                "locked" => {
+                    self.wrote(destination, rows_of(ask.queues));
+                    Err(
+                        lockout(row.get(6), row.get(7), row.get(8), row.get(9)).map_or_else(
+                            || ReserveError::Store(StoreError("a lockout without a status".into())),
+                            ReserveError::Locked,
+                        ),
+                    )
+                }
                 other => Err(ReserveError::Store(StoreError(format!(
                     "pacegate_reserve_for answered `{other}`"
                 )))),
@@ -525,6 +606,11 @@ impl Store for PostgresStore {
         queues: &'a [ClassQueue],
     ) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
+            let rows = rows_of(queues);
+            if self.unchanged(destination, &rows) {
+                self.wrote(destination, rows);
+                return Ok(());
+            }
             let (classes, counts, oldest, next) = columns(queues);
             let client = self.client().await?;
             let statement = client.prepare_cached(SQL_TELL).await.map_err(db)?;
@@ -542,6 +628,7 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
+            self.wrote(destination, rows);
             Ok(())
         })
     }
@@ -745,22 +832,82 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_unchanged_wait_list_is_not_rewritten() {
+        let (a, _b) = pair().await;
+        let r = contract::rule(100.0);
+        let three = [contract::waiting(contract::BACKFILL, 3, 100)];
+        assert_eq!(
+            contract::ask(&a, &r, &three).await.unwrap(),
+            contract::BACKFILL
+        );
+        // What the pacer hands over next: two left, the second oldest now the oldest.
+        let two = [ClassQueue {
+            count: 2,
+            oldest: three[0].next.unwrap(),
+            ..three[0]
+        }];
+        // Rows changed behind the store's back show whether it wrote them again.
+        let db = a.client().await.unwrap();
+        db.execute("UPDATE pacegate_waiting SET count = 10", &[])
+            .await
+            .unwrap();
+        assert_eq!(
+            contract::ask(&a, &r, &two).await.unwrap(),
+            contract::BACKFILL
+        );
+        let left = a.waiting("d").await.unwrap();
+        assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 9), "{left:?}");
+        // A list that changed is written.
+        let five = [contract::waiting(contract::BACKFILL, 5, 50)];
+        assert_eq!(
+            contract::ask(&a, &r, &five).await.unwrap(),
+            contract::BACKFILL
+        );
+        let left = a.waiting("d").await.unwrap();
+        assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 4), "{left:?}");
+        // So is one told without a reservation, and an unchanged one is not.
+        a.wait_list("d", &five).await.unwrap();
+        db.execute("UPDATE pacegate_waiting SET count = 10", &[])
+            .await
+            .unwrap();
+        a.wait_list("d", &five).await.unwrap();
+        assert_eq!(a.waiting("d").await.unwrap()[0].1, 10);
+    }
+
+    #[tokio::test]
+    async fn after_a_yield_the_wait_list_is_told_again() {
+        let (a, b) = pair().await;
+        let r = contract::rule(100.0);
+        let backfill = [contract::waiting(contract::BACKFILL, 2, 100)];
+        b.wait_list("d", &[contract::waiting(Class(0), 1, 10)])
+            .await
+            .unwrap();
+        assert!(matches!(
+            contract::ask(&a, &r, &backfill).await,
+            Err(ReserveError::Yield(_))
+        ));
+        // a's rows vanish (a lease that ran out while it stalled), and b's request leaves.
+        a.client()
+            .await
+            .unwrap()
+            .execute("DELETE FROM pacegate_waiting", &[])
+            .await
+            .unwrap();
+        b.wait_list("d", &[]).await.unwrap();
+        assert_eq!(
+            contract::ask(&a, &r, &backfill).await.unwrap(),
+            contract::BACKFILL
+        );
+    }
+
+    #[tokio::test]
     async fn waiters_count_only_while_their_instance_heartbeats() {
         let (a, b) = pair().await;
         let r = contract::rule(100.0);
-        let interactive = [ClassQueue {
-            class: Class(0),
-            count: 5,
-            oldest: Duration::from_secs(1),
-            next: None,
-        }];
-        let backfill = [ClassQueue {
-            class: Class(2),
-            ..interactive[0]
-        }];
+        let interactive = [contract::waiting(Class(0), 5, 1000)];
+        let backfill = [contract::waiting(Class(2), 5, 1000)];
         let ask = |queues| Ask {
             queues,
-            changed: true,
             not_after: None,
         };
         a.wait_list("d", &interactive).await.unwrap();

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use super::{ClassQueue, Event, Lockout, Rule};
+use super::{Event, Lockout, Rule};
 use crate::class::Class;
 
 /// One instance's waiting requests of one class, in store time.
@@ -160,18 +160,9 @@ impl Budget {
         Ok((slot, self.generation))
     }
 
-    /// Records `instance`'s waiting requests at `now`, replacing what it said before.
-    pub fn tell(&mut self, instance: &str, queues: &[ClassQueue], now: Duration) {
-        let list: Vec<Waiting> = queues
-            .iter()
-            .filter(|q| q.count > 0)
-            .map(|q| Waiting {
-                class: q.class,
-                count: q.count,
-                since: now.saturating_sub(q.oldest),
-                next_since: q.next.map(|n| now.saturating_sub(n)),
-            })
-            .collect();
+    /// Records `instance`'s waiting requests, replacing what it said before.
+    pub fn tell(&mut self, instance: &str, list: &[Waiting]) {
+        let list: Vec<Waiting> = list.iter().filter(|w| w.count > 0).copied().collect();
         if list.is_empty() {
             self.waiting.remove(instance);
         } else {
@@ -198,8 +189,7 @@ impl Budget {
         by.into_iter().map(|(c, (n, s))| (c, n, s)).collect()
     }
 
-    /// Records `instance`'s waiting requests (unless `queues` is `None`: unchanged since it
-    /// last said), then reserves the next slot for the request
+    /// Records `instance`'s waiting requests, then reserves the next slot for the request
     /// that deserves it over every instance ([`choose`] picks the class; the oldest request
     /// of that class, instance ids breaking ties, gets it). When that request is `instance`'s,
     /// the slot is taken and its class returned; otherwise [`NoSlot::Yield`] and nothing
@@ -209,12 +199,12 @@ impl Budget {
         rule: &Rule,
         now: Duration,
         instance: &str,
-        queues: Option<&[ClassQueue]>,
+        list: &[Waiting],
         not_after: Option<Duration>,
     ) -> Result<(Duration, u64, Class), NoSlot> {
         // The common case in one step: a lone request, nothing waiting anywhere else and no
         // share owed, deserves the slot; there is no list to keep.
-        if let Some([only]) = queues {
+        if let [only] = list {
             let alone = only.count == 1
                 && self.waiting.keys().all(|k| k == instance)
                 && self.credits.iter().all(|c| *c == 0.0);
@@ -225,9 +215,7 @@ impl Budget {
                 }
             }
         }
-        if let Some(queues) = queues {
-            self.tell(instance, queues, now);
-        }
+        self.tell(instance, list);
         if let Some(lock) = &self.lock {
             return Err(NoSlot::Locked(lock.clone()));
         }
@@ -379,12 +367,17 @@ mod tests {
         assert_eq!(first, INTERACTIVE);
     }
 
-    fn queue(class: Class, count: u32, oldest_ms: u64, next_ms: Option<u64>) -> ClassQueue {
-        ClassQueue {
+    /// What the tests below call now.
+    const NOW: Duration = Duration::from_secs(10);
+
+    /// `count` requests of `class`, the oldest waiting `oldest_ms` and the next `next_ms` at
+    /// [`NOW`].
+    fn queue(class: Class, count: u32, oldest_ms: u64, next_ms: Option<u64>) -> Waiting {
+        Waiting {
             class,
             count,
-            oldest: Duration::from_millis(oldest_ms),
-            next: next_ms.map(Duration::from_millis),
+            since: NOW - Duration::from_millis(oldest_ms),
+            next_since: next_ms.map(|n| NOW - Duration::from_millis(n)),
         }
     }
 
@@ -392,44 +385,32 @@ mod tests {
     fn the_oldest_request_of_the_class_wins_over_every_instance() {
         let r = rule(10.0, 1);
         let mut b = Budget::default();
-        let now = Duration::from_secs(10);
+        let now = NOW;
         // Instance a has backfill waiting for 5 s; b has an interactive request of 1 ms.
         let ask_b = [queue(INTERACTIVE, 1, 1, None)];
-        b.tell("b", &ask_b, now);
+        b.tell("b", &ask_b);
         assert_eq!(
-            b.reserve_for(
-                &r,
-                now,
-                "a",
-                Some(&[queue(BACKFILL, 50, 5000, Some(4000))]),
-                None
-            ),
+            b.reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None),
             Err(NoSlot::Yield)
         );
-        let (_, _, class) = b.reserve_for(&r, now, "b", Some(&ask_b), None).unwrap();
+        let (_, _, class) = b.reserve_for(&r, now, "b", &ask_b, None).unwrap();
         assert_eq!(class, INTERACTIVE);
         // b's request was served and left the list; a goes next.
         assert!(!b.waiting.contains_key("b"));
         let (_, _, class) = b
-            .reserve_for(
-                &r,
-                now,
-                "a",
-                Some(&[queue(BACKFILL, 50, 5000, Some(4000))]),
-                None,
-            )
+            .reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None)
             .unwrap();
         assert_eq!(class, BACKFILL);
         assert_eq!(b.waiting["a"][0].count, 49);
         assert_eq!(b.waiting_at(now)[0], (BACKFILL, 49, Duration::from_secs(4)));
         // Within a class, the older head wins, whichever instance asks.
-        b.tell("c", &[queue(BACKFILL, 1, 4500, None)], now);
+        b.tell("c", &[queue(BACKFILL, 1, 4500, None)]);
         assert_eq!(
-            b.reserve_for(&r, now, "a", Some(&[queue(BACKFILL, 49, 4000, None)]), None),
+            b.reserve_for(&r, now, "a", &[queue(BACKFILL, 49, 4000, None)], None),
             Err(NoSlot::Yield)
         );
         assert!(b
-            .reserve_for(&r, now, "c", Some(&[queue(BACKFILL, 1, 4500, None)]), None)
+            .reserve_for(&r, now, "c", &[queue(BACKFILL, 1, 4500, None)], None)
             .is_ok());
     }
 

@@ -22,6 +22,11 @@ async fn pacer(pace: Pace) -> Arc<Pacer> {
 /// The one class of a config without `[classes]`.
 const ONE: Class = Class(0);
 
+/// The destination every test here paces.
+fn d(p: &Pacer) -> Route {
+    p.destination("d").expect("destination d")
+}
+
 fn far() -> Instant {
     Instant::now() + Duration::from_secs(3600)
 }
@@ -44,7 +49,7 @@ async fn grant_times(p: &Arc<Pacer>, n: usize) -> Vec<Duration> {
         .map(|_| {
             let p = p.clone();
             tokio::spawn(async move {
-                let a = p.admit("d", ONE, far()).await.unwrap();
+                let a = p.admit(&d(&p), ONE, far()).await.unwrap();
                 drop(a);
                 Instant::now() - start
             })
@@ -97,7 +102,7 @@ async fn first_come_first_served() {
     for i in 0..5 {
         let (p, tx) = (p.clone(), tx.clone());
         tokio::spawn(async move {
-            let _a = p.admit("d", ONE, far()).await.unwrap();
+            let _a = p.admit(&d(&p), ONE, far()).await.unwrap();
             tx.send(i).unwrap();
         });
         // Arrivals 1 ms apart, in order.
@@ -114,9 +119,9 @@ async fn first_come_first_served() {
 #[tokio::test(start_paused = true)]
 async fn no_slot_within_max_wait_is_refused_at_once() {
     let p = pacer(pace(1.0)).await;
-    let _first = p.admit("d", ONE, far()).await.unwrap();
+    let _first = p.admit(&d(&p), ONE, far()).await.unwrap();
     let started = Instant::now();
-    match p.admit("d", ONE, Instant::now() + ms(500)).await {
+    match p.admit(&d(&p), ONE, Instant::now() + ms(500)).await {
         Err(PaceError::Deadline { retry_after, .. }) => {
             assert_eq!(
                 started.elapsed(),
@@ -128,16 +133,16 @@ async fn no_slot_within_max_wait_is_refused_at_once() {
         other => panic!("expected a deadline refusal, got {:?}", other.err()),
     }
     // The refusal took no slot: the next request gets the slot at 1 s.
-    p.admit("d", ONE, far()).await.unwrap();
+    p.admit(&d(&p), ONE, far()).await.unwrap();
     assert_eq!(started.elapsed(), ms(1000));
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_request_that_gives_up_leaves_the_queue_at_once() {
     let p = pacer(pace(1.0)).await;
-    let _first = p.admit("d", ONE, far()).await.unwrap();
+    let _first = p.admit(&d(&p), ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let abandoned = tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| ()) });
+    let abandoned = tokio::spawn(async move { p2.admit(&d(&p2), ONE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(100)).await;
     assert_eq!(p.status().await[0].waiting, 1);
     abandoned.abort();
@@ -149,18 +154,18 @@ async fn a_request_that_gives_up_leaves_the_queue_at_once() {
     );
     // The slot it was to get goes to the next request instead of being lost.
     let started = Instant::now();
-    p.admit("d", ONE, far()).await.unwrap();
+    p.admit(&d(&p), ONE, far()).await.unwrap();
     assert_eq!(started.elapsed(), ms(900));
 }
 
 #[tokio::test(start_paused = true)]
 async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
     let p = pacer(pace(1.0)).await;
-    let first = p.admit("d", ONE, far()).await.unwrap();
+    let first = p.admit(&d(&p), ONE, far()).await.unwrap();
     let waiting: Vec<_> = (0..3)
         .map(|_| {
             let p = p.clone();
-            tokio::spawn(async move { p.admit("d", ONE, far()).await.map(|_| ()) })
+            tokio::spawn(async move { p.admit(&d(&p), ONE, far()).await.map(|_| ()) })
         })
         .collect();
     tokio::time::sleep(ms(10)).await;
@@ -186,13 +191,13 @@ async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
         "waiting requests are refused at once"
     );
     assert!(matches!(
-        p.admit("d", ONE, far()).await,
+        p.admit(&d(&p), ONE, far()).await,
         Err(PaceError::Locked { .. })
     ));
     tokio::time::sleep(Duration::from_secs(86_400)).await;
     assert!(
         matches!(
-            p.admit("d", ONE, far()).await,
+            p.admit(&d(&p), ONE, far()).await,
             Err(PaceError::Locked { .. })
         ),
         "time never clears it"
@@ -200,8 +205,11 @@ async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
     let status = p.status().await;
     assert_eq!(status[0].lock.as_ref().map(|l| l.status), Some(403));
     assert!(p.unlock("d").await.unwrap().is_some());
-    assert!(p.admit("d", ONE, far()).await.is_ok());
-    assert!(matches!(p.unlock("nope").await, Err(None)));
+    assert!(p.admit(&d(&p), ONE, far()).await.is_ok());
+    assert!(matches!(
+        p.unlock("nope").await,
+        Err(UnlockError::Unknown(_))
+    ));
 }
 
 #[tokio::test(start_paused = true)]
@@ -213,7 +221,7 @@ async fn ten_concurrent_throttles_widen_once() {
     .await;
     let mut admitted = Vec::new();
     for _ in 0..10 {
-        admitted.push(p.admit("d", ONE, far()).await.unwrap());
+        admitted.push(p.admit(&d(&p), ONE, far()).await.unwrap());
     }
     for a in &admitted {
         p.observe(a, 429, &HeaderMap::new(), "GET /").await;
@@ -226,7 +234,7 @@ async fn ten_concurrent_throttles_widen_once() {
 #[tokio::test(start_paused = true)]
 async fn retry_after_pauses_every_request() {
     let p = pacer(pace(100.0)).await;
-    let a = p.admit("d", ONE, far()).await.unwrap();
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
     let v = p
         .observe(&a, 429, &headers(&[("retry-after", "3")]), "GET /")
         .await;
@@ -238,7 +246,7 @@ async fn retry_after_pauses_every_request() {
     );
     assert!(p.status().await[0].paused_for_seconds > 2.9);
     let started = Instant::now();
-    p.admit("d", ONE, far()).await.unwrap();
+    p.admit(&d(&p), ONE, far()).await.unwrap();
     assert!(
         started.elapsed() >= Duration::from_secs(3),
         "waited {:?}",
@@ -253,11 +261,11 @@ async fn decay_restores_the_rate_after_a_clean_streak() {
         ..pace(10.0)
     })
     .await;
-    let a = p.admit("d", ONE, far()).await.unwrap();
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
     p.observe(&a, 429, &HeaderMap::new(), "GET /").await;
     assert_eq!(p.status().await[0].backoff, 2.0);
     for _ in 0..3 {
-        let a = p.admit("d", ONE, far()).await.unwrap();
+        let a = p.admit(&d(&p), ONE, far()).await.unwrap();
         p.observe(&a, 200, &HeaderMap::new(), "GET /").await;
     }
     assert_eq!(p.status().await[0].backoff, 1.0);
@@ -270,11 +278,11 @@ async fn max_concurrency_bounds_requests_in_flight() {
         ..pace(1000.0)
     })
     .await;
-    let a = p.admit("d", ONE, far()).await.unwrap();
-    let b = p.admit("d", ONE, far()).await.unwrap();
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    let b = p.admit(&d(&p), ONE, far()).await.unwrap();
     let p2 = p.clone();
     let third =
-        tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| Instant::now()) });
+        tokio::spawn(async move { p2.admit(&d(&p2), ONE, far()).await.map(|_| Instant::now()) });
     tokio::time::sleep(ms(500)).await;
     assert!(
         !third.is_finished(),
@@ -291,10 +299,10 @@ async fn max_concurrency_bounds_requests_in_flight() {
 #[tokio::test(start_paused = true)]
 async fn status_shows_waiting_and_oldest_wait() {
     let p = pacer(pace(1.0)).await;
-    let _a = p.admit("d", ONE, far()).await.unwrap();
+    let _a = p.admit(&d(&p), ONE, far()).await.unwrap();
     for _ in 0..3 {
         let p = p.clone();
-        tokio::spawn(async move { p.admit("d", ONE, far()).await.map(|_| ()) });
+        tokio::spawn(async move { p.admit(&d(&p), ONE, far()).await.map(|_| ()) });
     }
     tokio::time::sleep(ms(400)).await;
     let s = &p.status().await[0];
@@ -306,9 +314,9 @@ async fn status_shows_waiting_and_oldest_wait() {
 #[tokio::test(start_paused = true)]
 async fn stopping_refuses_waiters() {
     let p = pacer(pace(0.1)).await;
-    let _a = p.admit("d", ONE, far()).await.unwrap();
+    let _a = p.admit(&d(&p), ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let waiting = tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| ()) });
+    let waiting = tokio::spawn(async move { p2.admit(&d(&p2), ONE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(10)).await;
     p.stop();
     assert!(matches!(
@@ -336,17 +344,13 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
         "here".into(),
     ));
     p.start().await.unwrap();
-    let _first = p.admit("d", ONE, far()).await.unwrap();
+    let _first = p.admit(&d(&p), ONE, far()).await.unwrap();
     let p2 = p.clone();
-    let waiting = tokio::spawn(async move { p2.admit("d", ONE, far()).await.map(|_| ()) });
+    let waiting = tokio::spawn(async move { p2.admit(&d(&p2), ONE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(100)).await;
     let lock = Lockout::new(403, "GET https://d/".into(), "elsewhere".into());
     store
-        .record(
-            "d",
-            &rule_of(&pace(0.1), &Classes::default()),
-            Event::Lockout(lock),
-        )
+        .record("d", &d(&p).0.rule, Event::Lockout(lock))
         .await
         .unwrap();
     let started = Instant::now();
@@ -361,7 +365,7 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
     );
     // An unlock elsewhere is seen by the next request.
     store.unlock("d").await.unwrap();
-    assert!(p.admit("d", ONE, far()).await.is_ok());
+    assert!(p.admit(&d(&p), ONE, far()).await.is_ok());
 }
 
 fn classes(backfill_share: f64) -> Classes {
@@ -405,7 +409,7 @@ async fn grant_order(p: &Arc<Pacer>, requests: &[(Class, &'static str)]) -> Vec<
     for (class, label) in requests {
         let (p, tx, class, label) = (p.clone(), tx.clone(), *class, *label);
         tokio::spawn(async move {
-            let _a = p.admit("d", class, far()).await.unwrap();
+            let _a = p.admit(&d(&p), class, far()).await.unwrap();
             tx.send(label).unwrap();
         });
         tokio::time::sleep(ms(1)).await;
@@ -463,12 +467,12 @@ async fn a_share_is_honoured_and_lent_when_idle() {
 #[tokio::test(start_paused = true)]
 async fn a_class_max_wait_overrides_the_destination() {
     let p = pacer_with(pace(0.1), classes(0.0)).await;
-    let _first = p.admit("d", BACKFILL, far()).await.unwrap();
-    assert_eq!(p.max_wait("d", INTERACTIVE), Duration::from_secs(5));
-    assert_eq!(p.max_wait("d", BACKFILL), Duration::from_secs(300));
+    let _first = p.admit(&d(&p), BACKFILL, far()).await.unwrap();
+    assert_eq!(d(&p).max_wait(INTERACTIVE), Duration::from_secs(5));
+    assert_eq!(d(&p).max_wait(BACKFILL), Duration::from_secs(300));
     let started = Instant::now();
-    let deadline = started + p.max_wait("d", INTERACTIVE);
-    match p.admit("d", INTERACTIVE, deadline).await {
+    let deadline = started + d(&p).max_wait(INTERACTIVE);
+    match p.admit(&d(&p), INTERACTIVE, deadline).await {
         Err(PaceError::Deadline {
             class, max_wait, ..
         }) => {
@@ -495,9 +499,10 @@ async fn status_shows_each_class_and_quota_window() {
         classes(0.0),
     )
     .await;
-    let _first = p.admit("d", BACKFILL, far()).await.unwrap();
+    let _first = p.admit(&d(&p), BACKFILL, far()).await.unwrap();
     let p2 = p.clone();
-    let _waiting = tokio::spawn(async move { p2.admit("d", INTERACTIVE, far()).await.map(|_| ()) });
+    let _waiting =
+        tokio::spawn(async move { p2.admit(&d(&p2), INTERACTIVE, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(20)).await;
     let status = p.status().await;
     let classes: Vec<(&str, usize, u64)> = status[0]
@@ -515,7 +520,7 @@ async fn status_shows_each_class_and_quota_window() {
     );
     // The interactive request's slot is reserved ahead: two of the window's 30 are taken.
     assert_eq!(status[0].quota[0].used, 2);
-    let table = status_table(&status);
+    let table = crate::status::status_table(&status);
     assert!(table.contains("2/30 per 10s"), "{table}");
     assert!(
         table
@@ -538,7 +543,7 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
     let urgent = [crate::budget::ClassQueue {
         class: INTERACTIVE,
         count: 1,
-        oldest: Duration::from_secs(10),
+        oldest: Instant::now() - Duration::from_secs(10),
         next: None,
     }];
     other.wait_list("d", &urgent).await.unwrap();
@@ -552,7 +557,7 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
     ));
     p.start().await.unwrap();
     let p2 = p.clone();
-    let waiting = tokio::spawn(async move { p2.admit("d", BACKFILL, far()).await.map(|_| ()) });
+    let waiting = tokio::spawn(async move { p2.admit(&d(&p2), BACKFILL, far()).await.map(|_| ()) });
     tokio::time::sleep(ms(1)).await;
     let classes_waiting = |list: Vec<crate::budget::ClassWaiting>| {
         list.iter().map(|w| (w.0, w.1)).collect::<Vec<_>>()

@@ -37,18 +37,17 @@ fn established() -> Response<ProxyBody> {
 impl Proxy {
     /// Answers a CONNECT whose target was already authorised and routed.
     pub(super) async fn connect(&self, req: Request<Incoming>, target: Target) -> Handled {
-        let Some(destination) = target.destination.clone() else {
+        let Some(route) = target.destination.clone() else {
             return self.tunnel(req, target, None).await;
         };
-        let pacer = &self.inner.pacer;
-        if pacer.pace(&destination).intercept {
+        if route.pace().intercept {
             return self.intercept(req, target);
         }
         // `intercept = false`: the tunnel takes one slot and sees no verdicts.
-        let deadline = Deadline::now() + pacer.max_wait(&destination, target.class);
-        match pacer.admit(&destination, target.class, deadline).await {
+        let deadline = Deadline::now() + route.max_wait(target.class);
+        match self.inner.pacer.admit(&route, target.class, deadline).await {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,
-            Err(e) => Handled::refused(ProxyError::Paced(e), Some(destination), target.authority()),
+            Err(e) => Handled::refused(ProxyError::Paced(e), target.name(), target.authority()),
         }
     }
 
@@ -74,7 +73,7 @@ impl Proxy {
                         "cannot mint a certificate for {}: {e}",
                         target.host
                     )),
-                    target.destination.clone(),
+                    target.name(),
                     target.authority(),
                 )
             }
@@ -82,7 +81,7 @@ impl Proxy {
         let handled = Handled {
             response: established(),
             outcome: Outcome::Intercepted,
-            destination: target.destination.clone(),
+            destination: target.name(),
             target: target.authority(),
             reason: None,
             pace: PaceNote::default(),
@@ -203,7 +202,7 @@ impl Proxy {
         Handled {
             response: established(),
             outcome: Outcome::Tunneled,
-            destination: target.destination.clone(),
+            destination: target.name(),
             target: target.authority(),
             reason: None,
             pace,

@@ -19,6 +19,7 @@ use super::{headers, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
 use crate::metrics::UNMATCHED;
 use crate::pacing::verdict::Verdict;
+use crate::pacing::Route;
 use crate::upstream::{BoxError, ProxyBody};
 
 /// A throttled response kept while its request is retried is read into memory up to this size;
@@ -36,14 +37,19 @@ pub struct Target {
     pub host: String,
     /// Port.
     pub port: u16,
-    /// The matched destination's name, `None` for unmatched hosts.
-    pub destination: Option<Arc<str>>,
+    /// The matched destination, `None` for unmatched hosts.
+    pub destination: Option<Route>,
     /// The class the client asked for on the proxy connection (CONNECT or absolute-form
     /// request); a request inside an intercepted session may name another with the header.
     pub class: Class,
 }
 
 impl Target {
+    /// The matched destination's name, for logs and metrics.
+    pub fn name(&self) -> Option<Arc<str>> {
+        self.destination.as_ref().map(|d| d.name().clone())
+    }
+
     /// `host:port`, with IPv6 hosts bracketed.
     pub fn authority(&self) -> String {
         if self.host.contains(':') {
@@ -111,19 +117,13 @@ impl Proxy {
     /// Forwards a request to `target` and streams the response back. Bodies are streamed both
     /// ways, never buffered whole.
     pub(super) async fn forward(&self, req: Request<Incoming>, target: Target) -> Handled {
-        let destination = target.destination.clone();
+        let destination = target.name();
         let authority = target.authority();
         let mut note = PaceNote::default();
-        let class = self
-            .inner
-            .pacer
-            .classes()
-            .of_request(req.headers(), None, self.inner.auth.is_some(), target.class)
-            .map_err(ProxyError::UnknownClass);
-        let result = match class.and_then(|class| Ok((class, prepare(req, &target)?))) {
+        let result = match prepare(req, &target) {
             Err(e) => Err(e),
-            Ok((class, mut outgoing)) => match &destination {
-                Some(dest) => self.paced(outgoing, dest, class, &mut note).await,
+            Ok(mut outgoing) => match &target.destination {
+                Some(route) => self.paced(outgoing, route, target.class, &mut note).await,
                 None => self.send(outgoing.take(), UNMATCHED).await,
             },
         };
@@ -167,20 +167,21 @@ impl Proxy {
     async fn paced(
         &self,
         mut outgoing: Outgoing,
-        destination: &str,
+        route: &Route,
         class: Class,
         note: &mut PaceNote,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let pacer = &self.inner.pacer;
-        let pace = pacer.pace(destination).clone();
+        let destination: &str = route.name();
+        let retry_throttled = route.pace().retry_throttled;
         note.class = Some(class);
         // One deadline for the request and its retries; each retry waits in the same class.
-        let deadline = Instant::now() + pacer.max_wait(destination, class);
+        let deadline = Instant::now() + route.max_wait(class);
         let retryable = outgoing.retryable();
         let request_line = outgoing.request_line();
         let mut last_throttled: Option<Response<ProxyBody>> = None;
         loop {
-            let admission = match pacer.admit(destination, class, deadline).await {
+            let admission = match pacer.admit(route, class, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.
                 Err(_) if last_throttled.is_some() => {
@@ -205,7 +206,7 @@ impl Proxy {
                 .await;
             note.verdict = Some(verdict);
             let throttled = matches!(verdict, Verdict::Throttled { .. });
-            if throttled && retryable && note.retries < pace.retry_throttled {
+            if throttled && retryable && note.retries < retry_throttled {
                 if let Some(kept) = keep(response).await {
                     note.retries += 1;
                     self.inner

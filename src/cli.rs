@@ -1,0 +1,301 @@
+//! The commands of the `pacegate` binary, one function each: load what the command needs,
+//! run it, print the result, and say how it ended as an exit code (0 ok, 64 bad config or
+//! usage, 1 runtime failure). `main` only parses the arguments and calls one of them.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use crate::config::{Config, ConfigError, LogFormat};
+use crate::status::{self, BudgetStatus};
+use crate::tls;
+
+/// Exit code for bad config or usage (EX_USAGE).
+pub const EXIT_USAGE: u8 = 64;
+/// Exit code for a runtime failure.
+const EXIT_FAILURE: u8 = 1;
+
+/// `pacegate check-config`: the normalised config, or every problem.
+pub fn check_config(path: &Path) -> ExitCode {
+    match load(path) {
+        Ok(c) => {
+            print!("{}", c.to_toml());
+            ExitCode::SUCCESS
+        }
+        Err(code) => code,
+    }
+}
+
+/// `pacegate ca init`: a new CA in `dir`.
+pub fn ca_init(dir: &Path) -> ExitCode {
+    let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
+    match tls::write_new_ca(&cert, &key) {
+        Ok(()) => {
+            println!("wrote {} and {} (mode 0600)", cert.display(), key.display());
+            println!(
+                "clients trust it through `pacegate ca bundle --config FILE --out bundle.pem`"
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+/// A current-thread runtime for one command's few calls.
+fn small_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| fail(&e))
+}
+
+/// The postgres store at `url` (two connections), with a runtime to use it on.
+fn store_at(
+    url: &str,
+) -> Result<
+    (
+        crate::budget::postgres::PostgresStore,
+        tokio::runtime::Runtime,
+    ),
+    ExitCode,
+> {
+    let store = crate::budget::postgres::PostgresStore::new(url, 2).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(EXIT_USAGE)
+    })?;
+    Ok((store, small_runtime()?))
+}
+
+/// Runs one admin call on a small runtime.
+fn admin_call(
+    config: &Config,
+    admin: Option<String>,
+    method: http::Method,
+    path: &str,
+) -> Result<(http::StatusCode, String), ExitCode> {
+    let base = admin.unwrap_or_else(|| crate::admin::url_for(config.admin.listen));
+    let runtime = small_runtime()?;
+    runtime
+        .block_on(crate::admin::call(
+            &base,
+            method,
+            path,
+            config.admin.token.as_deref(),
+        ))
+        .map_err(|e| fail(&e))
+}
+
+pub fn migrate(url: &str) -> ExitCode {
+    let (store, runtime) = match store_at(url) {
+        Ok(opened) => opened,
+        Err(code) => return code,
+    };
+    match runtime.block_on(store.migrate()) {
+        Ok(applied) if applied.is_empty() => {
+            println!("the store's schema is up to date");
+            ExitCode::SUCCESS
+        }
+        Ok(applied) => {
+            println!("applied migrations {applied:?}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+pub fn unlock(name: &str, path: &Path, admin: Option<String>) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if !config.destinations.iter().any(|d| d.name == name) {
+        eprintln!(
+            "error: {} has no destination named `{name}`",
+            path.display()
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
+    match admin_call(
+        &config,
+        admin,
+        http::Method::POST,
+        &format!("/destinations/{name}/unlock"),
+    ) {
+        Err(code) => code,
+        Ok((status, body)) if status.is_success() => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if v["was_locked"] == true {
+                println!(
+                    "unlocked {name} (locked since {} after {} to {})",
+                    v["lock"]["since"].as_str().unwrap_or("?"),
+                    v["lock"]["status"],
+                    v["lock"]["request"].as_str().unwrap_or("?")
+                );
+            } else {
+                println!("{name} was not locked");
+            }
+            ExitCode::SUCCESS
+        }
+        Ok((status, body)) => {
+            eprintln!(
+                "error: the admin listener answered {status}: {}",
+                body.trim()
+            );
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
+pub fn status(path: &Path, admin: Option<String>, json: bool) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let body = match admin_call(&config, admin, http::Method::GET, "/status") {
+        Err(code) => return code,
+        Ok((s, body)) if s.is_success() => body,
+        Ok((s, body)) => {
+            eprintln!("error: the admin listener answered {s}: {}", body.trim());
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    if json {
+        println!("{body}");
+        return ExitCode::SUCCESS;
+    }
+    let rows: Vec<status::DestinationStatus> = match serde_json::from_str(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: unexpected /status answer: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    print!("{}", status::status_table(&rows));
+    if let Ok((s, body)) = admin_call(&config, None, http::Method::GET, "/instances") {
+        let instances: Vec<status::InstanceStatus> =
+            serde_json::from_str(&body).unwrap_or_default();
+        if s.is_success() && !instances.is_empty() {
+            println!();
+            print!("{}", status::instances_table(&instances));
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+pub fn status_from_store(url: &str) -> ExitCode {
+    let (store, runtime) = match store_at(url) {
+        Ok(opened) => opened,
+        Err(code) => return code,
+    };
+    let result = runtime.block_on(async {
+        let budgets = store.budgets().await?;
+        let instances = store
+            .live_instances(crate::budget::failover::LIVE_WITHIN)
+            .await?;
+        Ok::<_, crate::budget::StoreError>((budgets, instances))
+    });
+    match result {
+        Ok((budgets, instances)) => {
+            let rows: Vec<BudgetStatus> = budgets
+                .into_iter()
+                .map(|(destination, b)| BudgetStatus {
+                    destination,
+                    backoff: b.backoff,
+                    clean_streak: b.clean_streak,
+                    paused_for_seconds: b.paused_for.as_secs_f64(),
+                    lock: b.lock.as_ref().map(Into::into),
+                })
+                .collect();
+            print!("{}", status::budgets_table(&rows));
+            println!();
+            print!("{}", status::instances_table(&instances));
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+pub fn serve(path: &Path) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    // Every rustls config pacegate builds names ring explicitly; installing it as the process
+    // default too keeps any dependency that asks for the default on the same provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&e),
+    };
+    match runtime.block_on(crate::app::run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
+pub fn bundle(config: &Path, out: &Path) -> ExitCode {
+    let config = match load(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let ca = match std::fs::read_to_string(&config.tls.ca_cert) {
+        Ok(pem) => pem,
+        Err(e) => {
+            eprintln!(
+                "error: cannot read the CA certificate {}: {e} (start pacegate once with tls.generate_ca = true, or run `pacegate ca init`)",
+                config.tls.ca_cert.display()
+            );
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let (pem, system) = tls::bundle_with_system_roots(&ca);
+    if let Err(e) = std::fs::write(out, pem) {
+        eprintln!("error: cannot write {}: {e}", out.display());
+        return ExitCode::from(EXIT_FAILURE);
+    }
+    if system == 0 {
+        eprintln!("warning: no system roots found; the bundle holds only pacegate's CA");
+    }
+    println!(
+        "wrote {} ({system} system roots + pacegate's CA)",
+        out.display()
+    );
+    ExitCode::SUCCESS
+}
+
+fn load(path: &Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        match e {
+            ConfigError::Invalid { .. } | ConfigError::Read { .. } => ExitCode::from(EXIT_USAGE),
+        }
+    })
+}
+
+pub fn fail(e: &dyn std::error::Error) -> ExitCode {
+    let mut msg = format!("error: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    eprintln!("{msg}");
+    ExitCode::from(EXIT_FAILURE)
+}
+
+pub fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // Colour codes only for a person at a terminal: in a log file they are noise.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}

@@ -1,0 +1,246 @@
+//! One destination's dispatcher: whenever someone waits, it hands the store this instance's
+//! wait list and asks for the next slot. The store grants it to the request that deserves it
+//! over every instance (by class, then age); when that request is one of ours the dispatcher
+//! sleeps until the slot and hands it out, otherwise it yields and asks again shortly. The
+//! dispatcher is the only writer of this instance's wait list in the store, so its updates
+//! arrive in order.
+//!
+//! Each turn of the loop is three named steps: [`Dispatcher::wait_for_waiters`],
+//! [`Dispatcher::sleep_to_slot`] and [`Dispatcher::settle`] (or [`Dispatcher::refused`] when
+//! the store granted nothing).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::{Histogram, IntCounter};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::lane::Lane;
+use super::PaceError;
+use crate::budget::{Ask, Grant, Lockout, Reservation, ReserveError, Store};
+use crate::metrics::Metrics;
+
+/// One tick of tokio's timer wheel.
+const TIMER_TICK: Duration = Duration::from_millis(1);
+/// Yields before falling back to the timer (bounds the spin, and lets paused-clock tests
+/// advance).
+const MAX_SPINS: u32 = 20_000;
+/// Lanes whose interval is at least this long yield through the last tick before a slot.
+const SPIN_FROM: Duration = Duration::from_millis(20);
+/// How often a dispatcher waiting for a distant slot checks the budget for a lockout taken by
+/// another instance.
+const LOCK_POLL: Duration = Duration::from_millis(500);
+/// How long a dispatcher whose store failed waits before asking again.
+const AFTER_FAILURE: Duration = Duration::from_millis(100);
+
+/// Runs one destination's dispatcher until `stop`.
+pub(super) async fn dispatch(
+    lane: Arc<Lane>,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
+    let mut d = Dispatcher {
+        locked: lane.locked.subscribe(),
+        reservation_seconds: metrics
+            .reservation_seconds
+            .with_label_values(&[store.kind()]),
+        slots_dropped: metrics.slots_dropped.with_label_values(&[&lane.name]),
+        lane,
+        store,
+        stop,
+    };
+    while let Some(latest) = d.wait_for_waiters().await {
+        let started = Instant::now();
+        let wait_list = d.lane.queue.lock().wait_list();
+        let ask = Ask {
+            queues: &wait_list,
+            not_after: Some(latest),
+        };
+        let reserved = d.store.reserve(&d.lane.name, &d.lane.rule, ask).await;
+        d.reservation_seconds
+            .observe(started.elapsed().as_secs_f64());
+        let carry_on = match reserved {
+            Ok(grant) => match d.sleep_to_slot(grant.slot).await {
+                Some(Slept::OnTime) => {
+                    d.settle(grant);
+                    true
+                }
+                Some(Slept::Locked(lock)) => {
+                    d.lane.refuse_all(&d.lane.locked_error(lock));
+                    true
+                }
+                None => false,
+            },
+            Err(no) => d.refused(no).await,
+        };
+        if !carry_on {
+            return;
+        }
+    }
+}
+
+/// How a sleep to a slot ended (`None`: pacegate is stopping).
+enum Slept {
+    /// The slot has come.
+    OnTime,
+    /// The destination was locked out meanwhile; the slot must not be used.
+    Locked(Lockout),
+}
+
+struct Dispatcher {
+    lane: Arc<Lane>,
+    store: Arc<dyn Store>,
+    stop: CancellationToken,
+    locked: watch::Receiver<Option<Lockout>>,
+    reservation_seconds: Histogram,
+    slots_dropped: IntCounter,
+}
+
+impl Dispatcher {
+    /// Waits until a request waits; returns the latest deadline among the waiters, or `None`
+    /// when pacegate stops. A dispatcher with nothing left to wait for tells the store so.
+    async fn wait_for_waiters(&mut self) -> Option<Instant> {
+        loop {
+            let latest = self.lane.queue.lock().prune();
+            if latest.is_some() {
+                return latest;
+            }
+            // Whether the store already knows is its own business: an unchanged list costs
+            // it nothing.
+            if let Err(e) = self.store.wait_list(&self.lane.name, &[]).await {
+                tracing::debug!(destination = %self.lane.name, "cannot clear the wait list: {e}");
+            }
+            // `notify_one` keeps a permit, so a waiter that arrives between the check and the
+            // wait is not missed.
+            tokio::select! {
+                () = self.lane.work.notified() => {}
+                () = self.stop.cancelled() => return None,
+            }
+        }
+    }
+
+    /// Sleeps until `slot`, holding no lock and no store connection. Another instance may
+    /// lock the destination meanwhile (a shared store), so a long wait looks at the budget
+    /// every [`LOCK_POLL`]: waiters are refused promptly, and the slot is never used.
+    /// Requests that arrive or leave meanwhile are told to the store at once, so that other
+    /// instances grant their slots knowing them.
+    async fn sleep_to_slot(&mut self, slot: Reservation) -> Option<Slept> {
+        let lane = &self.lane;
+        self.locked.borrow_and_update();
+        let spin = lane.interval() >= SPIN_FROM;
+        let mut poll_at = Instant::now() + LOCK_POLL;
+        loop {
+            // The timer wheel rounds a deadline up to the next millisecond: aim one tick
+            // early, then yield until the slot (never before it).
+            let wake = slot
+                .at
+                .checked_sub(TIMER_TICK)
+                .unwrap_or(slot.at)
+                .min(poll_at);
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                _ = self.locked.changed() => {}
+                () = lane.work.notified() => {
+                    let wait_list = lane.queue.lock().wait_list();
+                    if let Err(e) = self.store.wait_list(&lane.name, &wait_list).await {
+                        tracing::debug!(destination = %lane.name, "cannot tell the wait list: {e}");
+                    }
+                    continue;
+                }
+                () = self.stop.cancelled() => return None,
+            }
+            if let Some(lock) = self.locked.borrow_and_update().clone() {
+                return Some(Slept::Locked(lock));
+            }
+            if Instant::now() + TIMER_TICK >= slot.at {
+                // Yielding costs CPU for up to a tick per slot: worth it only where a tick is
+                // a small part of the interval.
+                let mut spins = if spin { 0 } else { MAX_SPINS };
+                while Instant::now() < slot.at && spins < MAX_SPINS {
+                    tokio::task::yield_now().await;
+                    spins += 1;
+                }
+                if Instant::now() < slot.at {
+                    tokio::time::sleep_until(slot.at).await;
+                }
+                return Some(Slept::OnTime);
+            }
+            if Instant::now() >= poll_at {
+                poll_at = Instant::now() + LOCK_POLL;
+                if let Ok(view) = self.store.view(&lane.name).await {
+                    lane.note(view);
+                }
+            }
+        }
+    }
+
+    /// Hands the slot that has come to the request it was granted for, unless it came too
+    /// late to use.
+    fn settle(&self, grant: Grant) {
+        let lane = &self.lane;
+        let slot = grant.slot;
+        // A slot is an instant, not a licence: a request sent well after it (this process was
+        // descheduled, or the store's answer was delayed) would bunch with the next ones. Such
+        // a slot is dropped, which can only slow the destination.
+        let late = Instant::now().saturating_duration_since(slot.at) + slot.excess_delay;
+        if late > lane.rule.max_late() {
+            self.slots_dropped.inc();
+            tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
+            return;
+        }
+        if !lane.hand_out(grant.class, slot.at, slot.generation) {
+            tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");
+        }
+    }
+
+    /// Acts on a reservation that granted nothing; returns false when pacegate stops.
+    async fn refused(&mut self, no: ReserveError) -> bool {
+        let lane = &self.lane;
+        match no {
+            ReserveError::Yield(after) => {
+                // A request on another instance goes first. Ask again shortly, or at once if
+                // a request arrives or leaves here.
+                tokio::select! {
+                    () = tokio::time::sleep(after) => {}
+                    () = lane.work.notified() => {}
+                    _ = self.locked.changed() => {
+                        if let Some(lock) = self.locked.borrow_and_update().clone() {
+                            lane.refuse_all(&lane.locked_error(lock));
+                        }
+                    }
+                    () = self.stop.cancelled() => return false,
+                }
+            }
+            ReserveError::Locked(lock) => {
+                lane.note_lock(lock.clone());
+                lane.refuse_all(&lane.locked_error(lock));
+            }
+            ReserveError::TooLate { slot } => {
+                // Every waiter's deadline is before the first free slot: refuse them all now
+                // rather than let them wait for nothing.
+                let retry_after = slot.saturating_duration_since(Instant::now());
+                let waiters = lane.queue.lock().drain();
+                for w in waiters {
+                    let error = lane.deadline_error(w.class, retry_after);
+                    w.refuse(error);
+                }
+            }
+            ReserveError::Store(e) => {
+                tracing::error!(destination = %lane.name, "cannot reserve a slot: {e}");
+                lane.refuse_all(&PaceError::Store(e));
+                tokio::select! {
+                    () = tokio::time::sleep(AFTER_FAILURE) => {}
+                    () = self.stop.cancelled() => return false,
+                }
+            }
+            ReserveError::Busy(after) => {
+                // The waiters keep waiting, within their own deadlines.
+                tracing::warn!(destination = %lane.name, "the store did not answer within {after:?}; trying again");
+            }
+        }
+        true
+    }
+}

@@ -1,0 +1,326 @@
+//! A destination's lane: its rule, the queue of requests waiting for a slot (one FIFO per
+//! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::{oneshot, watch, Notify, Semaphore};
+use tokio::time::Instant;
+
+use super::rate::SendLog;
+use super::PaceError;
+use crate::budget::{BudgetView, ClassQueue, Lockout, Rule};
+use crate::class::{Class, Classes};
+use crate::destination::{Destination, Pace};
+
+/// What a waiter is handed: a slot reserved under `generation`, for `class`.
+pub(super) struct Grant {
+    pub(super) generation: u64,
+    pub(super) class: Class,
+}
+
+/// One request waiting for a slot.
+pub(super) struct Waiter {
+    id: u64,
+    pub(super) class: Class,
+    since: Instant,
+    pub(super) deadline: Instant,
+    tx: oneshot::Sender<Result<Grant, PaceError>>,
+}
+
+impl Waiter {
+    /// Whether the request gave up (its client left, or its deadline passed).
+    pub(super) fn gone(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Tells the request it will get no slot.
+    pub(super) fn refuse(self, error: PaceError) {
+        let _ = self.tx.send(Err(error));
+    }
+}
+
+/// The waiting requests of a lane: one FIFO per class, most urgent first.
+pub(super) struct Queue {
+    next_id: u64,
+    classes: Vec<VecDeque<Waiter>>,
+}
+
+impl Queue {
+    fn new(classes: usize) -> Self {
+        Self {
+            next_id: 0,
+            classes: (0..classes.max(1)).map(|_| VecDeque::new()).collect(),
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.classes.iter().map(VecDeque::len).sum()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Waiter> {
+        self.classes.iter().flatten()
+    }
+
+    /// The class's waiters, oldest first.
+    fn class(&self, class: Class) -> &VecDeque<Waiter> {
+        &self.classes[usize::from(class.0).min(self.classes.len() - 1)]
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&Waiter) -> bool) {
+        for q in &mut self.classes {
+            q.retain(&mut keep);
+        }
+    }
+
+    pub(super) fn drain(&mut self) -> Vec<Waiter> {
+        self.classes.iter_mut().flat_map(|q| q.drain(..)).collect()
+    }
+
+    /// Forgets the requests that gave up; returns the latest deadline of those left.
+    pub(super) fn prune(&mut self) -> Option<Instant> {
+        self.retain(|w| !w.gone());
+        self.iter().map(|w| w.deadline).max()
+    }
+
+    /// The wait list as the store takes it: per class with waiters, how many and since when
+    /// the oldest two wait.
+    pub(super) fn wait_list(&self) -> Vec<ClassQueue> {
+        self.classes
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(i, q)| ClassQueue {
+                class: Class(u16::try_from(i).unwrap_or(u16::MAX)),
+                count: u32::try_from(q.len()).unwrap_or(u32::MAX),
+                oldest: q[0].since,
+                next: q.get(1).map(|w| w.since),
+            })
+            .collect()
+    }
+}
+
+/// One destination's lane.
+pub(crate) struct Lane {
+    pub(super) name: Arc<str>,
+    pub(super) rule: Rule,
+    pub(super) pace: Pace,
+    pub(super) classes: Arc<Classes>,
+    pub(super) queue: Mutex<Queue>,
+    /// Wakes the dispatcher: a request arrived or left.
+    pub(super) work: Notify,
+    pub(super) concurrency: Option<Arc<Semaphore>>,
+    /// The lockout as last seen; the dispatcher watches it to refuse its waiters at once.
+    pub(super) locked: watch::Sender<Option<Lockout>>,
+    /// The budget as last seen, for status and metrics between store reads.
+    pub(super) seen: Mutex<BudgetView>,
+    /// Requests between admission and the end of their exchange.
+    pub(super) in_flight: AtomicUsize,
+    /// Requests in `admit`: waiting for a concurrency permit or a slot.
+    pub(super) admitting: AtomicUsize,
+    pub(super) sends: Mutex<SendLog>,
+    /// Slots granted per class, for status.
+    pub(super) granted: Mutex<Vec<SendLog>>,
+}
+
+impl Lane {
+    pub(super) fn new(d: &Destination, classes: Arc<Classes>) -> Self {
+        let pace = d.pace.clone();
+        Self {
+            name: Arc::from(d.name.as_str()),
+            rule: rule_of(&pace, &classes),
+            concurrency: (pace.max_concurrency > 0)
+                .then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
+            pace,
+            queue: Mutex::new(Queue::new(classes.len())),
+            granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
+            classes,
+            work: Notify::new(),
+            locked: watch::channel(None).0,
+            seen: Mutex::new(BudgetView::default()),
+            in_flight: AtomicUsize::new(0),
+            admitting: AtomicUsize::new(0),
+            sends: Mutex::new(SendLog::new()),
+        }
+    }
+
+    pub(super) fn locked_error(&self, lock: Lockout) -> PaceError {
+        PaceError::Locked {
+            destination: self.name.to_string(),
+            lock,
+        }
+    }
+
+    pub(super) fn deadline_error(&self, class: Class, retry_after: Duration) -> PaceError {
+        PaceError::Deadline {
+            destination: self.name.to_string(),
+            class: self.classes.name(class).to_owned(),
+            max_wait: self.max_wait(class),
+            retry_after,
+        }
+    }
+
+    /// How long a request of `class` may wait for a slot.
+    pub(super) fn max_wait(&self, class: Class) -> Duration {
+        self.classes.max_wait(class).unwrap_or(self.pace.max_wait)
+    }
+
+    /// The interval between slots at the backoff last seen.
+    pub(super) fn interval(&self) -> Duration {
+        self.rule.interval.mul_f64(self.seen.lock().backoff)
+    }
+
+    /// A guess at when a slot will be free for a new request: the queue ahead of it at the
+    /// current interval.
+    pub(super) fn estimated_wait(&self) -> Duration {
+        let ahead = self.queue.lock().len() as u32 + 1;
+        (self.interval() * ahead).max(self.seen.lock().paused_for)
+    }
+
+    /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.
+    pub(super) fn note(&self, view: BudgetView) {
+        let lock_now = view.lock.clone();
+        *self.seen.lock() = view;
+        self.locked.send_if_modified(|current| {
+            let changed = *current != lock_now;
+            *current = lock_now;
+            changed
+        });
+    }
+
+    /// Takes in a lockout met while reserving.
+    pub(super) fn note_lock(&self, lock: Lockout) {
+        let seen = self.seen.lock().clone();
+        self.note(BudgetView {
+            lock: Some(lock),
+            ..seen
+        });
+    }
+
+    pub(super) fn refuse_all(&self, error: &PaceError) {
+        let waiters: Vec<Waiter> = self.queue.lock().drain();
+        for w in waiters {
+            w.refuse(error.clone());
+        }
+    }
+
+    /// Queues a request of `class` that started waiting at `since`; it leaves the queue when
+    /// the returned seat is dropped.
+    pub(super) fn enqueue(
+        &self,
+        class: Class,
+        since: Instant,
+        deadline: Instant,
+    ) -> (QueueSeat<'_>, oneshot::Receiver<Result<Grant, PaceError>>) {
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let mut queue = self.queue.lock();
+            queue.next_id += 1;
+            let id = queue.next_id;
+            let rank = usize::from(class.0).min(queue.classes.len() - 1);
+            queue.classes[rank].push_back(Waiter {
+                id,
+                class,
+                since,
+                deadline,
+                tx,
+            });
+            id
+        };
+        self.work.notify_one();
+        (QueueSeat { lane: self, id }, rx)
+    }
+
+    /// Hands a slot due at `at` to the oldest waiter of `class` that can still use it, or,
+    /// if that class has none left, to the oldest of the most urgent class that has one.
+    /// Waiters whose deadline falls before the slot are refused; they could not have been
+    /// served in time.
+    pub(super) fn hand_out(&self, class: Class, at: Instant, generation: u64) -> bool {
+        let mut queue = self.queue.lock();
+        let first = usize::from(class.0).min(queue.classes.len() - 1);
+        let order = std::iter::once(first).chain((0..queue.classes.len()).filter(|i| *i != first));
+        for i in order {
+            while let Some(w) = queue.classes[i].pop_front() {
+                if w.gone() {
+                    continue;
+                }
+                let class = Class(u16::try_from(i).unwrap_or(u16::MAX));
+                if w.deadline < at {
+                    w.refuse(self.deadline_error(class, self.rule.interval));
+                    continue;
+                }
+                if w.tx.send(Ok(Grant { generation, class })).is_ok() {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Waiting here per class and the oldest wait, for status: `(count, oldest wait)` by rank.
+    pub(super) fn waiting_here(&self, now: Instant) -> Vec<(usize, Duration)> {
+        let q = self.queue.lock();
+        self.classes
+            .all()
+            .map(|class| {
+                let here = q.class(class);
+                let oldest = here.front().map_or(Duration::ZERO, |w| now - w.since);
+                (here.len(), oldest)
+            })
+            .collect()
+    }
+
+    /// Counts a request as admitting until the returned guard is dropped.
+    pub(super) fn admitting(&self) -> Admitting<'_> {
+        self.admitting.fetch_add(1, Ordering::Relaxed);
+        Admitting(self)
+    }
+}
+
+/// The budget arithmetic's rule for a destination's pacing keys and the classes' shares.
+fn rule_of(pace: &Pace, classes: &Classes) -> Rule {
+    Rule {
+        shares: Arc::from(classes.shares()),
+        quota: pace.quota.clone(),
+        interval: Duration::from_secs_f64(1.0 / pace.rate),
+        burst: pace.burst,
+        backoff_factor: pace.backoff_factor,
+        backoff_max: pace.backoff_max,
+        decay_after: pace.decay_after,
+        retry_after_max: pace.retry_after_max,
+    }
+}
+
+/// Removes a waiter from its queue when its request gives up (client gone, deadline).
+pub(super) struct QueueSeat<'a> {
+    lane: &'a Lane,
+    id: u64,
+}
+
+impl Drop for QueueSeat<'_> {
+    fn drop(&mut self) {
+        let left = {
+            let mut queue = self.lane.queue.lock();
+            let before = queue.len();
+            queue.retain(|w| w.id != self.id);
+            queue.len() < before
+        };
+        // A request that gave up while still queued: the dispatcher tells the store that it no
+        // longer waits. (One that got its slot was already taken off the queue.)
+        if left {
+            self.lane.work.notify_one();
+        }
+    }
+}
+
+/// Counts a request in `admit` for status.
+pub(super) struct Admitting<'a>(&'a Lane);
+
+impl Drop for Admitting<'_> {
+    fn drop(&mut self) {
+        self.0.admitting.fetch_sub(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,257 @@
+//! What `/status`, `pacegate status` and the metrics show: the status types, and their
+//! rendering as tables. A leaf: it imports nothing else of pacegate, so the pacer, the
+//! metrics, the admin listener and the command line can all use it.
+
+use serde::{Deserialize, Serialize};
+
+/// One destination's state for `/status` and `pacegate status`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DestinationStatus {
+    /// Destination name.
+    pub destination: String,
+    /// Configured `rate` (requests per second).
+    pub rate: f64,
+    /// `rate / backoff`.
+    pub effective_rate: f64,
+    /// Interval multiplier.
+    pub backoff: f64,
+    /// Sends per second over the last 10 s.
+    pub achieved_rate_10s: f64,
+    /// Sends per second over the last 60 s.
+    pub achieved_rate_60s: f64,
+    /// Clean responses in a row.
+    pub clean_streak: u32,
+    /// Seconds left in a Retry-After pause (0 when none).
+    pub paused_for_seconds: f64,
+    /// When the pause ends (RFC 3339), if paused.
+    pub paused_until: Option<String>,
+    /// The lockout, when locked.
+    pub lock: Option<LockStatus>,
+    /// Requests waiting for a slot.
+    pub waiting: usize,
+    /// Requests admitted and not finished.
+    pub in_flight: usize,
+    /// Seconds the oldest waiting request has waited.
+    pub oldest_wait_seconds: f64,
+    /// Per class, most urgent first.
+    #[serde(default)]
+    pub classes: Vec<ClassStatus>,
+    /// Quota windows, as configured.
+    #[serde(default)]
+    pub quota: Vec<QuotaStatus>,
+}
+
+/// One class of one destination, for status.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ClassStatus {
+    /// Class name.
+    pub class: String,
+    /// Requests of this class waiting on every instance (this one's when the store cannot
+    /// say).
+    pub waiting: usize,
+    /// Requests of this class waiting on this instance.
+    pub waiting_here: usize,
+    /// Seconds the oldest of them has waited, on any instance.
+    pub oldest_wait_seconds: f64,
+    /// Slots this instance granted to the class over the last minute.
+    pub granted_last_minute: u64,
+}
+
+/// One quota window of one destination, for status.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct QuotaStatus {
+    /// The window's length (`1m`, `1day`).
+    pub window: String,
+    /// Sends allowed in it.
+    pub limit: u32,
+    /// Slots taken in the last window, over every instance.
+    pub used: u32,
+}
+
+/// A lockout as status shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LockStatus {
+    /// When (RFC 3339).
+    pub since: String,
+    /// The upstream status.
+    pub status: u16,
+    /// The request that caused it.
+    pub request: String,
+    /// The instance that saw it.
+    pub instance: String,
+}
+
+/// A live instance sharing the store, as `pacegate status` lists it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InstanceStatus {
+    /// Unique per process start.
+    pub id: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: i32,
+    /// pacegate version.
+    pub version: String,
+    /// When it started (RFC 3339).
+    pub started: String,
+    /// Seconds since its last heartbeat.
+    pub last_seen_seconds_ago: f64,
+}
+
+/// One budget as the shared store holds it, for `pacegate status --store URL`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetStatus {
+    /// Destination name.
+    pub destination: String,
+    /// Interval multiplier.
+    pub backoff: f64,
+    /// Clean responses in a row.
+    pub clean_streak: u32,
+    /// Seconds left in a Retry-After pause (0 when none).
+    pub paused_for_seconds: f64,
+    /// The lockout, when locked.
+    pub lock: Option<LockStatus>,
+}
+
+/// The live instances as a table.
+pub fn instances_table(rows: &[InstanceStatus]) -> String {
+    let mut out = format!(
+        "{:<40}  {:<20}  {:>7}  {:<8}  {:<20}  {}\n",
+        "INSTANCE", "HOST", "PID", "VERSION", "STARTED", "LAST SEEN"
+    );
+    for i in rows {
+        out.push_str(&format!(
+            "{:<40}  {:<20}  {:>7}  {:<8}  {:<20}  {:.1}s ago\n",
+            i.id, i.host, i.pid, i.version, i.started, i.last_seen_seconds_ago
+        ));
+    }
+    out
+}
+
+/// `pacegate status` as a table: one line per destination, then (with more than one class)
+/// one per destination and class.
+pub fn status_table(rows: &[DestinationStatus]) -> String {
+    let mut lines = vec![[
+        "DESTINATION",
+        "RATE",
+        "EFFECTIVE",
+        "BACKOFF",
+        "ACHIEVED 10s/60s",
+        "STREAK",
+        "PAUSED",
+        "WAITING",
+        "IN FLIGHT",
+        "OLDEST WAIT",
+        "QUOTA USED",
+        "LOCKOUT",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for r in rows {
+        let quota: Vec<String> = r
+            .quota
+            .iter()
+            .map(|q| format!("{}/{} per {}", q.used, q.limit, q.window))
+            .collect();
+        lines.push(vec![
+            r.destination.clone(),
+            format!("{}/s", r.rate),
+            format!("{:.3}/s", r.effective_rate),
+            format!("x{}", r.backoff),
+            format!("{:.2} / {:.2}", r.achieved_rate_10s, r.achieved_rate_60s),
+            r.clean_streak.to_string(),
+            if r.paused_for_seconds > 0.0 {
+                format!("{:.1}s", r.paused_for_seconds)
+            } else {
+                "-".into()
+            },
+            r.waiting.to_string(),
+            r.in_flight.to_string(),
+            format!("{:.1}s", r.oldest_wait_seconds),
+            if quota.is_empty() {
+                "-".into()
+            } else {
+                quota.join(", ")
+            },
+            lock_cell(r.lock.as_ref(), &r.destination),
+        ]);
+    }
+    let mut out = aligned(&lines);
+    if rows.iter().any(|r| r.classes.len() > 1) {
+        let mut lines = vec![[
+            "DESTINATION",
+            "CLASS",
+            "WAITING ALL/HERE",
+            "OLDEST WAIT",
+            "GRANTED LAST MIN (HERE)",
+        ]
+        .map(String::from)
+        .to_vec()];
+        for r in rows {
+            for c in &r.classes {
+                lines.push(vec![
+                    r.destination.clone(),
+                    c.class.clone(),
+                    format!("{} / {}", c.waiting, c.waiting_here),
+                    format!("{:.1}s", c.oldest_wait_seconds),
+                    c.granted_last_minute.to_string(),
+                ]);
+            }
+        }
+        out.push('\n');
+        out.push_str(&aligned(&lines));
+    }
+    out
+}
+
+/// Rows of cells as left-aligned columns.
+fn aligned(lines: &[Vec<String>]) -> String {
+    let columns = lines.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| lines.iter().map(|l| l[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for l in lines {
+        let cells: Vec<String> = l
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// The shared store's budgets as a table (`pacegate status --store URL`).
+pub fn budgets_table(rows: &[BudgetStatus]) -> String {
+    let mut out = format!(
+        "{:<24}  {:>8}  {:>6}  {:>8}  LOCKOUT\n",
+        "DESTINATION", "BACKOFF", "STREAK", "PAUSED"
+    );
+    for b in rows {
+        let paused = if b.paused_for_seconds > 0.0 {
+            format!("{:.1}s", b.paused_for_seconds)
+        } else {
+            "-".to_owned()
+        };
+        out.push_str(&format!(
+            "{:<24}  {:>8}  {:>6}  {paused:>8}  {}\n",
+            b.destination,
+            format!("x{}", b.backoff),
+            b.clean_streak,
+            lock_cell(b.lock.as_ref(), &b.destination),
+        ));
+    }
+    out
+}
+
+/// A lockout in a table cell, with the command that clears it.
+fn lock_cell(lock: Option<&LockStatus>, destination: &str) -> String {
+    lock.map_or("-".into(), |l| {
+        format!(
+            "LOCKED since {} by {} to {} (pacegate unlock {destination})",
+            l.since, l.status, l.request
+        )
+    })
+}
