@@ -70,14 +70,10 @@ impl Admin {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        let (a, b) = (
-            crate::config::sha256(offered.as_bytes()),
-            crate::config::sha256(token.as_bytes()),
-        );
-        a.iter()
-            .zip(b.iter())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
+        // Digests first, so that the comparison does not depend on the lengths either.
+        let offered = crate::config::User::digest(offered.as_bytes());
+        let token = crate::config::User::digest(token.as_bytes());
+        bool::from(subtle::ConstantTimeEq::ct_eq(&offered[..], &token[..]))
     }
 
     async fn route(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {

@@ -10,9 +10,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
-use crate::budget::failover::Failover;
+use crate::budget::failover::{Failover, Gauges, Policy};
+use crate::budget::fleet::Instance;
 use crate::budget::memory::MemoryStore;
-use crate::budget::postgres::{Instance, PostgresStore};
+use crate::budget::postgres::PostgresStore;
 use crate::budget::{Store, StoreError};
 use crate::config::{Backend, Config};
 use crate::metrics::Metrics;
@@ -122,11 +123,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Backend::Postgres => {
             let url = config.store.url.as_deref().unwrap_or_default();
             let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
-            let me = this_instance();
-            // Waiting requests are reported under the id heartbeats renew: that is their lease.
             let store =
-                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?
-                    .with_instance(&me.id);
+                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?;
             if config.store.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
@@ -136,17 +134,17 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 store.check_schema().await?;
             }
             // One connection of the configured ones is kept for heartbeats (see Failover).
-            let control = PostgresStore::with_roots(url, 1, roots)?.with_instance(&me.id);
-            let failover = Arc::new(Failover::new(
-                store,
-                control,
-                config.store.on_unavailable,
-                config.store.instances_hint,
-                config.store.timeout,
-                me,
-                metrics.store_degraded.clone(),
-                metrics.store_instances.clone(),
-            ));
+            let control = PostgresStore::with_roots(url, 1, roots)?;
+            let policy = Policy {
+                on_unavailable: config.store.on_unavailable,
+                instances_hint: config.store.instances_hint,
+                timeout: config.store.timeout,
+            };
+            let gauges = Gauges {
+                degraded: metrics.store_degraded.clone(),
+                instances: metrics.store_instances.clone(),
+            };
+            let failover = Arc::new(Failover::new(store, control, policy, gauges));
             let supervisor = tokio::spawn(failover.clone().supervise(supervisor_stop.clone()));
             (failover, supervisor)
         }
@@ -156,7 +154,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config.classes.clone(),
         store,
         metrics.clone(),
-        instance_id(),
+        Instance::this().id.clone(),
     ));
     pacer.start().await?;
     let roots = tls::upstream_roots(&config.tls.extra_upstream_roots)?;
@@ -225,31 +223,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         admin_stop,
         admin_task,
     })
-}
-
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .map(|h| h.trim().to_owned())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
-}
-
-/// This process's name in lockout records: `host/pid`.
-fn instance_id() -> String {
-    format!("{}/{}", host_name(), std::process::id())
-}
-
-/// This process as it heartbeats into a shared store; the id is unique per start.
-fn this_instance() -> Instance {
-    Instance {
-        id: format!("{}/{:08x}", instance_id(), rand::random::<u32>()),
-        host: host_name(),
-        pid: i32::try_from(std::process::id()).unwrap_or(0),
-        version: env!("CARGO_PKG_VERSION").into(),
-    }
 }
 
 /// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully.

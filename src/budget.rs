@@ -6,6 +6,7 @@
 //! come) for every instance at once. Nothing here knows HTTP or how responses are classified.
 
 pub mod failover;
+pub mod fleet;
 pub mod memory;
 pub mod postgres;
 pub mod schedule;
@@ -23,8 +24,7 @@ use tokio::time::Instant;
 
 use crate::class::Class;
 use crate::destination::Quota;
-pub use crate::status::InstanceStatus;
-use crate::status::LockStatus;
+use crate::status::{InstanceStatus, LockStatus};
 
 /// A boxed, sendable future borrowing the store.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -64,9 +64,6 @@ impl Rule {
             .clamp(Duration::from_millis(5), Duration::from_millis(250))
     }
 }
-
-/// An instance whose heartbeat is older than this no longer holds its waiters' places.
-pub const WAITER_LEASE: Duration = Duration::from_secs(3);
 
 /// This instance's waiting requests of one class, as a reservation tells the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,10 +170,40 @@ pub struct Reservation {
     pub excess_delay: Duration,
 }
 
-/// A store that cannot be reached or answered nonsense.
+/// What went wrong with a store. Only [`StoreError::Unreachable`] means the store is gone
+/// (see [`StoreError::is_lost`]); the others are answers, or their absence, from a store that
+/// is still there.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("pacing store: {0}")]
-pub struct StoreError(pub String);
+pub enum StoreError {
+    /// The store cannot be reached: connection refused, reset or closed, or the server is
+    /// shutting down.
+    #[error("pacing store unreachable: {0}")]
+    Unreachable(String),
+    /// The store did not answer within this bound; it may still be there.
+    #[error("pacing store did not answer within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    /// The store's schema is not the one this binary knows.
+    #[error("pacing store schema: {0}")]
+    Schema(String),
+    /// The store answered, but refused the statement or answered something unexpected.
+    #[error("pacing store refused: {0}")]
+    Refused(String),
+    /// The store's own file (the memory store's state file) cannot be read or written.
+    #[error("pacing store: {0}")]
+    File(String),
+    /// The store is away and `on_unavailable = "refuse"`: paced requests are refused until
+    /// it is back.
+    #[error("pacing store unavailable (on_unavailable = refuse); retry when it is back")]
+    Unavailable,
+}
+
+impl StoreError {
+    /// Whether the store is gone (rather than slow, or odd): only then does an instance
+    /// stop pacing on it.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, Self::Unreachable(_))
+    }
+}
 
 /// Why no slot was reserved.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use crate::budget::fleet::Fleet;
 use crate::config::{Config, ConfigError, LogFormat};
 use crate::status::{self, BudgetStatus};
 use crate::tls;
@@ -189,7 +190,7 @@ pub fn status_from_store(url: &str) -> ExitCode {
     let result = runtime.block_on(async {
         let budgets = store.budgets().await?;
         let instances = store
-            .live_instances(crate::budget::failover::LIVE_WITHIN)
+            .live_instances(crate::budget::fleet::LIVE_WITHIN)
             .await?;
         Ok::<_, crate::budget::StoreError>((budgets, instances))
     });

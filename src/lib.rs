@@ -5,7 +5,8 @@
 //! - [`cli`]: the binary's commands, one function each (`main` only parses the arguments).
 //! - [`app`]: wiring: config -> metrics, TLS, store, pacer, upstream client, proxy,
 //!   listeners; run and stop.
-//! - [`config`]: the TOML file model -> validation -> typed [`config::Config`].
+//! - [`config`]: the typed [`config::Config`]; `config::file` is the TOML file model and
+//!   `config::validate` turns it into the config, reporting every problem with its key path.
 //! - [`server`]: accept loop on a bound listener, connection limit, one task per connection.
 //! - [`proxy`]: per request: authenticate, route, then forward / intercept / tunnel / refuse;
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
@@ -18,8 +19,9 @@
 //!   counts the achieved rate, `pacing::verdict` reads a response.
 //! - [`budget`]: the store seam and the budget arithmetic both stores share
 //!   (`budget::schedule`); `budget::memory` is the embedded store, `budget::postgres` the
-//!   shared one (its SQL and migrations), `budget::failover` what happens while the database
-//!   is unreachable (divide or refuse, heartbeats, lockout write-back).
+//!   shared one (`sql`, `migrations`, `rows` apart), `budget::fleet` this instance among the
+//!   others (identity, heartbeat, leases, live count, supervisor), `budget::failover` what
+//!   happens while a shared store is lost (divide or refuse, lockout write-back).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.
@@ -27,6 +29,10 @@
 //! - [`admin`]: the admin listener (`/metrics`, `/status`, `/healthz`, `/readyz`, unlock) and
 //!   the client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
+//!
+//! Each module imports only modules below it in this order: `status`, `class`, `shutdown`,
+//! `destination`, `config`, `tls`, `metrics`, `budget`, `pacing`, `upstream`, `server`,
+//! `proxy`, `admin`, `app`, `cli` (checked by `tests/layering.rs`).
 //!
 //! Words (see `pacing-model.md` in the design notes): *client* sends through pacegate;
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real

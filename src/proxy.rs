@@ -26,8 +26,7 @@ use forward::PaceNote;
 pub use forward::Target;
 use respond::{Outcome, ProxyError};
 
-/// A boxed, sendable future.
-pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+use crate::server::BoxFuture;
 
 /// What the proxy needs, assembled by the app.
 pub struct ProxyParts {
@@ -53,6 +52,12 @@ pub struct ProxyParts {
 #[derive(Clone)]
 pub struct Proxy {
     inner: Arc<ProxyParts>,
+}
+
+impl crate::server::Handler for Proxy {
+    fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
+        self.clone().handle(req)
+    }
 }
 
 /// What one request turned into, for the canonical log line and metrics.

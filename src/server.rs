@@ -5,6 +5,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::{Request, Response};
+use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -15,8 +17,17 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Limits;
 use crate::metrics::Metrics;
-use crate::proxy::{BoxFuture, Proxy};
 use crate::shutdown::Shutdown;
+use crate::upstream::ProxyBody;
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// What serves each request of a client connection (the proxy).
+pub trait Handler: Clone + Send + Sync + 'static {
+    /// Answers one request.
+    fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>>;
+}
 
 /// The hyper connection settings shared by client connections and intercepted sessions.
 pub fn connection_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
@@ -57,9 +68,9 @@ impl Drop for SlotGuard {
 
 /// Accepts client connections until the drain starts. Each connection is served in a tracked
 /// task; connections beyond `max_connections` get a 503 and are closed.
-pub async fn serve(
+pub async fn serve<H: Handler>(
     listener: TcpListener,
-    proxy: Proxy,
+    handler: H,
     limits: Limits,
     metrics: Arc<Metrics>,
     shutdown: Shutdown,
@@ -91,14 +102,14 @@ pub async fn serve(
             _permit: permit,
             open: metrics.connections_open.clone(),
         }));
-        let proxy = proxy.clone();
+        let handler = handler.clone();
         let builder = builder.clone();
         let conn_shutdown = shutdown.clone();
         shutdown.spawn(async move {
             let service = service_fn(move |mut req| {
                 req.extensions_mut().insert(slot.clone());
-                let proxy = proxy.clone();
-                async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+                let response = handler.serve_request(req);
+                async move { Ok::<_, Infallible>(response.await) }
             });
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             // Boxing proves `Send` here, with concrete types; inside the spawned future the

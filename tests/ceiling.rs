@@ -8,9 +8,9 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use pacegate::budget::postgres::testdb;
 use support::pg::Cluster;
 use support::process::{spawn_binary, Instance};
+use support::testdb;
 use support::{admin_client, client, eventually, metric_value, status_of, Alpn, FakeUpstream};
 
 const RATE: f64 = 20.0;
@@ -785,7 +785,7 @@ async fn killing_the_instance_that_holds_waiters_frees_their_precedence() {
     .await;
     // One lease (3 s) plus the yield and a slot at 2/s.
     assert!(
-        first - killed_at <= pacegate::budget::WAITER_LEASE + Duration::from_millis(1500),
+        first - killed_at <= pacegate::budget::fleet::WAITER_LEASE + Duration::from_millis(1500),
         "backfill waited {:?} after the kill",
         first - killed_at
     );

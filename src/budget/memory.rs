@@ -10,13 +10,16 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::fleet::Instance;
 use super::schedule::{Budget, NoSlot, Waiting};
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Reservation, ReserveError,
@@ -71,7 +74,7 @@ impl MemoryStore {
             budgets: Arc::default(),
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
-            instance: "local".into(),
+            instance: Instance::this().id.clone(),
             sends_changed: AtomicBool::new(false),
         }
     }
@@ -99,14 +102,14 @@ impl MemoryStore {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
             Err(e) => {
-                return Err(StoreError(format!(
+                return Err(StoreError::File(format!(
                     "cannot read state file {}: {e}",
                     state_file.display()
                 )))
             }
         };
         let file: StateFile = serde_json::from_str(&text).map_err(|e| {
-            StoreError(format!(
+            StoreError::File(format!(
                 "state file {} is not valid ({e}); move it aside to start afresh (lockouts in it would be lost)",
                 state_file.display()
             ))
@@ -166,10 +169,8 @@ impl MemoryStore {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Budget>> {
-        // A panic while holding the lock cannot leave a budget half-updated (every update is
-        // a handful of field writes), so a poisoned lock is still usable.
-        self.budgets.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<String, Budget>> {
+        self.budgets.lock()
     }
 
     /// Now on the store's timeline.
@@ -254,17 +255,17 @@ impl MemoryStore {
                 })
                 .collect(),
         };
-        let json = serde_json::to_vec_pretty(&file).map_err(|e| StoreError(e.to_string()))?;
+        let json = serde_json::to_vec_pretty(&file).map_err(|e| StoreError::File(e.to_string()))?;
         tokio::task::spawn_blocking(move || write_atomically(&path, &json))
             .await
-            .map_err(|e| StoreError(format!("state file writer failed: {e}")))?
+            .map_err(|e| StoreError::File(format!("state file writer failed: {e}")))?
     }
 }
 
 fn write_atomically(path: &Path, data: &[u8]) -> Result<(), StoreError> {
     use std::io::Write;
     let fail = |what: &str, e: std::io::Error| {
-        StoreError(format!("cannot {what} state file {}: {e}", path.display()))
+        StoreError::File(format!("cannot {what} state file {}: {e}", path.display()))
     };
     let tmp = path.with_extension("json.tmp");
     let mut f = std::fs::File::create(&tmp).map_err(|e| fail("create", e))?;
@@ -515,6 +516,6 @@ mod tests {
         let path = dir.path().join("state.json");
         std::fs::write(&path, "{not json").unwrap();
         let err = MemoryStore::open(&path).err().unwrap();
-        assert!(err.0.contains("move it aside"), "{err}");
+        assert!(err.to_string().contains("move it aside"), "{err}");
     }
 }

@@ -12,197 +12,28 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use tokio_postgres::types::ToSql;
 
+mod migrations;
+mod rows;
+mod sql;
+
+pub use migrations::MIGRATIONS;
+use rows::{after, after_grant, columns, db, lockout, rows_of, view_of, Row};
+use sql::*;
+
+use super::fleet::{Fleet, Instance, WAITER_LEASE};
 use super::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, InstanceStatus, Lockout, Reservation,
-    ReserveError, Rule, Store, StoreError, StoreFuture, WAITER_LEASE,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Reservation, ReserveError,
+    Rule, Store, StoreError, StoreFuture,
 };
 use crate::class::Class;
-
-/// The schema's migrations, in order, embedded in the binary.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (
-        1,
-        "budgets",
-        include_str!("../../migrations/0001_budgets.sql"),
-    ),
-    (
-        2,
-        "instances",
-        include_str!("../../migrations/0002_instances.sql"),
-    ),
-    (
-        3,
-        "classes",
-        include_str!("../../migrations/0003_classes.sql"),
-    ),
-];
-
-/// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).
-const MIGRATION_LOCK: i64 = 0x7061_6365_6761_7465; // "pacegate"
-
-const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS pacegate_schema_migrations (
-    version integer PRIMARY KEY,
-    name text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now())";
-/// The common case of a reservation, as one UPDATE: one request waits here and none anywhere
-/// else (so it deserves the slot, and no share is owed), the destination has no quota
-/// window, the row exists, is not locked, and the slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
-/// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
-/// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
-/// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
-/// which. `c.now` is read once, before any wait for the row lock, so a contended reservation
-/// computes its slot from a slightly earlier "now": the slot can only be earlier on the beat,
-/// never closer to another slot. The database time returned is read again after the update,
-/// so that waiting for the lock does not make the local deadline late.
-const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
-    SET next_at = GREATEST(b.next_at,
-            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
-        + make_interval(secs => $2 * b.backoff)
-    FROM (SELECT clock_timestamp() AS now) AS c
-    WHERE b.destination = $1
-      AND b.lock_status IS NULL
-      AND b.credits = '{}'
-      AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = $1)
-      AND ($4::float8 IS NULL OR
-           GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
-               <= c.now + make_interval(secs => $4::float8))
-    RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
-        clock_timestamp(), b.generation, c.now";
-const SQL_RESERVE_FOR: &str =
-    "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
-const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
-/// Every live instance's waiting requests of a destination, by class.
-const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
-        extract(epoch FROM clock_timestamp() - min(w.since))::double precision
-    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
-    WHERE w.destination = $1
-      AND (w.instance = $2 OR l.last_seen > clock_timestamp() - make_interval(secs => $3))
-    GROUP BY w.class ORDER BY w.class";
-const SQL_QUOTA_USED: &str = "SELECT count(*) FROM pacegate_sends
-    WHERE destination = $1 AND at > clock_timestamp() - make_interval(secs => $2)";
-/// Waiting requests of instances whose lease ran out: they no longer count, and would keep
-/// reservations off the one-statement path.
-const SQL_EXPIRE_WAITING: &str = "DELETE FROM pacegate_waiting AS w
-    WHERE NOT EXISTS (SELECT 1 FROM pacegate_instances AS l
-        WHERE l.id = w.instance AND l.last_seen > clock_timestamp() - make_interval(secs => $1))";
-const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
-const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
-const SQL_UNLOCK: &str = "WITH old AS (
-        SELECT destination, lock_since, lock_status, lock_request, lock_instance
-        FROM pacegate_budgets WHERE destination = $1 AND lock_status IS NOT NULL FOR UPDATE)
-    UPDATE pacegate_budgets AS b
-    SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
-    FROM old WHERE b.destination = old.destination
-    RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
-const SQL_HEARTBEAT: &str =
-    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
-        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp())
-    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()";
-const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
-        extract(epoch FROM clock_timestamp() - last_seen)::double precision
-    FROM pacegate_instances
-    WHERE last_seen > clock_timestamp() - make_interval(secs => $1)
-    ORDER BY started_at";
-const SQL_FORGET: &str = "DELETE FROM pacegate_instances WHERE id = $1";
-/// The columns `view_of` reads, in its order.
-macro_rules! view_columns {
-    () => {
-        "backoff, generation, clean_streak,
-        CASE WHEN paused_until > clock_timestamp()
-            THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
-        lock_since, lock_status, lock_request, lock_instance"
-    };
-}
-const SQL_BUDGETS: &str = concat!(
-    "SELECT ",
-    view_columns!(),
-    ", destination FROM pacegate_budgets ORDER BY destination"
-);
-const SQL_VIEW: &str = concat!(
-    "SELECT ",
-    view_columns!(),
-    " FROM pacegate_budgets WHERE destination = $1"
-);
-
-/// The whole cause chain: tokio-postgres' own message is only "db error".
-fn db(e: impl std::error::Error) -> StoreError {
-    let mut msg = format!("postgres: {e}");
-    let mut source = e.source();
-    while let Some(s) = source {
-        msg.push_str(&format!(": {s}"));
-        source = s.source();
-    }
-    StoreError(msg)
-}
-
-/// A wait list as the arrays `pacegate_tell` takes: classes, counts, and the ages in seconds
-/// of the oldest and second oldest, now.
-#[allow(clippy::type_complexity)]
-fn columns(queues: &[ClassQueue]) -> (Vec<i32>, Vec<i32>, Vec<f64>, Vec<Option<f64>>) {
-    let now = Instant::now();
-    let age = |since: Instant| now.saturating_duration_since(since).as_secs_f64();
-    (
-        queues.iter().map(|q| i32::from(q.class.0)).collect(),
-        queues
-            .iter()
-            .map(|q| i32::try_from(q.count).unwrap_or(i32::MAX))
-            .collect(),
-        queues.iter().map(|q| age(q.oldest)).collect(),
-        queues.iter().map(|q| q.next.map(age)).collect(),
-    )
-}
-
-/// One class's waiting requests as this instance's rows in `pacegate_waiting` hold them:
-/// enough to see whether a wait list would change them. (The second oldest is not compared:
-/// the rows lose it when a slot is granted, and only the oldest decides who goes first.)
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Row {
-    class: Class,
-    count: u32,
-    oldest: Instant,
-}
-
-fn rows_of(queues: &[ClassQueue]) -> Vec<Row> {
-    queues
-        .iter()
-        .map(|q| Row {
-            class: q.class,
-            count: q.count,
-            oldest: q.oldest,
-        })
-        .collect()
-}
-
-/// What this instance's rows hold after `pacegate_reserve_for` granted a slot to the oldest
-/// request of `class` from `queues`: that request gone, the second oldest the oldest.
-fn after_grant(queues: &[ClassQueue], class: Class) -> Vec<Row> {
-    queues
-        .iter()
-        .filter_map(|q| {
-            if q.class != class {
-                return Some(Row {
-                    class: q.class,
-                    count: q.count,
-                    oldest: q.oldest,
-                });
-            }
-            Some(Row {
-                class,
-                count: q.count - 1,
-                oldest: q.next?,
-            })
-        })
-        .collect()
-}
+use crate::status::InstanceStatus;
 
 /// Budgets in Postgres.
 pub struct PostgresStore {
@@ -219,22 +50,9 @@ pub struct PostgresStore {
     written: Mutex<HashMap<String, Vec<Row>>>,
 }
 
-/// A fresh instance id for a handle that is not given one.
-fn anonymous_instance() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    format!(
-        "anonymous-{}-{nanos:x}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
 impl PostgresStore {
-    /// Reports waiting requests as `instance`'s (the id this process heartbeats with).
+    /// Reports waiting requests as `instance`'s (by default this process's, which heartbeats
+    /// renew; tests play several instances).
     pub fn with_instance(mut self, instance: &str) -> Self {
         self.instance = instance.to_owned();
         self
@@ -242,7 +60,8 @@ impl PostgresStore {
 
     /// A store over a pool of at most `connections` connections to `url`. Connects lazily.
     pub fn new(url: &str, connections: usize) -> Result<Self, StoreError> {
-        let roots = crate::tls::upstream_roots(&[]).map_err(|e| StoreError(e.to_string()))?;
+        let roots =
+            crate::tls::upstream_roots(&[]).map_err(|e| StoreError::Refused(e.to_string()))?;
         Self::with_roots(url, connections, roots)
     }
 
@@ -257,9 +76,9 @@ impl PostgresStore {
     ) -> Result<Self, StoreError> {
         let config: tokio_postgres::Config = url
             .parse()
-            .map_err(|e| StoreError(format!("store URL: {e}")))?;
-        let tls =
-            crate::tls::upstream_client_config(roots).map_err(|e| StoreError(e.to_string()))?;
+            .map_err(|e| StoreError::Refused(format!("store URL: {e}")))?;
+        let tls = crate::tls::upstream_client_config(roots)
+            .map_err(|e| StoreError::Refused(e.to_string()))?;
         let manager = Manager::from_config(
             config,
             MakeRustlsConnect::new(tls),
@@ -270,11 +89,11 @@ impl PostgresStore {
         let pool = Pool::builder(manager)
             .max_size(connections)
             .build()
-            .map_err(|e| StoreError(format!("store pool: {e}")))?;
+            .map_err(|e| StoreError::Refused(format!("store pool: {e}")))?;
         Ok(Self {
             pool,
             usual_rtt_us: AtomicU64::new(u64::MAX),
-            instance: anonymous_instance(),
+            instance: Instance::this().id.clone(),
             written: Mutex::new(HashMap::new()),
         })
     }
@@ -306,47 +125,10 @@ impl PostgresStore {
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool.get().await.map_err(db)
-    }
-
-    /// Applies the embedded migrations that the database lacks, under an advisory lock, in
-    /// one transaction. Refuses a database whose schema is newer than this binary. Returns
-    /// the versions applied.
-    pub async fn migrate(&self) -> Result<Vec<i32>, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await.map_err(db)?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
-            .await
-            .map_err(db)?;
-        tx.batch_execute(CREATE_MIGRATIONS_TABLE)
-            .await
-            .map_err(db)?;
-        let applied: Vec<i32> = tx
-            .query("SELECT version FROM pacegate_schema_migrations", &[])
-            .await
-            .map_err(db)?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        check_not_newer(&applied)?;
-        let mut done = Vec::new();
-        for (version, name, sql) in MIGRATIONS {
-            if applied.contains(version) {
-                continue;
-            }
-            tx.batch_execute(sql)
-                .await
-                .map_err(|e| StoreError(format!("migration {version} ({name}) failed: {e}")))?;
-            tx.execute(
-                "INSERT INTO pacegate_schema_migrations (version, name) VALUES ($1, $2)",
-                &[version, name],
-            )
-            .await
-            .map_err(db)?;
-            done.push(*version);
-        }
-        tx.commit().await.map_err(db)?;
-        Ok(done)
+        self.pool.get().await.map_err(|e| match e {
+            PoolError::Backend(e) => db(e),
+            other => StoreError::Unreachable(format!("postgres pool: {other}")),
+        })
     }
 
     /// Every budget in the store, by destination name.
@@ -355,126 +137,6 @@ impl PostgresStore {
         let rows = client.query(SQL_BUDGETS, &[]).await.map_err(db)?;
         Ok(rows.iter().map(|r| (r.get(8), view_of(r))).collect())
     }
-
-    /// Records that `me` is alive now (renewing its waiters' lease), and drops the waiting
-    /// requests of instances whose lease ran out.
-    pub async fn heartbeat(&self, me: &Instance) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        client
-            .execute(SQL_HEARTBEAT, &[&me.id, &me.host, &me.pid, &me.version])
-            .await
-            .map_err(db)?;
-        client
-            .execute(SQL_EXPIRE_WAITING, &[&WAITER_LEASE.as_secs_f64()])
-            .await
-            .map_err(db)?;
-        Ok(())
-    }
-
-    /// Instances whose last heartbeat is younger than `within`.
-    pub async fn live_instances(
-        &self,
-        within: Duration,
-    ) -> Result<Vec<InstanceStatus>, StoreError> {
-        let client = self.client().await?;
-        let rows = client
-            .query(SQL_LIVE, &[&within.as_secs_f64()])
-            .await
-            .map_err(db)?;
-        Ok(rows
-            .iter()
-            .map(|r| InstanceStatus {
-                id: r.get(0),
-                host: r.get(1),
-                pid: r.get(2),
-                version: r.get(3),
-                started: humantime::format_rfc3339_seconds(r.get::<_, SystemTime>(4)).to_string(),
-                last_seen_seconds_ago: r.get(6),
-            })
-            .collect())
-    }
-
-    /// Removes `me` from the live instances (a clean shutdown).
-    pub async fn forget(&self, me: &Instance) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
-        client
-            .execute(SQL_FORGET_WAITING, &[&me.id])
-            .await
-            .map_err(db)?;
-        Ok(())
-    }
-
-    /// Checks that the schema is exactly the one this binary knows (for `migrate = false`).
-    pub async fn check_schema(&self) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let applied: Vec<i32> = match client
-            .query("SELECT version FROM pacegate_schema_migrations", &[])
-            .await
-        {
-            Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
-            Err(_) => Vec::new(),
-        };
-        check_not_newer(&applied)?;
-        if let Some((missing, _, _)) = MIGRATIONS.iter().find(|(v, _, _)| !applied.contains(v)) {
-            return Err(StoreError(format!(
-                "the store's schema lacks migration {missing}: run `pacegate migrate --store URL` or set [store] migrate = true"
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// This process, as it heartbeats into the store.
-#[derive(Debug, Clone)]
-pub struct Instance {
-    /// Unique per process start.
-    pub id: String,
-    /// Host name.
-    pub host: String,
-    /// Process id.
-    pub pid: i32,
-    /// pacegate version.
-    pub version: String,
-}
-
-fn check_not_newer(applied: &[i32]) -> Result<(), StoreError> {
-    let known = MIGRATIONS.last().map_or(0, |m| m.0);
-    match applied.iter().max() {
-        Some(newest) if *newest > known => Err(StoreError(format!(
-            "the store's schema is at version {newest}, newer than this pacegate binary knows ({known}); upgrade pacegate"
-        ))),
-        _ => Ok(()),
-    }
-}
-
-fn lockout(
-    since: Option<SystemTime>,
-    status: Option<i32>,
-    request: Option<String>,
-    instance: Option<String>,
-) -> Option<Lockout> {
-    Some(Lockout {
-        since: since?,
-        status: u16::try_from(status?).unwrap_or(0),
-        request: request.unwrap_or_default(),
-        instance: instance.unwrap_or_default(),
-    })
-}
-
-fn view_of(row: &tokio_postgres::Row) -> BudgetView {
-    BudgetView {
-        backoff: row.get(0),
-        generation: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
-        clean_streak: u32::try_from(row.get::<_, i32>(2)).unwrap_or(0),
-        paused_for: Duration::from_secs_f64(row.get::<_, f64>(3).max(0.0)),
-        lock: lockout(row.get(4), row.get(5), row.get(6), row.get(7)),
-    }
-}
-
-/// `later - earlier` on the database clock, zero when negative.
-fn after(later: SystemTime, earlier: SystemTime) -> Duration {
-    later.duration_since(earlier).unwrap_or_default()
 }
 
 impl Store for PostgresStore {
@@ -560,8 +222,9 @@ impl Store for PostgresStore {
             let db_now: SystemTime = row.get(2);
             let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
             let at = |slot: Option<SystemTime>| {
-                slot.map(|s| arrived + after(s, db_now))
-                    .ok_or_else(|| StoreError("pacegate_reserve_for returned no slot".into()))
+                slot.map(|s| arrived + after(s, db_now)).ok_or_else(|| {
+                    StoreError::Refused("pacegate_reserve_for returned no slot".into())
+                })
             };
             match outcome {
                 "granted" => {
@@ -588,12 +251,16 @@ impl Store for PostgresStore {
                     self.wrote(destination, rows_of(ask.queues));
                     Err(
                         lockout(row.get(6), row.get(7), row.get(8), row.get(9)).map_or_else(
-                            || ReserveError::Store(StoreError("a lockout without a status".into())),
+                            || {
+                                ReserveError::Store(StoreError::Refused(
+                                    "a lockout without a status".into(),
+                                ))
+                            },
                             ReserveError::Locked,
                         ),
                     )
                 }
-                other => Err(ReserveError::Store(StoreError(format!(
+                other => Err(ReserveError::Store(StoreError::Refused(format!(
                     "pacegate_reserve_for answered `{other}`"
                 )))),
             }
@@ -750,271 +417,65 @@ impl Store for PostgresStore {
     }
 }
 
-#[doc(hidden)]
-pub mod testdb {
-    //! For tests: a fresh database per test, in the server `PACEGATE_TEST_DATABASE_URL`
-    //! names (scripts/test provides one).
+impl Fleet for PostgresStore {
+    fn heartbeat<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            client
+                .execute(SQL_HEARTBEAT, &[&me.id, &me.host, &me.pid, &me.version])
+                .await
+                .map_err(db)?;
+            client
+                .execute(SQL_EXPIRE_WAITING, &[&WAITER_LEASE.as_secs_f64()])
+                .await
+                .map_err(db)?;
+            Ok(())
+        })
+    }
 
-    use std::sync::atomic::{AtomicU32, Ordering};
+    fn live_instances(
+        &self,
+        within: Duration,
+    ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let rows = client
+                .query(SQL_LIVE, &[&within.as_secs_f64()])
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| InstanceStatus {
+                    id: r.get(0),
+                    host: r.get(1),
+                    pid: r.get(2),
+                    version: r.get(3),
+                    started: humantime::format_rfc3339_seconds(r.get::<_, SystemTime>(4))
+                        .to_string(),
+                    last_seen_seconds_ago: r.get(6),
+                })
+                .collect())
+        })
+    }
 
-    /// Creates a new empty database and returns its URL. Panics, saying how to get a server,
-    /// when `PACEGATE_TEST_DATABASE_URL` is not set.
-    pub async fn fresh() -> String {
-        let admin = std::env::var("PACEGATE_TEST_DATABASE_URL").unwrap_or_else(|_| {
-            panic!(
-                "PACEGATE_TEST_DATABASE_URL is not set: run the tests through scripts/test, which starts a throwaway PostgreSQL, or point it at a server where the tests may create databases"
-            )
-        });
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "pacegate_unit_{}_{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        let (client, conn) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
-            .await
-            .unwrap_or_else(|e| panic!("cannot connect to PACEGATE_TEST_DATABASE_URL: {e}"));
-        tokio::spawn(conn);
-        client
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .unwrap();
-        let mut config: tokio_postgres::Config = admin.parse().unwrap();
-        config.dbname(&name);
-        let (host, port) = match (config.get_hosts().first(), config.get_ports().first()) {
-            (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => (h.clone(), *p),
-            _ => panic!("PACEGATE_TEST_DATABASE_URL must name a TCP host and port"),
-        };
-        let user = config.get_user().unwrap_or("postgres");
-        let password = config
-            .get_password()
-            .map(|p| format!(":{}", String::from_utf8_lossy(p)))
-            .unwrap_or_default();
-        format!("postgres://{user}{password}@{host}:{port}/{name}")
+    fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
+            client
+                .execute(SQL_FORGET_WAITING, &[&me.id])
+                .await
+                .map_err(db)?;
+            Ok(())
+        })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::budget::contract;
+#[path = "../../tests/support/testdb.rs"]
+mod testdb;
 
-    async fn store() -> PostgresStore {
-        let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-        assert_eq!(store.migrate().await.unwrap(), [1, 2, 3]);
-        store
-    }
-
-    fn instance(id: &str) -> Instance {
-        Instance {
-            id: id.into(),
-            host: "test".into(),
-            pid: 1,
-            version: "0".into(),
-        }
-    }
-
-    /// Two live instances on one fresh store.
-    async fn pair() -> (PostgresStore, PostgresStore) {
-        let url = testdb::fresh().await;
-        let a = PostgresStore::new(&url, 4).unwrap().with_instance("a");
-        a.migrate().await.unwrap();
-        let b = PostgresStore::new(&url, 4).unwrap().with_instance("b");
-        a.heartbeat(&instance("a")).await.unwrap();
-        b.heartbeat(&instance("b")).await.unwrap();
-        (a, b)
-    }
-
-    #[tokio::test]
-    async fn passes_the_store_contract() {
-        contract::run_all(store, Duration::from_millis(20)).await;
-        contract::run_shared(pair).await;
-    }
-
-    #[tokio::test]
-    async fn an_unchanged_wait_list_is_not_rewritten() {
-        let (a, _b) = pair().await;
-        let r = contract::rule(100.0);
-        let three = [contract::waiting(contract::BACKFILL, 3, 100)];
-        assert_eq!(
-            contract::ask(&a, &r, &three).await.unwrap(),
-            contract::BACKFILL
-        );
-        // What the pacer hands over next: two left, the second oldest now the oldest.
-        let two = [ClassQueue {
-            count: 2,
-            oldest: three[0].next.unwrap(),
-            ..three[0]
-        }];
-        // Rows changed behind the store's back show whether it wrote them again.
-        let db = a.client().await.unwrap();
-        db.execute("UPDATE pacegate_waiting SET count = 10", &[])
-            .await
-            .unwrap();
-        assert_eq!(
-            contract::ask(&a, &r, &two).await.unwrap(),
-            contract::BACKFILL
-        );
-        let left = a.waiting("d").await.unwrap();
-        assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 9), "{left:?}");
-        // A list that changed is written.
-        let five = [contract::waiting(contract::BACKFILL, 5, 50)];
-        assert_eq!(
-            contract::ask(&a, &r, &five).await.unwrap(),
-            contract::BACKFILL
-        );
-        let left = a.waiting("d").await.unwrap();
-        assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 4), "{left:?}");
-        // So is one told without a reservation, and an unchanged one is not.
-        a.wait_list("d", &five).await.unwrap();
-        db.execute("UPDATE pacegate_waiting SET count = 10", &[])
-            .await
-            .unwrap();
-        a.wait_list("d", &five).await.unwrap();
-        assert_eq!(a.waiting("d").await.unwrap()[0].1, 10);
-    }
-
-    #[tokio::test]
-    async fn after_a_yield_the_wait_list_is_told_again() {
-        let (a, b) = pair().await;
-        let r = contract::rule(100.0);
-        let backfill = [contract::waiting(contract::BACKFILL, 2, 100)];
-        b.wait_list("d", &[contract::waiting(Class(0), 1, 10)])
-            .await
-            .unwrap();
-        assert!(matches!(
-            contract::ask(&a, &r, &backfill).await,
-            Err(ReserveError::Yield(_))
-        ));
-        // a's rows vanish (a lease that ran out while it stalled), and b's request leaves.
-        a.client()
-            .await
-            .unwrap()
-            .execute("DELETE FROM pacegate_waiting", &[])
-            .await
-            .unwrap();
-        b.wait_list("d", &[]).await.unwrap();
-        assert_eq!(
-            contract::ask(&a, &r, &backfill).await.unwrap(),
-            contract::BACKFILL
-        );
-    }
-
-    #[tokio::test]
-    async fn waiters_count_only_while_their_instance_heartbeats() {
-        let (a, b) = pair().await;
-        let r = contract::rule(100.0);
-        let interactive = [contract::waiting(Class(0), 5, 1000)];
-        let backfill = [contract::waiting(Class(2), 5, 1000)];
-        let ask = |queues| Ask {
-            queues,
-            not_after: None,
-        };
-        a.wait_list("d", &interactive).await.unwrap();
-        assert!(matches!(
-            b.reserve("d", &r, ask(&backfill)).await,
-            Err(ReserveError::Yield(_))
-        ));
-        // a's lease runs out: its last heartbeat is just older than WAITER_LEASE.
-        a.client()
-            .await
-            .unwrap()
-            .execute(
-                "UPDATE pacegate_instances SET last_seen = last_seen - make_interval(secs => $1) WHERE id = 'a'",
-                &[&(WAITER_LEASE.as_secs_f64() + 0.5)],
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            b.reserve("d", &r, ask(&backfill)).await.unwrap().class,
-            Class(2)
-        );
-        // Its rows are dropped at the next heartbeat of anyone.
-        b.heartbeat(&instance("b")).await.unwrap();
-        assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(2));
-    }
-
-    #[tokio::test]
-    async fn migrations_apply_once_and_concurrently() {
-        let url = testdb::fresh().await;
-        let stores: Vec<_> = (0..10)
-            .map(|_| PostgresStore::new(&url, 2).unwrap())
-            .collect();
-        let results = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
-        let applied: Vec<Vec<i32>> = results.into_iter().map(Result::unwrap).collect();
-        assert_eq!(
-            applied.iter().filter(|a| !a.is_empty()).count(),
-            1,
-            "{applied:?}"
-        );
-        stores[0].check_schema().await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn a_newer_schema_is_refused() {
-        let store = store().await;
-        let client = store.client().await.unwrap();
-        client
-            .execute(
-                "INSERT INTO pacegate_schema_migrations (version, name) VALUES (999, 'future')",
-                &[],
-            )
-            .await
-            .unwrap();
-        drop(client);
-        let err = store.migrate().await.unwrap_err();
-        assert!(err.0.contains("newer than this pacegate binary"), "{err}");
-        assert!(store.check_schema().await.is_err());
-    }
-
-    #[tokio::test]
-    async fn heartbeats_count_live_instances() {
-        let store = store().await;
-        let me = |n: i32| Instance {
-            id: format!("host/{n}/x"),
-            host: "host".into(),
-            pid: n,
-            version: "test".into(),
-        };
-        store.heartbeat(&me(1)).await.unwrap();
-        store.heartbeat(&me(2)).await.unwrap();
-        store.heartbeat(&me(1)).await.unwrap();
-        let live = store.live_instances(Duration::from_secs(5)).await.unwrap();
-        assert_eq!(live.iter().map(|i| i.pid).collect::<Vec<_>>(), [1, 2]);
-        store.forget(&me(2)).await.unwrap();
-        assert_eq!(
-            store
-                .live_instances(Duration::from_secs(5))
-                .await
-                .unwrap()
-                .len(),
-            1
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(
-            store
-                .live_instances(Duration::from_millis(200))
-                .await
-                .unwrap()
-                .is_empty(),
-            "a silent instance leaves the count"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_missing_row_is_recreated_at_now() {
-        let store = store().await;
-        let rule = contract::rule(10.0);
-        contract::take(&store, "d", &rule, None).await.unwrap();
-        store
-            .client()
-            .await
-            .unwrap()
-            .execute("TRUNCATE pacegate_budgets", &[])
-            .await
-            .unwrap();
-        let now = Instant::now();
-        let slot = contract::take(&store, "d", &rule, None).await.unwrap();
-        assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
-    }
-}
+#[cfg(test)]
+mod model;
+#[cfg(test)]
+mod tests;

@@ -3,7 +3,9 @@
 use base64::Engine;
 use http::header::{HeaderMap, PROXY_AUTHORIZATION};
 
-use crate::config::{sha256, AuthConfig};
+use subtle::ConstantTimeEq;
+
+use crate::config::{AuthConfig, User};
 
 /// The user name and password of `Proxy-Authorization: Basic` credentials, as sent.
 fn basic_credentials(headers: &HeaderMap) -> Option<(Vec<u8>, Vec<u8>)> {
@@ -24,22 +26,17 @@ pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
     let Some((name, password)) = basic_credentials(headers) else {
         return false;
     };
-    let offered = sha256(&password);
+    let offered = User::digest(&password);
     auth.users
         .iter()
         .find(|u| u.name.as_bytes() == name)
-        .is_some_and(|u| constant_time_eq(&u.password_sha256, &offered))
+        .is_some_and(|u| bool::from(u.password_sha256[..].ct_eq(&offered[..])))
 }
 
 /// The user name of `Proxy-Authorization: Basic` credentials, if any (the password is not
 /// checked here).
 pub(super) fn user_name(headers: &HeaderMap) -> Option<String> {
     String::from_utf8(basic_credentials(headers)?.0).ok()
-}
-
-/// Compares digests without an early exit, so timing does not reveal how much matched.
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]
@@ -54,7 +51,7 @@ mod tests {
                 name: "worker".into(),
                 password_env: None,
                 password_sha256_hex: None,
-                password_sha256: sha256(b"pw:with:colons"),
+                password_sha256: User::digest(b"pw:with:colons"),
             }],
         }
     }

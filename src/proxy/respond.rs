@@ -261,7 +261,7 @@ impl ProxyError {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
         }
         if let Self::AuthRequired { realm } = self {
-            let challenge = format!("Basic realm=\"{}\"", sf_escape(realm));
+            let challenge = format!("Basic realm=\"{}\"", quoted_string_body(realm));
             if let Ok(v) = HeaderValue::from_str(&challenge) {
                 headers.insert(PROXY_AUTHENTICATE, v);
             }
@@ -271,18 +271,23 @@ impl ProxyError {
 }
 
 /// `Proxy-Status: pacegate; error=TOKEN; details="..."`.
+///
+/// Written by hand rather than with `sfv`: its serialiser writes the canonical form without
+/// the spaces after `;` (`pacegate;error=...`), equally valid but not the form documented and
+/// matched on by operators since the first release; the only part to get right here is the
+/// escaping of one string, which the tests below pin down.
 pub fn proxy_status(token: &str, details: &str) -> HeaderValue {
     let value = format!(
         "pacegate; error={token}; details=\"{}\"",
-        sf_escape(details)
+        quoted_string_body(details)
     );
     HeaderValue::from_str(&value)
         .unwrap_or_else(|_| HeaderValue::from_static("pacegate; error=proxy_internal_error"))
 }
 
-/// Makes text a valid structured-field string body: printable ASCII only, `"` and `\`
-/// escaped.
-fn sf_escape(text: &str) -> String {
+/// Text as the body of a quoted string (a structured-field string, an HTTP quoted-string):
+/// printable ASCII only, `"` and `\` escaped.
+fn quoted_string_body(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {

@@ -4,6 +4,7 @@
 
 pub mod pg;
 pub mod process;
+pub mod testdb;
 pub mod upstream;
 
 use std::future::Future;
@@ -212,7 +213,7 @@ pub async fn status_of(client: &reqwest::Client, url: impl reqwest::IntoUrl) -> 
 /// kept alive as long as the URL is used.
 pub async fn database() -> (Option<pg::Cluster>, String) {
     if std::env::var("PACEGATE_TEST_DATABASE_URL").is_ok() {
-        (None, pacegate::budget::postgres::testdb::fresh().await)
+        (None, testdb::fresh().await)
     } else {
         let cluster = pg::Cluster::start();
         let url = cluster.url();

@@ -1,0 +1,326 @@
+//! One arithmetic, checked as one: random sequences of reservations, verdicts, pauses,
+//! lockouts, unlocks and clock advances go through `budget::schedule` (the model) and through
+//! the postgres store's SQL, and both must end every step in the same state: the same slots
+//! and outcomes, backoff, generation, streak, pause and lock.
+//!
+//! The database's clock is replaced for the test: the store's connection puts a schema of the
+//! test's own first on its `search_path`, whose `clock_timestamp()` reads the instant the test
+//! set. The SQL under test is the production SQL, unchanged.
+//!
+//! `PACEGATE_MODEL_CASES` sets the number of sequences (2,000 by default).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+use super::*;
+use crate::budget::schedule::{Budget, NoSlot, Waiting};
+use crate::destination::Quota;
+
+/// The model's time 0, as a Unix time in µs; every sequence starts well after it, so that
+/// the model's zero and the database's `-infinity` both mean "long ago".
+const T0_US: i64 = 1_767_225_600_000_000; // 2026-01-01T00:00:00Z
+const START: Duration = Duration::from_secs(1_000);
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// The clock moves on by this many µs.
+    Advance(u64),
+    /// A reservation; `busy` tells a wait list of two (the general function), else one
+    /// request alone (the one-statement path). `limit`: whether to set a limit, and on
+    /// which side of the model's slot (then it is 5 to 50 ms off it).
+    Reserve {
+        busy: bool,
+        limit: Option<(bool, u64)>,
+    },
+    Clean,
+    /// A throttle reserved under the current generation (`stale`: the one before), with a
+    /// Retry-After in ms.
+    Throttled {
+        stale: bool,
+        retry_after_ms: Option<u64>,
+    },
+    Lockout,
+    Unlock,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u64..400_000).prop_map(Op::Advance),
+        5 => (any::<bool>(), proptest::option::of((any::<bool>(), 5_000u64..50_000)))
+            .prop_map(|(busy, limit)| Op::Reserve { busy, limit }),
+        3 => Just(Op::Clean),
+        2 => (any::<bool>(), proptest::option::weighted(0.3, 0u64..5_000))
+            .prop_map(|(stale, retry_after_ms)| Op::Throttled { stale, retry_after_ms }),
+        1 => Just(Op::Lockout),
+        1 => Just(Op::Unlock),
+    ]
+}
+
+/// A rule whose intervals at every backoff are whole µs, so that both sides compute exactly.
+fn rule_strategy() -> impl Strategy<Value = Rule> {
+    (
+        prop::sample::select(vec![1.0, 2.0, 4.0, 5.0, 10.0, 20.0, 25.0, 50.0]),
+        1u32..4,
+        prop::sample::select(vec![2.0, 4.0]),
+        prop::sample::select(vec![4.0, 8.0, 16.0]),
+        1u32..5,
+        proptest::option::weighted(0.3, (1u32..4, 200u64..2_000)),
+    )
+        .prop_map(
+            |(rate, burst, backoff_factor, backoff_max, decay_after, quota)| Rule {
+                interval: Duration::from_secs_f64(1.0 / rate),
+                burst,
+                backoff_factor,
+                backoff_max,
+                decay_after,
+                retry_after_max: Duration::from_secs(3),
+                shares: Arc::from(vec![0.0]),
+                quota: quota
+                    .map(|(limit, per_ms)| {
+                        vec![Quota {
+                            limit,
+                            per: Duration::from_millis(per_ms),
+                        }]
+                    })
+                    .unwrap_or_default(),
+            },
+        )
+}
+
+/// The budget row as the model would write it: next slot and pause in µs since `T0_US`
+/// (`None`: long ago), backoff, generation, streak, locked.
+type Row = (Option<i64>, Option<i64>, f64, i64, i32, bool);
+
+fn model_row(b: &Budget) -> Row {
+    let us = |d: Duration| (d > Duration::ZERO).then_some(d.as_micros() as i64);
+    (
+        us(b.next_at),
+        us(b.paused_until),
+        b.backoff,
+        b.generation as i64,
+        b.clean_streak as i32,
+        b.lock.is_some(),
+    )
+}
+
+const SQL_ROW: &str = "SELECT
+        CASE WHEN isfinite(next_at) THEN (extract(epoch FROM next_at) * 1000000)::bigint - $2 END,
+        CASE WHEN isfinite(paused_until) THEN (extract(epoch FROM paused_until) * 1000000)::bigint - $2 END,
+        backoff, generation, clean_streak, lock_status IS NOT NULL
+    FROM pacegate_budgets WHERE destination = $1";
+
+/// The test's own database: the schema migrated, and a clock the test sets.
+struct Db {
+    store: PostgresStore,
+    control: tokio_postgres::Client,
+}
+
+impl Db {
+    async fn open() -> Self {
+        let url = testdb::fresh().await;
+        PostgresStore::new(&url, 1)
+            .unwrap()
+            .migrate()
+            .await
+            .unwrap();
+        let (control, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        control
+            .batch_execute(
+                "CREATE SCHEMA fakeclock;
+                 CREATE TABLE fakeclock.now_t (t timestamptz NOT NULL);
+                 INSERT INTO fakeclock.now_t VALUES (now());
+                 CREATE FUNCTION fakeclock.clock_timestamp() RETURNS timestamptz
+                     LANGUAGE sql VOLATILE AS 'SELECT t FROM fakeclock.now_t';",
+            )
+            .await
+            .unwrap();
+        let clocked = format!("{url}?options=-c%20search_path%3Dfakeclock%2Cpublic%2Cpg_catalog");
+        let store = PostgresStore::new(&clocked, 1)
+            .unwrap()
+            .with_instance("model");
+        Self { store, control }
+    }
+
+    async fn set_now(&self, now: Duration) {
+        let us = T0_US + now.as_micros() as i64;
+        self.control
+            .execute(
+                "UPDATE fakeclock.now_t SET t = to_timestamp($1::float8 / 1000000)",
+                &[&(us as f64)],
+            )
+            .await
+            .unwrap();
+        // to_timestamp goes through float8: check that it landed on the µs.
+        let back: i64 = self
+            .control
+            .query_one(
+                "SELECT (extract(epoch FROM t) * 1000000)::bigint FROM fakeclock.now_t",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(back, us, "the fake clock is exact");
+    }
+
+    async fn row(&self, destination: &str) -> Option<Row> {
+        self.control
+            .query_opt(SQL_ROW, &[&destination, &T0_US])
+            .await
+            .unwrap()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+    }
+}
+
+fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), TestCaseError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(TestCaseError::fail(what()))
+    }
+}
+
+/// Runs one sequence on destination `d` through both; fails at the first difference.
+async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut model = Budget::default();
+    let mut now = START;
+    db.set_now(now).await;
+    for (step, op) in ops.iter().enumerate() {
+        let at = || format!("step {step} ({op:?}) of {ops:?} with {rule:?}");
+        match op {
+            Op::Advance(us) => {
+                now += Duration::from_micros(*us);
+                db.set_now(now).await;
+            }
+            Op::Reserve { busy, limit } => {
+                let count = if *busy { 2 } else { 1 };
+                let list = [Waiting {
+                    class: Class(0),
+                    count,
+                    since: now,
+                    next_since: busy.then_some(now),
+                }];
+                // The limit is set well to one side of the slot the model would give, so
+                // that the µs the real clock moves during the call cannot tip it.
+                let not_after = limit.map(|(after, off_us)| {
+                    let mut probe = model.clone();
+                    let slot = probe
+                        .reserve_for(rule, now, "model", &list, None)
+                        .map_or(now, |s| s.0);
+                    let off = Duration::from_micros(off_us);
+                    if after {
+                        slot + off
+                    } else {
+                        slot.saturating_sub(off).max(now)
+                    }
+                });
+                let expected = model.reserve_for(rule, now, "model", &list, not_after);
+                let real_now = Instant::now();
+                let queues = [ClassQueue {
+                    class: Class(0),
+                    count,
+                    oldest: real_now,
+                    next: busy.then_some(real_now),
+                }];
+                let ask = Ask {
+                    queues: &queues,
+                    not_after: not_after.map(|n| real_now + (n - now)),
+                };
+                let got = db.store.reserve(d, rule, ask).await;
+                match (&expected, &got) {
+                    (Ok((_, generation, _)), Ok(grant)) => {
+                        check(grant.slot.generation == *generation, || {
+                            format!(
+                                "{}: generation {} vs model {generation}",
+                                at(),
+                                grant.slot.generation
+                            )
+                        })?
+                    }
+                    (Err(NoSlot::TooLate { .. }), Err(ReserveError::TooLate { .. }))
+                    | (Err(NoSlot::Locked(_)), Err(ReserveError::Locked(_))) => {}
+                    _ => check(false, || format!("{}: {got:?} vs model {expected:?}", at()))?,
+                }
+            }
+            Op::Clean | Op::Throttled { .. } | Op::Lockout => {
+                let event = match op {
+                    Op::Clean => Event::Clean,
+                    Op::Throttled {
+                        stale,
+                        retry_after_ms,
+                    } => Event::Throttled {
+                        generation: if *stale {
+                            model.generation.saturating_sub(1)
+                        } else {
+                            model.generation
+                        },
+                        retry_after: retry_after_ms.map(Duration::from_millis),
+                    },
+                    _ => Event::Lockout(Lockout::new(403, "GET /".into(), "model".into())),
+                };
+                model.apply(rule, &event, now);
+                let view = db.store.record(d, rule, event).await.unwrap();
+                check(
+                    (view.backoff - model.backoff).abs() < 1e-9
+                        && view.generation == model.generation
+                        && view.clean_streak == model.clean_streak,
+                    || format!("{}: {view:?} vs model {model:?}", at()),
+                )?;
+            }
+            Op::Unlock => {
+                let cleared = db.store.unlock(d).await.unwrap();
+                check(cleared.is_some() == model.lock.is_some(), || {
+                    format!("{}: cleared {cleared:?} vs model {:?}", at(), model.lock)
+                })?;
+                model.lock = None;
+            }
+        }
+        // The whole budget, step by step. A destination never touched has no row yet.
+        if let Some(row) = db.row(d).await {
+            let expected = model_row(&model);
+            check(
+                row.0 == expected.0
+                    && row.1 == expected.1
+                    && (row.2 - expected.2).abs() < 1e-9
+                    && row.3 == expected.3
+                    && row.4 == expected.4
+                    && row.5 == expected.5,
+                || format!("{}: row {row:?} vs model {expected:?}", at()),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_sql_computes_what_the_schedule_computes() {
+    let cases = std::env::var("PACEGATE_MODEL_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(2_000);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = rt.block_on(Db::open());
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let n = std::sync::atomic::AtomicU64::new(0);
+    let strategy = (rule_strategy(), prop::collection::vec(op(), 1..16));
+    let result = runner.run(&strategy, |(rule, ops)| {
+        let d = format!("d{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        rt.block_on(run(&db, &d, &rule, &ops))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}

@@ -1,0 +1,145 @@
+//! Between Rust and the postgres store's rows: errors named by what happened, wait lists as
+//! the arrays the SQL functions take, and rows read back into budgets and lockouts.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+
+use crate::budget::{BudgetView, ClassQueue, Lockout, StoreError};
+use crate::class::Class;
+
+/// A driver or pool error, named by what happened. tokio-postgres' own message is only
+/// "db error", so the whole cause chain is kept.
+pub(super) fn db(e: impl std::error::Error + 'static) -> StoreError {
+    let mut msg = format!("postgres: {e}");
+    let mut source = e.source();
+    let mut code = None;
+    let mut io = false;
+    while let Some(s) = source {
+        msg.push_str(&format!(": {s}"));
+        if let Some(d) = s.downcast_ref::<tokio_postgres::error::DbError>() {
+            code = Some(d.code().code().to_owned());
+        }
+        io |= s.is::<std::io::Error>();
+        source = s.source();
+    }
+    if let Some(pg) = (&e as &dyn std::error::Error).downcast_ref::<tokio_postgres::Error>() {
+        code = code.or_else(|| pg.code().map(|c| c.code().to_owned()));
+        io |= pg.is_closed();
+    }
+    match code.as_deref() {
+        // Connection exceptions, a server shutting down or not yet accepting connections,
+        // too many connections: the store is not there for this instance.
+        Some(c) if c.starts_with("08") || c.starts_with("57P") || c.starts_with("53") => {
+            StoreError::Unreachable(msg)
+        }
+        // An undefined table or function: the schema is not this binary's.
+        Some("42P01" | "42883") => StoreError::Schema(msg),
+        Some(_) => StoreError::Refused(msg),
+        // No answer from the server at all: the connection failed, closed, or timed out.
+        // (tokio-postgres does not expose its error kinds; these are its messages for them.)
+        None if io
+            || [
+                "error connecting",
+                "error communicating",
+                "error performing TLS",
+                "connection closed",
+                "timeout waiting",
+            ]
+            .iter()
+            .any(|m| msg.starts_with(&format!("postgres: {m}"))) =>
+        {
+            StoreError::Unreachable(msg)
+        }
+        None => StoreError::Refused(msg),
+    }
+}
+
+/// A wait list as the arrays `pacegate_tell` takes: classes, counts, and the ages in seconds
+/// of the oldest and second oldest, now.
+#[allow(clippy::type_complexity)]
+pub(super) fn columns(queues: &[ClassQueue]) -> (Vec<i32>, Vec<i32>, Vec<f64>, Vec<Option<f64>>) {
+    let now = Instant::now();
+    let age = |since: Instant| now.saturating_duration_since(since).as_secs_f64();
+    (
+        queues.iter().map(|q| i32::from(q.class.0)).collect(),
+        queues
+            .iter()
+            .map(|q| i32::try_from(q.count).unwrap_or(i32::MAX))
+            .collect(),
+        queues.iter().map(|q| age(q.oldest)).collect(),
+        queues.iter().map(|q| q.next.map(age)).collect(),
+    )
+}
+
+/// One class's waiting requests as this instance's rows in `pacegate_waiting` hold them:
+/// enough to see whether a wait list would change them. (The second oldest is not compared:
+/// the rows lose it when a slot is granted, and only the oldest decides who goes first.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Row {
+    class: Class,
+    count: u32,
+    oldest: Instant,
+}
+
+pub(super) fn rows_of(queues: &[ClassQueue]) -> Vec<Row> {
+    queues
+        .iter()
+        .map(|q| Row {
+            class: q.class,
+            count: q.count,
+            oldest: q.oldest,
+        })
+        .collect()
+}
+
+/// What this instance's rows hold after `pacegate_reserve_for` granted a slot to the oldest
+/// request of `class` from `queues`: that request gone, the second oldest the oldest.
+pub(super) fn after_grant(queues: &[ClassQueue], class: Class) -> Vec<Row> {
+    queues
+        .iter()
+        .filter_map(|q| {
+            if q.class != class {
+                return Some(Row {
+                    class: q.class,
+                    count: q.count,
+                    oldest: q.oldest,
+                });
+            }
+            Some(Row {
+                class,
+                count: q.count - 1,
+                oldest: q.next?,
+            })
+        })
+        .collect()
+}
+
+pub(super) fn lockout(
+    since: Option<SystemTime>,
+    status: Option<i32>,
+    request: Option<String>,
+    instance: Option<String>,
+) -> Option<Lockout> {
+    Some(Lockout {
+        since: since?,
+        status: u16::try_from(status?).unwrap_or(0),
+        request: request.unwrap_or_default(),
+        instance: instance.unwrap_or_default(),
+    })
+}
+
+pub(super) fn view_of(row: &tokio_postgres::Row) -> BudgetView {
+    BudgetView {
+        backoff: row.get(0),
+        generation: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
+        clean_streak: u32::try_from(row.get::<_, i32>(2)).unwrap_or(0),
+        paused_for: Duration::from_secs_f64(row.get::<_, f64>(3).max(0.0)),
+        lock: lockout(row.get(4), row.get(5), row.get(6), row.get(7)),
+    }
+}
+
+/// `later - earlier` on the database clock, zero when negative.
+pub(super) fn after(later: SystemTime, earlier: SystemTime) -> Duration {
+    later.duration_since(earlier).unwrap_or_default()
+}

@@ -1,0 +1,84 @@
+//! The postgres store's statements, as named constants. The functions they call are in
+//! `migrations/`.
+
+/// The common case of a reservation, as one UPDATE: one request waits here and none anywhere
+/// else (so it deserves the slot, and no share is owed), the destination has no quota
+/// window, the row exists, is not locked, and the slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
+/// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
+/// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
+/// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
+/// which. `c.now` is read once, before any wait for the row lock, so a contended reservation
+/// computes its slot from a slightly earlier "now": the slot can only be earlier on the beat,
+/// never closer to another slot. The database time returned is read again after the update,
+/// so that waiting for the lock does not make the local deadline late.
+pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
+    SET next_at = GREATEST(b.next_at,
+            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
+        + make_interval(secs => $2 * b.backoff)
+    FROM (SELECT clock_timestamp() AS now) AS c
+    WHERE b.destination = $1
+      AND b.lock_status IS NULL
+      AND b.credits = '{}'
+      AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = $1)
+      AND ($4::float8 IS NULL OR
+           GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
+               <= c.now + make_interval(secs => $4::float8))
+    RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
+        clock_timestamp(), b.generation, c.now";
+pub(super) const SQL_RESERVE_FOR: &str =
+    "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
+pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
+/// Every live instance's waiting requests of a destination, by class.
+pub(super) const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
+        extract(epoch FROM clock_timestamp() - min(w.since))::double precision
+    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+    WHERE w.destination = $1
+      AND (w.instance = $2 OR l.last_seen > clock_timestamp() - make_interval(secs => $3))
+    GROUP BY w.class ORDER BY w.class";
+pub(super) const SQL_QUOTA_USED: &str = "SELECT count(*) FROM pacegate_sends
+    WHERE destination = $1 AND at > clock_timestamp() - make_interval(secs => $2)";
+/// Waiting requests of instances whose lease ran out: they no longer count, and would keep
+/// reservations off the one-statement path.
+pub(super) const SQL_EXPIRE_WAITING: &str = "DELETE FROM pacegate_waiting AS w
+    WHERE NOT EXISTS (SELECT 1 FROM pacegate_instances AS l
+        WHERE l.id = w.instance AND l.last_seen > clock_timestamp() - make_interval(secs => $1))";
+pub(super) const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
+pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for, lock_since, lock_status, lock_request, lock_instance
+    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+pub(super) const SQL_UNLOCK: &str = "WITH old AS (
+        SELECT destination, lock_since, lock_status, lock_request, lock_instance
+        FROM pacegate_budgets WHERE destination = $1 AND lock_status IS NOT NULL FOR UPDATE)
+    UPDATE pacegate_budgets AS b
+    SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
+    FROM old WHERE b.destination = old.destination
+    RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
+pub(super) const SQL_HEARTBEAT: &str =
+    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
+        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp())
+    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()";
+pub(super) const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
+        extract(epoch FROM clock_timestamp() - last_seen)::double precision
+    FROM pacegate_instances
+    WHERE last_seen > clock_timestamp() - make_interval(secs => $1)
+    ORDER BY started_at";
+pub(super) const SQL_FORGET: &str = "DELETE FROM pacegate_instances WHERE id = $1";
+/// The columns `view_of` reads, in its order.
+macro_rules! view_columns {
+    () => {
+        "backoff, generation, clean_streak,
+        CASE WHEN paused_until > clock_timestamp()
+            THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
+        lock_since, lock_status, lock_request, lock_instance"
+    };
+}
+pub(super) const SQL_BUDGETS: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    ", destination FROM pacegate_budgets ORDER BY destination"
+);
+pub(super) const SQL_VIEW: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    " FROM pacegate_budgets WHERE destination = $1"
+);

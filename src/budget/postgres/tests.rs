@@ -1,0 +1,226 @@
+//! The postgres store against a fresh database per test.
+
+use super::*;
+use crate::budget::contract;
+
+async fn store() -> PostgresStore {
+    let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
+    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3]);
+    store
+}
+
+fn instance(id: &str) -> Instance {
+    Instance {
+        id: id.into(),
+        host: "test".into(),
+        pid: 1,
+        version: "0".into(),
+    }
+}
+
+/// Two live instances on one fresh store.
+async fn pair() -> (PostgresStore, PostgresStore) {
+    let url = testdb::fresh().await;
+    let a = PostgresStore::new(&url, 4).unwrap().with_instance("a");
+    a.migrate().await.unwrap();
+    let b = PostgresStore::new(&url, 4).unwrap().with_instance("b");
+    a.heartbeat(&instance("a")).await.unwrap();
+    b.heartbeat(&instance("b")).await.unwrap();
+    (a, b)
+}
+
+#[tokio::test]
+async fn passes_the_store_contract() {
+    contract::run_all(store, Duration::from_millis(20)).await;
+    contract::run_shared(pair).await;
+}
+
+#[tokio::test]
+async fn an_unchanged_wait_list_is_not_rewritten() {
+    let (a, _b) = pair().await;
+    let r = contract::rule(100.0);
+    let three = [contract::waiting(contract::BACKFILL, 3, 100)];
+    assert_eq!(
+        contract::ask(&a, &r, &three).await.unwrap(),
+        contract::BACKFILL
+    );
+    // What the pacer hands over next: two left, the second oldest now the oldest.
+    let two = [ClassQueue {
+        count: 2,
+        oldest: three[0].next.unwrap(),
+        ..three[0]
+    }];
+    // Rows changed behind the store's back show whether it wrote them again.
+    let db = a.client().await.unwrap();
+    db.execute("UPDATE pacegate_waiting SET count = 10", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        contract::ask(&a, &r, &two).await.unwrap(),
+        contract::BACKFILL
+    );
+    let left = a.waiting("d").await.unwrap();
+    assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 9), "{left:?}");
+    // A list that changed is written.
+    let five = [contract::waiting(contract::BACKFILL, 5, 50)];
+    assert_eq!(
+        contract::ask(&a, &r, &five).await.unwrap(),
+        contract::BACKFILL
+    );
+    let left = a.waiting("d").await.unwrap();
+    assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 4), "{left:?}");
+    // So is one told without a reservation, and an unchanged one is not.
+    a.wait_list("d", &five).await.unwrap();
+    db.execute("UPDATE pacegate_waiting SET count = 10", &[])
+        .await
+        .unwrap();
+    a.wait_list("d", &five).await.unwrap();
+    assert_eq!(a.waiting("d").await.unwrap()[0].1, 10);
+}
+
+#[tokio::test]
+async fn after_a_yield_the_wait_list_is_told_again() {
+    let (a, b) = pair().await;
+    let r = contract::rule(100.0);
+    let backfill = [contract::waiting(contract::BACKFILL, 2, 100)];
+    b.wait_list("d", &[contract::waiting(Class(0), 1, 10)])
+        .await
+        .unwrap();
+    assert!(matches!(
+        contract::ask(&a, &r, &backfill).await,
+        Err(ReserveError::Yield(_))
+    ));
+    // a's rows vanish (a lease that ran out while it stalled), and b's request leaves.
+    a.client()
+        .await
+        .unwrap()
+        .execute("DELETE FROM pacegate_waiting", &[])
+        .await
+        .unwrap();
+    b.wait_list("d", &[]).await.unwrap();
+    assert_eq!(
+        contract::ask(&a, &r, &backfill).await.unwrap(),
+        contract::BACKFILL
+    );
+}
+
+#[tokio::test]
+async fn waiters_count_only_while_their_instance_heartbeats() {
+    let (a, b) = pair().await;
+    let r = contract::rule(100.0);
+    let interactive = [contract::waiting(Class(0), 5, 1000)];
+    let backfill = [contract::waiting(Class(2), 5, 1000)];
+    let ask = |queues| Ask {
+        queues,
+        not_after: None,
+    };
+    a.wait_list("d", &interactive).await.unwrap();
+    assert!(matches!(
+        b.reserve("d", &r, ask(&backfill)).await,
+        Err(ReserveError::Yield(_))
+    ));
+    // a's lease runs out: its last heartbeat is just older than WAITER_LEASE.
+    a.client()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE pacegate_instances SET last_seen = last_seen - make_interval(secs => $1) WHERE id = 'a'",
+            &[&(WAITER_LEASE.as_secs_f64() + 0.5)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        b.reserve("d", &r, ask(&backfill)).await.unwrap().class,
+        Class(2)
+    );
+    // Its rows are dropped at the next heartbeat of anyone.
+    b.heartbeat(&instance("b")).await.unwrap();
+    assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(2));
+}
+
+#[tokio::test]
+async fn migrations_apply_once_and_concurrently() {
+    let url = testdb::fresh().await;
+    let stores: Vec<_> = (0..10)
+        .map(|_| PostgresStore::new(&url, 2).unwrap())
+        .collect();
+    let results = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+    let applied: Vec<Vec<i32>> = results.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        applied.iter().filter(|a| !a.is_empty()).count(),
+        1,
+        "{applied:?}"
+    );
+    stores[0].check_schema().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_newer_schema_is_refused() {
+    let store = store().await;
+    let client = store.client().await.unwrap();
+    client
+        .execute(
+            "INSERT INTO pacegate_schema_migrations (version, name) VALUES (999, 'future')",
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(client);
+    let err = store.migrate().await.unwrap_err();
+    assert!(
+        err.to_string().contains("newer than this pacegate binary"),
+        "{err}"
+    );
+    assert!(store.check_schema().await.is_err());
+}
+
+#[tokio::test]
+async fn heartbeats_count_live_instances() {
+    let store = store().await;
+    let me = |n: i32| Instance {
+        id: format!("host/{n}/x"),
+        host: "host".into(),
+        pid: n,
+        version: "test".into(),
+    };
+    store.heartbeat(&me(1)).await.unwrap();
+    store.heartbeat(&me(2)).await.unwrap();
+    store.heartbeat(&me(1)).await.unwrap();
+    let live = store.live_instances(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(live.iter().map(|i| i.pid).collect::<Vec<_>>(), [1, 2]);
+    store.forget(&me(2)).await.unwrap();
+    assert_eq!(
+        store
+            .live_instances(Duration::from_secs(5))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        store
+            .live_instances(Duration::from_millis(200))
+            .await
+            .unwrap()
+            .is_empty(),
+        "a silent instance leaves the count"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_row_is_recreated_at_now() {
+    let store = store().await;
+    let rule = contract::rule(10.0);
+    contract::take(&store, "d", &rule, None).await.unwrap();
+    store
+        .client()
+        .await
+        .unwrap()
+        .execute("TRUNCATE pacegate_budgets", &[])
+        .await
+        .unwrap();
+    let now = Instant::now();
+    let slot = contract::take(&store, "d", &rule, None).await.unwrap();
+    assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
+}

@@ -1,0 +1,333 @@
+//! The budget arithmetic on fixed cases, named as behaviours.
+
+use super::*;
+
+fn rule(rate: f64, burst: u32) -> Rule {
+    Rule {
+        interval: Duration::from_secs_f64(1.0 / rate),
+        burst,
+        backoff_factor: 2.0,
+        backoff_max: 8.0,
+        decay_after: 3,
+        retry_after_max: Duration::from_secs(60),
+        shares: std::sync::Arc::from(vec![0.0; 3]),
+        quota: Vec::new(),
+    }
+}
+
+const INTERACTIVE: Class = Class(0);
+const SCHEDULED: Class = Class(1);
+const BACKFILL: Class = Class(2);
+
+/// Grants `n` slots with every class in `waiting` always waiting; returns who got each.
+fn run(shares: &[f64], waiting: &[Class], n: usize) -> Vec<Class> {
+    let mut credits = Vec::new();
+    (0..n)
+        .map(|_| {
+            let (c, next) = choose(&credits, shares, waiting).unwrap();
+            credits = next;
+            c
+        })
+        .collect()
+}
+
+#[test]
+fn the_most_urgent_waiting_class_goes_first() {
+    assert_eq!(
+        run(&[0.0; 3], &[BACKFILL, INTERACTIVE], 5),
+        [INTERACTIVE; 5]
+    );
+    assert_eq!(run(&[0.0; 3], &[BACKFILL, SCHEDULED], 2), [SCHEDULED; 2]);
+    assert_eq!(choose(&[], &[0.0; 3], &[]), None);
+}
+
+#[test]
+fn a_share_is_honoured_while_its_class_waits() {
+    let got = run(&[0.0, 0.0, 0.2], &[INTERACTIVE, BACKFILL], 100);
+    let backfill = got.iter().filter(|c| **c == BACKFILL).count();
+    assert_eq!(backfill, 20, "{got:?}");
+    // Spread out, not bunched: every run of five slots holds exactly one.
+    for five in got.chunks(5) {
+        assert_eq!(five.iter().filter(|c| **c == BACKFILL).count(), 1);
+    }
+    // Two shared classes and an urgent one.
+    let got = run(&[0.0, 0.25, 0.1], &[INTERACTIVE, SCHEDULED, BACKFILL], 200);
+    let count = |k| got.iter().filter(|c| **c == k).count();
+    // Each gets its share, to within one slot.
+    assert!(count(SCHEDULED).abs_diff(50) <= 1, "{got:?}");
+    assert!(count(BACKFILL).abs_diff(20) <= 1, "{got:?}");
+}
+
+#[test]
+fn a_share_is_lent_when_its_class_is_idle_and_not_saved_up() {
+    // Backfill alone gets every slot; interactive alone too, whatever backfill's share.
+    assert_eq!(run(&[0.0, 0.0, 0.2], &[BACKFILL], 10), [BACKFILL; 10]);
+    assert_eq!(run(&[0.0, 0.0, 0.2], &[INTERACTIVE], 10), [INTERACTIVE; 10]);
+    // A long idle spell earns no credit: when backfill comes back it gets its share, not
+    // a burst of what it missed.
+    let (_, credits) = choose(&[], &[0.0, 0.0, 0.2], &[INTERACTIVE]).unwrap();
+    assert_eq!(credits, [0.0; 3]);
+    let (first, _) = choose(&credits, &[0.0, 0.0, 0.2], &[INTERACTIVE, BACKFILL]).unwrap();
+    assert_eq!(first, INTERACTIVE);
+}
+
+/// What the tests below call now.
+const NOW: Duration = Duration::from_secs(10);
+
+/// `count` requests of `class`, the oldest waiting `oldest_ms` and the next `next_ms` at
+/// [`NOW`].
+fn queue(class: Class, count: u32, oldest_ms: u64, next_ms: Option<u64>) -> Waiting {
+    Waiting {
+        class,
+        count,
+        since: NOW - Duration::from_millis(oldest_ms),
+        next_since: next_ms.map(|n| NOW - Duration::from_millis(n)),
+    }
+}
+
+#[test]
+fn the_oldest_request_of_the_class_wins_over_every_instance() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    let now = NOW;
+    // Instance a has backfill waiting for 5 s; b has an interactive request of 1 ms.
+    let ask_b = [queue(INTERACTIVE, 1, 1, None)];
+    b.tell("b", &ask_b);
+    assert_eq!(
+        b.reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None),
+        Err(NoSlot::Yield)
+    );
+    let (_, _, class) = b.reserve_for(&r, now, "b", &ask_b, None).unwrap();
+    assert_eq!(class, INTERACTIVE);
+    // b's request was served and left the list; a goes next.
+    assert!(!b.waiting.contains_key("b"));
+    let (_, _, class) = b
+        .reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None)
+        .unwrap();
+    assert_eq!(class, BACKFILL);
+    assert_eq!(b.waiting["a"][0].count, 49);
+    assert_eq!(b.waiting_at(now)[0], (BACKFILL, 49, Duration::from_secs(4)));
+    // Within a class, the older head wins, whichever instance asks.
+    b.tell("c", &[queue(BACKFILL, 1, 4500, None)]);
+    assert_eq!(
+        b.reserve_for(&r, now, "a", &[queue(BACKFILL, 49, 4000, None)], None),
+        Err(NoSlot::Yield)
+    );
+    assert!(b
+        .reserve_for(&r, now, "c", &[queue(BACKFILL, 1, 4500, None)], None)
+        .is_ok());
+}
+
+#[test]
+fn quota_windows_are_exact_at_their_edges() {
+    let mut r = rule(10.0, 1);
+    r.quota = vec![crate::destination::Quota {
+        limit: 3,
+        per: Duration::from_secs(10),
+    }];
+    let margin = r.max_late();
+    let mut b = Budget::default();
+    let slots: Vec<Duration> = (0..7)
+        .map(|_| b.reserve(&r, Duration::ZERO, None).unwrap().0)
+        .collect();
+    let ms = |d: Duration| d.as_millis() as u64;
+    let m = ms(margin);
+    assert_eq!(
+        slots.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+        [
+            0,
+            100,
+            200,
+            10_000 + m,
+            10_100 + m,
+            10_200 + m,
+            20_000 + 2 * m
+        ]
+    );
+    // No window of 10 s holds more than 3, even with each slot used up to max_late late.
+    for (i, s) in slots.iter().enumerate() {
+        let late_first = *s + margin;
+        let after = |start: Duration| {
+            slots[i + 1..]
+                .iter()
+                .filter(|t| **t < start + Duration::from_secs(10))
+                .count()
+        };
+        assert!(after(*s) < 3, "window from slot {i}");
+        assert!(after(late_first) < 3, "window from slot {i}, used late");
+    }
+    // Two windows: the tighter one at each moment rules.
+    r.quota.push(crate::destination::Quota {
+        limit: 5,
+        per: Duration::from_secs(60),
+    });
+    let mut b = Budget::default();
+    let slots: Vec<u64> = (0..6)
+        .map(|_| ms(b.reserve(&r, Duration::ZERO, None).unwrap().0))
+        .collect();
+    assert_eq!(slots[5], 60_000 + m);
+    assert_eq!(b.sends.len(), 5, "keeps only the largest limit's worth");
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[test]
+fn beat_keeping_ignores_lateness() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    assert_eq!(b.reserve(&r, ms(0), None).unwrap().0, ms(0));
+    // Reserved late (the caller woke up 30 ms after its slot): the beat holds.
+    assert_eq!(b.reserve(&r, ms(30), None).unwrap().0, ms(100));
+    assert_eq!(b.reserve(&r, ms(140), None).unwrap().0, ms(200));
+    // The n-th slot at full demand is start + n / rate.
+    for n in 3..20 {
+        assert_eq!(
+            b.reserve(&r, ms(n * 100 - 50), None).unwrap().0,
+            ms(n * 100)
+        );
+    }
+}
+
+#[test]
+fn idle_restarts_from_now() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    b.reserve(&r, ms(0), None).unwrap();
+    assert_eq!(b.reserve(&r, ms(1000), None).unwrap().0, ms(1000));
+    assert_eq!(b.reserve(&r, ms(1000), None).unwrap().0, ms(1100));
+}
+
+#[test]
+fn burst_allows_that_many_at_once_then_spaces() {
+    let r = rule(10.0, 3);
+    let mut b = Budget::default();
+    let slots: Vec<_> = (0..5)
+        .map(|_| b.reserve(&r, ms(0), None).unwrap().0)
+        .collect();
+    assert_eq!(slots, [ms(0), ms(0), ms(0), ms(100), ms(200)]);
+}
+
+#[test]
+fn pause_holds_every_slot() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    b.apply(
+        &r,
+        &Event::Throttled {
+            generation: 0,
+            retry_after: Some(ms(5000)),
+        },
+        ms(0),
+    );
+    // Backoff is 2 now: 200 ms apart, from the end of the pause.
+    assert_eq!(b.reserve(&r, ms(10), None).unwrap().0, ms(5000));
+    assert_eq!(b.reserve(&r, ms(10), None).unwrap().0, ms(5200));
+}
+
+#[test]
+fn pause_is_capped_by_retry_after_max() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    b.apply(
+        &r,
+        &Event::Throttled {
+            generation: 0,
+            retry_after: Some(Duration::from_secs(86400)),
+        },
+        ms(0),
+    );
+    assert_eq!(b.paused_until, Duration::from_secs(60));
+}
+
+#[test]
+fn too_late_takes_nothing() {
+    let r = rule(1.0, 1);
+    let mut b = Budget::default();
+    b.reserve(&r, ms(0), None).unwrap();
+    assert_eq!(
+        b.reserve(&r, ms(0), Some(ms(500))),
+        Err(NoSlot::TooLate { slot: ms(1000) })
+    );
+    assert_eq!(b.reserve(&r, ms(0), Some(ms(1000))).unwrap().0, ms(1000));
+}
+
+#[test]
+fn one_widening_per_generation() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    for _ in 0..10 {
+        b.apply(
+            &r,
+            &Event::Throttled {
+                generation: 0,
+                retry_after: None,
+            },
+            ms(0),
+        );
+    }
+    assert_eq!(b.backoff, 2.0);
+    assert_eq!(b.generation, 1);
+    b.apply(
+        &r,
+        &Event::Throttled {
+            generation: 1,
+            retry_after: None,
+        },
+        ms(0),
+    );
+    assert_eq!(b.backoff, 4.0);
+    for g in 2..10 {
+        b.apply(
+            &r,
+            &Event::Throttled {
+                generation: g,
+                retry_after: None,
+            },
+            ms(0),
+        );
+    }
+    assert_eq!(b.backoff, 8.0, "capped at backoff_max");
+}
+
+#[test]
+fn decay_after_a_clean_streak_never_below_one() {
+    let r = rule(10.0, 1);
+    let mut b = Budget {
+        backoff: 4.0,
+        ..Budget::default()
+    };
+    for _ in 0..2 {
+        b.apply(&r, &Event::Clean, ms(0));
+    }
+    assert_eq!(b.backoff, 4.0);
+    b.apply(&r, &Event::Clean, ms(0));
+    assert_eq!(b.backoff, 2.0);
+    assert_eq!(b.clean_streak, 0);
+    b.apply(
+        &r,
+        &Event::Throttled {
+            generation: 99,
+            retry_after: None,
+        },
+        ms(0),
+    );
+    assert_eq!(
+        b.clean_streak, 0,
+        "a throttle resets the streak even when it does not widen"
+    );
+    for _ in 0..30 {
+        b.apply(&r, &Event::Clean, ms(0));
+    }
+    assert_eq!(b.backoff, 1.0);
+}
+
+#[test]
+fn lockout_halts_until_cleared() {
+    let r = rule(10.0, 1);
+    let mut b = Budget::default();
+    let lock = Lockout::new(403, "GET /x".into(), "test".into());
+    assert!(b.apply(&r, &Event::Lockout(lock.clone()), ms(0)));
+    assert_eq!(b.reserve(&r, ms(0), None), Err(NoSlot::Locked(lock)));
+}

@@ -1,0 +1,157 @@
+//! Loading configs: defaults, every problem with its key path, and the normalised output.
+
+use super::*;
+
+fn parse(text: &str) -> Result<Config, Vec<ConfigProblem>> {
+    Config::parse(text, Path::new("/nonexistent"))
+}
+
+fn paths(problems: &[ConfigProblem]) -> Vec<&str> {
+    problems.iter().map(|p| p.path.as_str()).collect()
+}
+
+const MINIMAL: &str = "[tls]\ngenerate_ca = true\n";
+
+#[test]
+fn empty_config_gets_safe_defaults() {
+    let c = parse(MINIMAL).unwrap();
+    assert_eq!(c.proxy.listen.to_string(), "127.0.0.1:3128");
+    assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9464");
+    assert_eq!(c.proxy.unmatched, Unmatched::Deny);
+    assert!(!c.proxy.allow_private_upstreams);
+    assert_eq!(c.tls.ca_key, Path::new("/nonexistent/ca-key.pem"));
+}
+
+#[test]
+fn reports_every_problem_with_its_key_path() {
+    let err = parse(
+        r#"
+        [proxy]
+        listen = "nowhere"
+        colour = "blue"
+        [proxy.limits]
+        header_read_timeout = "0s"
+        [upstream]
+        connect_timeout = "soon"
+        [tls]
+        generate_ca = true
+        [destinations.img]
+        hosts = ["img.example.com", "bad host"]
+        rate = 5
+        quota = [{ limit = 0, per = "1m" }]
+        [destinations.cdn]
+        hosts = ["*.example.com"]
+        [classes]
+        order = []
+        "#,
+    )
+    .unwrap_err();
+    let p = paths(&err);
+    for expected in [
+        "proxy.colour",
+        "proxy.listen",
+        "proxy.limits.header_read_timeout",
+        "upstream.connect_timeout",
+        "destinations.img.quota[0].limit",
+        "destinations.img.hosts[1]",
+        "destinations.img.hosts[0]",
+        "destinations.cdn.rate",
+        "classes.order",
+    ] {
+        assert!(p.contains(&expected), "missing {expected} in {err:#?}");
+    }
+}
+
+#[test]
+fn classes_and_quotas_are_read() {
+    let c = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [classes]
+        order = ["interactive", "scheduled", "backfill"]
+        default = "scheduled"
+        [classes.share]
+        backfill = 0.1
+        [classes.max_wait]
+        interactive = "5s"
+        [destinations.api]
+        hosts = ["api.example.com"]
+        rate = 10
+        quota = [{ limit = 600, per = "1m" }, { limit = 20000, per = "1d" }]
+        "#,
+    )
+    .unwrap();
+    let interactive = c.classes.lookup("interactive").unwrap();
+    assert_eq!(
+        c.classes.max_wait(interactive),
+        Some(Duration::from_secs(5))
+    );
+    assert_eq!(c.classes.default_class(), crate::class::Class(1));
+    assert_eq!(c.classes.shares(), vec![0.0, 0.0, 0.1]);
+    assert_eq!(c.destinations[0].pace.quota[1].limit, 20000);
+    assert_eq!(
+        c.destinations[0].pace.quota[1].per,
+        Duration::from_secs(86400)
+    );
+    // The normalised output reads back the same.
+    let again = Config::parse(&c.to_toml(), Path::new("/nonexistent")).unwrap();
+    assert_eq!(again.classes, c.classes);
+    assert_eq!(
+        again.destinations[0].pace.quota,
+        c.destinations[0].pace.quota
+    );
+    // Without [classes], one class named `default`, and none in the normalised output.
+    let minimal = parse(MINIMAL).unwrap();
+    assert_eq!(minimal.classes.order, ["default"]);
+    assert!(!minimal.to_toml().contains("[classes]"));
+}
+
+#[test]
+fn durations_must_be_strings_with_units() {
+    let err = parse("[upstream]\nconnect_timeout = 5\n[tls]\ngenerate_ca = true").unwrap_err();
+    assert_eq!(paths(&err), ["upstream.connect_timeout"]);
+    let c = parse("[upstream]\nconnect_timeout = \"250ms\"\n[tls]\ngenerate_ca = true").unwrap();
+    assert_eq!(c.upstream.connect_timeout, Duration::from_millis(250));
+}
+
+#[test]
+fn missing_ca_without_generate_ca_is_an_error() {
+    let err = parse("").unwrap_err();
+    assert_eq!(paths(&err), ["tls.ca_cert", "tls.ca_key"]);
+}
+
+#[test]
+fn auth_reads_password_from_environment() {
+    std::env::set_var("PACEGATE_TEST_CONFIG_PW", "s3cret");
+    let c = parse(
+        "[proxy.auth]\nusers = [{ name = \"w\", password_env = \"PACEGATE_TEST_CONFIG_PW\" }]\n[tls]\ngenerate_ca = true",
+    )
+    .unwrap();
+    let user = &c.proxy.auth.unwrap().users[0];
+    assert_eq!(user.password_sha256, User::digest(b"s3cret"));
+    assert!(!format!("{user:?}").contains("s3cret"));
+    let err = parse("[proxy.auth]\nusers = [{ name = \"w\", password_env = \"PACEGATE_TEST_UNSET_VAR\" }]\n[tls]\ngenerate_ca = true")
+        .unwrap_err();
+    assert_eq!(paths(&err), ["proxy.auth.users[0].password_env"]);
+}
+
+#[test]
+fn normalised_output_parses_back() {
+    let c = parse(
+        "[destinations.a]\nhosts = [\"A.example.com:443\"]\nrate = 0.5\nmax_wait = \"2s\"\n[tls]\ngenerate_ca = true",
+    )
+    .unwrap();
+    let text = c.to_toml();
+    assert!(text.contains("a.example.com:443"), "{text}");
+    let again = parse(&text).unwrap();
+    assert_eq!(again.destinations[0].hosts, c.destinations[0].hosts);
+    assert_eq!(again.destinations[0].pace, c.destinations[0].pace);
+    assert_eq!(again.destinations[0].pace.max_wait, Duration::from_secs(2));
+}
+
+#[test]
+fn syntax_errors_are_reported() {
+    let err = parse("[proxy\nlisten=").unwrap_err();
+    assert_eq!(paths(&err), ["(file)"]);
+}

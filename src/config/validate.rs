@@ -1,0 +1,531 @@
+//! Validation: the file model in, the typed config out, and every problem found on the way
+//! with its key path.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::file::*;
+use super::*;
+use crate::class::Classes;
+use crate::destination::{Destination, HostPattern, Pace};
+
+pub(super) struct Validator<'a> {
+    pub(super) problems: Vec<ConfigProblem>,
+    pub(super) base: &'a Path,
+}
+
+impl Validator<'_> {
+    fn push(&mut self, path: &str, message: impl Into<String>) {
+        self.problems.push(problem(path, message));
+    }
+
+    fn addr(&mut self, path: &str, text: Option<String>, default: &str) -> SocketAddr {
+        let text = text.unwrap_or_else(|| default.to_owned());
+        text.parse().unwrap_or_else(|_| {
+            self.push(
+                path,
+                format!("`{text}` is not an address:port such as `{default}`"),
+            );
+            default.parse().expect("default address parses")
+        })
+    }
+
+    fn positive(&mut self, path: &str, value: Option<Duration>, default: Duration) -> Duration {
+        let d = value.unwrap_or(default);
+        if d.is_zero() {
+            self.push(
+                path,
+                "must be longer than zero (write it like \"250ms\" or \"30s\")",
+            );
+        }
+        d
+    }
+
+    fn path(&self, p: PathBuf) -> PathBuf {
+        if p.is_absolute() {
+            p
+        } else {
+            self.base.join(p)
+        }
+    }
+
+    pub(super) fn proxy(&mut self, raw: RawProxy) -> ProxyConfig {
+        let limits = raw.limits.unwrap_or_default();
+        let max_connections = limits.max_connections.unwrap_or(1024);
+        if max_connections == 0 {
+            self.push("proxy.limits.max_connections", "must be at least 1");
+        }
+        let max_header_bytes = limits.max_header_bytes.unwrap_or(64 * 1024);
+        if !(8192..=1024 * 1024).contains(&max_header_bytes) {
+            self.push(
+                "proxy.limits.max_header_bytes",
+                "must be between 8192 and 1048576",
+            );
+        }
+        ProxyConfig {
+            listen: self.addr("proxy.listen", raw.listen, "127.0.0.1:3128"),
+            unmatched: raw.unmatched.unwrap_or_default(),
+            allow_private_upstreams: raw.allow_private_upstreams.unwrap_or(false),
+            shutdown_grace: raw.shutdown_grace.unwrap_or(Duration::from_secs(30)),
+            auth: raw.auth.map(|a| self.auth(a)),
+            limits: Limits {
+                max_connections,
+                max_header_bytes,
+                header_read_timeout: self.positive(
+                    "proxy.limits.header_read_timeout",
+                    limits.header_read_timeout,
+                    Duration::from_secs(30),
+                ),
+                handshake_timeout: self.positive(
+                    "proxy.limits.handshake_timeout",
+                    limits.handshake_timeout,
+                    Duration::from_secs(10),
+                ),
+                tunnel_idle_timeout: self.positive(
+                    "proxy.limits.tunnel_idle_timeout",
+                    limits.tunnel_idle_timeout,
+                    Duration::from_secs(300),
+                ),
+            },
+        }
+    }
+
+    fn auth(&mut self, raw: RawAuth) -> AuthConfig {
+        if raw.users.is_empty() {
+            self.push(
+                "proxy.auth.users",
+                "lists no user: add one, or remove [proxy.auth] to turn authentication off",
+            );
+        }
+        let mut users: Vec<User> = Vec::new();
+        for (i, u) in raw.users.into_iter().enumerate() {
+            let path = format!("proxy.auth.users[{i}]");
+            let name = u.name.unwrap_or_default();
+            if name.is_empty() || name.contains(':') {
+                self.push(
+                    &format!("{path}.name"),
+                    "is required and may not contain `:`",
+                );
+            } else if users.iter().any(|x| x.name == name) {
+                self.push(
+                    &format!("{path}.name"),
+                    format!("user `{name}` is listed twice"),
+                );
+            }
+            let digest = match (&u.password_env, &u.password_sha256) {
+                (Some(var), None) => match std::env::var(var) {
+                    Ok(pw) if !pw.is_empty() => Some(User::digest(pw.as_bytes())),
+                    _ => {
+                        self.push(
+                            &format!("{path}.password_env"),
+                            format!("environment variable `{var}` is not set or empty"),
+                        );
+                        None
+                    }
+                },
+                (None, Some(hex)) => match decode_hex32(hex) {
+                    Ok(d) => Some(d),
+                    Err(_) => {
+                        self.push(
+                            &format!("{path}.password_sha256"),
+                            "must be 64 hex digits (sha256 of the password)",
+                        );
+                        None
+                    }
+                },
+                _ => {
+                    self.push(
+                        &path,
+                        "needs exactly one of `password_env` or `password_sha256`",
+                    );
+                    None
+                }
+            };
+            if let Some(password_sha256) = digest {
+                users.push(User {
+                    name,
+                    password_env: u.password_env,
+                    password_sha256_hex: u.password_sha256,
+                    password_sha256,
+                });
+            }
+        }
+        AuthConfig {
+            realm: raw.realm.unwrap_or_else(|| "pacegate".into()),
+            users,
+        }
+    }
+
+    pub(super) fn upstream(&mut self, raw: RawUpstream) -> UpstreamConfig {
+        UpstreamConfig {
+            connect_timeout: self.positive(
+                "upstream.connect_timeout",
+                raw.connect_timeout,
+                Duration::from_secs(10),
+            ),
+            response_timeout: self.positive(
+                "upstream.response_timeout",
+                raw.response_timeout,
+                Duration::from_secs(60),
+            ),
+            pool_idle_timeout: self.positive(
+                "upstream.pool_idle_timeout",
+                raw.pool_idle_timeout,
+                Duration::from_secs(4),
+            ),
+            pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(32),
+        }
+    }
+
+    pub(super) fn admin(&mut self, raw: RawAdmin) -> AdminConfig {
+        let token = raw
+            .token_env
+            .as_ref()
+            .and_then(|var| match std::env::var(var) {
+                Ok(t) if !t.is_empty() => Some(t),
+                _ => {
+                    self.push(
+                        "admin.token_env",
+                        format!("environment variable `{var}` is not set or empty"),
+                    );
+                    None
+                }
+            });
+        AdminConfig {
+            listen: self.addr("admin.listen", raw.listen, "127.0.0.1:9464"),
+            token_env: raw.token_env,
+            token,
+        }
+    }
+
+    pub(super) fn store(&mut self, raw: RawStore) -> StoreConfig {
+        let backend = raw.backend.unwrap_or_default();
+        let url = raw.url.or_else(|| {
+            std::env::var("PACEGATE_STORE_URL")
+                .ok()
+                .filter(|u| !u.is_empty())
+        });
+        if backend == Backend::Postgres {
+            match &url {
+                None => self.push(
+                    "store.url",
+                    "is required with backend = \"postgres\" (or set PACEGATE_STORE_URL, which keeps the password out of the file)",
+                ),
+                Some(u) if u.parse::<tokio_postgres::Config>().is_err() => {
+                    self.push("store.url", "is not a postgres URL like postgres://user@host:5432/db");
+                }
+                Some(_) => {}
+            }
+        }
+        let connections = raw.connections.unwrap_or(8);
+        if connections < 2 {
+            // One connection is kept for heartbeats and probes, so that lockouts and the live
+            // count stay current while reservations hold every other one.
+            self.push(
+                "store.connections",
+                "must be at least 2: one is kept for heartbeats, the rest serve reservations",
+            );
+        }
+        StoreConfig {
+            backend,
+            state_file: self.path(
+                raw.state_file
+                    .unwrap_or_else(|| "pacegate-state.json".into()),
+            ),
+            url,
+            connections,
+            ca_file: raw.ca_file.map(|p| {
+                let p = self.path(p);
+                if !p.is_file() {
+                    self.push(
+                        "store.ca_file",
+                        format!("{} is not a readable file", p.display()),
+                    );
+                }
+                p
+            }),
+            migrate: raw.migrate.unwrap_or(true),
+            on_unavailable: raw.on_unavailable.unwrap_or_default(),
+            instances_hint: raw.instances_hint.unwrap_or(1).max(1),
+            timeout: self.positive("store.timeout", raw.timeout, Duration::from_millis(100)),
+        }
+    }
+
+    fn pace(&mut self, path: &str, d: &RawDestination) -> Pace {
+        let rate = d.rate.unwrap_or_else(|| {
+            self.push(
+                &format!("{path}.rate"),
+                "is required: requests per second over every instance, e.g. 5 or 0.5",
+            );
+            1.0
+        });
+        if !(rate.is_finite() && rate > 0.0 && rate <= 1_000_000.0) {
+            self.push(
+                &format!("{path}.rate"),
+                "must be a number above 0 and at most 1000000",
+            );
+        }
+        let default = Pace::new(rate);
+        let pace = Pace {
+            burst: d.burst.unwrap_or(default.burst),
+            max_concurrency: d.max_concurrency.unwrap_or(default.max_concurrency),
+            max_wait: self.positive(&format!("{path}.max_wait"), d.max_wait, default.max_wait),
+            throttle_statuses: d
+                .throttle_statuses
+                .clone()
+                .unwrap_or(default.throttle_statuses.clone()),
+            lockout_statuses: d
+                .lockout_statuses
+                .clone()
+                .unwrap_or(default.lockout_statuses.clone()),
+            backoff_factor: d.backoff_factor.unwrap_or(default.backoff_factor),
+            backoff_max: d.backoff_max.unwrap_or(default.backoff_max),
+            decay_after: d.decay_after.unwrap_or(default.decay_after),
+            retry_after_max: self.positive(
+                &format!("{path}.retry_after_max"),
+                d.retry_after_max,
+                default.retry_after_max,
+            ),
+            retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
+            intercept: d.intercept.unwrap_or(default.intercept),
+            quota: d.quota.clone().unwrap_or_default(),
+            rate,
+        };
+        for (i, q) in pace.quota.iter().enumerate() {
+            if !(1..=MAX_QUOTA_LIMIT).contains(&q.limit) {
+                self.push(
+                    &format!("{path}.quota[{i}].limit"),
+                    format!("must be 1 to {MAX_QUOTA_LIMIT}"),
+                );
+            }
+            if q.per < Duration::from_millis(1) {
+                self.push(
+                    &format!("{path}.quota[{i}].per"),
+                    "must be at least 1ms (write it like \"1m\" or \"1d\")",
+                );
+            }
+        }
+        if pace.burst == 0 {
+            self.push(&format!("{path}.burst"), "must be at least 1");
+        }
+        if !(pace.backoff_factor.is_finite() && pace.backoff_factor > 1.0) {
+            self.push(&format!("{path}.backoff_factor"), "must be above 1");
+        }
+        if !(pace.backoff_max.is_finite() && pace.backoff_max >= 1.0) {
+            self.push(&format!("{path}.backoff_max"), "must be at least 1");
+        }
+        if pace.decay_after == 0 {
+            self.push(&format!("{path}.decay_after"), "must be at least 1");
+        }
+        for (key, list) in [
+            ("throttle_statuses", &pace.throttle_statuses),
+            ("lockout_statuses", &pace.lockout_statuses),
+        ] {
+            for (i, s) in list.iter().enumerate() {
+                if !(100..=599).contains(s) {
+                    self.push(
+                        &format!("{path}.{key}[{i}]"),
+                        format!("{s} is not an HTTP status (100 to 599)"),
+                    );
+                }
+            }
+        }
+        if let Some(both) = pace
+            .throttle_statuses
+            .iter()
+            .find(|s| pace.lockout_statuses.contains(s))
+        {
+            self.push(
+                &format!("{path}.lockout_statuses"),
+                format!("{both} is also a throttle status; a status has one verdict"),
+            );
+        }
+        pace
+    }
+
+    pub(super) fn tls(&mut self, raw: RawTls) -> TlsConfig {
+        let leaf_validity = self.positive(
+            "tls.leaf_validity",
+            raw.leaf_validity,
+            Duration::from_secs(24 * 3600),
+        );
+        if leaf_validity < Duration::from_secs(3600)
+            || leaf_validity > Duration::from_secs(90 * 24 * 3600)
+        {
+            self.push("tls.leaf_validity", "must be between 1h and 90d");
+        }
+        let generate_ca = raw.generate_ca.unwrap_or(false);
+        let ca_cert = self.path(raw.ca_cert.unwrap_or_else(|| "ca.pem".into()));
+        let ca_key = self.path(raw.ca_key.unwrap_or_else(|| "ca-key.pem".into()));
+        if !generate_ca {
+            for (key, p) in [("tls.ca_cert", &ca_cert), ("tls.ca_key", &ca_key)] {
+                if !p.exists() {
+                    self.push(
+                        key,
+                        format!(
+                            "{} does not exist: create a CA with `pacegate ca init --dir DIR` or set tls.generate_ca = true",
+                            p.display()
+                        ),
+                    );
+                }
+            }
+        }
+        let mut extra = Vec::new();
+        for (i, p) in raw.extra_upstream_roots.into_iter().enumerate() {
+            let p = self.path(p);
+            if !p.is_file() {
+                self.push(
+                    &format!("tls.extra_upstream_roots[{i}]"),
+                    format!("{} is not a readable file", p.display()),
+                );
+            }
+            extra.push(p);
+        }
+        TlsConfig {
+            ca_cert,
+            ca_key,
+            generate_ca,
+            extra_upstream_roots: extra,
+            leaf_validity,
+        }
+    }
+
+    pub(super) fn classes(&mut self, raw: RawClasses) -> Classes {
+        let order = raw.order.unwrap_or_default();
+        if order.is_empty() {
+            self.push(
+                "classes.order",
+                "is required: the class names, most urgent first, e.g. [\"interactive\", \"backfill\"]",
+            );
+        }
+        if order.len() > usize::from(u16::MAX) {
+            self.push("classes.order", "lists too many classes");
+        }
+        for (i, name) in order.iter().enumerate() {
+            let path = format!("classes.order[{i}]");
+            if !is_plain_name(name) {
+                self.push(
+                    &path,
+                    "class names may hold only letters, digits, `_` and `-` (they travel in proxy user names and headers)",
+                );
+            }
+            if order[..i].contains(name) {
+                self.push(&path, format!("`{name}` is listed twice"));
+            }
+        }
+        let listed = |name: &str| order.iter().any(|n| n == name);
+        let default = match raw.default {
+            Some(d) => {
+                if !order.is_empty() && !listed(&d) {
+                    self.push("classes.default", format!("`{d}` is not in classes.order"));
+                }
+                d
+            }
+            None => {
+                if !order.is_empty() {
+                    self.push(
+                        "classes.default",
+                        "is required: the class of a request that names none",
+                    );
+                }
+                order.first().cloned().unwrap_or_default()
+            }
+        };
+        let share = raw.share.unwrap_or_default();
+        for (name, s) in &share {
+            let path = format!("classes.share.{name}");
+            if !listed(name) {
+                self.push(&path, "names no class in classes.order");
+            }
+            if !(s.is_finite() && *s > 0.0 && *s < 1.0) {
+                self.push(&path, "must be a fraction above 0 and below 1");
+            }
+        }
+        let total: f64 = share.values().filter(|s| s.is_finite()).sum();
+        if total > 1.0 {
+            self.push(
+                "classes.share",
+                format!("the shares add up to {total}, more than every slot"),
+            );
+        }
+        let mut max_wait = BTreeMap::new();
+        for (name, RawDuration(d)) in raw.max_wait {
+            let path = format!("classes.max_wait.{name}");
+            if !listed(&name) {
+                self.push(&path, "names no class in classes.order");
+            }
+            max_wait.insert(name, self.positive(&path, Some(d), d));
+        }
+        Classes {
+            order,
+            default,
+            share,
+            max_wait,
+            configured: true,
+        }
+    }
+
+    pub(super) fn destinations(
+        &mut self,
+        raw: BTreeMap<String, RawDestination>,
+    ) -> Vec<Destination> {
+        let mut out: Vec<Destination> = Vec::new();
+        for (name, d) in raw {
+            let path = format!("destinations.{name}");
+            if !is_plain_name(&name) {
+                self.push(
+                    &path,
+                    "destination names may hold only letters, digits, `_` and `-`",
+                );
+            }
+            let hosts_raw = d.hosts.clone().unwrap_or_default();
+            if hosts_raw.is_empty() {
+                self.push(
+                    &format!("{path}.hosts"),
+                    "is required and must list at least one host pattern",
+                );
+            }
+            let mut hosts = Vec::new();
+            for (i, h) in hosts_raw.iter().enumerate() {
+                match HostPattern::parse(h) {
+                    Ok(p) => hosts.push((i, p)),
+                    Err(e) => self.push(&format!("{path}.hosts[{i}]"), e),
+                }
+            }
+            for (i, p) in &hosts {
+                for other in &out {
+                    if let Some(q) = other.hosts.iter().find(|q| q.overlaps(p)) {
+                        self.push(
+                            &format!("{path}.hosts[{i}]"),
+                            format!("`{p}` overlaps `{q}` of destination `{}`: a host may belong to one destination only", other.name),
+                        );
+                    }
+                }
+            }
+            let pace = self.pace(&path, &d);
+            out.push(Destination {
+                name,
+                hosts: hosts.into_iter().map(|(_, p)| p).collect(),
+                pace,
+            });
+        }
+        out
+    }
+}
+
+/// A name of letters, digits, `_` and `-`: safe in metric labels, URLs, user names and headers.
+pub(super) fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// A SHA-256 digest written as 64 hex digits.
+fn decode_hex32(text: &str) -> Result<[u8; 32], hex::FromHexError> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(text.trim(), &mut out)?;
+    Ok(out)
+}

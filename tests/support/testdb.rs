@@ -1,0 +1,42 @@
+//! For tests: a fresh database per test, in the server `PACEGATE_TEST_DATABASE_URL`
+//! names (scripts/test provides one). Shared by the library's unit tests (through `#[path]`)
+//! and the integration tests.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Creates a new empty database and returns its URL. Panics, saying how to get a server,
+/// when `PACEGATE_TEST_DATABASE_URL` is not set.
+#[allow(dead_code, unreachable_pub)]
+pub async fn fresh() -> String {
+    let admin = std::env::var("PACEGATE_TEST_DATABASE_URL").unwrap_or_else(|_| {
+        panic!(
+            "PACEGATE_TEST_DATABASE_URL is not set: run the tests through scripts/test, which starts a throwaway PostgreSQL, or point it at a server where the tests may create databases"
+        )
+    });
+    static N: AtomicU32 = AtomicU32::new(0);
+    let name = format!(
+        "pacegate_unit_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    );
+    let (client, conn) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to PACEGATE_TEST_DATABASE_URL: {e}"));
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let mut config: tokio_postgres::Config = admin.parse().unwrap();
+    config.dbname(&name);
+    let (host, port) = match (config.get_hosts().first(), config.get_ports().first()) {
+        (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => (h.clone(), *p),
+        _ => panic!("PACEGATE_TEST_DATABASE_URL must name a TCP host and port"),
+    };
+    let user = config.get_user().unwrap_or("postgres");
+    let password = config
+        .get_password()
+        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
+    format!("postgres://{user}{password}@{host}:{port}/{name}")
+}
