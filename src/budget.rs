@@ -2,8 +2,8 @@
 //!
 //! A budget is one destination's shared pacing state (next slot, backoff, generation, clean
 //! streak, pause, lockout). Its arithmetic is in [`schedule`], pure and shared; a store holds
-//! budgets and applies that arithmetic atomically: `memory` for one instance, `postgres` (to
-//! come) for every instance at once. Nothing here knows HTTP or how responses are classified.
+//! budgets and applies that arithmetic atomically: `memory` for one instance, `postgres` for
+//! every instance at once. Nothing here knows HTTP or how responses are classified.
 
 pub mod failover;
 pub mod fleet;
@@ -188,6 +188,9 @@ pub enum StoreError {
     /// The store answered, but refused the statement or answered something unexpected.
     #[error("pacing store refused: {0}")]
     Refused(String),
+    /// The store cannot be set up as configured (its URL, its TLS settings).
+    #[error("pacing store settings: {0}")]
+    Settings(String),
     /// The store's own file (the memory store's state file) cannot be read or written.
     #[error("pacing store: {0}")]
     File(String),

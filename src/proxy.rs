@@ -15,6 +15,7 @@ use std::time::Instant;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 
+use crate::class::Class;
 use crate::config::{AuthConfig, Limits, Unmatched};
 use crate::destination::normalise_host;
 use crate::metrics::{Metrics, UNMATCHED};
@@ -130,21 +131,12 @@ impl Proxy {
         } else {
             // An inner request may name its own class with the header; else it keeps the
             // CONNECT's.
-            match self.inner.pacer.classes().of_request(
-                req.headers(),
-                None,
-                self.inner.auth.is_some(),
-                target.class,
-            ) {
+            match self.class_of(&req, None, target.class) {
                 Ok(class) => {
                     let target = Target { class, ..target };
                     self.forward(req, target).await
                 }
-                Err(e) => Handled::refused(
-                    ProxyError::UnknownClass(e),
-                    target.name(),
-                    target.authority(),
-                ),
+                Err(e) => Handled::refused(e, target.name(), target.authority()),
             }
         };
         self.finish(started, &method, handled)
@@ -169,22 +161,10 @@ impl Proxy {
             Err(err) => return Handled::refused(err, None, target_text),
         };
         // The class named on the proxy connection: header, else the proxy user name.
-        let classes = self.inner.pacer.classes();
         let user = auth::user_name(req.headers());
-        match classes.of_request(
-            req.headers(),
-            user.as_deref(),
-            self.inner.auth.is_some(),
-            classes.default_class(),
-        ) {
+        match self.class_of(&req, user.as_deref(), target.class) {
             Ok(class) => target.class = class,
-            Err(e) => {
-                return Handled::refused(
-                    ProxyError::UnknownClass(e),
-                    target.name(),
-                    target.authority(),
-                );
-            }
+            Err(e) => return Handled::refused(e, target.name(), target.authority()),
         }
         if target.destination.is_none() && self.inner.unmatched == Unmatched::Deny {
             let err = ProxyError::Unmatched {
@@ -197,6 +177,21 @@ impl Proxy {
         } else {
             self.forward(req, target).await
         }
+    }
+
+    /// The class a request asks for: its `Pacegate-Class` header, else the proxy `user` name,
+    /// else `fallback` (see [`crate::class::Classes::of_request`]).
+    fn class_of(
+        &self,
+        req: &Request<Incoming>,
+        user: Option<&str>,
+        fallback: Class,
+    ) -> Result<Class, ProxyError> {
+        self.inner
+            .pacer
+            .classes()
+            .of_request(req.headers(), user, self.inner.auth.is_some(), fallback)
+            .map_err(ProxyError::UnknownClass)
     }
 
     /// Where a client request is going: the CONNECT authority or the absolute-form URI.

@@ -11,10 +11,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::{Duration, SystemTime};
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -114,7 +113,7 @@ impl MemoryStore {
                 state_file.display()
             ))
         })?;
-        let mut budgets = store.lock();
+        let mut budgets = store.budgets.lock();
         for (name, p) in file.destinations {
             budgets.insert(
                 name,
@@ -137,7 +136,7 @@ impl MemoryStore {
     /// when given, is the earliest the next slot may be: taking over continues the schedule
     /// instead of starting a burst.
     pub fn seed(&self, destination: &str, view: &BudgetView, next_at: Option<Instant>) {
-        let mut budgets = self.lock();
+        let mut budgets = self.budgets.lock();
         let b = budgets.entry(destination.to_owned()).or_default();
         b.backoff = view.backoff.max(1.0);
         b.generation = view.generation;
@@ -169,10 +168,6 @@ impl MemoryStore {
         }
     }
 
-    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<String, Budget>> {
-        self.budgets.lock()
-    }
-
     /// Now on the store's timeline.
     fn now(&self) -> Duration {
         self.offset(Instant::now())
@@ -193,17 +188,14 @@ impl MemoryStore {
         self.epoch + t.saturating_sub(ORIGIN)
     }
 
-    /// A wait list on the store's timeline.
-    fn waiting_list(&self, queues: &[ClassQueue]) -> Vec<Waiting> {
-        queues
-            .iter()
-            .map(|q| Waiting {
-                class: q.class,
-                count: q.count,
-                since: self.offset(q.oldest),
-                next_since: q.next.map(|n| self.offset(n)),
-            })
-            .collect()
+    /// One class's waiting requests on the store's timeline.
+    fn waiting_of(&self, q: &ClassQueue) -> Waiting {
+        Waiting {
+            class: q.class,
+            count: q.count,
+            since: self.offset(q.oldest),
+            next_since: q.next.map(|n| self.offset(n)),
+        }
     }
 
     fn at_unix(&self, secs: f64) -> Duration {
@@ -241,6 +233,7 @@ impl MemoryStore {
         let file = StateFile {
             version: 1,
             destinations: self
+                .budgets
                 .lock()
                 .iter()
                 .map(|(name, b)| {
@@ -295,10 +288,21 @@ impl Store for MemoryStore {
         let result = {
             let now = self.now();
             let limit = ask.not_after.map(|t| self.offset(t));
-            let mut budgets = self.lock();
+            // A request waiting alone, the common case, needs no allocation.
+            let (one, many): ([Waiting; 1], Vec<Waiting>);
+            let list: &[Waiting] = match ask.queues {
+                [q] => {
+                    one = [self.waiting_of(q)];
+                    &one
+                }
+                queues => {
+                    many = queues.iter().map(|q| self.waiting_of(q)).collect();
+                    &many
+                }
+            };
+            let mut budgets = self.budgets.lock();
             let budget = budgets.entry(destination.to_owned()).or_default();
-            let list = self.waiting_list(ask.queues);
-            match budget.reserve_for(rule, now, &self.instance, &list, limit) {
+            match budget.reserve_for(rule, now, &self.instance, list, limit) {
                 Ok((slot, generation, class)) => {
                     if !rule.quota.is_empty() {
                         self.sends_changed.store(true, Ordering::Relaxed);
@@ -327,11 +331,16 @@ impl Store for MemoryStore {
         destination: &'a str,
         queues: &'a [ClassQueue],
     ) -> StoreFuture<'a, Result<(), StoreError>> {
-        let mut budgets = self.lock();
-        // An empty list for a destination never seen creates no budget.
-        if !queues.is_empty() || budgets.contains_key(destination) {
-            let budget = budgets.entry(destination.to_owned()).or_default();
-            budget.tell(&self.instance, &self.waiting_list(queues));
+        let list: Vec<Waiting> = queues.iter().map(|q| self.waiting_of(q)).collect();
+        let mut budgets = self.budgets.lock();
+        match budgets.get_mut(destination) {
+            Some(budget) => budget.tell(&self.instance, &list),
+            // An empty list for a destination never seen creates no budget.
+            None if list.is_empty() => {}
+            None => budgets
+                .entry(destination.to_owned())
+                .or_default()
+                .tell(&self.instance, &list),
         }
         Box::pin(std::future::ready(Ok(())))
     }
@@ -342,6 +351,7 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
         let now = self.now();
         let list = self
+            .budgets
             .lock()
             .get(destination)
             .map_or_else(Vec::new, |b| b.waiting_at(now));
@@ -354,7 +364,7 @@ impl Store for MemoryStore {
         rule: &'a Rule,
     ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
         let now = self.now();
-        let budgets = self.lock();
+        let budgets = self.budgets.lock();
         let used = rule
             .quota
             .iter()
@@ -382,7 +392,7 @@ impl Store for MemoryStore {
         Box::pin(async move {
             let (changed, view) = {
                 let now = self.now();
-                let mut budgets = self.lock();
+                let mut budgets = self.budgets.lock();
                 let budget = budgets.entry(destination.to_owned()).or_default();
                 let changed = budget.apply(rule, &event, now);
                 (changed, self.view_of(budget, now))
@@ -399,7 +409,11 @@ impl Store for MemoryStore {
         destination: &'a str,
     ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
         Box::pin(async move {
-            let cleared = self.lock().get_mut(destination).and_then(|b| b.lock.take());
+            let cleared = self
+                .budgets
+                .lock()
+                .get_mut(destination)
+                .and_then(|b| b.lock.take());
             if cleared.is_some() {
                 self.persist().await?;
             }
@@ -410,6 +424,7 @@ impl Store for MemoryStore {
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         let now = self.now();
         let view = self
+            .budgets
             .lock()
             .get(destination)
             .map(|b| self.view_of(b, now))

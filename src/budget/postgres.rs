@@ -45,9 +45,9 @@ pub struct PostgresStore {
     instance: String,
     /// What this instance's rows in `pacegate_waiting` hold, per destination, where known:
     /// a busy destination's reservation then need not rewrite an unchanged wait list. Unknown
-    /// (absent) from before a statement is sent until its answer arrives, and after a yield,
+    /// (`None`) from before a statement is sent until its answer arrives, and after a yield,
     /// so that an answer that never came, or rows another instance expired, are written again.
-    written: Mutex<HashMap<String, Vec<Row>>>,
+    written: Mutex<HashMap<String, Option<Vec<Row>>>>,
 }
 
 impl PostgresStore {
@@ -61,7 +61,7 @@ impl PostgresStore {
     /// A store over a pool of at most `connections` connections to `url`. Connects lazily.
     pub fn new(url: &str, connections: usize) -> Result<Self, StoreError> {
         let roots =
-            crate::tls::upstream_roots(&[]).map_err(|e| StoreError::Refused(e.to_string()))?;
+            crate::tls::upstream_roots(&[]).map_err(|e| StoreError::Settings(e.to_string()))?;
         Self::with_roots(url, connections, roots)
     }
 
@@ -76,9 +76,9 @@ impl PostgresStore {
     ) -> Result<Self, StoreError> {
         let config: tokio_postgres::Config = url
             .parse()
-            .map_err(|e| StoreError::Refused(format!("store URL: {e}")))?;
+            .map_err(|e| StoreError::Settings(format!("store URL: {e}")))?;
         let tls = crate::tls::upstream_client_config(roots)
-            .map_err(|e| StoreError::Refused(e.to_string()))?;
+            .map_err(|e| StoreError::Settings(e.to_string()))?;
         let manager = Manager::from_config(
             config,
             MakeRustlsConnect::new(tls),
@@ -89,7 +89,7 @@ impl PostgresStore {
         let pool = Pool::builder(manager)
             .max_size(connections)
             .build()
-            .map_err(|e| StoreError::Refused(format!("store pool: {e}")))?;
+            .map_err(|e| StoreError::Settings(format!("store pool: {e}")))?;
         Ok(Self {
             pool,
             usual_rtt_us: AtomicU64::new(u64::MAX),
@@ -111,17 +111,26 @@ impl PostgresStore {
         Duration::from_micros(rtt_us.saturating_sub(usual.min(rtt_us)))
     }
 
-    /// Whether this instance's rows already hold `rows`; either way they count as unknown
-    /// until [`PostgresStore::wrote`] says what the statement about to be sent left there.
+    /// Whether this instance's rows already hold `rows`. Either way they count as unknown
+    /// from now until [`PostgresStore::wrote`] records what the statement about to be sent
+    /// left there.
     fn unchanged(&self, destination: &str, rows: &[Row]) -> bool {
         self.written
             .lock()
-            .remove(destination)
-            .is_some_and(|w| w == rows)
+            .get_mut(destination)
+            .and_then(Option::take)
+            .is_some_and(|known| known == rows)
     }
 
     fn wrote(&self, destination: &str, rows: Vec<Row>) {
-        self.written.lock().insert(destination.to_owned(), rows);
+        let mut written = self.written.lock();
+        match written.get_mut(destination) {
+            Some(known) => *known = Some(rows),
+            // The destination's first statement: the only time its name is copied.
+            None => {
+                written.insert(destination.to_owned(), Some(rows));
+            }
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
@@ -186,7 +195,8 @@ impl Store for PostgresStore {
                     }
                 }
             }
-            let tell = !self.unchanged(destination, &rows_of(ask.queues));
+            let rows = rows_of(ask.queues);
+            let tell = !self.unchanged(destination, &rows);
             let (classes, counts, oldest, next) = columns(ask.queues);
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
@@ -244,11 +254,11 @@ impl Store for PostgresStore {
                 // stalled), or this instance would yield for ever.
                 "yield" => Err(ReserveError::Yield(rule.yield_for(row.get(5)))),
                 "too_late" => {
-                    self.wrote(destination, rows_of(ask.queues));
+                    self.wrote(destination, rows);
                     Err(ReserveError::TooLate { slot: at(slot)? })
                 }
                 "locked" => {
-                    self.wrote(destination, rows_of(ask.queues));
+                    self.wrote(destination, rows);
                     Err(
                         lockout(row.get(6), row.get(7), row.get(8), row.get(9)).map_or_else(
                             || {

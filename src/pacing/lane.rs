@@ -177,7 +177,8 @@ impl Lane {
     /// current interval.
     pub(super) fn estimated_wait(&self) -> Duration {
         let ahead = self.queue.lock().len() as u32 + 1;
-        (self.interval() * ahead).max(self.seen.lock().paused_for)
+        let seen = self.seen.lock();
+        (self.rule.interval.mul_f64(seen.backoff) * ahead).max(seen.paused_for)
     }
 
     /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.

@@ -8,26 +8,18 @@ use tokio::time::Instant;
 use crate::budget::{BudgetView, ClassQueue, Lockout, StoreError};
 use crate::class::Class;
 
-/// A driver or pool error, named by what happened. tokio-postgres' own message is only
-/// "db error", so the whole cause chain is kept.
-pub(super) fn db(e: impl std::error::Error + 'static) -> StoreError {
+/// A driver error, named by what happened. tokio-postgres' own message is only "db error",
+/// so the whole cause chain is kept.
+pub(super) fn db(e: tokio_postgres::Error) -> StoreError {
     let mut msg = format!("postgres: {e}");
-    let mut source = e.source();
-    let mut code = None;
-    let mut io = false;
+    let mut io = e.is_closed();
+    let mut source = std::error::Error::source(&e);
     while let Some(s) = source {
         msg.push_str(&format!(": {s}"));
-        if let Some(d) = s.downcast_ref::<tokio_postgres::error::DbError>() {
-            code = Some(d.code().code().to_owned());
-        }
         io |= s.is::<std::io::Error>();
         source = s.source();
     }
-    if let Some(pg) = (&e as &dyn std::error::Error).downcast_ref::<tokio_postgres::Error>() {
-        code = code.or_else(|| pg.code().map(|c| c.code().to_owned()));
-        io |= pg.is_closed();
-    }
-    match code.as_deref() {
+    match e.code().map(|c| c.code()) {
         // Connection exceptions, a server shutting down or not yet accepting connections,
         // too many connections: the store is not there for this instance.
         Some(c) if c.starts_with("08") || c.starts_with("57P") || c.starts_with("53") => {
@@ -36,21 +28,13 @@ pub(super) fn db(e: impl std::error::Error + 'static) -> StoreError {
         // An undefined table or function: the schema is not this binary's.
         Some("42P01" | "42883") => StoreError::Schema(msg),
         Some(_) => StoreError::Refused(msg),
-        // No answer from the server at all: the connection failed, closed, or timed out.
-        // (tokio-postgres does not expose its error kinds; these are its messages for them.)
-        None if io
-            || [
-                "error connecting",
-                "error communicating",
-                "error performing TLS",
-                "connection closed",
-                "timeout waiting",
-            ]
-            .iter()
-            .any(|m| msg.starts_with(&format!("postgres: {m}"))) =>
-        {
+        // No answer from the server at all: the connection failed or closed, or its TLS
+        // handshake did. (tokio-postgres does not expose its error kinds; an I/O cause, a
+        // closed connection and its TLS message tell them apart.)
+        None if io || e.to_string().starts_with("error performing TLS") => {
             StoreError::Unreachable(msg)
         }
+        // A row or parameter that did not convert, an unexpected message: an odd answer.
         None => StoreError::Refused(msg),
     }
 }
