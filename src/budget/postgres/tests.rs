@@ -31,7 +31,7 @@ async fn pair() -> (PostgresStore, PostgresStore) {
 
 #[tokio::test]
 async fn passes_the_store_contract() {
-    contract::run_all(store, Duration::from_millis(20)).await;
+    contract::run_all(store, Duration::from_millis(2)).await;
     contract::run_shared(pair).await;
 }
 
