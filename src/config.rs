@@ -27,6 +27,8 @@ use validate::Validator;
 
 /// The largest quota `limit`: every instance keeps up to this many send times per window.
 const MAX_QUOTA_LIMIT: u32 = 1_000_000;
+/// The longest `throttle_body` marker: markers are looked for in the first 8 KiB of a body.
+const MAX_MARKER_BYTES: usize = 256;
 
 /// One thing wrong with a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::signals::Families;
+
 impl Pace {
     /// The pacing keys at `rate` with every other key at its default.
     pub fn new(rate: f64) -> Self {
@@ -28,7 +30,35 @@ impl Pace {
             retry_throttled: 3,
             intercept: true,
             quota: Vec::new(),
+            signals: Families::ALL,
+            reserve: 0,
+            throttle_block: None,
+            throttle_body: vec!["rate limit".into(), "too many requests".into()],
         }
+    }
+}
+
+/// The escalating block after a throttle without `Retry-After`: the destination pauses for
+/// `min × 2^streak`, at most `max`, give or take `jitter` of it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Block {
+    /// The first block.
+    #[serde(with = "humantime_serde")]
+    pub min: Duration,
+    /// The longest block.
+    #[serde(with = "humantime_serde")]
+    pub max: Duration,
+    /// The fraction a block may be longer or shorter by, 0 to below 1.
+    pub jitter: f64,
+}
+
+impl Block {
+    /// The block after `streak` throttles in a row, with `spread` (from -1 to 1) of the
+    /// jitter applied.
+    pub fn after(&self, streak: u32, spread: f64) -> Duration {
+        let doubled = self.min.as_secs_f64() * 2f64.powi(streak.min(64) as i32);
+        let capped = doubled.min(self.max.as_secs_f64());
+        Duration::from_secs_f64(capped * (1.0 + self.jitter * spread.clamp(-1.0, 1.0)))
     }
 }
 
@@ -176,6 +206,16 @@ pub struct Pace {
     pub intercept: bool,
     /// Quota windows on top of the rate. Default none.
     pub quota: Vec<Quota>,
+    /// The vendor rate-limit header families read. Default all.
+    pub signals: Families,
+    /// The vendor's remaining requests left unused. Default 0.
+    pub reserve: u32,
+    /// The escalating block after a throttle without `Retry-After`. Default none: a
+    /// throttle only widens the interval.
+    pub throttle_block: Option<Block>,
+    /// Lower-case markers that make a lockout-status body a throttle. Default "rate limit",
+    /// "too many requests".
+    pub throttle_body: Vec<String>,
 }
 
 /// The routing table: which destination, if any, a target host and port belong to. `T` is

@@ -13,6 +13,8 @@
 //! - [`destination`]: host patterns, the routing table, a destination's pacing keys and
 //!   quota windows.
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
+//! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
+//!   header family reduced to one signal.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
 //!   destination's lane) that the request carries; `pacing::lane` queues waiting requests
 //!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::rate`
@@ -30,8 +32,8 @@
 //!   the client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
 //!
-//! Each module imports only modules below it in this order: `status`, `class`, `shutdown`,
-//! `destination`, `config`, `tls`, `metrics`, `budget`, `pacing`, `upstream`, `server`,
+//! Each module imports only modules below it in this order: `status`, `class`, `signals`,
+//! `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `pacing`, `upstream`, `server`,
 //! `proxy`, `admin`, `app`, `cli` (checked by `tests/layering.rs`).
 //!
 //! Words (see `pacing-model.md` in the design notes): *client* sends through pacegate;
@@ -52,6 +54,7 @@ pub mod pacing;
 pub mod proxy;
 pub mod server;
 pub mod shutdown;
+pub mod signals;
 pub mod status;
 pub mod tls;
 pub mod upstream;

@@ -40,7 +40,9 @@ pub struct Metrics {
     pub cert_cache: IntCounterVec,
     /// `pacegate_cert_cache_entries`: leaf certificates cached.
     pub cert_cache_entries: IntGauge,
-    /// `pacegate_verdicts_total{destination,verdict}`: verdicts read from responses.
+    /// `pacegate_verdicts_total{destination,verdict,reason}`: verdicts read from responses,
+    /// and what decided each (`status`, or for a throttle in a lockout status `retry-after`,
+    /// `exhausted`, `body`).
     pub verdicts: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
@@ -146,9 +148,9 @@ impl Metrics {
         let verdicts = IntCounterVec::new(
             Opts::new(
                 "pacegate_verdicts_total",
-                "Verdicts read from upstream responses, by destination and verdict",
+                "Verdicts read from upstream responses, by destination, verdict and what decided it",
             ),
-            &["destination", "verdict"],
+            &["destination", "verdict", "reason"],
         )?;
         let slots_dropped = IntCounterVec::new(
             Opts::new(

@@ -33,7 +33,7 @@ use crate::destination::{Destination, Pace, Routes};
 use crate::metrics::Metrics;
 use crate::status::{ClassStatus, DestinationStatus, InstanceStatus, LockStatus, QuotaStatus};
 use lane::Lane;
-use verdict::Verdict;
+use verdict::{Reading, Verdict};
 
 /// Why a request got no slot.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -261,22 +261,29 @@ impl Pacer {
             _permit: permit,
         })
     }
-    /// Reads the verdict of a response to an admitted request and applies it to the budget.
-    /// `request` is the request line, kept with a lockout.
+    /// Reads a response to an admitted request by status and headers. A lockout may still
+    /// turn out a throttle by its body (see [`Reading::needs_body`]).
+    pub fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
+        verdict::classify(status, headers, &admission.lane.pace)
+    }
+
+    /// Applies the verdict of a response to an admitted request to the budget. `status` and
+    /// `request` (the request line) are kept with a lockout.
     pub async fn observe(
         &self,
         admission: &Admission,
+        reading: Reading,
         status: u16,
-        headers: &HeaderMap,
         request: &str,
     ) -> Verdict {
         let lane = &admission.lane;
-        let verdict = verdict::classify(status, headers, &lane.pace, SystemTime::now());
+        let verdict = reading.verdict;
         let event = match verdict {
             Verdict::Clean => Event::Clean,
-            Verdict::Throttled { retry_after } => Event::Throttled {
+            Verdict::Throttled { pause, .. } => Event::Throttled {
                 generation: admission.generation,
-                retry_after,
+                retry_after: pause
+                    .and_then(|p| p.resolve(SystemTime::now(), lane.rule.retry_after_max)),
             },
             Verdict::Lockout => Event::Lockout(Lockout::new(
                 status,
@@ -287,7 +294,7 @@ impl Pacer {
         };
         self.metrics
             .verdicts
-            .with_label_values(&[&lane.name, verdict.as_str()])
+            .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
             .inc();
         match self.store.record(&lane.name, &lane.rule, event).await {
             Ok(view) => {

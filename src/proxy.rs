@@ -8,6 +8,7 @@ mod connect;
 mod forward;
 pub mod headers;
 pub mod respond;
+mod sniff;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -272,6 +273,7 @@ impl Proxy {
             duration_ms = elapsed.as_secs_f64() * 1000.0,
             waited_ms = handled.pace.waited.map_or(0.0, |w| w.as_secs_f64() * 1000.0),
             verdict = handled.pace.verdict.map_or("", |v| v.as_str()),
+            verdict_reason = handled.pace.verdict.map_or("", |v| v.reason()),
             retries = handled.pace.retries,
             class = handled.pace.class.map_or("", |c| self.inner.pacer.classes().name(c)),
             reason = handled.reason.as_deref().unwrap_or(""),

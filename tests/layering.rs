@@ -9,6 +9,7 @@ use std::path::Path;
 const LAYERS: &[&str] = &[
     "status",
     "class",
+    "signals",
     "shutdown",
     "destination",
     "config",

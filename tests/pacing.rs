@@ -144,10 +144,12 @@ async fn a_429_widens_the_spacing_until_the_clean_streak_decays_it() {
         );
     }
     let metrics = proxy.metrics().await;
-    assert!(
-        metrics.contains("pacegate_verdicts_total{destination=\"local\",verdict=\"throttled\"} 1")
-    );
-    assert!(metrics.contains("pacegate_verdicts_total{destination=\"local\",verdict=\"clean\"} 6"));
+    assert!(metrics.contains(
+        "pacegate_verdicts_total{destination=\"local\",reason=\"status\",verdict=\"throttled\"} 1"
+    ));
+    assert!(metrics.contains(
+        "pacegate_verdicts_total{destination=\"local\",reason=\"status\",verdict=\"clean\"} 6"
+    ));
     assert!(metrics.contains("pacegate_backoff_multiplier{destination=\"local\"} 1"));
 }
 

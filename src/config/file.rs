@@ -147,6 +147,27 @@ pub(super) struct RawDestination {
     pub(super) retry_throttled: Option<u32>,
     pub(super) intercept: Option<bool>,
     pub(super) quota: Option<Vec<Quota>>,
+    pub(super) signals: Option<RawSignals>,
+    pub(super) reserve: Option<u32>,
+    pub(super) throttle_block: Option<RawBlock>,
+    pub(super) throttle_body: Option<Vec<String>>,
+}
+
+/// `signals = "auto"`, `"none"`, or a list of family names.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawSignals {
+    One(String),
+    List(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct RawBlock {
+    #[serde(default, with = "humantime_serde")]
+    pub(super) min: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) max: Option<Duration>,
+    pub(super) jitter: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

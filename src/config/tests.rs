@@ -1,6 +1,8 @@
 //! Loading configs: defaults, every problem with its key path, and the normalised output.
 
 use super::*;
+use crate::destination::Block;
+use crate::signals::{Families, Family};
 
 fn parse(text: &str) -> Result<Config, Vec<ConfigProblem>> {
     Config::parse(text, Path::new("/nonexistent"))
@@ -154,4 +156,94 @@ fn normalised_output_parses_back() {
 fn syntax_errors_are_reported() {
     let err = parse("[proxy\nlisten=").unwrap_err();
     assert_eq!(paths(&err), ["(file)"]);
+}
+
+#[test]
+fn vendor_signal_keys_are_read_and_round_trip() {
+    let c = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [destinations.github]
+        hosts = ["api.github.com"]
+        rate = 10
+        signals = ["ietf", "x-ratelimit"]
+        reserve = 50
+        throttle_block = { min = "60s", max = "1h", jitter = 0.2 }
+        throttle_body = ["Secondary Rate Limit"]
+        [destinations.plain]
+        hosts = ["plain.example.com"]
+        rate = 1
+        "#,
+    )
+    .unwrap();
+    let github = &c.destinations[0].pace;
+    assert_eq!(
+        github.signals,
+        Families::of(&[Family::Ietf, Family::XRateLimit])
+    );
+    assert_eq!(github.reserve, 50);
+    assert_eq!(
+        github.throttle_block,
+        Some(Block {
+            min: Duration::from_secs(60),
+            max: Duration::from_secs(3600),
+            jitter: 0.2
+        })
+    );
+    assert_eq!(
+        github.throttle_body,
+        ["secondary rate limit"],
+        "markers compare lower-case"
+    );
+    let plain = &c.destinations[1].pace;
+    assert_eq!(plain.signals, Families::ALL);
+    assert_eq!((plain.reserve, plain.throttle_block), (0, None));
+    assert_eq!(plain.throttle_body, ["rate limit", "too many requests"]);
+    let again = Config::parse(&c.to_toml(), Path::new("/nonexistent")).unwrap();
+    assert_eq!(again.destinations[0].pace, c.destinations[0].pace);
+    assert_eq!(again.destinations[1].pace, c.destinations[1].pace);
+}
+
+#[test]
+fn vendor_signal_keys_are_checked() {
+    let err = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [destinations.a]
+        hosts = ["a.example.com"]
+        rate = 1
+        signals = "sometimes"
+        throttle_block = { max = "1s", jitter = 1.5 }
+        throttle_body = [""]
+        [destinations.b]
+        hosts = ["b.example.com"]
+        rate = 1
+        signals = ["ietf", "github"]
+        throttle_block = { min = "2m", max = "1m" }
+        [destinations.c]
+        hosts = ["c.example.com"]
+        rate = 1
+        reserve = -1
+        "#,
+    )
+    .unwrap_err();
+    let p = paths(&err);
+    for expected in [
+        "destinations.a.signals",
+        "destinations.a.throttle_block.min",
+        "destinations.a.throttle_block.jitter",
+        "destinations.a.throttle_body[0]",
+        "destinations.b.signals[1]",
+        "destinations.b.throttle_block.max",
+        "destinations.c.reserve",
+    ] {
+        assert!(p.contains(&expected), "missing {expected} in {err:#?}");
+    }
+    let github = err
+        .iter()
+        .find(|e| e.path == "destinations.b.signals[1]")
+        .unwrap();
+    assert!(github.message.contains("x-ratelimit"), "{github:?}");
 }

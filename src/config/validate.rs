@@ -9,7 +9,8 @@ use std::time::Duration;
 use super::file::*;
 use super::*;
 use crate::class::Classes;
-use crate::destination::{Destination, HostPattern, Pace};
+use crate::destination::{Block, Destination, HostPattern, Pace};
+use crate::signals::{Families, Family};
 
 pub(super) struct Validator<'a> {
     pub(super) problems: Vec<ConfigProblem>,
@@ -291,6 +292,10 @@ impl Validator<'_> {
             retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
             intercept: d.intercept.unwrap_or(default.intercept),
             quota: d.quota.clone().unwrap_or_default(),
+            signals: self.signals(path, d.signals.as_ref()),
+            reserve: d.reserve.unwrap_or(default.reserve),
+            throttle_block: d.throttle_block.as_ref().map(|b| self.block(path, b)),
+            throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
             rate,
         };
         for (i, q) in pace.quota.iter().enumerate() {
@@ -343,6 +348,79 @@ impl Validator<'_> {
             );
         }
         pace
+    }
+
+    fn signals(&mut self, path: &str, raw: Option<&RawSignals>) -> Families {
+        let known = || {
+            let names: Vec<&str> = Family::ALL.iter().map(|f| f.as_str()).collect();
+            format!("\"auto\", \"none\", or a list of: {}", names.join(", "))
+        };
+        match raw {
+            None => Families::ALL,
+            Some(RawSignals::One(s)) if s == "auto" => Families::ALL,
+            Some(RawSignals::One(s)) if s == "none" => Families::NONE,
+            Some(RawSignals::One(s)) => {
+                self.push(
+                    &format!("{path}.signals"),
+                    format!("`{s}`: expected {}", known()),
+                );
+                Families::ALL
+            }
+            Some(RawSignals::List(names)) => {
+                let mut families = Vec::new();
+                for (i, name) in names.iter().enumerate() {
+                    match Family::from_name(name) {
+                        Some(f) => families.push(f),
+                        None => self.push(
+                            &format!("{path}.signals[{i}]"),
+                            format!("`{name}` is not a header family: expected {}", known()),
+                        ),
+                    }
+                }
+                Families::of(&families)
+            }
+        }
+    }
+
+    fn block(&mut self, path: &str, raw: &RawBlock) -> Block {
+        let path = format!("{path}.throttle_block");
+        let min = raw.min.unwrap_or_else(|| {
+            self.push(
+                &format!("{path}.min"),
+                "is required: the first block, e.g. \"60s\"",
+            );
+            Duration::from_secs(60)
+        });
+        let max = raw.max.unwrap_or(Duration::from_secs(3600));
+        let jitter = raw.jitter.unwrap_or(0.2);
+        if min.is_zero() {
+            self.push(&format!("{path}.min"), "must be above 0");
+        }
+        if max < min {
+            self.push(&format!("{path}.max"), "must be at least `min`");
+        }
+        if !(jitter.is_finite() && (0.0..1.0).contains(&jitter)) {
+            self.push(
+                &format!("{path}.jitter"),
+                "must be from 0 to below 1 (0.2: 20% either way)",
+            );
+        }
+        Block { min, max, jitter }
+    }
+
+    fn markers(&mut self, path: &str, raw: Option<&[String]>, default: Vec<String>) -> Vec<String> {
+        let Some(raw) = raw else {
+            return default;
+        };
+        for (i, m) in raw.iter().enumerate() {
+            if m.trim().is_empty() || m.len() > MAX_MARKER_BYTES {
+                self.push(
+                    &format!("{path}.throttle_body[{i}]"),
+                    format!("must be 1 to {MAX_MARKER_BYTES} bytes of text"),
+                );
+            }
+        }
+        raw.iter().map(|m| m.to_lowercase()).collect()
     }
 
     pub(super) fn tls(&mut self, raw: RawTls) -> TlsConfig {

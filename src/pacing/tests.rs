@@ -27,6 +27,15 @@ fn d(p: &Pacer) -> Route {
     p.destination("d").expect("destination d")
 }
 
+impl Pacer {
+    /// Reads a response by status and headers and applies its verdict, as the proxy does
+    /// for a response whose body needs no look.
+    async fn answer(&self, a: &Admission, status: u16, h: &HeaderMap, request: &str) -> Verdict {
+        let reading = self.read(a, status, h);
+        self.observe(a, reading, status, request).await
+    }
+}
+
 fn far() -> Instant {
     Instant::now() + Duration::from_secs(3600)
 }
@@ -170,7 +179,7 @@ async fn lockout_refuses_waiting_and_arriving_requests_until_unlocked() {
         .collect();
     tokio::time::sleep(ms(10)).await;
     let verdict = p
-        .observe(&first, 403, &HeaderMap::new(), "GET https://d/secret")
+        .answer(&first, 403, &HeaderMap::new(), "GET https://d/secret")
         .await;
     assert_eq!(verdict, Verdict::Lockout);
     let refused_at = Instant::now();
@@ -224,7 +233,7 @@ async fn ten_concurrent_throttles_widen_once() {
         admitted.push(p.admit(&d(&p), ONE, far()).await.unwrap());
     }
     for a in &admitted {
-        p.observe(a, 429, &HeaderMap::new(), "GET /").await;
+        p.answer(a, 429, &HeaderMap::new(), "GET /").await;
     }
     let s = &p.status().await[0];
     assert_eq!(s.backoff, 2.0);
@@ -236,12 +245,13 @@ async fn retry_after_pauses_every_request() {
     let p = pacer(pace(100.0)).await;
     let a = p.admit(&d(&p), ONE, far()).await.unwrap();
     let v = p
-        .observe(&a, 429, &headers(&[("retry-after", "3")]), "GET /")
+        .answer(&a, 429, &headers(&[("retry-after", "3")]), "GET /")
         .await;
     assert_eq!(
         v,
         Verdict::Throttled {
-            retry_after: Some(Duration::from_secs(3))
+            pause: Some(verdict::Pause::For(Duration::from_secs(3))),
+            why: verdict::Why::Status,
         }
     );
     assert!(p.status().await[0].paused_for_seconds > 2.9);
@@ -262,11 +272,11 @@ async fn decay_restores_the_rate_after_a_clean_streak() {
     })
     .await;
     let a = p.admit(&d(&p), ONE, far()).await.unwrap();
-    p.observe(&a, 429, &HeaderMap::new(), "GET /").await;
+    p.answer(&a, 429, &HeaderMap::new(), "GET /").await;
     assert_eq!(p.status().await[0].backoff, 2.0);
     for _ in 0..3 {
         let a = p.admit(&d(&p), ONE, far()).await.unwrap();
-        p.observe(&a, 200, &HeaderMap::new(), "GET /").await;
+        p.answer(&a, 200, &HeaderMap::new(), "GET /").await;
     }
     assert_eq!(p.status().await[0].backoff, 1.0);
 }

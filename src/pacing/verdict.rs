@@ -1,5 +1,5 @@
-//! What a response tells the pacer: clean, throttled, lockout or no verdict, and how long a
-//! `Retry-After` asks to wait.
+//! What a response tells the pacer: clean, throttled, lockout or no verdict, why, how long
+//! it asks to pause, and what the vendor says about its budget.
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
@@ -7,21 +7,75 @@ use std::time::{Duration, SystemTime};
 use http::header::{HeaderMap, DATE, RETRY_AFTER};
 
 use crate::destination::Pace;
+use crate::signals::{self, Reset, Signal};
+
+/// How much of a lockout-status body is looked at for a throttle marker.
+pub const BODY_SNIFF_BYTES: usize = 8 * 1024;
 
 /// The verdict on one upstream response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     /// Any other completed response (2xx, 3xx, 4xx not listed).
     Clean,
-    /// A status in `throttle_statuses`; `retry_after` is the pause it asks for, capped.
+    /// A throttle: a status in `throttle_statuses`, or a lockout status carrying a
+    /// rate-limit marker.
     Throttled {
-        /// The pause asked for, already capped by `retry_after_max`.
-        retry_after: Option<Duration>,
+        /// The pause it asks for: `Retry-After`, else a spent vendor budget's reset.
+        pause: Option<Pause>,
+        /// What made it a throttle.
+        why: Why,
     },
-    /// A status in `lockout_statuses`.
+    /// A status in `lockout_statuses` with no rate-limit marker.
     Lockout,
     /// Nothing to learn: other 5xx, or no response at all.
     None,
+}
+
+/// What made a response a throttle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// Its status is a throttle status.
+    Status,
+    /// A lockout status with a `Retry-After`.
+    RetryAfter,
+    /// A lockout status with a vendor remaining of 0.
+    Exhausted,
+    /// A lockout status whose body carries a `throttle_body` marker.
+    Body,
+}
+
+impl Why {
+    /// The `reason` metric label and log field.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Status => "status",
+            Self::RetryAfter => "retry-after",
+            Self::Exhausted => "exhausted",
+            Self::Body => "body",
+        }
+    }
+}
+
+/// A pause a response asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pause {
+    /// This long from now.
+    For(Duration),
+    /// Until this wall-clock instant: a date with no `Date` header to read it against, to be
+    /// read against the store's clock (shared by every instance), not this one's.
+    Until(SystemTime),
+}
+
+impl Pause {
+    /// How long from `now` (the store's wall clock), at most `max`; `None` for an instant
+    /// already past.
+    pub fn resolve(self, now: SystemTime, max: Duration) -> Option<Duration> {
+        let d = match self {
+            Self::For(d) => d,
+            Self::Until(t) => t.duration_since(now).ok()?,
+        };
+        (!d.is_zero()).then(|| d.min(max))
+    }
 }
 
 impl Verdict {
@@ -34,6 +88,14 @@ impl Verdict {
             Self::None => "none",
         }
     }
+
+    /// The `reason` metric label: what decided the verdict.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Self::Throttled { why, .. } => why.as_str(),
+            _ => "status",
+        }
+    }
 }
 
 impl fmt::Display for Verdict {
@@ -42,195 +104,108 @@ impl fmt::Display for Verdict {
     }
 }
 
-/// Classifies a response by status, per the destination's lists. `now` is the clock a
-/// Retry-After date is read against when the response has no `Date` header.
-pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace, now: SystemTime) -> Verdict {
-    if pace.throttle_statuses.contains(&status) {
+/// A response read: its verdict, and the vendor's signal if it carried one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    /// The verdict.
+    pub verdict: Verdict,
+    /// The strictest vendor signal among the families the destination reads.
+    pub signal: Option<Signal>,
+}
+
+impl Reading {
+    /// Whether the body must be looked at: a lockout is a throttle if its body carries a
+    /// marker.
+    pub fn needs_body(&self, pace: &Pace) -> bool {
+        self.verdict == Verdict::Lockout && !pace.throttle_body.is_empty()
+    }
+
+    /// The reading once the body was found to carry a throttle marker.
+    pub fn marked_by_body(self) -> Self {
+        Self {
+            verdict: Verdict::Throttled {
+                pause: None,
+                why: Why::Body,
+            },
+            ..self
+        }
+    }
+}
+
+/// Reads a response by status and headers, per the destination's lists and signals. A
+/// lockout status is a throttle when it carries a rate-limit marker: a `Retry-After`, or a
+/// vendor remaining of 0 (the body is the caller's: see [`Reading::needs_body`]). Unix-time
+/// resets and HTTP-dates are read against the response's `Date` when it has one.
+pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace) -> Reading {
+    let date = headers
+        .get(DATE)
+        .and_then(|d| d.to_str().ok())
+        .and_then(|d| httpdate::parse_http_date(d.trim()).ok());
+    let signal = signals::read(headers, pace.signals, date.unwrap_or_else(SystemTime::now));
+    let retry = retry_after(headers, date);
+    let exhausted = signal.filter(Signal::exhausted);
+    // A primary exhaustion pauses until its reset; `Retry-After` still wins.
+    let until_reset = exhausted.and_then(|s| match s.reset? {
+        Reset::In(d) => Some(Pause::For(d)),
+        Reset::At(t) => Some(match date {
+            Some(date) => Pause::For(t.duration_since(date).ok()?),
+            None => Pause::Until(t),
+        }),
+    });
+    let verdict = if pace.throttle_statuses.contains(&status) {
         Verdict::Throttled {
-            retry_after: retry_after(headers, now, pace.retry_after_max),
+            pause: retry.or(until_reset),
+            why: Why::Status,
         }
     } else if pace.lockout_statuses.contains(&status) {
-        Verdict::Lockout
+        if headers.contains_key(RETRY_AFTER) {
+            Verdict::Throttled {
+                pause: retry,
+                why: Why::RetryAfter,
+            }
+        } else if exhausted.is_some() {
+            Verdict::Throttled {
+                pause: until_reset,
+                why: Why::Exhausted,
+            }
+        } else {
+            Verdict::Lockout
+        }
     } else if status >= 500 {
         Verdict::None
     } else {
         Verdict::Clean
-    }
+    };
+    Reading { verdict, signal }
 }
 
-/// The pause a `Retry-After` header asks for, at most `max`. Delta-seconds and HTTP-dates are
-/// understood; an HTTP-date is read against the response's own `Date` when it has one, else
-/// against `now`. A date in the past, zero, a negative or unparsable value means none.
-pub fn retry_after(headers: &HeaderMap, now: SystemTime, max: Duration) -> Option<Duration> {
+/// Whether the start of a body (decoded) carries one of the lower-case `markers`,
+/// case-insensitively.
+pub fn body_has_marker(body: &[u8], markers: &[String]) -> bool {
+    let text = String::from_utf8_lossy(body).to_lowercase();
+    markers.iter().any(|m| text.contains(m.as_str()))
+}
+
+/// The pause a `Retry-After` header asks for. Delta-seconds and HTTP-dates are understood;
+/// an HTTP-date is read against `date` (the response's own `Date`) when there is one, else
+/// left as an instant for the store's clock. A date in the past, zero, a negative or
+/// unparsable value means none.
+pub fn retry_after(headers: &HeaderMap, date: Option<SystemTime>) -> Option<Pause> {
     let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     let pause = if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
         // Too many digits for u64 is still "very long": cap it rather than ignore it.
-        Duration::from_secs(value.parse::<u64>().unwrap_or(u64::MAX))
+        Pause::For(Duration::from_secs(
+            value.parse::<u64>().unwrap_or(u64::MAX),
+        ))
     } else {
         let until = httpdate::parse_http_date(value).ok()?;
-        let reference = headers
-            .get(DATE)
-            .and_then(|d| d.to_str().ok())
-            .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
-            .unwrap_or(now);
-        until.duration_since(reference).ok()?
+        match date {
+            Some(date) => Pause::For(until.duration_since(date).ok()?),
+            None => Pause::Until(until),
+        }
     };
-    (!pause.is_zero()).then(|| pause.min(max))
+    (pause != Pause::For(Duration::ZERO)).then_some(pause)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use http::HeaderValue;
-    use proptest::prelude::*;
-
-    const MAX: Duration = Duration::from_secs(3600);
-
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.insert(
-                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                HeaderValue::from_str(v).unwrap(),
-            );
-        }
-        h
-    }
-
-    fn at(date: &str) -> SystemTime {
-        httpdate::parse_http_date(date).unwrap()
-    }
-
-    mod retry_after {
-        use super::*;
-
-        #[test]
-        fn parses_delta_seconds() {
-            let h = headers(&[("retry-after", "120")]);
-            assert_eq!(
-                retry_after(&h, SystemTime::now(), MAX),
-                Some(Duration::from_secs(120))
-            );
-        }
-
-        #[test]
-        fn parses_http_date_against_the_date_header() {
-            let h = headers(&[
-                ("retry-after", "Wed, 21 Oct 2015 07:28:30 GMT"),
-                ("date", "Wed, 21 Oct 2015 07:28:00 GMT"),
-            ]);
-            // The local clock is years off; the response's own Date is the reference.
-            assert_eq!(
-                retry_after(&h, SystemTime::now(), MAX),
-                Some(Duration::from_secs(30))
-            );
-        }
-
-        #[test]
-        fn parses_http_date_against_now_without_date_header() {
-            let h = headers(&[("retry-after", "Wed, 21 Oct 2015 07:28:30 GMT")]);
-            let now = at("Wed, 21 Oct 2015 07:28:10 GMT");
-            assert_eq!(retry_after(&h, now, MAX), Some(Duration::from_secs(20)));
-        }
-
-        #[test]
-        fn ignores_dates_in_the_past() {
-            let h = headers(&[("retry-after", "Wed, 21 Oct 2015 07:28:00 GMT")]);
-            assert_eq!(retry_after(&h, SystemTime::now(), MAX), None);
-        }
-
-        #[test]
-        fn ignores_garbage_zero_and_negatives() {
-            for v in ["soon", "-5", "0", "", "1.5", "12 34", "0x10"] {
-                let h = headers(&[("retry-after", v)]);
-                assert_eq!(retry_after(&h, SystemTime::now(), MAX), None, "{v:?}");
-            }
-            assert_eq!(retry_after(&HeaderMap::new(), SystemTime::now(), MAX), None);
-        }
-
-        #[test]
-        fn caps_huge_values() {
-            for v in [
-                "99999999999",
-                "999999999999999999999999999999",
-                "Fri, 31 Dec 9999 23:59:59 GMT",
-            ] {
-                let h = headers(&[("retry-after", v)]);
-                assert_eq!(retry_after(&h, SystemTime::now(), MAX), Some(MAX), "{v:?}");
-            }
-        }
-
-        proptest! {
-            #[test]
-            fn never_panics_and_never_exceeds_the_cap(value in "\\PC{0,40}", date in proptest::option::of("\\PC{0,40}"), now_secs in 0u64..10_000_000_000) {
-                let mut h = HeaderMap::new();
-                if let Ok(v) = HeaderValue::from_str(&value) {
-                    h.insert(RETRY_AFTER, v);
-                }
-                if let Some(Ok(d)) = date.map(|d| HeaderValue::from_str(&d)) {
-                    h.insert(DATE, d);
-                }
-                let now = SystemTime::UNIX_EPOCH + Duration::from_secs(now_secs);
-                if let Some(p) = retry_after(&h, now, MAX) {
-                    prop_assert!(p <= MAX && !p.is_zero());
-                }
-            }
-
-            #[test]
-            fn any_number_of_seconds_is_honoured_up_to_the_cap(n in 1u64..u64::MAX) {
-                let h = headers(&[("retry-after", &n.to_string())]);
-                prop_assert_eq!(retry_after(&h, SystemTime::now(), MAX), Some(Duration::from_secs(n).min(MAX)));
-            }
-        }
-    }
-
-    mod classify {
-        use super::*;
-
-        fn pace() -> Pace {
-            Pace {
-                retry_after_max: MAX,
-                ..Pace::new(1.0)
-            }
-        }
-
-        #[test]
-        fn statuses_map_to_verdicts_as_the_spec_says() {
-            let now = SystemTime::now();
-            let h = HeaderMap::new();
-            for (status, verdict) in [
-                (200, Verdict::Clean),
-                (204, Verdict::Clean),
-                (304, Verdict::Clean),
-                (404, Verdict::Clean),
-                (429, Verdict::Throttled { retry_after: None }),
-                (503, Verdict::Throttled { retry_after: None }),
-                (403, Verdict::Lockout),
-                (500, Verdict::None),
-                (502, Verdict::None),
-            ] {
-                assert_eq!(classify(status, &h, &pace(), now), verdict, "{status}");
-            }
-        }
-
-        #[test]
-        fn lists_are_configurable() {
-            let p = Pace {
-                throttle_statuses: vec![420],
-                lockout_statuses: vec![451],
-                ..pace()
-            };
-            let h = headers(&[("retry-after", "9")]);
-            let now = SystemTime::now();
-            assert_eq!(
-                classify(420, &h, &p, now),
-                Verdict::Throttled {
-                    retry_after: Some(Duration::from_secs(9))
-                }
-            );
-            assert_eq!(classify(451, &h, &p, now), Verdict::Lockout);
-            assert_eq!(classify(403, &h, &p, now), Verdict::Clean);
-            assert_eq!(classify(429, &h, &p, now), Verdict::Clean);
-        }
-    }
-}
+mod tests;

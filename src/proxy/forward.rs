@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::respond::{Outcome, ProxyError};
-use super::{headers, Handled, Proxy};
+use super::{headers, sniff, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
 use crate::metrics::UNMATCHED;
 use crate::pacing::verdict::Verdict;
@@ -195,14 +195,18 @@ impl Proxy {
             } else {
                 outgoing.take()
             };
-            let response = self.send(req, destination).await?;
+            let mut response = self.send(req, destination).await?;
+            let status = response.status().as_u16();
+            let mut reading = pacer.read(&admission, status, response.headers());
+            if reading.needs_body(route.pace()) {
+                let (whole, marked) = sniff::sniff(response, &route.pace().throttle_body).await;
+                response = whole;
+                if marked {
+                    reading = reading.marked_by_body();
+                }
+            }
             let verdict = pacer
-                .observe(
-                    &admission,
-                    response.status().as_u16(),
-                    response.headers(),
-                    &request_line,
-                )
+                .observe(&admission, reading, status, &request_line)
                 .await;
             note.verdict = Some(verdict);
             let throttled = matches!(verdict, Verdict::Throttled { .. });

@@ -7,7 +7,8 @@
 //! answers after a delay; `/headers` lists the request headers; `/flaky/{n}/{key}` answers 429
 //! (with the `h=` headers) to the first n requests for that key, then 200;
 //! `/retry-date/{secs}` answers 429 with a `Date` and a `Retry-After` date secs after it;
-//! anything else says hello. `/status` also takes `delay={ms}`.
+//! anything else says hello. `/status` also takes `delay={ms}`, `body={text}` (`%20` for a
+//! space) and `gzip=1` (the body gzip-encoded).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -222,6 +223,14 @@ where
         .await;
 }
 
+/// `text`, gzip-compressed.
+pub fn gzip(text: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(text).unwrap();
+    e.finish().unwrap()
+}
+
 fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
     let mut r = Response::new(
         Full::new(body.into())
@@ -332,7 +341,17 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
                 tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
             }
             let status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
-            with_headers(full(status, format!("status {code}\n")))
+            let text = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("body="))
+                .map_or_else(|| format!("status {code}\n"), |b| b.replace("%20", " "));
+            if query.split('&').any(|kv| kv == "gzip=1") {
+                let mut resp = full(status, gzip(text.as_bytes()));
+                resp.headers_mut()
+                    .insert("content-encoding", HeaderValue::from_static("gzip"));
+                return with_headers(resp);
+            }
+            with_headers(full(status, text))
         }
         ["flaky", n, key] => {
             let seen = {

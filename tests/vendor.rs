@@ -1,0 +1,125 @@
+//! What the vendor says, through the real proxy: throttles that arrive as a 403 (a spent
+//! budget, a marker in a plain or gzip-encoded body) are throttles, not lockouts, and the
+//! client still gets the vendor's answer byte for byte.
+
+mod support;
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::upstream::gzip;
+use support::{client, Alpn, FakeUpstream, TestProxy};
+
+async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
+    let config = format!("[destinations.local]\nhosts = [\"localhost\"]\n{keys}\n");
+    TestProxy::start(&upstream.ca.cert_path, "", &config).await
+}
+
+fn arrivals(upstream: &FakeUpstream) -> Vec<Instant> {
+    upstream.recorded().iter().map(|r| r.at).collect()
+}
+
+#[tokio::test]
+async fn a_github_style_spent_budget_pauses_until_the_reset_and_locks_nothing() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // GitHub's primary limit, spent: a 403, remaining 0, the reset in Unix seconds at least
+    // 3 s ahead.
+    let reset = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 4;
+    let spent = format!(
+        "{}/status/403?h=x-ratelimit-limit:5000&h=x-ratelimit-remaining:0&h=x-ratelimit-reset:{reset}&body=API%20rate%20limit%20exceeded",
+        upstream.https_url("localhost")
+    );
+    let resp = via.get(&spent).send().await.unwrap();
+    assert_eq!(resp.status(), 403, "the client gets the vendor's answer");
+    assert!(resp.headers().get("proxy-status").is_none());
+    assert_eq!(resp.text().await.unwrap(), "API rate limit exceeded");
+    let s = proxy.destination("local").await;
+    assert_eq!(
+        s["lock"],
+        serde_json::Value::Null,
+        "a throttle locks nothing: {s}"
+    );
+    assert!(s["paused_for_seconds"].as_f64().unwrap() > 2.0, "{s}");
+
+    let fine = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fine.status(), 200, "served after the reset, not refused");
+    let at = arrivals(&upstream);
+    let waited = at[1] - at[0];
+    let until_reset = UNIX_EPOCH + Duration::from_secs(reset);
+    assert!(
+        SystemTime::now() >= until_reset - Duration::from_millis(50),
+        "the next request went {waited:?} later, before the reset"
+    );
+    assert!(waited < Duration::from_secs(6), "{waited:?}");
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains(
+            "pacegate_verdicts_total{destination=\"local\",reason=\"exhausted\",verdict=\"throttled\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_gzip_encoded_marker_is_a_throttle_and_reaches_the_client_unchanged() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let text = "You have exceeded a secondary rate limit. Please wait a few minutes.";
+    let url = format!(
+        "{}/status/403?gzip=1&body={}",
+        upstream.https_url("localhost"),
+        text.replace(' ', "%20")
+    );
+    let resp = via.get(&url).send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert_eq!(resp.headers()["content-encoding"], "gzip");
+    let received = resp.bytes().await.unwrap();
+    assert_eq!(&received[..], &gzip(text.as_bytes())[..], "byte for byte");
+    let s = proxy.destination("local").await;
+    assert_eq!(s["lock"], serde_json::Value::Null, "{s}");
+    assert_eq!(s["backoff"], 2.0, "a throttle widens: {s}");
+    let fine = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fine.status(), 200);
+    assert!(proxy.metrics().await.contains(
+        "pacegate_verdicts_total{destination=\"local\",reason=\"body\",verdict=\"throttled\"} 1"
+    ));
+}
+
+#[tokio::test]
+async fn a_403_without_a_marker_still_locks_out() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // A remaining budget and a body that is not about rate limits: a real refusal.
+    let url = format!(
+        "{}/status/403?h=x-ratelimit-remaining:4000&body=Resource%20not%20accessible",
+        upstream.https_url("localhost")
+    );
+    assert_eq!(via.get(&url).send().await.unwrap().status(), 403);
+    let refused = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    assert!(
+        refused.headers().contains_key("proxy-status"),
+        "refused by pacegate"
+    );
+    assert_eq!(proxy.destination("local").await["lock"]["status"], 403);
+    assert_eq!(upstream.recorded().len(), 1);
+}
