@@ -23,6 +23,8 @@ fn rule() -> Rule {
         retry_after_max: Duration::from_secs(3600),
         shares: Arc::from(vec![0.0]),
         quota: Vec::new(),
+        reserve: 0,
+        block: None,
     }
 }
 

@@ -23,7 +23,8 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use crate::class::Class;
-use crate::destination::Quota;
+use crate::destination::{Block, Quota};
+use crate::signals::Family;
 use crate::status::{InstanceStatus, LockStatus};
 
 /// A boxed, sendable future borrowing the store.
@@ -48,6 +49,10 @@ pub struct Rule {
     pub shares: Arc<[f64]>,
     /// Quota windows on top of the rate.
     pub quota: Vec<Quota>,
+    /// The vendor's remaining requests left unused.
+    pub reserve: u32,
+    /// The escalating block after a throttle without a pause; `None`: widen only.
+    pub block: Option<Block>,
 }
 
 impl Rule {
@@ -141,20 +146,107 @@ impl From<&Lockout> for LockStatus {
     }
 }
 
+/// A pause a response asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pause {
+    /// This long from now.
+    For(Duration),
+    /// Until this wall-clock instant: a date with no `Date` header to read it against, read
+    /// against the store's clock (shared by every instance), not this one's.
+    Until(SystemTime),
+}
+
+impl Pause {
+    /// How long from `now` (the store's wall clock), at most `max`; `None` for an instant
+    /// already past, or zero.
+    pub fn resolve(self, now: SystemTime, max: Duration) -> Option<Duration> {
+        let d = match self {
+            Self::For(d) => d,
+            Self::Until(t) => t.duration_since(now).ok()?,
+        };
+        (!d.is_zero()).then(|| d.min(max))
+    }
+}
+
+/// Why a destination is paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PauseCause {
+    /// A `Retry-After`.
+    RetryAfter,
+    /// The escalating block after a throttle without one.
+    Block,
+    /// The vendor's budget is spent (or down to the reserve) until its reset.
+    Exhausted,
+}
+
+impl PauseCause {
+    /// As status shows it, and as the postgres store keeps it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RetryAfter => "retry-after",
+            Self::Block => "block",
+            Self::Exhausted => "exhausted",
+        }
+    }
+
+    /// The cause written as [`PauseCause::as_str`].
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::RetryAfter, Self::Block, Self::Exhausted]
+            .into_iter()
+            .find(|c| c.as_str() == name)
+    }
+}
+
+/// What a vendor said about its budget, as a response carries it to the store.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// The header family it was read from.
+    pub family: Family,
+    /// Requests left in the window.
+    pub remaining: u64,
+    /// The window's limit, where given.
+    pub limit: Option<u64>,
+    /// When the window resets.
+    pub reset: Pause,
+    /// From 0 to 1: how much of a second past the reset a spent budget's pause lasts, so
+    /// that the first request of the new window does not race the vendor's own clock.
+    pub spread: f64,
+}
+
+impl Observation {
+    /// How long a spent budget's pause runs past the reset: `spread` of
+    /// [`schedule::RESET_JITTER`], in whole microseconds.
+    pub fn jitter(&self) -> Duration {
+        let us = schedule::RESET_JITTER.as_micros() as f64 * self.spread.clamp(0.0, 1.0);
+        Duration::from_micros(us.floor() as u64)
+    }
+}
+
 /// A verdict, as the budget sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// A clean response.
-    Clean,
+    /// A clean response; `success` (2xx, 3xx) also ends a block streak.
+    Clean {
+        /// A 2xx or 3xx (not, say, a 404).
+        success: bool,
+    },
     /// A throttle; `generation` is the one the request was reserved under.
     Throttled {
         /// The reservation's generation.
         generation: u64,
-        /// Pause the whole destination this long (already converted from the header).
-        retry_after: Option<Duration>,
+        /// The pause a `Retry-After` asks for: obeyed (up to `retry_after_max`), and the
+        /// block streak does not advance.
+        retry_after: Option<Pause>,
+        /// A spent vendor budget's reset: paused until then, and the streak does not advance.
+        reset: Option<Pause>,
+        /// From -1 to 1: where in `[-jitter, +jitter]` a block falls.
+        spread: f64,
     },
     /// A lockout.
     Lockout(Lockout),
+    /// No verdict (another 5xx): only what the vendor said, if anything.
+    None,
 }
 
 /// A reserved slot, as a local monotonic deadline.
@@ -241,10 +333,29 @@ pub struct BudgetView {
     pub generation: u64,
     /// Clean responses in a row.
     pub clean_streak: u32,
-    /// Time left in a Retry-After pause.
+    /// Time left in a pause.
     pub paused_for: Duration,
+    /// Why it is paused (while `paused_for` is not zero).
+    pub paused_by: Option<PauseCause>,
     /// The lockout, if locked.
     pub lock: Option<Lockout>,
+    /// Throttles in a row that blocked the destination; the next block is `min × 2^this`.
+    pub block_streak: u32,
+    /// What the vendor last said, while its window lasts.
+    pub vendor: Option<VendorView>,
+}
+
+/// The vendor's budget as the store holds it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VendorView {
+    /// The header family it was read from.
+    pub family: Family,
+    /// Requests left, less the slots taken since it was said.
+    pub remaining: u64,
+    /// The window's limit, where given.
+    pub limit: Option<u64>,
+    /// Time left until the window resets.
+    pub reset_in: Duration,
 }
 
 impl Default for BudgetView {
@@ -254,7 +365,10 @@ impl Default for BudgetView {
             generation: 0,
             clean_streak: 0,
             paused_for: Duration::ZERO,
+            paused_by: None,
             lock: None,
+            block_streak: 0,
+            vendor: None,
         }
     }
 }
@@ -297,12 +411,14 @@ pub trait Store: Send + Sync + 'static {
         rule: &'a Rule,
     ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>>;
 
-    /// Applies a verdict and returns the budget after it.
+    /// Applies what the vendor said, if anything, then a verdict, and returns the budget
+    /// after them.
     fn record<'a>(
         &'a self,
         destination: &'a str,
         rule: &'a Rule,
         event: Event,
+        vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
 
     /// Clears a lockout; returns the one cleared, if any.

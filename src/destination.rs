@@ -54,11 +54,14 @@ pub struct Block {
 
 impl Block {
     /// The block after `streak` throttles in a row, with `spread` (from -1 to 1) of the
-    /// jitter applied.
+    /// jitter applied. In whole microseconds, as the postgres store computes it.
     pub fn after(&self, streak: u32, spread: f64) -> Duration {
-        let doubled = self.min.as_secs_f64() * 2f64.powi(streak.min(64) as i32);
-        let capped = doubled.min(self.max.as_secs_f64());
-        Duration::from_secs_f64(capped * (1.0 + self.jitter * spread.clamp(-1.0, 1.0)))
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let capped = us(self.min)
+            .saturating_mul(1 << streak.min(40))
+            .min(us(self.max));
+        let jittered = capped as f64 * (1.0 + self.jitter * spread.clamp(-1.0, 1.0));
+        Duration::from_micros(jittered.floor() as u64)
     }
 }
 

@@ -63,6 +63,16 @@ pub struct Metrics {
     pub locked: GaugeVec,
     /// `pacegate_paused_until_seconds{destination}`: Unix time a Retry-After pause ends (0: none).
     pub paused_until: GaugeVec,
+    /// `pacegate_vendor_remaining{destination}`: the vendor's requests left, while its view
+    /// lasts (absent otherwise).
+    pub vendor_remaining: GaugeVec,
+    /// `pacegate_vendor_reset_seconds{destination}`: seconds until the vendor's window resets.
+    pub vendor_reset: GaugeVec,
+    /// `pacegate_block_streak{destination}`: throttles in a row that blocked the destination.
+    pub block_streak: GaugeVec,
+    /// `pacegate_pace_limited_by{destination,reason}`: 1 for the reason in force (see
+    /// `status::PACE_LIMITS`), 0 for the others.
+    pub pace_limited_by: GaugeVec,
     /// `pacegate_waiting{destination,class}`: requests waiting for a slot on this instance.
     pub waiting: GaugeVec,
     /// `pacegate_store_waiting{destination,class}`: requests waiting on every instance, as the
@@ -204,6 +214,25 @@ impl Metrics {
             "pacegate_paused_until_seconds",
             "Unix time at which a Retry-After pause ends (0: none)",
         )?;
+        let vendor_remaining = gauge(
+            "pacegate_vendor_remaining",
+            "Requests the vendor says are left in its window (absent without a current view)",
+        )?;
+        let vendor_reset = gauge(
+            "pacegate_vendor_reset_seconds",
+            "Seconds until the vendor's window resets (absent without a current view)",
+        )?;
+        let block_streak = gauge(
+            "pacegate_block_streak",
+            "Throttles in a row that blocked the destination; one success ends the streak",
+        )?;
+        let pace_limited_by = GaugeVec::new(
+            Opts::new(
+                "pacegate_pace_limited_by",
+                "1 for what limits the destination's pace now, 0 for the other reasons",
+            ),
+            &["destination", "reason"],
+        )?;
         let by_class = |name: &str, help: &str| {
             GaugeVec::new(Opts::new(name, help), &["destination", "class"])
         };
@@ -270,6 +299,10 @@ impl Metrics {
             &achieved_rate,
             &locked,
             &paused_until,
+            &vendor_remaining,
+            &vendor_reset,
+            &block_streak,
+            &pace_limited_by,
             &waiting,
             &store_waiting,
             &oldest_wait,
@@ -301,6 +334,10 @@ impl Metrics {
             achieved_rate,
             locked,
             paused_until,
+            vendor_remaining,
+            vendor_reset,
+            block_streak,
+            pace_limited_by,
             waiting,
             store_waiting,
             oldest_wait,
@@ -333,6 +370,34 @@ impl Metrics {
                 .map_or(0.0, |d| d.as_secs_f64())
         };
         self.paused_until.with_label_values(&d).set(until);
+        match &s.vendor {
+            Some(v) => {
+                self.vendor_remaining
+                    .with_label_values(&d)
+                    .set(v.remaining as f64);
+                self.vendor_reset
+                    .with_label_values(&d)
+                    .set(v.reset_in_seconds);
+            }
+            None => {
+                // No view: no series, rather than a made-up value.
+                let _ = self.vendor_remaining.remove_label_values(&d);
+                let _ = self.vendor_reset.remove_label_values(&d);
+            }
+        }
+        self.block_streak
+            .with_label_values(&d)
+            .set(f64::from(s.block_streak));
+        for reason in crate::status::PACE_LIMITS {
+            let on = if s.pace_limited_by == reason {
+                1.0
+            } else {
+                0.0
+            };
+            self.pace_limited_by
+                .with_label_values(&[s.destination.as_str(), reason])
+                .set(on);
+        }
         for c in &s.classes {
             let dc = [s.destination.as_str(), c.class.as_str()];
             self.waiting

@@ -27,11 +27,13 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::budget::{Event, Lockout, Store, StoreError};
+use crate::budget::{BudgetView, Event, Lockout, Observation, PauseCause, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Pace, Routes};
 use crate::metrics::Metrics;
-use crate::status::{ClassStatus, DestinationStatus, InstanceStatus, LockStatus, QuotaStatus};
+use crate::status::{
+    ClassStatus, DestinationStatus, InstanceStatus, LockStatus, QuotaStatus, VendorStatus,
+};
 use lane::Lane;
 use verdict::{Reading, Verdict};
 
@@ -278,25 +280,47 @@ impl Pacer {
     ) -> Verdict {
         let lane = &admission.lane;
         let verdict = reading.verdict;
+        // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
+        let vendor = reading.signal.and_then(|(s, reset)| {
+            Some(Observation {
+                family: s.family,
+                remaining: s.remaining,
+                limit: s.limit,
+                reset: reset?,
+                spread: rand::random::<f64>(),
+            })
+        });
         let event = match verdict {
-            Verdict::Clean => Event::Clean,
-            Verdict::Throttled { pause, .. } => Event::Throttled {
+            Verdict::Clean => Event::Clean {
+                success: (200..400).contains(&status),
+            },
+            Verdict::Throttled {
+                retry_after, reset, ..
+            } => Event::Throttled {
                 generation: admission.generation,
-                retry_after: pause
-                    .and_then(|p| p.resolve(SystemTime::now(), lane.rule.retry_after_max)),
+                retry_after,
+                reset,
+                spread: rand::random::<f64>() * 2.0 - 1.0,
             },
             Verdict::Lockout => Event::Lockout(Lockout::new(
                 status,
                 request.to_owned(),
                 self.instance.clone(),
             )),
-            Verdict::None => return verdict,
+            Verdict::None if vendor.is_none() => return verdict,
+            Verdict::None => Event::None,
         };
-        self.metrics
-            .verdicts
-            .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
-            .inc();
-        match self.store.record(&lane.name, &lane.rule, event).await {
+        if verdict != Verdict::None {
+            self.metrics
+                .verdicts
+                .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
+                .inc();
+        }
+        match self
+            .store
+            .record(&lane.name, &lane.rule, event, vendor)
+            .await
+        {
             Ok(view) => {
                 if verdict == Verdict::Lockout {
                     tracing::error!(
@@ -412,12 +436,46 @@ impl Pacer {
                 oldest_wait_seconds: oldest.as_secs_f64(),
                 classes,
                 quota,
+                pace_limited_by: limited_by(&seen, &lane.rule).to_owned(),
+                block_streak: seen.block_streak,
+                vendor: seen.vendor.map(|v| VendorStatus {
+                    family: v.family.as_str().to_owned(),
+                    remaining: v.remaining,
+                    limit: v.limit,
+                    reset_in_seconds: v.reset_in.as_secs_f64(),
+                }),
             };
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);
         }
         out.sort_by(|a, b| a.destination.cmp(&b.destination));
         out
+    }
+}
+
+/// Why a destination's pace is what it is (see [`DestinationStatus::pace_limited_by`]).
+fn limited_by(seen: &BudgetView, rule: &Rule) -> &'static str {
+    if seen.lock.is_some() {
+        return "locked";
+    }
+    if !seen.paused_for.is_zero() {
+        return match seen.paused_by {
+            Some(PauseCause::Block) => "paused: block",
+            Some(PauseCause::Exhausted) => "paused: exhausted",
+            _ => "paused: retry-after",
+        };
+    }
+    let configured = rule.interval.mul_f64(seen.backoff);
+    if let Some(v) = seen.vendor {
+        let usable = v.remaining.saturating_sub(u64::from(rule.reserve));
+        if usable == 0 || v.reset_in / u32::try_from(usable).unwrap_or(u32::MAX) > configured {
+            return "vendor budget";
+        }
+    }
+    if seen.backoff > 1.0 {
+        "backoff"
+    } else {
+        "configured"
     }
 }
 

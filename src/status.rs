@@ -39,7 +39,41 @@ pub struct DestinationStatus {
     /// Quota windows, as configured.
     #[serde(default)]
     pub quota: Vec<QuotaStatus>,
+    /// Why the pace is what it is: `configured`, `backoff`, `vendor budget`,
+    /// `paused: retry-after`, `paused: block`, `paused: exhausted` or `locked`.
+    #[serde(default)]
+    pub pace_limited_by: String,
+    /// Throttles in a row that blocked the destination.
+    #[serde(default)]
+    pub block_streak: u32,
+    /// What the vendor last said about its budget, while its window lasts.
+    #[serde(default)]
+    pub vendor: Option<VendorStatus>,
 }
+
+/// The vendor's budget as the store holds it, for status.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct VendorStatus {
+    /// The header family it was read from.
+    pub family: String,
+    /// Requests left (less the slots taken since it was said).
+    pub remaining: u64,
+    /// The window's limit, where given.
+    pub limit: Option<u64>,
+    /// Seconds until the window resets.
+    pub reset_in_seconds: f64,
+}
+
+/// Every value of [`DestinationStatus::pace_limited_by`].
+pub const PACE_LIMITS: [&str; 7] = [
+    "configured",
+    "backoff",
+    "vendor budget",
+    "paused: retry-after",
+    "paused: block",
+    "paused: exhausted",
+    "locked",
+];
 
 /// One class of one destination, for status.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -143,6 +177,8 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
         "IN FLIGHT",
         "OLDEST WAIT",
         "QUOTA USED",
+        "VENDOR",
+        "LIMITED BY",
         "LOCKOUT",
     ]
     .map(String::from)
@@ -172,6 +208,21 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
                 "-".into()
             } else {
                 quota.join(", ")
+            },
+            r.vendor.as_ref().map_or_else(
+                || "-".into(),
+                |v| {
+                    let limit = v.limit.map_or(String::new(), |l| format!("/{l}"));
+                    format!(
+                        "{}{limit} left, reset in {:.0}s ({})",
+                        v.remaining, v.reset_in_seconds, v.family
+                    )
+                },
+            ),
+            if r.block_streak > 0 {
+                format!("{} (block streak {})", r.pace_limited_by, r.block_streak)
+            } else {
+                r.pace_limited_by.clone()
             },
             lock_cell(r.lock.as_ref(), &r.destination),
         ]);

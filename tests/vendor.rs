@@ -123,3 +123,129 @@ async fn a_403_without_a_marker_still_locks_out() {
     assert_eq!(proxy.destination("local").await["lock"]["status"], 403);
     assert_eq!(upstream.recorded().len(), 1);
 }
+
+/// The most arrivals in any window of length `window`.
+fn busiest(arrivals: &[Instant], window: Duration) -> usize {
+    (0..arrivals.len())
+        .map(|i| {
+            arrivals[i..]
+                .iter()
+                .take_while(|t| **t - arrivals[i] < window)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+async fn burst(proxy: &TestProxy, url: &str, n: usize) -> Vec<u16> {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (via, url) = (via.clone(), format!("{url}?i={i}"));
+            tokio::spawn(async move { via.get(url).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn the_vendors_ratelimit_fields_hold_its_window_and_without_signals_nothing_does() {
+    // 8 requests per 4 s window at the vendor; rate = 50 would send 40 in under a second.
+    let upstream = FakeUpstream::start().await;
+    // 429s are not throttles here: what is tested is the fields, not the reaction to a 429.
+    let keys = "rate = 50\nreserve = 1\nthrottle_statuses = []\nmax_wait = \"60s\"";
+    let proxy = start(&upstream, keys).await;
+    let url = format!("{}/window/8/4", upstream.http_url("localhost"));
+    let statuses = burst(&proxy, &url, 14).await;
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "never a 429: {statuses:?}"
+    );
+    let at = arrivals(&upstream);
+    assert!(
+        busiest(&at, Duration::from_secs(4)) <= 8,
+        "a 4 s window held {} of 14",
+        busiest(&at, Duration::from_secs(4))
+    );
+    let s = proxy.destination("local").await;
+    assert_eq!(s["vendor"]["family"], "ietf", "{s}");
+
+    // The control: the same load without signals runs into the vendor's limit.
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, &format!("{keys}\nsignals = \"none\"")).await;
+    let url = format!("{}/window/8/4", upstream.http_url("localhost"));
+    let started = Instant::now();
+    let statuses = burst(&proxy, &url, 40).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        statuses.iter().filter(|s| **s == 429).count() >= 30,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        proxy.destination("local").await["vendor"],
+        serde_json::Value::Null
+    );
+}
+
+#[tokio::test]
+async fn a_secondary_limit_blocks_for_longer_each_time_across_a_restart_until_a_success() {
+    let upstream = FakeUpstream::start().await;
+    let keys = "rate = 100\nretry_throttled = 0\nthrottle_block = { min = \"1s\", max = \"8s\", jitter = 0 }";
+    let proxy = start(&upstream, keys).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let secondary = format!(
+        "{}/status/403?body=You%20have%20exceeded%20a%20secondary%20rate%20limit",
+        upstream.http_url("localhost")
+    );
+    let fine = format!("{}/fine", upstream.http_url("localhost"));
+    // Sends `url` and returns how long after the previous arrival it reached the upstream.
+    async fn gap(via: &reqwest::Client, upstream: &FakeUpstream, url: &str, want: u16) -> Duration {
+        assert_eq!(via.get(url).send().await.unwrap().status(), want);
+        let at = arrivals(upstream);
+        at[at.len() - 1] - at[at.len() - 2]
+    }
+    assert_eq!(via.get(&secondary).send().await.unwrap().status(), 403);
+    let first = gap(&via, &upstream, &secondary, 403).await;
+    assert!(
+        first >= Duration::from_millis(950),
+        "first block: {first:?}"
+    );
+    let s = proxy.destination("local").await;
+    assert_eq!(s["block_streak"], 2, "{s}");
+    assert_eq!(s["pace_limited_by"], "paused: block", "{s}");
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_block_streak{destination=\"local\"} 2"));
+
+    // A restart keeps the streak, and the block in force.
+    let proxy = proxy.restart().await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    assert_eq!(proxy.destination("local").await["block_streak"], 2);
+    let second = gap(&via, &upstream, &fine, 200).await;
+    assert!(
+        second >= Duration::from_millis(1950),
+        "second block: {second:?}"
+    );
+    // That success ended the streak: the next block is `min` again.
+    assert_eq!(proxy.destination("local").await["block_streak"], 0);
+    assert_eq!(via.get(&secondary).send().await.unwrap().status(), 403);
+    let again = gap(&via, &upstream, &fine, 200).await;
+    assert!(
+        again >= Duration::from_millis(950) && again < Duration::from_millis(1900),
+        "after a success: {again:?}"
+    );
+    assert_eq!(
+        proxy.destination("local").await["lock"],
+        serde_json::Value::Null,
+        "blocks, never a lockout"
+    );
+}

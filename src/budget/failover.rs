@@ -29,8 +29,8 @@ use tokio_util::sync::CancellationToken;
 use super::fleet::{self, Fleet, Health, Instance, LiveCount, HEARTBEAT, LIVE_WITHIN};
 use super::memory::MemoryStore;
 use super::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, ReserveError, Rule, Store,
-    StoreError, StoreFuture,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, ReserveError,
+    Rule, Store, StoreError, StoreFuture,
 };
 use crate::config::OnUnavailable;
 use crate::destination::Quota;
@@ -163,7 +163,10 @@ impl<S: Store + Fleet> Failover<S> {
         let pending: Vec<_> = std::mem::take(&mut *self.pending.lock());
         for (i, (dest, rule, lock)) in pending.iter().enumerate() {
             let event = Event::Lockout(lock.clone());
-            if let Err(e) = self.bounded(self.primary.record(dest, rule, event)).await {
+            if let Err(e) = self
+                .bounded(self.primary.record(dest, rule, event, None))
+                .await
+            {
                 self.pending.lock().extend(pending[i..].iter().cloned());
                 return Err(e);
             }
@@ -306,10 +309,14 @@ impl<S: Store + Fleet> Store for Failover<S> {
         destination: &'a str,
         rule: &'a Rule,
         event: Event,
+        vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         let to_share = event.clone();
         let shared = async move {
-            let view = self.primary.record(destination, rule, to_share).await?;
+            let view = self
+                .primary
+                .record(destination, rule, to_share, vendor)
+                .await?;
             self.remember(destination, &view);
             Ok(view)
         };
@@ -320,7 +327,7 @@ impl<S: Store + Fleet> Store for Failover<S> {
                     .lock()
                     .push((destination.to_owned(), rule.clone(), lock.clone()));
             }
-            self.local.record(destination, rule, event)
+            self.local.record(destination, rule, event, vendor)
         }))
     }
 

@@ -1,11 +1,11 @@
 //! The embedded store: budgets in process memory, for a single instance.
 //!
-//! Backoff and lockouts survive a restart: whenever they change, every budget's backoff,
-//! generation, streak and lock are written to the state file atomically (temp file, fsync,
-//! rename). So do quota windows' latest slots, as wall-clock times, written at most every
-//! second by [`MemoryStore::keep_sends`]. The schedule itself (`next_at`, pauses) is monotonic
-//! time and is not kept: after a restart the schedule starts from now, which is what an idle
-//! destination does anyway.
+//! Backoff, lockouts, block streaks and pauses survive a restart: whenever they change, every
+//! budget's backoff, generation, streaks, lock, pause and vendor view are written to the state
+//! file atomically (temp file, fsync, rename), times as wall-clock times. So are quota
+//! windows' latest slots, written at most every second by [`MemoryStore::keep_sends`]. The
+//! beat itself (`next_at`) is not kept: after a restart the schedule starts from now, which
+//! is what an idle destination does anyway.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -19,11 +19,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::fleet::Instance;
-use super::schedule::{Budget, NoSlot, Waiting};
+use super::schedule::{Budget, NoSlot, Vendor, Waiting};
 use super::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Reservation, ReserveError,
-    Rule, Store, StoreError, StoreFuture,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, PauseCause,
+    Reservation, ReserveError, Rule, Store, StoreError, StoreFuture, VendorView,
 };
+use crate::signals::Family;
 
 /// The file format of the state file.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -41,6 +42,28 @@ struct Persisted {
     /// The quota windows' latest slots, as Unix times in seconds.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     sends: Vec<f64>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    block_streak: u32,
+    /// A pause still in force, as a Unix time in seconds, and its cause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    paused_until: Option<(f64, PauseCause)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    vendor: Option<PersistedVendor>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A vendor view, its times as Unix times in seconds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PersistedVendor {
+    family: String,
+    remaining: u64,
+    limit: Option<u64>,
+    observed: f64,
+    reset: f64,
+    taken: u64,
 }
 
 /// What the store's time 0 is before its epoch: far enough that slots taken before the store
@@ -123,6 +146,21 @@ impl MemoryStore {
                     clean_streak: p.clean_streak,
                     lock: p.lock,
                     sends: p.sends.iter().map(|t| store.at_unix(*t)).collect(),
+                    block_streak: p.block_streak,
+                    paused_until: p
+                        .paused_until
+                        .map_or(Duration::ZERO, |(t, _)| store.at_unix(t)),
+                    paused_by: p.paused_until.map(|(_, by)| by),
+                    vendor: p.vendor.and_then(|v| {
+                        Some(Vendor {
+                            family: Family::from_name(&v.family)?,
+                            remaining: v.remaining,
+                            limit: v.limit,
+                            observed: store.at_unix(v.observed),
+                            reset: store.at_unix(v.reset),
+                            taken: v.taken,
+                        })
+                    }),
                     ..Budget::default()
                 },
             );
@@ -141,8 +179,13 @@ impl MemoryStore {
         b.backoff = view.backoff.max(1.0);
         b.generation = view.generation;
         b.clean_streak = view.clean_streak;
+        b.block_streak = view.block_streak;
         b.lock = view.lock.clone();
-        b.paused_until = b.paused_until.max(self.now() + view.paused_for);
+        let until = self.now() + view.paused_for;
+        if until > b.paused_until {
+            b.paused_until = until;
+            b.paused_by = view.paused_by;
+        }
         if let Some(at) = next_at {
             b.next_at = b.next_at.max(self.offset(at));
         }
@@ -198,10 +241,15 @@ impl MemoryStore {
         }
     }
 
+    /// A Unix time as a time on the store's timeline, past (a quota window's send) or future
+    /// (a pause, a vendor's reset).
     fn at_unix(&self, secs: f64) -> Duration {
-        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs_f64(secs.max(0.0));
-        let ago = SystemTime::now().duration_since(wall).unwrap_or_default();
-        self.now().saturating_sub(ago)
+        let wall =
+            SystemTime::UNIX_EPOCH + Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or_default();
+        match SystemTime::now().duration_since(wall) {
+            Ok(ago) => self.now().saturating_sub(ago),
+            Err(ahead) => self.now() + ahead.duration(),
+        }
     }
 
     fn unix_of(&self, t: Duration) -> f64 {
@@ -216,12 +264,21 @@ impl MemoryStore {
     }
 
     fn view_of(&self, budget: &Budget, now: Duration) -> BudgetView {
+        let paused_for = budget.paused_until.saturating_sub(now);
         BudgetView {
             backoff: budget.backoff,
             generation: budget.generation,
             clean_streak: budget.clean_streak,
-            paused_for: budget.paused_until.saturating_sub(now),
+            paused_for,
+            paused_by: budget.paused_by.filter(|_| !paused_for.is_zero()),
             lock: budget.lock.clone(),
+            block_streak: budget.block_streak,
+            vendor: budget.vendor_at(now).map(|v| VendorView {
+                family: v.family,
+                remaining: v.remaining.saturating_sub(v.taken),
+                limit: v.limit,
+                reset_in: v.reset - now,
+            }),
         }
     }
 
@@ -237,12 +294,26 @@ impl MemoryStore {
                 .lock()
                 .iter()
                 .map(|(name, b)| {
+                    let now = self.now();
                     let p = Persisted {
                         backoff: b.backoff,
                         generation: b.generation,
                         clean_streak: b.clean_streak,
                         lock: b.lock.clone(),
                         sends: b.sends.iter().map(|t| self.unix_of(*t)).collect(),
+                        block_streak: b.block_streak,
+                        paused_until: b
+                            .paused_by
+                            .filter(|_| b.paused_until > now)
+                            .map(|by| (self.unix_of(b.paused_until), by)),
+                        vendor: b.vendor_at(now).map(|v| PersistedVendor {
+                            family: v.family.as_str().to_owned(),
+                            remaining: v.remaining,
+                            limit: v.limit,
+                            observed: self.unix_of(v.observed),
+                            reset: self.unix_of(v.reset),
+                            taken: v.taken,
+                        }),
                     };
                     (name.clone(), p)
                 })
@@ -388,14 +459,16 @@ impl Store for MemoryStore {
         destination: &'a str,
         rule: &'a Rule,
         event: Event,
+        vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
             let (changed, view) = {
-                let now = self.now();
+                let (now, wall) = (self.now(), SystemTime::now());
                 let mut budgets = self.budgets.lock();
                 let budget = budgets.entry(destination.to_owned()).or_default();
-                let changed = budget.apply(rule, &event, now);
-                (changed, self.view_of(budget, now))
+                let seen = vendor.is_some_and(|v| budget.observe(rule, &v, now, wall));
+                let changed = budget.apply(rule, &event, now, wall);
+                (changed || seen, self.view_of(budget, now))
             };
             if changed {
                 self.persist().await?;
@@ -496,13 +569,16 @@ mod tests {
                     Event::Throttled {
                         generation: 0,
                         retry_after: None,
+                        reset: None,
+                        spread: 0.0,
                     },
+                    None,
                 )
                 .await
                 .unwrap();
             let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
             store
-                .record("b", &rule, Event::Lockout(lock))
+                .record("b", &rule, Event::Lockout(lock), None)
                 .await
                 .unwrap();
         }
@@ -523,6 +599,47 @@ mod tests {
             contract::take(&store, "b", &rule, None).await.is_ok(),
             "the unlock was persisted too"
         );
+    }
+
+    #[tokio::test]
+    async fn a_block_its_streak_and_the_vendor_view_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let rule = Rule {
+            block: Some(crate::destination::Block {
+                min: Duration::from_secs(30),
+                max: Duration::from_secs(60),
+                jitter: 0.0,
+            }),
+            ..contract::rule(10.0)
+        };
+        {
+            let store = MemoryStore::open(&path).unwrap();
+            let throttle = Event::Throttled {
+                generation: 0,
+                retry_after: None,
+                reset: None,
+                spread: 0.0,
+            };
+            let seen = Observation {
+                family: crate::signals::Family::XRateLimit,
+                remaining: 7,
+                limit: Some(60),
+                reset: crate::budget::Pause::For(Duration::from_secs(40)),
+                spread: 0.0,
+            };
+            store
+                .record("a", &rule, throttle, Some(seen))
+                .await
+                .unwrap();
+        }
+        let view = MemoryStore::open(&path).unwrap().view("a").await.unwrap();
+        assert_eq!(view.block_streak, 1);
+        assert_eq!(view.paused_by, Some(PauseCause::Block));
+        assert!(view.paused_for > Duration::from_secs(29), "{view:?}");
+        let vendor = view.vendor.expect("the vendor's window has not reset");
+        assert_eq!((vendor.remaining, vendor.limit), (7, Some(60)));
+        assert!(vendor.reset_in > Duration::from_secs(39), "{vendor:?}");
     }
 
     #[test]

@@ -24,13 +24,13 @@ mod rows;
 mod sql;
 
 pub use migrations::MIGRATIONS;
-use rows::{after, after_grant, columns, db, lockout, rows_of, view_of, Row};
+use rows::{after, after_grant, columns, db, lockout, pause_args, rows_of, view_of, Row};
 use sql::*;
 
 use super::fleet::{Fleet, Instance, WAITER_LEASE};
 use super::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Reservation, ReserveError,
-    Rule, Store, StoreError, StoreFuture,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
+    ReserveError, Rule, Store, StoreError, StoreFuture,
 };
 use crate::class::Class;
 use crate::status::InstanceStatus;
@@ -144,7 +144,7 @@ impl PostgresStore {
     pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
         let client = self.client().await?;
         let rows = client.query(SQL_BUDGETS, &[]).await.map_err(db)?;
-        Ok(rows.iter().map(|r| (r.get(8), view_of(r))).collect())
+        Ok(rows.iter().map(|r| (r.get(14), view_of(r))).collect())
     }
 }
 
@@ -220,6 +220,7 @@ impl Store for PostgresStore {
                         &oldest,
                         &next,
                         &tell,
+                        &i64::from(rule.reserve),
                     ],
                 )
                 .await
@@ -360,22 +361,33 @@ impl Store for PostgresStore {
         destination: &'a str,
         rule: &'a Rule,
         event: Event,
+        vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
-            let (kind, generation, retry_after, lock) = match &event {
-                Event::Clean => ("clean", 0i64, None, None),
+            let none = (None, None);
+            let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
+                Event::Clean { success } => ("clean", 0i64, *success, none, none, 0.0, None),
                 Event::Throttled {
                     generation,
                     retry_after,
+                    reset,
+                    spread,
                 } => (
                     "throttled",
                     i64::try_from(*generation).unwrap_or(i64::MAX),
-                    retry_after.map(|d| d.as_secs_f64()),
+                    false,
+                    pause_args(*retry_after),
+                    pause_args(*reset),
+                    *spread,
                     None,
                 ),
-                Event::Lockout(l) => ("lockout", 0, None, Some(l)),
+                Event::Lockout(l) => ("lockout", 0, false, none, none, 0.0, Some(l)),
+                Event::None => ("none", 0, false, none, none, 0.0, None),
             };
+            let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
             let decay_after = i32::try_from(rule.decay_after).unwrap_or(i32::MAX);
+            let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+            let vendor_reset = pause_args(vendor.map(|v| v.reset));
             let client = self.client().await?;
             let statement = client.prepare_cached(SQL_RECORD).await.map_err(db)?;
             let row = client
@@ -385,14 +397,29 @@ impl Store for PostgresStore {
                         &destination,
                         &kind,
                         &generation,
-                        &retry_after,
+                        &success,
+                        &retry_after.0,
+                        &retry_after.1,
+                        &reset.0,
+                        &reset.1,
+                        &spread,
                         &rule.backoff_factor,
                         &rule.backoff_max,
                         &decay_after,
                         &rule.retry_after_max.as_secs_f64(),
+                        &i64::from(rule.reserve),
+                        &rule.block.map(|b| us(b.min)),
+                        &rule.block.map(|b| us(b.max)),
+                        &rule.block.map_or(0.0, |b| b.jitter),
                         &lock.map(|l| i32::from(l.status)),
                         &lock.map(|l| l.request.as_str()),
                         &lock.map(|l| l.instance.as_str()),
+                        &vendor.map(|v| v.family.as_str()),
+                        &vendor.map(|v| count(v.remaining)),
+                        &vendor.and_then(|v| v.limit).map(count),
+                        &vendor_reset.0,
+                        &vendor_reset.1,
+                        &vendor.map_or(0, |v| us(v.jitter())),
                     ],
                 )
                 .await

@@ -3,10 +3,35 @@
 //! time) compute exactly the same thing.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use super::{Event, Lockout, Rule};
+use super::{Event, Lockout, Observation, PauseCause, Rule};
 use crate::class::Class;
+use crate::signals::Family;
+
+/// Two resets this close are one window: a reset given in whole seconds left moves by up to a
+/// second from one response to the next.
+pub const SAME_WINDOW: Duration = Duration::from_secs(2);
+
+/// The most a spent vendor budget's pause runs past the reset (see [`Observation::spread`]).
+pub const RESET_JITTER: Duration = Duration::from_secs(1);
+
+/// What the vendor last said about its budget, on the store's timeline.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Vendor {
+    /// The header family it was read from.
+    pub family: Family,
+    /// Requests left in the window when it was said.
+    pub remaining: u64,
+    /// The window's limit, where given.
+    pub limit: Option<u64>,
+    /// When it was said.
+    pub observed: Duration,
+    /// When the window resets.
+    pub reset: Duration,
+    /// Slots taken since it was said.
+    pub taken: u64,
+}
 
 /// One instance's waiting requests of one class, in store time.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -26,8 +51,14 @@ pub struct Waiting {
 pub struct Budget {
     /// The earliest instant the next request may go (beat keeping).
     pub next_at: Duration,
-    /// Nothing is sent before this (Retry-After).
+    /// Nothing is sent before this (Retry-After, a block, a spent vendor budget).
     pub paused_until: Duration,
+    /// What set `paused_until`.
+    pub paused_by: Option<PauseCause>,
+    /// Throttles in a row that blocked the destination (see [`crate::destination::Block`]).
+    pub block_streak: u32,
+    /// What the vendor last said; ignored once its window has reset.
+    pub vendor: Option<Vendor>,
     /// Interval multiplier, 1 to `backoff_max`.
     pub backoff: f64,
     /// Bumped on every widening; a throttle widens only if reserved under the current one.
@@ -49,6 +80,9 @@ impl Default for Budget {
         Self {
             next_at: Duration::ZERO,
             paused_until: Duration::ZERO,
+            paused_by: None,
+            block_streak: 0,
+            vendor: None,
             backoff: 1.0,
             generation: 0,
             clean_streak: 0,
@@ -123,6 +157,11 @@ impl Budget {
     ///
     /// With quota windows, a slot also waits until the oldest send of a full window has left
     /// it, plus [`Rule::max_late`] so that a slot used late still cannot crowd a window.
+    ///
+    /// With a vendor view, the k-th slot since it was said waits for its share of the window:
+    /// `observed + k × (reset − observed) / (remaining − reserve)`, and past the last share,
+    /// for the reset. So the vendor's remaining requests, less the reserve, are spread evenly
+    /// until the reset, whatever the configured rate.
     pub fn reserve(
         &mut self,
         rule: &Rule,
@@ -147,8 +186,17 @@ impl Budget {
         if let Some(last) = self.sends.back() {
             slot = slot.max(*last);
         }
+        if self.vendor.is_some_and(|v| v.reset <= now) {
+            self.vendor = None;
+        }
+        if let Some(floor) = self.vendor_floor(rule) {
+            slot = slot.max(floor);
+        }
         if not_after.is_some_and(|limit| slot > limit) {
             return Err(NoSlot::TooLate { slot });
+        }
+        if let Some(v) = &mut self.vendor {
+            v.taken += 1;
         }
         self.next_at = self.next_at.max(slot) + t;
         if let Some(keep) = rule.quota.iter().map(|q| q.limit as usize).max() {
@@ -158,6 +206,78 @@ impl Budget {
             }
         }
         Ok((slot, self.generation))
+    }
+
+    /// The earliest the next slot may be by the vendor's view (see [`Budget::reserve`]).
+    fn vendor_floor(&self, rule: &Rule) -> Option<Duration> {
+        let v = self.vendor.as_ref()?;
+        let usable = v.remaining.saturating_sub(u64::from(rule.reserve));
+        let k = v.taken + 1;
+        if k > usable {
+            return Some(v.reset);
+        }
+        // In whole microseconds, as the postgres store computes it.
+        let window =
+            u64::try_from(v.reset.saturating_sub(v.observed).as_micros()).unwrap_or(u64::MAX);
+        let share = u128::from(window) * u128::from(k) / u128::from(usable);
+        Some(v.observed + Duration::from_micros(u64::try_from(share).unwrap_or(u64::MAX)))
+    }
+
+    /// The vendor's view while its window lasts.
+    pub fn vendor_at(&self, now: Duration) -> Option<&Vendor> {
+        self.vendor.as_ref().filter(|v| v.reset > now)
+    }
+
+    /// Pauses until `until` unless a longer pause is already in force.
+    fn pause(&mut self, until: Duration, by: PauseCause) -> bool {
+        if until <= self.paused_until {
+            return false;
+        }
+        self.paused_until = until;
+        self.paused_by = Some(by);
+        true
+    }
+
+    /// Takes in what the vendor said at `now` (`wall`: the store's wall clock then), and
+    /// returns whether the budget changed. Views race between instances: a view of an older
+    /// window never replaces one of a newer window, and within one window the lower remaining
+    /// (less the slots taken since) wins. At `remaining ≤ reserve` the destination pauses
+    /// until the reset, plus up to [`RESET_JITTER`].
+    pub fn observe(
+        &mut self,
+        rule: &Rule,
+        seen: &Observation,
+        now: Duration,
+        wall: SystemTime,
+    ) -> bool {
+        let Some(left) = seen.reset.resolve(wall, rule.retry_after_max) else {
+            return false;
+        };
+        let new = Vendor {
+            family: seen.family,
+            remaining: seen.remaining,
+            limit: seen.limit,
+            observed: now,
+            reset: now + left,
+            taken: 0,
+        };
+        let keep = self.vendor_at(now).is_some_and(|old| {
+            if new.reset + SAME_WINDOW < old.reset {
+                true
+            } else if new.reset <= old.reset + SAME_WINDOW {
+                new.remaining > old.remaining.saturating_sub(old.taken)
+            } else {
+                false
+            }
+        });
+        if keep {
+            return false;
+        }
+        self.vendor = Some(new);
+        if new.remaining <= u64::from(rule.reserve) {
+            self.pause(new.reset + seen.jitter(), PauseCause::Exhausted);
+        }
+        true
     }
 
     /// Records `instance`'s waiting requests, replacing what it said before.
@@ -250,39 +370,60 @@ impl Budget {
         Ok((slot, generation, class))
     }
 
-    /// Applies a verdict observed at `now`. Returns whether the backoff or the lock changed,
-    /// the state that must survive a restart.
-    pub fn apply(&mut self, rule: &Rule, event: &Event, now: Duration) -> bool {
+    /// Applies a verdict observed at `now` (`wall`: the store's wall clock then, which a
+    /// pause given as a date is read against). Returns whether the state that must survive a
+    /// restart changed: backoff, lock, block streak, a pause.
+    pub fn apply(&mut self, rule: &Rule, event: &Event, now: Duration, wall: SystemTime) -> bool {
         match event {
-            Event::Clean => {
+            Event::Clean { success } => {
+                let streak = self.block_streak;
+                if *success {
+                    // One clean response ends a run of blocks.
+                    self.block_streak = 0;
+                }
                 self.clean_streak += 1;
                 if self.clean_streak < rule.decay_after {
-                    return false;
+                    return self.block_streak != streak;
                 }
                 self.clean_streak = 0;
                 let before = self.backoff;
                 self.backoff = (self.backoff / rule.backoff_factor).max(1.0);
-                self.backoff != before
+                self.backoff != before || self.block_streak != streak
             }
             Event::Throttled {
                 generation,
                 retry_after,
+                reset,
+                spread,
             } => {
                 let before = self.generation;
                 self.clean_streak = 0;
                 // One widening per generation: ten requests in flight that all come back 429
-                // were reserved under the same generation and widen once.
-                if *generation == self.generation {
+                // were reserved under the same generation and widen once; so does the block
+                // streak advance once.
+                let current = *generation == self.generation;
+                if current {
                     self.backoff = (self.backoff * rule.backoff_factor).min(rule.backoff_max);
                     self.generation += 1;
                 }
-                if let Some(pause) = retry_after {
-                    self.paused_until = self
-                        .paused_until
-                        .max(now + (*pause).min(rule.retry_after_max));
-                }
-                self.generation != before
+                let resolve = |p: &Option<super::Pause>| {
+                    p.and_then(|p| p.resolve(wall, rule.retry_after_max))
+                };
+                let paused = if let Some(pause) = resolve(retry_after) {
+                    self.pause(now + pause, PauseCause::RetryAfter)
+                } else if let Some(pause) = resolve(reset) {
+                    self.pause(now + pause, PauseCause::Exhausted)
+                } else if let (Some(block), true) = (rule.block, current) {
+                    let length = block.after(self.block_streak, *spread);
+                    self.block_streak = self.block_streak.saturating_add(1);
+                    self.pause(now + length, PauseCause::Block);
+                    true
+                } else {
+                    false
+                };
+                self.generation != before || paused
             }
+            Event::None => false,
             Event::Lockout(lock) => {
                 if self.lock.is_some() {
                     return false;

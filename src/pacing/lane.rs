@@ -292,6 +292,8 @@ fn rule_of(pace: &Pace, classes: &Classes) -> Rule {
         backoff_max: pace.backoff_max,
         decay_after: pace.decay_after,
         retry_after_max: pace.retry_after_max,
+        reserve: pace.reserve,
+        block: pace.throttle_block,
     }
 }
 

@@ -250,7 +250,8 @@ async fn retry_after_pauses_every_request() {
     assert_eq!(
         v,
         Verdict::Throttled {
-            pause: Some(verdict::Pause::For(Duration::from_secs(3))),
+            retry_after: Some(verdict::Pause::For(Duration::from_secs(3))),
+            reset: None,
             why: verdict::Why::Status,
         }
     );
@@ -360,7 +361,7 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
     tokio::time::sleep(ms(100)).await;
     let lock = Lockout::new(403, "GET https://d/".into(), "elsewhere".into());
     store
-        .record("d", &d(&p).0.rule, Event::Lockout(lock))
+        .record("d", &d(&p).0.rule, Event::Lockout(lock), None)
         .await
         .unwrap();
     let started = Instant::now();

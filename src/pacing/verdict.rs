@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use http::header::{HeaderMap, DATE, RETRY_AFTER};
 
+pub use crate::budget::Pause;
 use crate::destination::Pace;
 use crate::signals::{self, Reset, Signal};
 
@@ -20,8 +21,10 @@ pub enum Verdict {
     /// A throttle: a status in `throttle_statuses`, or a lockout status carrying a
     /// rate-limit marker.
     Throttled {
-        /// The pause it asks for: `Retry-After`, else a spent vendor budget's reset.
-        pause: Option<Pause>,
+        /// The pause its `Retry-After` asks for.
+        retry_after: Option<Pause>,
+        /// A spent vendor budget's reset (`Retry-After` wins over it).
+        reset: Option<Pause>,
         /// What made it a throttle.
         why: Why,
     },
@@ -56,28 +59,6 @@ impl Why {
     }
 }
 
-/// A pause a response asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pause {
-    /// This long from now.
-    For(Duration),
-    /// Until this wall-clock instant: a date with no `Date` header to read it against, to be
-    /// read against the store's clock (shared by every instance), not this one's.
-    Until(SystemTime),
-}
-
-impl Pause {
-    /// How long from `now` (the store's wall clock), at most `max`; `None` for an instant
-    /// already past.
-    pub fn resolve(self, now: SystemTime, max: Duration) -> Option<Duration> {
-        let d = match self {
-            Self::For(d) => d,
-            Self::Until(t) => t.duration_since(now).ok()?,
-        };
-        (!d.is_zero()).then(|| d.min(max))
-    }
-}
-
 impl Verdict {
     /// The `verdict` metric label.
     pub fn as_str(self) -> &'static str {
@@ -109,8 +90,9 @@ impl fmt::Display for Verdict {
 pub struct Reading {
     /// The verdict.
     pub verdict: Verdict,
-    /// The strictest vendor signal among the families the destination reads.
-    pub signal: Option<Signal>,
+    /// The strictest vendor signal among the families the destination reads, and its reset
+    /// as a pause (a Unix-time reset read against the response's `Date` when it has one).
+    pub signal: Option<(Signal, Option<Pause>)>,
 }
 
 impl Reading {
@@ -124,7 +106,8 @@ impl Reading {
     pub fn marked_by_body(self) -> Self {
         Self {
             verdict: Verdict::Throttled {
-                pause: None,
+                retry_after: None,
+                reset: None,
                 why: Why::Body,
             },
             ..self
@@ -142,30 +125,34 @@ pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace) -> Reading {
         .and_then(|d| d.to_str().ok())
         .and_then(|d| httpdate::parse_http_date(d.trim()).ok());
     let signal = signals::read(headers, pace.signals, date.unwrap_or_else(SystemTime::now));
-    let retry = retry_after(headers, date);
-    let exhausted = signal.filter(Signal::exhausted);
-    // A primary exhaustion pauses until its reset; `Retry-After` still wins.
-    let until_reset = exhausted.and_then(|s| match s.reset? {
+    let retry_after = retry_after(headers, date);
+    let reset = signal.and_then(|s| match s.reset? {
         Reset::In(d) => Some(Pause::For(d)),
         Reset::At(t) => Some(match date {
             Some(date) => Pause::For(t.duration_since(date).ok()?),
             None => Pause::Until(t),
         }),
     });
+    let exhausted = signal.is_some_and(|s| s.exhausted());
+    // A primary exhaustion pauses until its reset.
+    let spent = reset.filter(|_| exhausted);
     let verdict = if pace.throttle_statuses.contains(&status) {
         Verdict::Throttled {
-            pause: retry.or(until_reset),
+            retry_after,
+            reset: spent,
             why: Why::Status,
         }
     } else if pace.lockout_statuses.contains(&status) {
         if headers.contains_key(RETRY_AFTER) {
             Verdict::Throttled {
-                pause: retry,
+                retry_after,
+                reset: spent,
                 why: Why::RetryAfter,
             }
-        } else if exhausted.is_some() {
+        } else if exhausted {
             Verdict::Throttled {
-                pause: until_reset,
+                retry_after: None,
+                reset: spent,
                 why: Why::Exhausted,
             }
         } else {
@@ -176,7 +163,10 @@ pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace) -> Reading {
     } else {
         Verdict::Clean
     };
-    Reading { verdict, signal }
+    Reading {
+        verdict,
+        signal: signal.map(|s| (s, reset)),
+    }
 }
 
 /// Whether the start of a body (decoded) carries one of the lower-case `markers`,

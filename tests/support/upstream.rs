@@ -8,7 +8,9 @@
 //! (with the `h=` headers) to the first n requests for that key, then 200;
 //! `/retry-date/{secs}` answers 429 with a `Date` and a `Retry-After` date secs after it;
 //! anything else says hello. `/status` also takes `delay={ms}`, `body={text}` (`%20` for a
-//! space) and `gzip=1` (the body gzip-encoded).
+//! space) and `gzip=1` (the body gzip-encoded). `/window/{n}/{secs}` allows n requests per
+//! fixed window of secs seconds (from the first request), counting down in the IETF
+//! `RateLimit` fields, and answers 429 past n.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -116,6 +118,8 @@ pub struct Recorded {
 struct State {
     recorded: Mutex<Vec<Recorded>>,
     flaky: Mutex<std::collections::HashMap<String, u32>>,
+    /// `/window`: when the current window started, and the requests in it.
+    window: Mutex<Option<(Instant, u64)>>,
     received_bytes: AtomicU64,
     gate: Notify,
 }
@@ -141,6 +145,7 @@ impl FakeUpstream {
         let state = Arc::new(State {
             recorded: Mutex::new(Vec::new()),
             flaky: Mutex::new(std::collections::HashMap::new()),
+            window: Mutex::new(None),
             received_bytes: AtomicU64::new(0),
             gate: Notify::new(),
         });
@@ -378,6 +383,43 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
             h.insert(
                 "retry-after",
                 HeaderValue::from_str(&httpdate::fmt_http_date(later)).unwrap(),
+            );
+            resp
+        }
+        ["window", n, secs] => {
+            // A vendor allowing n requests per fixed window of secs, from the first request,
+            // saying so in the IETF fields; past n, a 429.
+            let (n, secs): (u64, u64) = (n.parse().unwrap(), secs.parse().unwrap());
+            let length = Duration::from_secs(secs);
+            let (used, left) = {
+                let mut w = state.window.lock().unwrap();
+                let now = Instant::now();
+                let (start, used) = match *w {
+                    Some((start, used)) if now - start < length => (start, used + 1),
+                    _ => (now, 1),
+                };
+                *w = Some((start, used));
+                (used, length - (now - start))
+            };
+            let status = if used > n {
+                StatusCode::TOO_MANY_REQUESTS
+            } else {
+                StatusCode::OK
+            };
+            let mut resp = full(status, format!("{used} of {n}\n"));
+            let h = resp.headers_mut();
+            h.insert(
+                "ratelimit-policy",
+                HeaderValue::from_str(&format!("\"default\";q={n};w={secs}")).unwrap(),
+            );
+            h.insert(
+                "ratelimit",
+                HeaderValue::from_str(&format!(
+                    "\"default\";r={};t={}",
+                    n.saturating_sub(used),
+                    left.as_secs_f64().ceil() as u64
+                ))
+                .unwrap(),
             );
             resp
         }

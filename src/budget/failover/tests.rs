@@ -98,8 +98,9 @@ impl Store for Fake {
         destination: &'a str,
         rule: &'a Rule,
         event: Event,
+        vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        self.answer(self.inner.record(destination, rule, event))
+        self.answer(self.inner.record(destination, rule, event, vendor))
     }
 
     fn unlock<'a>(
@@ -230,7 +231,7 @@ async fn probes_back_off_while_the_store_is_away_and_recovery_writes_lockouts_ba
     assert!(f.is_degraded(), "an unanswered heartbeat degrades");
     // A lockout while degraded: kept locally, refused at once, and written back later.
     let lock = Lockout::new(403, "GET https://d/x".into(), "here".into());
-    f.record("d", &rule, Event::Lockout(lock.clone()))
+    f.record("d", &rule, Event::Lockout(lock.clone()), None)
         .await
         .unwrap();
     assert!(matches!(

@@ -23,6 +23,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "classes",
         include_str!("../../../migrations/0003_classes.sql"),
     ),
+    (
+        4,
+        "vendor",
+        include_str!("../../../migrations/0004_vendor.sql"),
+    ),
 ];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).

@@ -1,7 +1,8 @@
 //! One arithmetic, checked as one: random sequences of reservations, verdicts, pauses,
-//! lockouts, unlocks and clock advances go through `budget::schedule` (the model) and through
-//! the postgres store's SQL, and both must end every step in the same state: the same slots
-//! and outcomes, backoff, generation, streak, pause and lock.
+//! blocks, vendor views, lockouts, unlocks and clock advances go through `budget::schedule`
+//! (the model) and through the postgres store's SQL, and both must end every step in the same
+//! state: the same slots and outcomes, backoff, generation, streaks, pause and its cause,
+//! vendor view and lock.
 //!
 //! The database's clock is replaced for the test: the store's connection puts a schema of the
 //! test's own first on its `search_path`, whose `clock_timestamp()` reads the instant the test
@@ -10,14 +11,16 @@
 //! `PACEGATE_MODEL_CASES` sets the number of sequences (2,000 by default).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 use super::*;
 use crate::budget::schedule::{Budget, NoSlot, Waiting};
-use crate::destination::Quota;
+use crate::budget::{Observation, Pause};
+use crate::destination::{Block, Quota};
+use crate::signals::Family;
 
 /// The model's time 0, as a Unix time in µs; every sequence starts well after it, so that
 /// the model's zero and the database's `-infinity` both mean "long ago".
@@ -35,15 +38,32 @@ enum Op {
         busy: bool,
         limit: Option<(bool, u64)>,
     },
-    Clean,
+    Clean {
+        success: bool,
+    },
     /// A throttle reserved under the current generation (`stale`: the one before), with a
-    /// Retry-After in ms.
+    /// Retry-After in ms, and a spent vendor budget's reset in ms.
     Throttled {
         stale: bool,
         retry_after_ms: Option<u64>,
+        reset_ms: Option<u64>,
+        spread: f64,
+    },
+    /// A response with no verdict that says what the vendor's budget is: `remaining`, the
+    /// reset in ms (`until`: as an instant, not a delta), and the jitter's spread.
+    Observe {
+        remaining: u64,
+        reset_ms: u64,
+        until: bool,
+        spread: f64,
     },
     Lockout,
     Unlock,
+}
+
+/// A spread drawn from a few values whose jittered lengths are exact on both sides.
+fn spread() -> impl Strategy<Value = f64> {
+    prop::sample::select(vec![-1.0, -0.5, 0.0, 0.25, 0.5, 1.0])
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -51,9 +71,26 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u64..400_000).prop_map(Op::Advance),
         5 => (any::<bool>(), proptest::option::of((any::<bool>(), 5_000u64..50_000)))
             .prop_map(|(busy, limit)| Op::Reserve { busy, limit }),
-        3 => Just(Op::Clean),
-        2 => (any::<bool>(), proptest::option::weighted(0.3, 0u64..5_000))
-            .prop_map(|(stale, retry_after_ms)| Op::Throttled { stale, retry_after_ms }),
+        3 => any::<bool>().prop_map(|success| Op::Clean { success }),
+        2 => (
+            any::<bool>(),
+            proptest::option::weighted(0.3, 0u64..5_000),
+            proptest::option::weighted(0.2, 0u64..2_000),
+            spread(),
+        )
+            .prop_map(|(stale, retry_after_ms, reset_ms, spread)| Op::Throttled {
+                stale,
+                retry_after_ms,
+                reset_ms,
+                spread,
+            }),
+        2 => (0u64..6, 0u64..3_000, any::<bool>(), spread())
+            .prop_map(|(remaining, reset_ms, until, spread)| Op::Observe {
+                remaining,
+                reset_ms,
+                until,
+                spread: spread.abs(),
+            }),
         1 => Just(Op::Lockout),
         1 => Just(Op::Unlock),
     ]
@@ -68,9 +105,24 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
         prop::sample::select(vec![4.0, 8.0, 16.0]),
         1u32..5,
         proptest::option::weighted(0.3, (1u32..4, 200u64..2_000)),
+        0u32..3,
+        proptest::option::weighted(
+            0.5,
+            (
+                100u64..1_000,
+                1u64..8,
+                prop::sample::select(vec![0.0, 0.2, 0.5]),
+            ),
+        ),
     )
         .prop_map(
-            |(rate, burst, backoff_factor, backoff_max, decay_after, quota)| Rule {
+            |(rate, burst, backoff_factor, backoff_max, decay_after, quota, reserve, block)| Rule {
+                reserve,
+                block: block.map(|(min_ms, times, jitter)| Block {
+                    min: Duration::from_millis(min_ms),
+                    max: Duration::from_millis(min_ms * times),
+                    jitter,
+                }),
                 interval: Duration::from_secs_f64(1.0 / rate),
                 burst,
                 backoff_factor,
@@ -91,25 +143,49 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
 }
 
 /// The budget row as the model would write it: next slot and pause in µs since `T0_US`
-/// (`None`: long ago), backoff, generation, streak, locked.
-type Row = (Option<i64>, Option<i64>, f64, i64, i32, bool);
+/// (`None`: long ago), backoff, generation, streak, locked; then what paused it, the block
+/// streak, and the vendor view while it lasts (remaining, taken, observed and reset in µs).
+#[derive(Debug, PartialEq)]
+struct Row {
+    beat: (Option<i64>, Option<i64>, i64, i32, bool),
+    backoff: f64,
+    paused_by: Option<String>,
+    block_streak: i32,
+    vendor: Option<(i64, i64, i64, i64)>,
+}
 
-fn model_row(b: &Budget) -> Row {
+fn model_row(b: &Budget, now: Duration) -> Row {
     let us = |d: Duration| (d > Duration::ZERO).then_some(d.as_micros() as i64);
-    (
-        us(b.next_at),
-        us(b.paused_until),
-        b.backoff,
-        b.generation as i64,
-        b.clean_streak as i32,
-        b.lock.is_some(),
-    )
+    Row {
+        beat: (
+            us(b.next_at),
+            us(b.paused_until),
+            b.generation as i64,
+            b.clean_streak as i32,
+            b.lock.is_some(),
+        ),
+        backoff: b.backoff,
+        paused_by: b.paused_by.map(|c| c.as_str().to_owned()),
+        block_streak: b.block_streak as i32,
+        vendor: b.vendor_at(now).map(|v| {
+            (
+                v.remaining as i64,
+                v.taken as i64,
+                v.observed.as_micros() as i64,
+                v.reset.as_micros() as i64,
+            )
+        }),
+    }
 }
 
 const SQL_ROW: &str = "SELECT
         CASE WHEN isfinite(next_at) THEN (extract(epoch FROM next_at) * 1000000)::bigint - $2 END,
         CASE WHEN isfinite(paused_until) THEN (extract(epoch FROM paused_until) * 1000000)::bigint - $2 END,
-        backoff, generation, clean_streak, lock_status IS NOT NULL
+        backoff, generation, clean_streak, lock_status IS NOT NULL, paused_by, block_streak,
+        vendor_remaining, vendor_taken,
+        (extract(epoch FROM vendor_observed) * 1000000)::bigint - $2,
+        (extract(epoch FROM vendor_reset) * 1000000)::bigint - $2,
+        vendor_reset > (SELECT t FROM fakeclock.now_t)
     FROM pacegate_budgets WHERE destination = $1";
 
 /// The test's own database: the schema migrated, and a clock the test sets.
@@ -174,8 +250,22 @@ impl Db {
             .query_opt(SQL_ROW, &[&destination, &T0_US])
             .await
             .unwrap()
-            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+            .map(|r| Row {
+                beat: (r.get(0), r.get(1), r.get(3), r.get(4), r.get(5)),
+                backoff: r.get(2),
+                paused_by: r.get(6),
+                block_streak: r.get(7),
+                vendor: r
+                    .get::<_, Option<bool>>(12)
+                    .unwrap_or(false)
+                    .then(|| (r.get(8), r.get(9), r.get(10), r.get(11))),
+            })
     }
+}
+
+/// The database's wall clock at the model's `now`.
+fn wall(now: Duration) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_micros(T0_US as u64) + now
 }
 
 fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), TestCaseError> {
@@ -248,24 +338,58 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
                     _ => check(false, || format!("{}: {got:?} vs model {expected:?}", at()))?,
                 }
             }
-            Op::Clean | Op::Throttled { .. } | Op::Lockout => {
-                let event = match op {
-                    Op::Clean => Event::Clean,
+            Op::Clean { .. } | Op::Throttled { .. } | Op::Lockout | Op::Observe { .. } => {
+                let ms = |ms: u64| Pause::For(Duration::from_millis(ms));
+                let (event, vendor) = match op {
+                    Op::Clean { success } => (Event::Clean { success: *success }, None),
                     Op::Throttled {
                         stale,
                         retry_after_ms,
-                    } => Event::Throttled {
-                        generation: if *stale {
-                            model.generation.saturating_sub(1)
-                        } else {
-                            model.generation
+                        reset_ms,
+                        spread,
+                    } => (
+                        Event::Throttled {
+                            generation: if *stale {
+                                model.generation.saturating_sub(1)
+                            } else {
+                                model.generation
+                            },
+                            retry_after: retry_after_ms.map(ms),
+                            reset: reset_ms.map(ms),
+                            spread: *spread,
                         },
-                        retry_after: retry_after_ms.map(Duration::from_millis),
-                    },
-                    _ => Event::Lockout(Lockout::new(403, "GET /".into(), "model".into())),
+                        None,
+                    ),
+                    Op::Observe {
+                        remaining,
+                        reset_ms,
+                        until,
+                        spread,
+                    } => {
+                        let reset = if *until {
+                            Pause::Until(wall(now) + Duration::from_millis(*reset_ms))
+                        } else {
+                            ms(*reset_ms)
+                        };
+                        let seen = Observation {
+                            family: Family::Ietf,
+                            remaining: *remaining,
+                            limit: Some(5),
+                            reset,
+                            spread: *spread,
+                        };
+                        (Event::None, Some(seen))
+                    }
+                    _ => (
+                        Event::Lockout(Lockout::new(403, "GET /".into(), "model".into())),
+                        None,
+                    ),
                 };
-                model.apply(rule, &event, now);
-                let view = db.store.record(d, rule, event).await.unwrap();
+                if let Some(seen) = &vendor {
+                    model.observe(rule, seen, now, wall(now));
+                }
+                model.apply(rule, &event, now, wall(now));
+                let view = db.store.record(d, rule, event, vendor).await.unwrap();
                 check(
                     (view.backoff - model.backoff).abs() < 1e-9
                         && view.generation == model.generation
@@ -283,14 +407,13 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
         }
         // The whole budget, step by step. A destination never touched has no row yet.
         if let Some(row) = db.row(d).await {
-            let expected = model_row(&model);
+            let expected = model_row(&model, now);
             check(
-                row.0 == expected.0
-                    && row.1 == expected.1
-                    && (row.2 - expected.2).abs() < 1e-9
-                    && row.3 == expected.3
-                    && row.4 == expected.4
-                    && row.5 == expected.5,
+                row.beat == expected.beat
+                    && (row.backoff - expected.backoff).abs() < 1e-9
+                    && row.paused_by == expected.paused_by
+                    && row.block_streak == expected.block_streak
+                    && row.vendor == expected.vendor,
                 || format!("{}: row {row:?} vs model {expected:?}", at()),
             )?;
         }

@@ -5,8 +5,9 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use crate::budget::{BudgetView, ClassQueue, Lockout, StoreError};
+use crate::budget::{BudgetView, ClassQueue, Lockout, Pause, PauseCause, StoreError, VendorView};
 use crate::class::Class;
+use crate::signals::Family;
 
 /// A driver error, named by what happened. tokio-postgres' own message is only "db error",
 /// so the whole cause chain is kept.
@@ -120,10 +121,34 @@ pub(super) fn view_of(row: &tokio_postgres::Row) -> BudgetView {
         clean_streak: u32::try_from(row.get::<_, i32>(2)).unwrap_or(0),
         paused_for: Duration::from_secs_f64(row.get::<_, f64>(3).max(0.0)),
         lock: lockout(row.get(4), row.get(5), row.get(6), row.get(7)),
+        paused_by: row
+            .get::<_, Option<&str>>(8)
+            .and_then(PauseCause::from_name),
+        block_streak: u32::try_from(row.get::<_, i32>(9)).unwrap_or(0),
+        vendor: (|| {
+            Some(VendorView {
+                family: Family::from_name(row.get::<_, Option<&str>>(10)?)?,
+                remaining: u64::try_from(row.get::<_, Option<i64>>(11)?).unwrap_or(0),
+                limit: row
+                    .get::<_, Option<i64>>(12)
+                    .and_then(|l| u64::try_from(l).ok()),
+                reset_in: Duration::try_from_secs_f64(row.get::<_, Option<f64>>(13)?).ok()?,
+            })
+        })(),
     }
 }
 
 /// `later - earlier` on the database clock, zero when negative.
 pub(super) fn after(later: SystemTime, earlier: SystemTime) -> Duration {
     later.duration_since(earlier).unwrap_or_default()
+}
+
+/// A pause as the SQL functions take it: seconds from now, or an instant of the database
+/// clock (a date with nothing else to read it against).
+pub(super) fn pause_args(pause: Option<Pause>) -> (Option<f64>, Option<SystemTime>) {
+    match pause {
+        None => (None, None),
+        Some(Pause::For(d)) => (Some(d.as_secs_f64()), None),
+        Some(Pause::Until(t)) => (None, Some(t)),
+    }
 }

@@ -19,6 +19,7 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
     WHERE b.destination = $1
       AND b.lock_status IS NULL
       AND b.credits = '{}'
+      AND (b.vendor_reset IS NULL OR b.vendor_reset <= c.now)
       AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = $1)
       AND ($4::float8 IS NULL OR
            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
@@ -27,7 +28,7 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
         clock_timestamp(), b.generation, c.now";
 pub(super) const SQL_RESERVE_FOR: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
+    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Every live instance's waiting requests of a destination, by class.
 pub(super) const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
@@ -44,8 +45,11 @@ pub(super) const SQL_EXPIRE_WAITING: &str = "DELETE FROM pacegate_waiting AS w
     WHERE NOT EXISTS (SELECT 1 FROM pacegate_instances AS l
         WHERE l.id = w.instance AND l.last_seen > clock_timestamp() - make_interval(secs => $1))";
 pub(super) const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
-pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for,
+        lock_since, lock_status, lock_request, lock_instance, paused_by, block_streak,
+        vendor_family, vendor_remaining, vendor_limit, vendor_reset_in
+    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+        $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)";
 pub(super) const SQL_UNLOCK: &str = "WITH old AS (
         SELECT destination, lock_since, lock_status, lock_request, lock_instance
         FROM pacegate_budgets WHERE destination = $1 AND lock_status IS NOT NULL FOR UPDATE)
@@ -69,7 +73,15 @@ macro_rules! view_columns {
         "backoff, generation, clean_streak,
         CASE WHEN paused_until > clock_timestamp()
             THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
-        lock_since, lock_status, lock_request, lock_instance"
+        lock_since, lock_status, lock_request, lock_instance,
+        CASE WHEN paused_until > clock_timestamp() THEN paused_by END,
+        block_streak,
+        CASE WHEN vendor_reset > clock_timestamp() THEN vendor_family END,
+        CASE WHEN vendor_reset > clock_timestamp()
+            THEN GREATEST(vendor_remaining - vendor_taken, 0) END,
+        CASE WHEN vendor_reset > clock_timestamp() THEN vendor_limit END,
+        CASE WHEN vendor_reset > clock_timestamp()
+            THEN extract(epoch FROM vendor_reset - clock_timestamp())::double precision END"
     };
 }
 pub(super) const SQL_BUDGETS: &str = concat!(

@@ -1,6 +1,7 @@
 //! The budget arithmetic on fixed cases, named as behaviours.
 
 use super::*;
+use crate::budget::Pause;
 
 fn rule(rate: f64, burst: u32) -> Rule {
     Rule {
@@ -12,6 +13,8 @@ fn rule(rate: f64, burst: u32) -> Rule {
         retry_after_max: Duration::from_secs(60),
         shares: std::sync::Arc::from(vec![0.0; 3]),
         quota: Vec::new(),
+        reserve: 0,
+        block: None,
     }
 }
 
@@ -217,9 +220,12 @@ fn pause_holds_every_slot() {
         &r,
         &Event::Throttled {
             generation: 0,
-            retry_after: Some(ms(5000)),
+            retry_after: Some(Pause::For(ms(5000))),
+            reset: None,
+            spread: 0.0,
         },
         ms(0),
+        SystemTime::UNIX_EPOCH,
     );
     // Backoff is 2 now: 200 ms apart, from the end of the pause.
     assert_eq!(b.reserve(&r, ms(10), None).unwrap().0, ms(5000));
@@ -234,9 +240,12 @@ fn pause_is_capped_by_retry_after_max() {
         &r,
         &Event::Throttled {
             generation: 0,
-            retry_after: Some(Duration::from_secs(86400)),
+            retry_after: Some(Pause::For(Duration::from_secs(86400))),
+            reset: None,
+            spread: 0.0,
         },
         ms(0),
+        SystemTime::UNIX_EPOCH,
     );
     assert_eq!(b.paused_until, Duration::from_secs(60));
 }
@@ -263,8 +272,11 @@ fn one_widening_per_generation() {
             &Event::Throttled {
                 generation: 0,
                 retry_after: None,
+                reset: None,
+                spread: 0.0,
             },
             ms(0),
+            SystemTime::UNIX_EPOCH,
         );
     }
     assert_eq!(b.backoff, 2.0);
@@ -274,8 +286,11 @@ fn one_widening_per_generation() {
         &Event::Throttled {
             generation: 1,
             retry_after: None,
+            reset: None,
+            spread: 0.0,
         },
         ms(0),
+        SystemTime::UNIX_EPOCH,
     );
     assert_eq!(b.backoff, 4.0);
     for g in 2..10 {
@@ -284,8 +299,11 @@ fn one_widening_per_generation() {
             &Event::Throttled {
                 generation: g,
                 retry_after: None,
+                reset: None,
+                spread: 0.0,
             },
             ms(0),
+            SystemTime::UNIX_EPOCH,
         );
     }
     assert_eq!(b.backoff, 8.0, "capped at backoff_max");
@@ -299,10 +317,20 @@ fn decay_after_a_clean_streak_never_below_one() {
         ..Budget::default()
     };
     for _ in 0..2 {
-        b.apply(&r, &Event::Clean, ms(0));
+        b.apply(
+            &r,
+            &Event::Clean { success: true },
+            ms(0),
+            SystemTime::UNIX_EPOCH,
+        );
     }
     assert_eq!(b.backoff, 4.0);
-    b.apply(&r, &Event::Clean, ms(0));
+    b.apply(
+        &r,
+        &Event::Clean { success: true },
+        ms(0),
+        SystemTime::UNIX_EPOCH,
+    );
     assert_eq!(b.backoff, 2.0);
     assert_eq!(b.clean_streak, 0);
     b.apply(
@@ -310,15 +338,23 @@ fn decay_after_a_clean_streak_never_below_one() {
         &Event::Throttled {
             generation: 99,
             retry_after: None,
+            reset: None,
+            spread: 0.0,
         },
         ms(0),
+        SystemTime::UNIX_EPOCH,
     );
     assert_eq!(
         b.clean_streak, 0,
         "a throttle resets the streak even when it does not widen"
     );
     for _ in 0..30 {
-        b.apply(&r, &Event::Clean, ms(0));
+        b.apply(
+            &r,
+            &Event::Clean { success: true },
+            ms(0),
+            SystemTime::UNIX_EPOCH,
+        );
     }
     assert_eq!(b.backoff, 1.0);
 }
@@ -328,6 +364,11 @@ fn lockout_halts_until_cleared() {
     let r = rule(10.0, 1);
     let mut b = Budget::default();
     let lock = Lockout::new(403, "GET /x".into(), "test".into());
-    assert!(b.apply(&r, &Event::Lockout(lock.clone()), ms(0)));
+    assert!(b.apply(
+        &r,
+        &Event::Lockout(lock.clone()),
+        ms(0),
+        SystemTime::UNIX_EPOCH
+    ));
     assert_eq!(b.reserve(&r, ms(0), None), Err(NoSlot::Locked(lock)));
 }

@@ -129,8 +129,16 @@ mod classify {
         classify(status, h, &pace()).verdict
     }
 
-    fn throttled(why: Why, pause: Option<Pause>) -> Verdict {
-        Verdict::Throttled { pause, why }
+    fn throttled(why: Why, retry_after: Option<Pause>, reset: Option<Pause>) -> Verdict {
+        Verdict::Throttled {
+            retry_after,
+            reset,
+            why,
+        }
+    }
+
+    fn secs(n: u64) -> Option<Pause> {
+        Some(Pause::For(Duration::from_secs(n)))
     }
 
     #[test]
@@ -141,8 +149,8 @@ mod classify {
             (204, Verdict::Clean),
             (304, Verdict::Clean),
             (404, Verdict::Clean),
-            (429, throttled(Why::Status, None)),
-            (503, throttled(Why::Status, None)),
+            (429, throttled(Why::Status, None, None)),
+            (503, throttled(Why::Status, None, None)),
             (403, Verdict::Lockout),
             (500, Verdict::None),
             (502, Verdict::None),
@@ -159,8 +167,10 @@ mod classify {
             ..pace()
         };
         let h = headers(&[("retry-after", "9")]);
-        let nine = Some(Pause::For(Duration::from_secs(9)));
-        assert_eq!(classify(420, &h, &p).verdict, throttled(Why::Status, nine));
+        assert_eq!(
+            classify(420, &h, &p).verdict,
+            throttled(Why::Status, secs(9), None)
+        );
         assert_eq!(
             classify(451, &HeaderMap::new(), &p).verdict,
             Verdict::Lockout
@@ -172,13 +182,10 @@ mod classify {
     #[test]
     fn a_lockout_status_with_retry_after_is_a_throttle() {
         let h = headers(&[("retry-after", "60")]);
-        assert_eq!(
-            verdict(403, &h),
-            throttled(Why::RetryAfter, Some(Pause::For(Duration::from_secs(60))))
-        );
+        assert_eq!(verdict(403, &h), throttled(Why::RetryAfter, secs(60), None));
         // Present but unreadable, it is still the vendor saying "later", not "never".
         let h = headers(&[("retry-after", "soon")]);
-        assert_eq!(verdict(403, &h), throttled(Why::RetryAfter, None));
+        assert_eq!(verdict(403, &h), throttled(Why::RetryAfter, None, None));
     }
 
     #[test]
@@ -191,11 +198,8 @@ mod classify {
         ]);
         // 14:00:30 GMT on that day: the reset is read against the response's own Date.
         let r = classify(403, &h, &pace());
-        assert_eq!(
-            r.verdict,
-            throttled(Why::Exhausted, Some(Pause::For(Duration::from_secs(30))))
-        );
-        assert_eq!(r.signal.unwrap().remaining, 0);
+        assert_eq!(r.verdict, throttled(Why::Exhausted, None, secs(30)));
+        assert_eq!(r.signal.unwrap().0.remaining, 0);
         // Without a Date, the reset instant is left to the store's clock.
         let h = headers(&[
             ("x-ratelimit-remaining", "0"),
@@ -204,21 +208,19 @@ mod classify {
         let until = SystemTime::UNIX_EPOCH + Duration::from_secs(1_691_589_630);
         assert_eq!(
             verdict(403, &h),
-            throttled(Why::Exhausted, Some(Pause::Until(until)))
+            throttled(Why::Exhausted, None, Some(Pause::Until(until)))
         );
     }
 
     #[test]
     fn a_throttle_status_pauses_until_a_spent_budget_resets_unless_retry_after_says_otherwise() {
         let h = headers(&[("ratelimit", "\"default\";r=0;t=5")]);
-        assert_eq!(
-            verdict(429, &h),
-            throttled(Why::Status, Some(Pause::For(Duration::from_secs(5))))
-        );
+        assert_eq!(verdict(429, &h), throttled(Why::Status, None, secs(5)));
         let h = headers(&[("ratelimit", "\"default\";r=0;t=5"), ("retry-after", "7")]);
         assert_eq!(
             verdict(429, &h),
-            throttled(Why::Status, Some(Pause::For(Duration::from_secs(7))))
+            throttled(Why::Status, secs(7), secs(5)),
+            "both go to the store, which obeys Retry-After first"
         );
     }
 
@@ -228,7 +230,7 @@ mod classify {
         let r = classify(403, &h, &pace());
         assert_eq!(r.verdict, Verdict::Lockout);
         assert!(r.needs_body(&pace()));
-        assert_eq!(r.marked_by_body().verdict, throttled(Why::Body, None));
+        assert_eq!(r.marked_by_body().verdict, throttled(Why::Body, None, None));
         // With signals off, remaining 0 is no marker.
         let off = Pace {
             signals: crate::signals::Families::NONE,
@@ -294,9 +296,11 @@ mod classify {
             // Forcing a spent budget makes every reset field decide the pause.
             h.insert(HeaderName::from_static("x-rate-limit-remaining"), HeaderValue::from_static("0"));
             let now = SystemTime::UNIX_EPOCH + Duration::from_secs(now_secs);
-            if let Verdict::Throttled { pause: Some(p), .. } = classify(status, &h, &pace()).verdict {
-                if let Some(d) = p.resolve(now, MAX) {
-                    prop_assert!(d <= MAX && !d.is_zero());
+            if let Verdict::Throttled { retry_after, reset, .. } = classify(status, &h, &pace()).verdict {
+                for p in [retry_after, reset].into_iter().flatten() {
+                    if let Some(d) = p.resolve(now, MAX) {
+                        prop_assert!(d <= MAX && !d.is_zero());
+                    }
                 }
             }
         }
