@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use support::pg::Cluster;
 use support::process::{spawn_binary, Instance};
 use support::testdb;
-use support::{admin_client, client, eventually, metric_value, status_of, Alpn, FakeUpstream};
+use support::{
+    admin_client, busiest, client, eventually, metric_value, status_of, Alpn, FakeUpstream,
+};
 
 const RATE: f64 = 20.0;
 const INSTANCES: usize = 3;
@@ -219,13 +221,6 @@ async fn load(fleet: &Fleet, upstream: &FakeUpstream, per_instance: usize) -> Ve
         .collect();
     at.sort();
     at
-}
-
-fn busiest(at: &[Instant], window: Duration) -> usize {
-    (0..at.len())
-        .map(|i| at[i..].iter().take_while(|t| **t - at[i] < window).count())
-        .max()
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -891,5 +886,77 @@ async fn a_share_holds_across_instances_and_is_lent_when_idle() {
     assert!(
         backfill >= 51,
         "alone, backfill got only {backfill} slots in 3 s at rate 20"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_vendor_says_to_one_instance_paces_every_instance() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let fleet = Fleet::start_n(
+        2,
+        &postgres_store().await,
+        "rate = 50\nretry_throttled = 0\nthrottle_block = { min = \"1s\", max = \"8s\", jitter = 0 }",
+    )
+    .await;
+    let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
+    let gap = || {
+        let at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
+        at[at.len() - 1] - at[at.len() - 2]
+    };
+
+    // A GitHub-style spent budget seen by instance 0: a 403 with remaining 0 and a reset
+    // 3 s ahead (Unix seconds). The client gets the 403; nothing is locked; instance 1 waits
+    // for the reset.
+    let reset = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3;
+    let spent = url(&format!(
+        "status/403?h=x-ratelimit-remaining:0&h=x-ratelimit-reset:{reset}"
+    ));
+    assert_eq!(status_of(&fleet.client(0), spent).await, 403);
+    let s = fleet.status(1).await;
+    assert_eq!(s["lock"], serde_json::Value::Null, "{s}");
+    assert_eq!(s["pace_limited_by"], "paused: exhausted", "{s}");
+    assert_eq!(status_of(&fleet.client(1), url("after-reset")).await, 200);
+    assert!(
+        std::time::SystemTime::now()
+            >= std::time::UNIX_EPOCH + Duration::from_secs(reset) - Duration::from_millis(50),
+        "instance 1 went {:?} after the 403, before the reset",
+        gap()
+    );
+
+    // A secondary limit seen by instance 1 blocks instance 0 for 1 s; a second one, seen
+    // by instance 0, for 2 s: the streak is the row's, not an instance's.
+    let secondary = url("status/403?body=You%20have%20exceeded%20a%20secondary%20rate%20limit");
+    assert_eq!(status_of(&fleet.client(1), secondary.clone()).await, 403);
+    assert_eq!(status_of(&fleet.client(0), secondary).await, 403);
+    assert!(
+        gap() >= Duration::from_millis(950),
+        "first block: {:?}",
+        gap()
+    );
+    assert_eq!(fleet.status(1).await["block_streak"], 2);
+    assert_eq!(status_of(&fleet.client(1), url("after-block")).await, 200);
+    assert!(
+        gap() >= Duration::from_millis(1950),
+        "second block: {:?}",
+        gap()
+    );
+    assert_eq!(
+        fleet.status(0).await["block_streak"],
+        0,
+        "one success ends it"
+    );
+
+    // A plain 403 still locks out both.
+    assert_eq!(status_of(&fleet.client(0), url("status/403")).await, 403);
+    let resp = fleet.client(1).get(url("fine")).send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(
+        resp.headers().contains_key("proxy-status"),
+        "refused by pacegate"
     );
 }

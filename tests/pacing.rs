@@ -4,7 +4,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{admin_client, client, Alpn, FakeUpstream, TestProxy};
+use support::{admin_client, busiest, client, Alpn, FakeUpstream, TestProxy};
 
 /// A destination `local` for localhost with the given pacing keys.
 fn local(keys: &str) -> String {
@@ -36,19 +36,6 @@ fn arrivals(upstream: &FakeUpstream) -> Vec<Instant> {
     let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
     at.sort();
     at
-}
-
-/// The most arrivals in any window of length `window`.
-fn busiest(arrivals: &[Instant], window: Duration) -> usize {
-    (0..arrivals.len())
-        .map(|i| {
-            arrivals[i..]
-                .iter()
-                .take_while(|t| **t - arrivals[i] < window)
-                .count()
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 #[tokio::test]

@@ -429,3 +429,16 @@ pub async fn read_head(stream: &mut TcpStream) -> String {
 
 /// A shared handle, for moving test state into spawned tasks.
 pub type Shared<T> = Arc<T>;
+
+/// The most arrivals in any window of length `window`; `arrivals` in order.
+pub fn busiest(arrivals: &[std::time::Instant], window: std::time::Duration) -> usize {
+    (0..arrivals.len())
+        .map(|i| {
+            arrivals[i..]
+                .iter()
+                .take_while(|t| **t - arrivals[i] < window)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
