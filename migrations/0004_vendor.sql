@@ -146,7 +146,9 @@ BEGIN
                 cause := 'exhausted';
             ELSIF p_block_min_us IS NOT NULL AND current THEN
                 -- destination::Block::after: min × 2^streak, at most max, ± jitter.
-                block_us := LEAST(p_block_min_us * (1::bigint << LEAST(b.block_streak, 40)), p_block_max_us);
+                -- In numeric: doubled 40 times, an hour's block is past what a bigint holds.
+                block_us := LEAST(p_block_min_us::numeric * (2::numeric ^ LEAST(b.block_streak, 40)),
+                    p_block_max_us)::bigint;
                 block_us := floor(block_us::double precision
                     * (1 + p_block_jitter * GREATEST(-1, LEAST(1, p_spread))))::bigint;
                 b.block_streak := b.block_streak + 1;

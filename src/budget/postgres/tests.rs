@@ -224,3 +224,36 @@ async fn a_missing_row_is_recreated_at_now() {
     let slot = contract::take(&store, "d", &rule, None).await.unwrap();
     assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
 }
+
+#[tokio::test]
+async fn a_long_block_streak_stays_at_the_cap() {
+    // An hour's block doubled 40 times is far past what a bigint of µs holds.
+    let store = store().await;
+    let rule = Rule {
+        block: Some(crate::destination::Block {
+            min: Duration::from_secs(3600),
+            max: Duration::from_secs(7200),
+            jitter: 0.0,
+        }),
+        ..contract::rule(10.0)
+    };
+    store.view("d").await.unwrap();
+    contract::take(&store, "d", &rule, None).await.unwrap();
+    store
+        .client()
+        .await
+        .unwrap()
+        .execute("UPDATE pacegate_budgets SET block_streak = 45", &[])
+        .await
+        .unwrap();
+    let throttle = Event::Throttled {
+        generation: 0,
+        retry_after: None,
+        reset: None,
+        spread: 0.0,
+    };
+    let view = store.record("d", &rule, throttle, None).await.unwrap();
+    assert_eq!(view.block_streak, 46);
+    assert!(view.paused_for > Duration::from_secs(7199), "{view:?}");
+    assert!(view.paused_for <= Duration::from_secs(7200), "{view:?}");
+}
