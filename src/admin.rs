@@ -97,14 +97,14 @@ impl Admin {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") if self.shutdown.is_draining() => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
             (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
-            (&Method::POST, p) if p.starts_with("/destinations/") && p.ends_with("/unlock") => {
+            (&Method::POST, p) if unlock_target(p).is_some() => {
                 if !self.authorized(&req) {
                     let mut resp = text(StatusCode::UNAUTHORIZED, "send Authorization: Bearer TOKEN (the value of [admin] token_env)\n");
                     resp.headers_mut()
                         .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
                     return resp;
                 }
-                let name = &p["/destinations/".len()..p.len() - "/unlock".len()];
+                let name = unlock_target(p).unwrap_or_default();
                 self.unlock(name).await
             }
             (_, "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz") => {
@@ -258,4 +258,34 @@ pub async fn call(
         .map_err(|e| http(e.to_string()))?
         .to_bytes();
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// The destination named by `/destinations/NAME/unlock`; `None` for any other path (an empty
+/// name, one with a slash, or no name at all: `/destinations/unlock`).
+fn unlock_target(path: &str) -> Option<&str> {
+    let name = path
+        .strip_prefix("/destinations/")?
+        .strip_suffix("/unlock")?;
+    (!name.is_empty() && !name.contains('/')).then_some(name)
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::unlock_target;
+
+    #[test]
+    fn only_a_named_destination_is_an_unlock_target() {
+        assert_eq!(unlock_target("/destinations/api/unlock"), Some("api"));
+        for path in [
+            "/destinations/unlock",
+            "/destinations//unlock",
+            "/destinations/a/b/unlock",
+            "/destinations/api/unlock/",
+            "/destinations/api",
+            "/unlock",
+            "/destinations/",
+        ] {
+            assert_eq!(unlock_target(path), None, "{path}");
+        }
+    }
 }

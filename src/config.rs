@@ -27,6 +27,13 @@ use validate::Validator;
 
 /// The largest quota `limit`: every instance keeps up to this many send times per window.
 const MAX_QUOTA_LIMIT: u32 = 1_000_000;
+/// The slowest `rate`: one request in about 17 minutes. Slower, an interval is past what the
+/// arithmetic keeps exact.
+const MIN_RATE: f64 = 0.001;
+/// The largest `backoff_max`.
+const MAX_BACKOFF: f64 = 10_000.0;
+/// The longest pause anything may impose (`retry_after_max`, a block's `max`): 7 days.
+const MAX_PAUSE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The longest `throttle_body` marker: markers are looked for in the first 8 KiB of a body.
 const MAX_MARKER_BYTES: usize = 256;
 

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustls_pki_types::ServerName;
-use support::{client, raw_exchange, read_head, read_until_close, Alpn, FakeUpstream, TestProxy};
+use support::{
+    admin_client, client, raw_exchange, read_head, read_until_close, Alpn, FakeUpstream, TestProxy,
+};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -264,4 +266,30 @@ async fn admin_endpoints_answer() {
     ] {
         assert!(metrics.contains(family), "{family} missing from /metrics");
     }
+}
+
+#[tokio::test]
+async fn malformed_admin_paths_get_404_and_the_admin_listener_keeps_answering() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let admin = admin_client();
+    for path in [
+        "/destinations/unlock",
+        "/destinations//unlock",
+        "/destinations/a/b/unlock",
+        "/destinations/",
+    ] {
+        let resp = admin
+            .post(format!("http://{}{path}", proxy.admin))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 404, "{path}");
+    }
+    let health = admin
+        .get(format!("http://{}/healthz", proxy.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200, "still answering");
 }

@@ -247,3 +247,59 @@ fn vendor_signal_keys_are_checked() {
         .unwrap();
     assert!(github.message.contains("x-ratelimit"), "{github:?}");
 }
+
+#[test]
+fn values_that_would_break_the_arithmetic_are_refused() {
+    let err = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [destinations.a]
+        hosts = ["a.example.com"]
+        rate = 1e-20
+        backoff_max = 1e9
+        retry_after_max = "30d"
+        throttle_block = { min = "1s", max = "8d" }
+        "#,
+    )
+    .unwrap_err();
+    let p = paths(&err);
+    for expected in [
+        "destinations.a.rate",
+        "destinations.a.backoff_max",
+        "destinations.a.retry_after_max",
+        "destinations.a.throttle_block.max",
+    ] {
+        assert!(p.contains(&expected), "missing {expected} in {err:#?}");
+    }
+    // At the bounds, accepted.
+    parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [destinations.a]
+        hosts = ["a.example.com"]
+        rate = 0.001
+        backoff_max = 10000
+        retry_after_max = "7d"
+        "#,
+    )
+    .unwrap();
+}
+
+#[test]
+fn an_admin_listener_beyond_loopback_needs_a_token() {
+    let text = |admin: &str| format!("[tls]\ngenerate_ca = true\n[admin]\n{admin}\n");
+    let err = parse(&text("listen = \"0.0.0.0:9464\"")).unwrap_err();
+    let problem = err
+        .iter()
+        .find(|e| e.path == "admin.listen")
+        .expect("refused");
+    assert!(problem.message.contains("token_env"), "{problem:?}");
+    std::env::set_var("PACEGATE_CONFIG_TEST_TOKEN", "t0ken");
+    parse(&text(
+        "listen = \"0.0.0.0:9464\"\ntoken_env = \"PACEGATE_CONFIG_TEST_TOKEN\"",
+    ))
+    .unwrap();
+    parse(&text("listen = \"[::1]:9464\"")).unwrap();
+}

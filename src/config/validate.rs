@@ -194,8 +194,18 @@ impl Validator<'_> {
                     None
                 }
             });
+        let listen = self.addr("admin.listen", raw.listen, "127.0.0.1:9464");
+        // Unlock changes what every instance does: beyond this machine, only with a token.
+        if raw.token_env.is_none() && !listen.ip().is_loopback() {
+            self.push(
+                "admin.listen",
+                format!(
+                    "{listen} is beyond loopback, and without a token anyone who reaches it can unlock a destination: set admin.token_env, or listen on 127.0.0.1"
+                ),
+            );
+        }
         AdminConfig {
-            listen: self.addr("admin.listen", raw.listen, "127.0.0.1:9464"),
+            listen,
             token_env: raw.token_env,
             token,
         }
@@ -262,10 +272,12 @@ impl Validator<'_> {
             );
             1.0
         });
-        if !(rate.is_finite() && rate > 0.0 && rate <= 1_000_000.0) {
+        if !(rate.is_finite() && (MIN_RATE..=1_000_000.0).contains(&rate)) {
             self.push(
                 &format!("{path}.rate"),
-                "must be a number above 0 and at most 1000000",
+                format!(
+                    "must be a number from {MIN_RATE} (one request in about 17 minutes) to 1000000"
+                ),
             );
         }
         let default = Pace::new(rate);
@@ -318,8 +330,14 @@ impl Validator<'_> {
         if !(pace.backoff_factor.is_finite() && pace.backoff_factor > 1.0) {
             self.push(&format!("{path}.backoff_factor"), "must be above 1");
         }
-        if !(pace.backoff_max.is_finite() && pace.backoff_max >= 1.0) {
-            self.push(&format!("{path}.backoff_max"), "must be at least 1");
+        if !(pace.backoff_max.is_finite() && (1.0..=MAX_BACKOFF).contains(&pace.backoff_max)) {
+            self.push(
+                &format!("{path}.backoff_max"),
+                format!("must be from 1 to {MAX_BACKOFF}"),
+            );
+        }
+        if pace.retry_after_max > MAX_PAUSE {
+            self.push(&format!("{path}.retry_after_max"), "must be at most 7 days");
         }
         if pace.decay_after == 0 {
             self.push(&format!("{path}.decay_after"), "must be at least 1");
@@ -398,6 +416,9 @@ impl Validator<'_> {
         }
         if max < min {
             self.push(&format!("{path}.max"), "must be at least `min`");
+        }
+        if max > MAX_PAUSE {
+            self.push(&format!("{path}.max"), "must be at most 7 days");
         }
         if !(jitter.is_finite() && (0.0..1.0).contains(&jitter)) {
             self.push(
