@@ -121,10 +121,13 @@ BEGIN
         IF p_success THEN
             b.block_streak := 0;
         END IF;
-        b.clean_streak := b.clean_streak + 1;
-        IF b.clean_streak >= p_decay_after THEN
-            b.clean_streak := 0;
-            b.backoff := GREATEST(b.backoff / p_backoff_factor, 1);
+        -- Only a response reserved under the current generation counts towards decay.
+        IF p_generation = b.generation THEN
+            b.clean_streak := b.clean_streak + 1;
+            IF b.clean_streak >= p_decay_after THEN
+                b.clean_streak := 0;
+                b.backoff := GREATEST(b.backoff / p_backoff_factor, 1);
+            END IF;
         END IF;
     ELSIF p_kind = 'throttled' THEN
         b.clean_streak := 0;

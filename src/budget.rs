@@ -230,6 +230,9 @@ pub enum Event {
     Clean {
         /// A 2xx or 3xx (not, say, a 404).
         success: bool,
+        /// The generation the request was reserved under: only the current one counts
+        /// towards decay.
+        generation: u64,
     },
     /// A throttle; `generation` is the one the request was reserved under.
     Throttled {

@@ -293,6 +293,7 @@ impl Pacer {
         let event = match verdict {
             Verdict::Clean => Event::Clean {
                 success: (200..400).contains(&status),
+                generation: admission.generation,
             },
             Verdict::Throttled {
                 retry_after, reset, ..

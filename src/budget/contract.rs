@@ -468,11 +468,26 @@ async fn clean_streak_decays_backoff(store: &impl Store) {
         store.record("d", &r, event, None).await.unwrap();
     }
     assert_eq!(store.view("d").await.unwrap().backoff, 4.0);
+    // Answers to requests sent before the last widening say nothing of the pace now.
+    for _ in 0..10 {
+        let stale = Event::Clean {
+            success: true,
+            generation: 1,
+        };
+        store.record("d", &r, stale, None).await.unwrap();
+    }
+    let view = store.view("d").await.unwrap();
+    assert_eq!(
+        (view.backoff, view.clean_streak),
+        (4.0, 0),
+        "stale cleans: {view:?}"
+    );
+    let clean = Event::Clean {
+        success: true,
+        generation: 2,
+    };
     for i in 1..=3 {
-        let view = store
-            .record("d", &r, Event::Clean { success: true }, None)
-            .await
-            .unwrap();
+        let view = store.record("d", &r, clean.clone(), None).await.unwrap();
         assert_eq!(
             view.backoff,
             if i < 3 { 4.0 } else { 2.0 },
@@ -480,10 +495,7 @@ async fn clean_streak_decays_backoff(store: &impl Store) {
         );
     }
     for _ in 0..20 {
-        store
-            .record("d", &r, Event::Clean { success: true }, None)
-            .await
-            .unwrap();
+        store.record("d", &r, clean.clone(), None).await.unwrap();
     }
     assert_eq!(store.view("d").await.unwrap().backoff, 1.0, "never below 1");
 }
@@ -704,9 +716,19 @@ async fn blocks_escalate_and_one_success_ends_them(store: &impl Store) {
     let v = store.view("d").await.unwrap();
     assert!(within(&v, 4) && v.block_streak == 3, "capped at max: {v:?}");
     // A clean 404 does not end the streak; one success does.
-    let v = record(Event::Clean { success: false }).await.unwrap();
+    let v = record(Event::Clean {
+        success: false,
+        generation: v.generation,
+    })
+    .await
+    .unwrap();
     assert_eq!(v.block_streak, 3);
-    let v = record(Event::Clean { success: true }).await.unwrap();
+    let v = record(Event::Clean {
+        success: true,
+        generation: v.generation,
+    })
+    .await
+    .unwrap();
     assert_eq!(v.block_streak, 0);
     let v = record(throttle(v.generation, None)).await.unwrap();
     assert_eq!(v.block_streak, 1, "the next block is `min` again: {v:?}");

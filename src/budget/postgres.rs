@@ -366,7 +366,18 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let none = (None, None);
             let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
-                Event::Clean { success } => ("clean", 0i64, *success, none, none, 0.0, None),
+                Event::Clean {
+                    success,
+                    generation,
+                } => (
+                    "clean",
+                    i64::try_from(*generation).unwrap_or(i64::MAX),
+                    *success,
+                    none,
+                    none,
+                    0.0,
+                    None,
+                ),
                 Event::Throttled {
                     generation,
                     retry_after,

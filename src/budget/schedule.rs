@@ -375,11 +375,20 @@ impl Budget {
     /// restart changed: backoff, lock, block streak, a pause.
     pub fn apply(&mut self, rule: &Rule, event: &Event, now: Duration, wall: SystemTime) -> bool {
         match event {
-            Event::Clean { success } => {
+            Event::Clean {
+                success,
+                generation,
+            } => {
                 let streak = self.block_streak;
                 if *success {
                     // One clean response ends a run of blocks.
                     self.block_streak = 0;
+                }
+                // Only a response sent at the current pace says that pace is clean: with
+                // `decay_after` requests in flight when a widening lands, their answers would
+                // otherwise undo it at once.
+                if *generation != self.generation {
+                    return self.block_streak != streak;
                 }
                 self.clean_streak += 1;
                 if self.clean_streak < rule.decay_after {

@@ -38,8 +38,10 @@ enum Op {
         busy: bool,
         limit: Option<(bool, u64)>,
     },
+    /// A clean response, reserved under the current generation (`stale`: the one before).
     Clean {
         success: bool,
+        stale: bool,
     },
     /// A throttle reserved under the current generation (`stale`: the one before), with a
     /// Retry-After in ms, and a spent vendor budget's reset in ms.
@@ -71,7 +73,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u64..400_000).prop_map(Op::Advance),
         5 => (any::<bool>(), proptest::option::of((any::<bool>(), 5_000u64..50_000)))
             .prop_map(|(busy, limit)| Op::Reserve { busy, limit }),
-        3 => any::<bool>().prop_map(|success| Op::Clean { success }),
+        3 => (any::<bool>(), proptest::bool::weighted(0.2))
+            .prop_map(|(success, stale)| Op::Clean { success, stale }),
         2 => (
             any::<bool>(),
             proptest::option::weighted(0.3, 0u64..5_000),
@@ -341,7 +344,17 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
             Op::Clean { .. } | Op::Throttled { .. } | Op::Lockout | Op::Observe { .. } => {
                 let ms = |ms: u64| Pause::For(Duration::from_millis(ms));
                 let (event, vendor) = match op {
-                    Op::Clean { success } => (Event::Clean { success: *success }, None),
+                    Op::Clean { success, stale } => (
+                        Event::Clean {
+                            success: *success,
+                            generation: if *stale {
+                                model.generation.saturating_sub(1)
+                            } else {
+                                model.generation
+                            },
+                        },
+                        None,
+                    ),
                     Op::Throttled {
                         stale,
                         retry_after_ms,

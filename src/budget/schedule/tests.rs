@@ -319,7 +319,10 @@ fn decay_after_a_clean_streak_never_below_one() {
     for _ in 0..2 {
         b.apply(
             &r,
-            &Event::Clean { success: true },
+            &Event::Clean {
+                success: true,
+                generation: 0,
+            },
             ms(0),
             SystemTime::UNIX_EPOCH,
         );
@@ -327,7 +330,10 @@ fn decay_after_a_clean_streak_never_below_one() {
     assert_eq!(b.backoff, 4.0);
     b.apply(
         &r,
-        &Event::Clean { success: true },
+        &Event::Clean {
+            success: true,
+            generation: 0,
+        },
         ms(0),
         SystemTime::UNIX_EPOCH,
     );
@@ -351,7 +357,10 @@ fn decay_after_a_clean_streak_never_below_one() {
     for _ in 0..30 {
         b.apply(
             &r,
-            &Event::Clean { success: true },
+            &Event::Clean {
+                success: true,
+                generation: 0,
+            },
             ms(0),
             SystemTime::UNIX_EPOCH,
         );
