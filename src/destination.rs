@@ -175,6 +175,8 @@ pub struct Destination {
     pub hosts: Vec<HostPattern>,
     /// The pacing keys.
     pub pace: Pace,
+    /// Ports below 1024, besides the scheme's default, that its port-less patterns allow.
+    pub ports: Vec<u16>,
 }
 
 /// A destination's pacing keys, validated. The names are the config's and the spec's.
@@ -221,16 +223,33 @@ pub struct Pace {
     pub throttle_body: Vec<String>,
 }
 
+/// Below this, a host pattern without a port matches only the scheme's default port (80 for
+/// http, 443 for CONNECT) and the destination's `ports`, as squid's `Safe_ports` does: a
+/// paced host is not a way to reach its SSH or SMTP port.
+pub const SAFE_PORTS_FROM: u16 = 1024;
+
 /// The routing table: which destination, if any, a target host and port belong to. `T` is
 /// what routing yields for a destination (the pacer's handle to its lane).
 #[derive(Debug, Clone)]
 pub struct Routes<T> {
-    entries: Vec<(Vec<HostPattern>, T)>,
+    entries: Vec<(Vec<HostPattern>, Vec<u16>, T)>,
 }
 
-impl<T> FromIterator<(Vec<HostPattern>, T)> for Routes<T> {
-    /// Builds the table; config validation guarantees that patterns do not overlap.
-    fn from_iter<I: IntoIterator<Item = (Vec<HostPattern>, T)>>(entries: I) -> Self {
+/// Where a target goes.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Routed<'a, T> {
+    /// To this destination.
+    To(&'a T),
+    /// A destination's host, on a port it does not allow.
+    PortRefused(&'a T),
+    /// No destination's.
+    Nowhere,
+}
+
+impl<T> FromIterator<(Vec<HostPattern>, Vec<u16>, T)> for Routes<T> {
+    /// Builds the table from each destination's patterns and extra `ports`; config
+    /// validation guarantees that patterns do not overlap.
+    fn from_iter<I: IntoIterator<Item = (Vec<HostPattern>, Vec<u16>, T)>>(entries: I) -> Self {
         Self {
             entries: entries.into_iter().collect(),
         }
@@ -238,17 +257,33 @@ impl<T> FromIterator<(Vec<HostPattern>, T)> for Routes<T> {
 }
 
 impl<T> Routes<T> {
-    /// What a normalised host and port route to.
-    pub fn route(&self, host: &str, port: u16) -> Option<&T> {
-        self.entries
-            .iter()
-            .find(|(hosts, _)| hosts.iter().any(|p| p.matches(host, port)))
-            .map(|(_, t)| t)
+    /// Where a normalised host and port go, `default_port` being the scheme's (80 for http,
+    /// 443 for CONNECT). A pattern with a port matches that port only; one without matches
+    /// the default port, any port from [`SAFE_PORTS_FROM`], and the destination's `ports`.
+    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<'_, T> {
+        for (hosts, ports, to) in &self.entries {
+            for p in hosts {
+                if p.port.is_some() {
+                    if p.matches(host, port) {
+                        return Routed::To(to);
+                    }
+                } else if p.matches(host, port) {
+                    let safe =
+                        port == default_port || port >= SAFE_PORTS_FROM || ports.contains(&port);
+                    return if safe {
+                        Routed::To(to)
+                    } else {
+                        Routed::PortRefused(to)
+                    };
+                }
+            }
+        }
+        Routed::Nowhere
     }
 
     /// Every destination's entry, in config order.
     pub fn all(&self) -> impl Iterator<Item = &T> {
-        self.entries.iter().map(|(_, t)| t)
+        self.entries.iter().map(|(_, _, t)| t)
     }
 }
 
@@ -354,6 +389,49 @@ mod tests {
         assert!(!pat("a.example.net:80").overlaps(&pat("a.example.net:443")));
         assert!(pat("a.example.net").overlaps(&pat("a.example.net:443")));
         assert!(!pat("example.net").overlaps(&pat("*.example.net")));
+    }
+
+    #[test]
+    fn low_ports_are_only_the_default_and_the_listed_ones() {
+        let routes: Routes<&str> = [
+            (
+                vec![HostPattern::parse("api.example.com").unwrap()],
+                vec![8],
+                "api",
+            ),
+            (
+                vec![HostPattern::parse("ssh.example.com:22").unwrap()],
+                vec![],
+                "ssh",
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let route = |host, port, default| routes.route(host, port, default);
+        assert_eq!(route("api.example.com", 443, 443), Routed::To(&"api"));
+        assert_eq!(route("api.example.com", 80, 80), Routed::To(&"api"));
+        assert_eq!(route("api.example.com", 8443, 443), Routed::To(&"api"));
+        assert_eq!(
+            route("api.example.com", 8, 443),
+            Routed::To(&"api"),
+            "listed"
+        );
+        assert_eq!(
+            route("api.example.com", 22, 443),
+            Routed::PortRefused(&"api")
+        );
+        assert_eq!(
+            route("api.example.com", 80, 443),
+            Routed::PortRefused(&"api")
+        );
+        assert_eq!(
+            route("api.example.com", 443, 80),
+            Routed::PortRefused(&"api")
+        );
+        // A pattern that names its port allows that port only.
+        assert_eq!(route("ssh.example.com", 22, 443), Routed::To(&"ssh"));
+        assert_eq!(route("ssh.example.com", 23, 443), Routed::Nowhere);
+        assert_eq!(route("other.example.com", 443, 443), Routed::Nowhere);
     }
 
     #[test]

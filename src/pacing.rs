@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::budget::{BudgetView, Event, Lockout, Observation, PauseCause, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
-use crate::destination::{Destination, Pace, Routes};
+use crate::destination::{Destination, Pace, Routed, Routes};
 use crate::metrics::Metrics;
 use crate::status::{
     ClassStatus, DestinationStatus, InstanceStatus, LockStatus, QuotaStatus, VendorStatus,
@@ -150,7 +150,7 @@ impl Pacer {
             .iter()
             .map(|d| {
                 let lane = Route(Arc::new(Lane::new(d, classes.clone())));
-                (d.hosts.clone(), lane)
+                (d.hosts.clone(), d.ports.clone(), lane)
             })
             .collect();
         Self {
@@ -190,9 +190,10 @@ impl Pacer {
         }
     }
 
-    /// The destination a normalised host and port belong to.
-    pub fn route(&self, host: &str, port: u16) -> Option<Route> {
-        self.routes.route(host, port).cloned()
+    /// Where a normalised host and port go, `default_port` being the scheme's (see
+    /// [`Routes::route`]).
+    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<'_, Route> {
+        self.routes.route(host, port, default_port)
     }
 
     /// The destination named `name` (for operators' commands, which name it).

@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 
 use crate::class::Class;
 use crate::config::{AuthConfig, Limits, Unmatched};
-use crate::destination::normalise_host;
+use crate::destination::{normalise_host, Routed};
 use crate::metrics::{Metrics, UNMATCHED};
 use crate::pacing::Pacer;
 use crate::shutdown::Shutdown;
@@ -240,7 +240,20 @@ impl Proxy {
             }
             None => 80,
         };
-        let destination = self.inner.pacer.route(&host, port);
+        let destination = match self
+            .inner
+            .pacer
+            .route(&host, port, if connect { 443 } else { 80 })
+        {
+            Routed::To(route) => Some(route.clone()),
+            Routed::Nowhere => None,
+            Routed::PortRefused(route) => {
+                return Err(ProxyError::PortRefused {
+                    destination: route.name().to_string(),
+                    port,
+                })
+            }
+        };
         Ok(Target {
             scheme,
             host,

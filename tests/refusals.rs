@@ -257,3 +257,38 @@ async fn malformed_targets_are_bad_requests() {
     }
     assert!(upstream.recorded().is_empty());
 }
+
+#[tokio::test]
+async fn a_paced_host_is_not_a_way_to_its_other_low_ports() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    // CONNECT to a configured host's SSH port: refused before anything is dialled.
+    let connect = b"CONNECT localhost:22 HTTP/1.1\r\nHost: localhost:22\r\n\r\n";
+    let answer = raw_exchange(proxy.addr, connect, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    let lower = answer.to_lowercase();
+    assert!(lower.contains("error=http_request_denied"), "{answer}");
+    assert!(lower.contains("port 22 is not allowed"), "{answer}");
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via.get("http://localhost:25/").send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(
+        proxy_status(&resp).contains("`ports`"),
+        "says how to allow it"
+    );
+    // The upstream's own (high) ports still work.
+    let ok = via
+        .get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+
+    // Listed in `ports`, a low port is allowed: the request goes on (and fails to connect,
+    // as nothing listens there), rather than being refused by the port rule.
+    let listed = format!("{LOCAL}ports = [25]\n");
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", &listed).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via.get("http://localhost:25/").send().await.unwrap();
+    assert_ne!(resp.status(), 403, "{}", proxy_status(&resp));
+}

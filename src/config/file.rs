@@ -147,6 +147,7 @@ pub(super) struct RawDestination {
     pub(super) retry_throttled: Option<u32>,
     pub(super) intercept: Option<bool>,
     pub(super) quota: Option<Vec<Quota>>,
+    pub(super) ports: Option<Vec<u16>>,
     pub(super) signals: Option<RawSignals>,
     pub(super) reserve: Option<u32>,
     pub(super) throttle_block: Option<RawBlock>,

@@ -604,10 +604,20 @@ impl Validator<'_> {
                 }
             }
             let pace = self.pace(&path, &d);
+            let ports = d.ports.clone().unwrap_or_default();
+            for (i, p) in ports.iter().enumerate() {
+                if *p == 0 {
+                    self.push(
+                        &format!("{path}.ports[{i}]"),
+                        "must be a port from 1 to 65535",
+                    );
+                }
+            }
             out.push(Destination {
                 name,
                 hosts: hosts.into_iter().map(|(_, p)| p).collect(),
                 pace,
+                ports,
             });
         }
         out

@@ -345,6 +345,7 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
         name: "d".into(),
         hosts: vec![],
         pace: pace(0.1),
+        ports: vec![],
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
@@ -398,6 +399,7 @@ async fn pacer_with(pace: Pace, classes: Classes) -> Arc<Pacer> {
         name: "d".into(),
         hosts: vec![],
         pace,
+        ports: vec![],
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
@@ -547,6 +549,7 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
         name: "d".into(),
         hosts: vec![],
         pace: pace(1.0),
+        ports: vec![],
     };
     let store = MemoryStore::ephemeral();
     // Another instance has an older interactive request waiting, so this one yields.

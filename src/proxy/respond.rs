@@ -95,6 +95,15 @@ pub enum ProxyError {
         /// `host:port` as requested.
         target: String,
     },
+    /// A configured destination's host on a port below 1024 other than the scheme's default
+    /// and the destination's `ports`.
+    #[error("port {port} is not allowed for destination `{destination}`: below 1024 only the default port (80 for http, 443 for CONNECT) is, unless [destinations.{destination}] lists it in `ports`")]
+    PortRefused {
+        /// The destination whose host it is.
+        destination: String,
+        /// The port asked for.
+        port: u16,
+    },
     /// A protocol upgrade (WebSocket, h2c) that pacegate does not relay.
     #[error("pacegate does not relay `{protocol}` upgrades on paced destinations; open the connection without the proxy or through an unmatched tunnel")]
     UpgradeUnsupported {
@@ -152,7 +161,9 @@ impl ProxyError {
                 "http_request_denied",
                 Outcome::AuthRequired,
             ),
-            Self::Unmatched { .. } => (S::FORBIDDEN, "http_request_denied", Outcome::Denied),
+            Self::Unmatched { .. } | Self::PortRefused { .. } => {
+                (S::FORBIDDEN, "http_request_denied", Outcome::Denied)
+            }
             Self::UpgradeUnsupported { .. } => (
                 S::NOT_IMPLEMENTED,
                 "http_upgrade_failed",
