@@ -177,6 +177,9 @@ pub struct User {
     /// SHA-256 of the password.
     #[serde(skip)]
     pub password_sha256: [u8; 32],
+    /// The classes this user may use; `None`: every class.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub classes: Option<Vec<String>>,
 }
 
 impl User {
@@ -427,6 +430,7 @@ impl Config {
                 .map_or_else(Classes::default, |c| v.classes(c)),
             destinations: v.destinations(raw_dests),
         };
+        v.user_classes(&config);
         if v.problems.is_empty() {
             Ok(config)
         } else {

@@ -132,7 +132,7 @@ impl Proxy {
         } else {
             // An inner request may name its own class with the header; else it keeps the
             // CONNECT's.
-            match self.class_of(&req, None, target.class) {
+            match self.class_of(&req, None, target.class, target.allowed.as_deref()) {
                 Ok(class) => {
                     let target = Target { class, ..target };
                     self.forward(req, target).await
@@ -163,7 +163,13 @@ impl Proxy {
         };
         // The class named on the proxy connection: header, else the proxy user name.
         let user = auth::user_name(req.headers());
-        match self.class_of(&req, user.as_deref(), target.class) {
+        target.allowed = self.allowed_classes(user.as_deref());
+        match self.class_of(
+            &req,
+            user.as_deref(),
+            target.class,
+            target.allowed.as_deref(),
+        ) {
             Ok(class) => target.class = class,
             Err(e) => return Handled::refused(e, target.name(), target.authority()),
         }
@@ -181,18 +187,49 @@ impl Proxy {
     }
 
     /// The class a request asks for: its `Pacegate-Class` header, else the proxy `user` name,
-    /// else `fallback` (see [`crate::class::Classes::of_request`]).
+    /// else `fallback` (see [`crate::class::Classes::of_request`]). With `allowed` (the
+    /// authenticated user's classes), a class outside it is refused; asking for none gets
+    /// `fallback` if allowed, else the user's first class.
     fn class_of(
         &self,
         req: &Request<Incoming>,
         user: Option<&str>,
         fallback: Class,
+        allowed: Option<&[Class]>,
     ) -> Result<Class, ProxyError> {
-        self.inner
-            .pacer
-            .classes()
+        let classes = self.inner.pacer.classes();
+        let fallback = match allowed {
+            Some(list) if !list.contains(&fallback) => list.first().copied().unwrap_or(fallback),
+            _ => fallback,
+        };
+        let class = classes
             .of_request(req.headers(), user, self.inner.auth.is_some(), fallback)
-            .map_err(ProxyError::UnknownClass)
+            .map_err(ProxyError::UnknownClass)?;
+        match allowed {
+            Some(list) if !list.contains(&class) => Err(ProxyError::ClassNotAllowed {
+                user: user.unwrap_or_default().to_owned(),
+                class: classes.name(class).to_owned(),
+                allowed: list
+                    .iter()
+                    .map(|c| classes.name(*c))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+            _ => Ok(class),
+        }
+    }
+
+    /// The classes an authenticated `user` may use, when its config lists them.
+    fn allowed_classes(&self, user: Option<&str>) -> Option<Arc<[Class]>> {
+        let auth = self.inner.auth.as_ref()?;
+        let listed = auth
+            .users
+            .iter()
+            .find(|u| Some(u.name.as_str()) == user)?
+            .classes
+            .as_ref()?;
+        let classes = self.inner.pacer.classes();
+        Some(listed.iter().filter_map(|n| classes.lookup(n)).collect())
     }
 
     /// Where a client request is going: the CONNECT authority or the absolute-form URI.
@@ -260,6 +297,7 @@ impl Proxy {
             port,
             destination,
             class: self.inner.pacer.classes().default_class(),
+            allowed: None,
         })
     }
 

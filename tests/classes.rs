@@ -152,3 +152,56 @@ async fn with_authentication_the_user_picks_a_class_when_it_names_one() {
     let via = client(Some(&wrong), &[&proxy.ca_path()], Alpn::Http1);
     assert_eq!(via.get(&url).send().await.unwrap().status(), 407);
 }
+
+#[tokio::test]
+async fn a_user_may_use_only_its_classes_by_header_too_and_inside_intercepted_sessions() {
+    // sha256("pw")
+    let hash = "30c952fab122c3f9759f02a6d95c3758b246b4fee239957b2d4fee46e26170c4";
+    let auth = format!(
+        "[proxy.auth]\nusers = [{{ name = \"worker\", password_sha256 = \"{hash}\", classes = [\"backfill\"] }}, {{ name = \"ops\", password_sha256 = \"{hash}\" }}]"
+    );
+    let upstream = FakeUpstream::start().await;
+    let config = format!("{CLASSES}\n[destinations.local]\nhosts = [\"localhost\"]\nrate = 50\n");
+    let proxy = TestProxy::start(&upstream.ca.cert_path, &auth, &config).await;
+    let as_user = |user: &str| {
+        let url = proxy
+            .url()
+            .replace("http://", &format!("http://{user}:pw@"));
+        client(
+            Some(&url),
+            &[&proxy.ca_path(), &upstream.ca.cert_path],
+            Alpn::Http1,
+        )
+    };
+    let worker = as_user("worker");
+    // Naming no class, the worker gets its own, not the default it may not use.
+    let plain = format!("{}/", upstream.http_url("localhost"));
+    assert_eq!(worker.get(&plain).send().await.unwrap().status(), 200);
+    assert_eq!(granted(&proxy, "backfill").await, 1.0);
+    // Claiming the most urgent class, by header, plain and intercepted: refused, and said why.
+    for url in [
+        plain.clone(),
+        format!("{}/", upstream.https_url("localhost")),
+    ] {
+        let resp = worker
+            .get(&url)
+            .header("Pacegate-Class", "interactive")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 403, "{url}");
+        let ps = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+        assert!(ps.contains("may not use class `interactive`"), "{ps}");
+    }
+    assert_eq!(granted(&proxy, "interactive").await, 0.0);
+    // A user with no list may use any class.
+    let ops = as_user("ops");
+    let resp = ops
+        .get(&plain)
+        .header("Pacegate-Class", "interactive")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(granted(&proxy, "interactive").await, 1.0);
+}

@@ -73,6 +73,7 @@ pub(super) struct RawUser {
     pub(super) name: Option<String>,
     pub(super) password_env: Option<String>,
     pub(super) password_sha256: Option<String>,
+    pub(super) classes: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -303,3 +303,20 @@ fn an_admin_listener_beyond_loopback_needs_a_token() {
     .unwrap();
     parse(&text("listen = \"[::1]:9464\"")).unwrap();
 }
+
+#[test]
+fn a_users_classes_must_be_configured_classes() {
+    let err = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [proxy.auth]
+        users = [{ name = "w", password_sha256 = "30c952fab122c3f9759f02a6d95c3758b246b4fee239957b2d4fee46e26170c4", classes = ["backfill", "urgent"] }]
+        [classes]
+        order = ["interactive", "backfill"]
+        default = "backfill"
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(paths(&err), ["proxy.auth.users[0].classes[1]"], "{err:#?}");
+}

@@ -150,6 +150,7 @@ impl Validator<'_> {
                     password_env: u.password_env,
                     password_sha256_hex: u.password_sha256,
                     password_sha256,
+                    classes: u.classes,
                 });
             }
         }
@@ -442,6 +443,26 @@ impl Validator<'_> {
             }
         }
         raw.iter().map(|m| m.to_lowercase()).collect()
+    }
+
+    /// Each user's `classes` names configured classes.
+    pub(super) fn user_classes(&mut self, config: &Config) {
+        let Some(auth) = &config.proxy.auth else {
+            return;
+        };
+        for (i, user) in auth.users.iter().enumerate() {
+            for (j, name) in user.classes.iter().flatten().enumerate() {
+                if config.classes.lookup(name).is_none() {
+                    self.push(
+                        &format!("proxy.auth.users[{i}].classes[{j}]"),
+                        format!(
+                            "`{name}` is not a class: expected one of {}",
+                            config.classes.order.join(", ")
+                        ),
+                    );
+                }
+            }
+        }
     }
 
     pub(super) fn tls(&mut self, raw: RawTls) -> TlsConfig {

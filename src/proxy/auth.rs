@@ -52,6 +52,7 @@ mod tests {
                 password_env: None,
                 password_sha256_hex: None,
                 password_sha256: User::digest(b"pw:with:colons"),
+                classes: None,
             }],
         }
     }

@@ -42,6 +42,8 @@ pub struct Target {
     /// The class the client asked for on the proxy connection (CONNECT or absolute-form
     /// request); a request inside an intercepted session may name another with the header.
     pub class: Class,
+    /// The classes the authenticated user may use, when its config lists them.
+    pub allowed: Option<Arc<[Class]>>,
 }
 
 impl Target {

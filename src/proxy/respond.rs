@@ -104,6 +104,16 @@ pub enum ProxyError {
         /// The port asked for.
         port: u16,
     },
+    /// The authenticated user may not use the class the request asks for.
+    #[error("user `{user}` may not use class `{class}`; its classes are: {allowed}")]
+    ClassNotAllowed {
+        /// The proxy user.
+        user: String,
+        /// The class asked for.
+        class: String,
+        /// The classes the user may use.
+        allowed: String,
+    },
     /// A protocol upgrade (WebSocket, h2c) that pacegate does not relay.
     #[error("pacegate does not relay `{protocol}` upgrades on paced destinations; open the connection without the proxy or through an unmatched tunnel")]
     UpgradeUnsupported {
@@ -161,7 +171,7 @@ impl ProxyError {
                 "http_request_denied",
                 Outcome::AuthRequired,
             ),
-            Self::Unmatched { .. } | Self::PortRefused { .. } => {
+            Self::Unmatched { .. } | Self::PortRefused { .. } | Self::ClassNotAllowed { .. } => {
                 (S::FORBIDDEN, "http_request_denied", Outcome::Denied)
             }
             Self::UpgradeUnsupported { .. } => (
