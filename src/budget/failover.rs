@@ -247,6 +247,24 @@ impl<S: Store + Fleet> Store for Failover<S> {
                     .await
                 {
                     Ok(Err(ReserveError::Store(e))) if e.is_lost() => self.degrade(&e),
+                    // A lockout set elsewhere, met here: kept for pacing alone, should the
+                    // store be lost before a view or verdict says so again.
+                    Ok(Err(ReserveError::Locked(lock))) => {
+                        self.last_known
+                            .lock()
+                            .entry(destination.to_owned())
+                            .or_default()
+                            .lock = Some(lock.clone());
+                        return Err(ReserveError::Locked(lock));
+                    }
+                    // The shared schedule's next slot (a pause, a block, a vendor's reset):
+                    // pacing alone must not come sooner.
+                    Ok(Err(ReserveError::TooLate { slot })) => {
+                        let mut ends = self.last_slot_end.lock();
+                        let end = ends.entry(destination.to_owned()).or_insert(slot);
+                        *end = (*end).max(slot);
+                        return Err(ReserveError::TooLate { slot });
+                    }
                     Ok(Ok(grant)) => {
                         // Slots are spaced at least `interval * n` apart while dividing.
                         let end = grant.slot.at + self.divided(rule).interval;

@@ -275,3 +275,47 @@ async fn refuse_mode_refuses_while_the_store_is_away() {
         "unlock needs the shared store"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn what_a_reservation_learned_is_kept_when_the_store_is_lost() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    // Another instance locks "a" and pauses "b" for 30 s; this one learns of both only
+    // through reservations.
+    let lock = Lockout::new(403, "GET https://a/x".into(), "elsewhere".into());
+    fake.inner
+        .record("a", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    let pause = Event::Throttled {
+        generation: 0,
+        retry_after: Some(crate::budget::Pause::For(Duration::from_secs(30))),
+        reset: None,
+        spread: 0.0,
+    };
+    fake.inner.record("b", &rule, pause, None).await.unwrap();
+    assert!(matches!(
+        contract::take(&*f, "a", &rule, None).await,
+        Err(ReserveError::Locked(_))
+    ));
+    let soon = Instant::now() + Duration::from_secs(1);
+    assert!(matches!(
+        contract::take(&*f, "b", &rule, Some(soon)).await,
+        Err(ReserveError::TooLate { .. })
+    ));
+    fake.set(DOWN);
+    assert!(
+        matches!(
+            contract::take(&*f, "a", &rule, None).await,
+            Err(ReserveError::Locked(_))
+        ),
+        "the lockout is kept"
+    );
+    assert!(f.is_degraded());
+    let slot = contract::take(&*f, "b", &rule, None).await.unwrap();
+    assert!(
+        slot.at >= Instant::now() + Duration::from_secs(29),
+        "the pause is kept: {slot:?}"
+    );
+}
