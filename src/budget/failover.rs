@@ -70,6 +70,8 @@ pub struct Failover<S> {
     /// The end of the last interval this instance reserved, per destination: where the local
     /// schedule continues when the store goes away.
     last_slot_end: Mutex<HashMap<String, Instant>>,
+    /// Each destination's largest quota limit, for destinations that have quota windows.
+    quota_limits: Mutex<HashMap<String, u32>>,
     /// Lockouts taken while degraded, to be written back.
     pending: Mutex<Vec<(String, Rule, Lockout)>>,
     degraded_gauge: IntGauge,
@@ -87,6 +89,7 @@ impl<S: Store + Fleet> Failover<S> {
             degraded: AtomicBool::new(false),
             last_known: Mutex::new(HashMap::new()),
             last_slot_end: Mutex::new(HashMap::new()),
+            quota_limits: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
             degraded_gauge: gauges.degraded,
         }
@@ -146,6 +149,11 @@ impl<S: Store + Fleet> Failover<S> {
         for dest in known.keys().chain(ends.keys()) {
             let view = known.get(dest).unwrap_or(&fresh);
             self.local.seed(dest, view, ends.get(dest).copied());
+        }
+        // How full the shared quota windows are cannot be known from here: assume them full
+        // at the moment of loss, so that pacing alone cannot overfill one.
+        for (dest, limit) in self.quota_limits.lock().iter() {
+            self.local.fill_windows(dest, *limit);
         }
         self.degraded_gauge.set(1);
         let live = self.live.get();
@@ -241,6 +249,12 @@ impl<S: Store + Fleet> Store for Failover<S> {
         ask: Ask<'a>,
     ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         Box::pin(async move {
+            if let Some(limit) = rule.quota.iter().map(|q| q.limit).max() {
+                let mut limits = self.quota_limits.lock();
+                if limits.get(destination) != Some(&limit) {
+                    limits.insert(destination.to_owned(), limit);
+                }
+            }
             if !self.is_degraded() {
                 let timeout = self.policy.timeout;
                 match tokio::time::timeout(timeout, self.primary.reserve(destination, rule, ask))

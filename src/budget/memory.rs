@@ -191,6 +191,16 @@ impl MemoryStore {
         }
     }
 
+    /// Fills `destination`'s quota windows as of now: `sends` slots taken at this instant. A
+    /// store taking over from a lost shared one cannot know how full the shared windows are,
+    /// so it assumes them full.
+    pub fn fill_windows(&self, destination: &str, sends: u32) {
+        let now = self.now();
+        let mut budgets = self.budgets.lock();
+        let b = budgets.entry(destination.to_owned()).or_default();
+        b.sends = std::iter::repeat_n(now, sends as usize).collect();
+    }
+
     /// Writes the state file whenever a quota window took a slot, at most every second, and
     /// once more when `stop` is cancelled. A crash loses at most the last second of them.
     pub async fn keep_sends(self: Arc<Self>, stop: CancellationToken) {

@@ -319,3 +319,26 @@ async fn what_a_reservation_learned_is_kept_when_the_store_is_lost() {
         "the pause is kept: {slot:?}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_quota_window_is_assumed_full_when_the_store_is_lost() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = Rule {
+        quota: vec![Quota {
+            limit: 5,
+            per: Duration::from_secs(10),
+        }],
+        ..contract::rule(100.0)
+    };
+    contract::take(&*f, "d", &rule, None).await.unwrap();
+    fake.set(DOWN);
+    let lost = Instant::now();
+    let slot = contract::take(&*f, "d", &rule, None).await.unwrap();
+    assert!(f.is_degraded());
+    assert!(
+        slot.at >= lost + Duration::from_secs(10),
+        "pacing alone waits for the window it cannot see: {:?} after the loss",
+        slot.at - lost
+    );
+}
