@@ -61,7 +61,8 @@ pub struct Metrics {
     pub achieved_rate: GaugeVec,
     /// `pacegate_locked{destination}`: 1 when locked out.
     pub locked: GaugeVec,
-    /// `pacegate_paused_until_seconds{destination}`: Unix time a Retry-After pause ends (0: none).
+    /// `pacegate_paused_until_seconds{destination}`: Unix time a pause ends (Retry-After, block,
+    /// spent vendor budget; 0: none).
     pub paused_until: GaugeVec,
     /// `pacegate_vendor_remaining{destination}`: the vendor's requests left, while its view
     /// lasts (absent otherwise).
@@ -212,7 +213,7 @@ impl Metrics {
         let locked = gauge("pacegate_locked", "1 while the destination is locked out")?;
         let paused_until = gauge(
             "pacegate_paused_until_seconds",
-            "Unix time at which a Retry-After pause ends (0: none)",
+            "Unix time at which a pause ends: Retry-After, block or spent vendor budget (0: none)",
         )?;
         let vendor_remaining = gauge(
             "pacegate_vendor_remaining",

@@ -21,7 +21,7 @@ pub struct DestinationStatus {
     pub achieved_rate_60s: f64,
     /// Clean responses in a row.
     pub clean_streak: u32,
-    /// Seconds left in a Retry-After pause (0 when none).
+    /// Seconds left in a pause (0 when none); `pace_limited_by` says which.
     pub paused_for_seconds: f64,
     /// When the pause ends (RFC 3339), if paused.
     pub paused_until: Option<String>,
@@ -141,7 +141,7 @@ pub struct BudgetStatus {
     pub backoff: f64,
     /// Clean responses in a row.
     pub clean_streak: u32,
-    /// Seconds left in a Retry-After pause (0 when none).
+    /// Seconds left in a pause (0 when none).
     pub paused_for_seconds: f64,
     /// The lockout, when locked.
     pub lock: Option<LockStatus>,
