@@ -373,8 +373,7 @@ async fn a_killed_instance_leaves_the_others_on_the_ceiling_and_the_live_count()
             assert_eq!(result.unwrap(), 200);
         }
     }
-    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
-    at.sort();
+    let at = upstream.arrivals();
     let most = busiest(&at, Duration::from_secs(1));
     let degraded: usize = fleet
         .instances
@@ -445,8 +444,7 @@ async fn a_store_outage_divides_the_rate_and_keeps_lockouts() {
     for t in tasks {
         assert_eq!(t.await.unwrap(), 200);
     }
-    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
-    at.sort();
+    let at = upstream.arrivals();
     let most = busiest(&at, Duration::from_secs(1));
     assert!(
         most <= 21,
@@ -901,7 +899,7 @@ async fn what_the_vendor_says_to_one_instance_paces_every_instance() {
     .await;
     let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
     let gap = || {
-        let at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
+        let at = upstream.arrivals();
         at[at.len() - 1] - at[at.len() - 2]
     };
 

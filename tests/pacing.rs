@@ -32,12 +32,6 @@ async fn burst_of(proxy: &TestProxy, urls: Vec<String>) -> Vec<u16> {
     out
 }
 
-fn arrivals(upstream: &FakeUpstream) -> Vec<Instant> {
-    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
-    at.sort();
-    at
-}
-
 #[tokio::test]
 async fn the_rate_holds_at_the_upstream_for_http_and_https() {
     let upstream = FakeUpstream::start().await;
@@ -53,7 +47,7 @@ async fn the_rate_holds_at_the_upstream_for_http_and_https() {
         .collect();
     let statuses = burst_of(&proxy, urls).await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     assert_eq!(at.len(), 40);
     let span = *at.last().unwrap() - at[0];
     assert!(
@@ -81,7 +75,7 @@ async fn fractional_rates() {
         .map(|i| format!("{}/?{i}", upstream.http_url("localhost")))
         .collect();
     burst_of(&proxy, urls).await;
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     for pair in at.windows(2) {
         let gap = pair[1] - pair[0];
         assert!(gap >= Duration::from_millis(380), "gap {gap:?} at 2.5/s");
@@ -96,7 +90,11 @@ async fn gaps_of_three(proxy: &TestProxy, upstream: &FakeUpstream) -> Vec<Durati
         .map(|i| format!("{}/?{i}", upstream.http_url("localhost")))
         .collect();
     burst_of(proxy, urls).await;
-    arrivals(upstream).windows(2).map(|p| p[1] - p[0]).collect()
+    upstream
+        .arrivals()
+        .windows(2)
+        .map(|p| p[1] - p[0])
+        .collect()
 }
 
 #[tokio::test]
@@ -195,7 +193,7 @@ async fn retry_after_seconds_pauses_every_request() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     assert!(
         at[1] - at[0] >= Duration::from_millis(1950),
         "paused only {:?}",
@@ -218,7 +216,7 @@ async fn retry_after_as_an_http_date_pauses_every_request() {
         .send()
         .await
         .unwrap();
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     // The date is 3 s after the response's Date, which has whole-second precision: the pause
     // from the response is between 2 and 3 s.
     assert!(
@@ -445,7 +443,7 @@ async fn a_client_that_gives_up_leaves_the_queue_at_once() {
         ["/first", "/next"],
         "the abandoned request was never sent"
     );
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     assert!(
         at[1] - at[0] < Duration::from_millis(2500),
         "its slot was passed on: {:?}",
@@ -473,7 +471,7 @@ async fn max_concurrency_bounds_requests_in_flight() {
     let (statuses, most) = tokio::join!(burst_of(&proxy, urls), watcher);
     assert!(statuses.iter().all(|s| *s == 200));
     assert!((1..=2).contains(&most), "in flight peaked at {most}");
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     // Two at a time, each held 300 ms: the 3rd and 5th arrive a hold time after the 1st and 3rd.
     assert!(
         at[2] - at[0] >= Duration::from_millis(280),

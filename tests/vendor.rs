@@ -14,12 +14,6 @@ async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
     TestProxy::start(&upstream.ca.cert_path, "", &config).await
 }
 
-fn arrivals(upstream: &FakeUpstream) -> Vec<Instant> {
-    let mut at: Vec<Instant> = upstream.recorded().iter().map(|r| r.at).collect();
-    at.sort();
-    at
-}
-
 #[tokio::test]
 async fn a_github_style_spent_budget_pauses_until_the_reset_and_locks_nothing() {
     let upstream = FakeUpstream::start().await;
@@ -54,7 +48,7 @@ async fn a_github_style_spent_budget_pauses_until_the_reset_and_locks_nothing() 
         .await
         .unwrap();
     assert_eq!(fine.status(), 200, "served after the reset, not refused");
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     let waited = at[1] - at[0];
     let until_reset = UNIX_EPOCH + Duration::from_secs(reset);
     assert!(
@@ -154,7 +148,7 @@ async fn the_vendors_ratelimit_fields_hold_its_window_and_without_signals_nothin
         statuses.iter().all(|s| *s == 200),
         "never a 429: {statuses:?}"
     );
-    let at = arrivals(&upstream);
+    let at = upstream.arrivals();
     assert!(
         busiest(&at, Duration::from_secs(4)) <= 8,
         "a 4 s window held {} of 14",
@@ -198,7 +192,7 @@ async fn a_secondary_limit_blocks_for_longer_each_time_across_a_restart_until_a_
     // Sends `url` and returns how long after the previous arrival it reached the upstream.
     async fn gap(via: &reqwest::Client, upstream: &FakeUpstream, url: &str, want: u16) -> Duration {
         assert_eq!(via.get(url).send().await.unwrap().status(), want);
-        let at = arrivals(upstream);
+        let at = upstream.arrivals();
         at[at.len() - 1] - at[at.len() - 2]
     }
     assert_eq!(via.get(&secondary).send().await.unwrap().status(), 403);

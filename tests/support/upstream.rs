@@ -198,6 +198,13 @@ impl FakeUpstream {
         self.state.recorded.lock().unwrap().clone()
     }
 
+    /// When each request arrived, in order.
+    pub fn arrivals(&self) -> Vec<Instant> {
+        let mut at: Vec<Instant> = self.recorded().iter().map(|r| r.at).collect();
+        at.sort();
+        at
+    }
+
     /// Forgets what was recorded.
     pub fn clear(&self) {
         self.state.recorded.lock().unwrap().clear();

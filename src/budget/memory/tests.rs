@@ -1,0 +1,144 @@
+//! The memory store: the contract, and what survives a restart in its state file.
+
+use super::*;
+use crate::budget::contract;
+
+#[tokio::test(start_paused = true)]
+async fn passes_the_store_contract() {
+    contract::run_all(|| async { MemoryStore::ephemeral() }, Duration::ZERO).await;
+    contract::run_shared(|| async {
+        let a = MemoryStore::ephemeral();
+        let b = a.instance("b");
+        (a, b)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn quota_windows_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let rule = Rule {
+        quota: vec![crate::destination::Quota {
+            limit: 2,
+            per: Duration::from_secs(10),
+        }],
+        ..contract::rule(100.0)
+    };
+    let first = {
+        let store = Arc::new(MemoryStore::open(&path).unwrap());
+        let stop = CancellationToken::new();
+        let keeper = tokio::spawn(store.clone().keep_sends(stop.clone()));
+        let first = contract::take(&*store, "q", &rule, None).await.unwrap();
+        contract::take(&*store, "q", &rule, None).await.unwrap();
+        stop.cancel();
+        keeper.await.unwrap();
+        first.at
+    };
+    // A new process: the window is still full until the first slot leaves it.
+    let store = MemoryStore::open(&path).unwrap();
+    let third = contract::take(&store, "q", &rule, None).await.unwrap();
+    let expected = first + Duration::from_secs(10) + rule.max_late();
+    let off = if third.at > expected {
+        third.at - expected
+    } else {
+        expected - third.at
+    };
+    assert!(off < Duration::from_millis(50), "off by {off:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn lockout_and_backoff_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let rule = contract::rule(10.0);
+    {
+        let store = MemoryStore::open(&path).unwrap();
+        store
+            .record(
+                "a",
+                &rule,
+                Event::Throttled {
+                    generation: 0,
+                    retry_after: None,
+                    reset: None,
+                    spread: 0.0,
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
+        store
+            .record("b", &rule, Event::Lockout(lock), None)
+            .await
+            .unwrap();
+    }
+    let store = MemoryStore::open(&path).unwrap();
+    assert_eq!(store.view("a").await.unwrap().backoff, 2.0);
+    let lock = store.view("b").await.unwrap().lock.expect("still locked");
+    assert_eq!(
+        (lock.status, lock.request.as_str()),
+        (403, "GET https://a/x")
+    );
+    assert!(matches!(
+        contract::take(&store, "b", &rule, None).await,
+        Err(ReserveError::Locked(_))
+    ));
+    store.unlock("b").await.unwrap();
+    let store = MemoryStore::open(&path).unwrap();
+    assert!(
+        contract::take(&store, "b", &rule, None).await.is_ok(),
+        "the unlock was persisted too"
+    );
+}
+
+#[tokio::test]
+async fn a_block_its_streak_and_the_vendor_view_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let rule = Rule {
+        block: Some(crate::destination::Block {
+            min: Duration::from_secs(30),
+            max: Duration::from_secs(60),
+            jitter: 0.0,
+        }),
+        ..contract::rule(10.0)
+    };
+    {
+        let store = MemoryStore::open(&path).unwrap();
+        let throttle = Event::Throttled {
+            generation: 0,
+            retry_after: None,
+            reset: None,
+            spread: 0.0,
+        };
+        let seen = Observation {
+            family: crate::signals::Family::XRateLimit,
+            remaining: 7,
+            limit: Some(60),
+            reset: crate::budget::Pause::For(Duration::from_secs(40)),
+            spread: 0.0,
+        };
+        store
+            .record("a", &rule, throttle, Some(seen))
+            .await
+            .unwrap();
+    }
+    let view = MemoryStore::open(&path).unwrap().view("a").await.unwrap();
+    assert_eq!(view.block_streak, 1);
+    assert_eq!(view.paused_by, Some(PauseCause::Block));
+    assert!(view.paused_for > Duration::from_secs(29), "{view:?}");
+    let vendor = view.vendor.expect("the vendor's window has not reset");
+    assert_eq!((vendor.remaining, vendor.limit), (7, Some(60)));
+    assert!(vendor.reset_in > Duration::from_secs(39), "{vendor:?}");
+}
+
+#[test]
+fn a_corrupt_state_file_is_refused_with_advice() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    std::fs::write(&path, "{not json").unwrap();
+    let err = MemoryStore::open(&path).err().unwrap();
+    assert!(err.to_string().contains("move it aside"), "{err}");
+}

@@ -1,0 +1,192 @@
+//! A destination's pacing keys: rate and backoff, statuses, quota windows, and what the
+//! vendor says (signals, reserve, the escalating block, body markers).
+
+use std::time::Duration;
+
+use super::super::file::{RawBlock, RawDestination, RawSignals};
+use super::super::{MAX_BACKOFF, MAX_MARKER_BYTES, MAX_PAUSE, MAX_QUOTA_LIMIT, MIN_RATE};
+use super::Validator;
+use crate::destination::{Block, Pace};
+use crate::signals::{Families, Family};
+
+impl Validator<'_> {
+    pub(super) fn pace(&mut self, path: &str, d: &RawDestination) -> Pace {
+        let rate = d.rate.unwrap_or_else(|| {
+            self.push(
+                &format!("{path}.rate"),
+                "is required: requests per second over every instance, e.g. 5 or 0.5",
+            );
+            1.0
+        });
+        if !(rate.is_finite() && (MIN_RATE..=1_000_000.0).contains(&rate)) {
+            self.push(
+                &format!("{path}.rate"),
+                format!(
+                    "must be a number from {MIN_RATE} (one request in about 17 minutes) to 1000000"
+                ),
+            );
+        }
+        let default = Pace::new(rate);
+        let pace = Pace {
+            burst: d.burst.unwrap_or(default.burst),
+            max_concurrency: d.max_concurrency.unwrap_or(default.max_concurrency),
+            max_wait: self.positive(&format!("{path}.max_wait"), d.max_wait, default.max_wait),
+            throttle_statuses: d
+                .throttle_statuses
+                .clone()
+                .unwrap_or(default.throttle_statuses.clone()),
+            lockout_statuses: d
+                .lockout_statuses
+                .clone()
+                .unwrap_or(default.lockout_statuses.clone()),
+            backoff_factor: d.backoff_factor.unwrap_or(default.backoff_factor),
+            backoff_max: d.backoff_max.unwrap_or(default.backoff_max),
+            decay_after: d.decay_after.unwrap_or(default.decay_after),
+            retry_after_max: self.positive(
+                &format!("{path}.retry_after_max"),
+                d.retry_after_max,
+                default.retry_after_max,
+            ),
+            retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
+            intercept: d.intercept.unwrap_or(default.intercept),
+            quota: d.quota.clone().unwrap_or_default(),
+            signals: self.signals(path, d.signals.as_ref()),
+            reserve: d.reserve.unwrap_or(default.reserve),
+            throttle_block: d.throttle_block.as_ref().map(|b| self.block(path, b)),
+            throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
+            rate,
+        };
+        for (i, q) in pace.quota.iter().enumerate() {
+            if !(1..=MAX_QUOTA_LIMIT).contains(&q.limit) {
+                self.push(
+                    &format!("{path}.quota[{i}].limit"),
+                    format!("must be 1 to {MAX_QUOTA_LIMIT}"),
+                );
+            }
+            if q.per < Duration::from_millis(1) {
+                self.push(
+                    &format!("{path}.quota[{i}].per"),
+                    "must be at least 1ms (write it like \"1m\" or \"1d\")",
+                );
+            }
+        }
+        if pace.burst == 0 {
+            self.push(&format!("{path}.burst"), "must be at least 1");
+        }
+        if !(pace.backoff_factor.is_finite() && pace.backoff_factor > 1.0) {
+            self.push(&format!("{path}.backoff_factor"), "must be above 1");
+        }
+        if !(pace.backoff_max.is_finite() && (1.0..=MAX_BACKOFF).contains(&pace.backoff_max)) {
+            self.push(
+                &format!("{path}.backoff_max"),
+                format!("must be from 1 to {MAX_BACKOFF}"),
+            );
+        }
+        if pace.retry_after_max > MAX_PAUSE {
+            self.push(&format!("{path}.retry_after_max"), "must be at most 7 days");
+        }
+        if pace.decay_after == 0 {
+            self.push(&format!("{path}.decay_after"), "must be at least 1");
+        }
+        for (key, list) in [
+            ("throttle_statuses", &pace.throttle_statuses),
+            ("lockout_statuses", &pace.lockout_statuses),
+        ] {
+            for (i, s) in list.iter().enumerate() {
+                if !(100..=599).contains(s) {
+                    self.push(
+                        &format!("{path}.{key}[{i}]"),
+                        format!("{s} is not an HTTP status (100 to 599)"),
+                    );
+                }
+            }
+        }
+        if let Some(both) = pace
+            .throttle_statuses
+            .iter()
+            .find(|s| pace.lockout_statuses.contains(s))
+        {
+            self.push(
+                &format!("{path}.lockout_statuses"),
+                format!("{both} is also a throttle status; a status has one verdict"),
+            );
+        }
+        pace
+    }
+
+    fn signals(&mut self, path: &str, raw: Option<&RawSignals>) -> Families {
+        let known = || {
+            let names: Vec<&str> = Family::ALL.iter().map(|f| f.as_str()).collect();
+            format!("\"auto\", \"none\", or a list of: {}", names.join(", "))
+        };
+        match raw {
+            None => Families::ALL,
+            Some(RawSignals::One(s)) if s == "auto" => Families::ALL,
+            Some(RawSignals::One(s)) if s == "none" => Families::NONE,
+            Some(RawSignals::One(s)) => {
+                self.push(
+                    &format!("{path}.signals"),
+                    format!("`{s}`: expected {}", known()),
+                );
+                Families::ALL
+            }
+            Some(RawSignals::List(names)) => {
+                let mut families = Vec::new();
+                for (i, name) in names.iter().enumerate() {
+                    match Family::from_name(name) {
+                        Some(f) => families.push(f),
+                        None => self.push(
+                            &format!("{path}.signals[{i}]"),
+                            format!("`{name}` is not a header family: expected {}", known()),
+                        ),
+                    }
+                }
+                Families::of(&families)
+            }
+        }
+    }
+
+    fn block(&mut self, path: &str, raw: &RawBlock) -> Block {
+        let path = format!("{path}.throttle_block");
+        let min = raw.min.unwrap_or_else(|| {
+            self.push(
+                &format!("{path}.min"),
+                "is required: the first block, e.g. \"60s\"",
+            );
+            Duration::from_secs(60)
+        });
+        let max = raw.max.unwrap_or(Duration::from_secs(3600));
+        let jitter = raw.jitter.unwrap_or(0.2);
+        if min.is_zero() {
+            self.push(&format!("{path}.min"), "must be above 0");
+        }
+        if max < min {
+            self.push(&format!("{path}.max"), "must be at least `min`");
+        }
+        if max > MAX_PAUSE {
+            self.push(&format!("{path}.max"), "must be at most 7 days");
+        }
+        if !(jitter.is_finite() && (0.0..1.0).contains(&jitter)) {
+            self.push(
+                &format!("{path}.jitter"),
+                "must be from 0 to below 1 (0.2: 20% either way)",
+            );
+        }
+        Block { min, max, jitter }
+    }
+
+    fn markers(&mut self, path: &str, raw: Option<&[String]>, default: Vec<String>) -> Vec<String> {
+        let Some(raw) = raw else {
+            return default;
+        };
+        for (i, m) in raw.iter().enumerate() {
+            if m.trim().is_empty() || m.len() > MAX_MARKER_BYTES {
+                self.push(
+                    &format!("{path}.throttle_body[{i}]"),
+                    format!("must be 1 to {MAX_MARKER_BYTES} bytes of text"),
+                );
+            }
+        }
+        raw.iter().map(|m| m.to_lowercase()).collect()
+    }
+}
