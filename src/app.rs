@@ -138,11 +138,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             let policy = Policy {
                 on_unavailable: config.store.on_unavailable,
                 instances_hint: config.store.instances_hint,
+                divide_for: config.store.divide_for,
                 timeout: config.store.timeout,
             };
             let gauges = Gauges {
                 degraded: metrics.store_degraded.clone(),
                 instances: metrics.store_instances.clone(),
+                held: metrics.store_share_held.clone(),
             };
             let failover = Arc::new(Failover::new(store, control, policy, gauges));
             let supervisor = tokio::spawn(failover.clone().supervise(supervisor_stop.clone()));

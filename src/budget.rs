@@ -293,6 +293,10 @@ pub enum StoreError {
     /// it is back.
     #[error("pacing store unavailable (on_unavailable = refuse); retry when it is back")]
     Unavailable,
+    /// The store has been unreachable for this long, past `divide_for`: pacing alone is over
+    /// and paced requests are refused until it is back.
+    #[error("pacing store unreachable for {}, longer than this instance may pace alone (store.divide_for); retry when it is back", humantime::format_duration(Duration::from_secs(.0.as_secs())))]
+    LongGone(Duration),
 }
 
 impl StoreError {

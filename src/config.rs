@@ -34,6 +34,8 @@ const MIN_RATE: f64 = 0.001;
 const MAX_BACKOFF: f64 = 10_000.0;
 /// The longest pause anything may impose (`retry_after_max`, a block's `max`): 7 days.
 const MAX_PAUSE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The longest `[store] divide_for`: the others hold a lost instance's share back that long.
+pub const MAX_DIVIDE_FOR: Duration = Duration::from_secs(3600);
 /// The longest `throttle_body` marker: markers are looked for in the first 8 KiB of a body.
 const MAX_MARKER_BYTES: usize = 256;
 
@@ -296,6 +298,11 @@ pub struct StoreConfig {
     pub on_unavailable: OnUnavailable,
     /// Live instances to assume for `divide` before any heartbeat was seen. Default 1.
     pub instances_hint: usize,
+    /// With `divide`, the longest an instance that lost the store paces alone (beginning six
+    /// seconds after its last heartbeat) before it refuses; the other instances hold its
+    /// share of every rate back for as long. Default 60 s, at most 1 h.
+    #[serde(with = "humantime_serde")]
+    pub divide_for: Duration,
     /// Longest wait for a reservation's answer from the postgres store; a slower one delays
     /// that slot (the store counts as unreachable only on a connection error or a missed
     /// heartbeat). Default 100 ms.
@@ -312,6 +319,7 @@ impl fmt::Debug for StoreConfig {
             .field("migrate", &self.migrate)
             .field("on_unavailable", &self.on_unavailable)
             .field("instances_hint", &self.instances_hint)
+            .field("divide_for", &self.divide_for)
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }

@@ -6,7 +6,7 @@
 use std::time::{Duration, SystemTime};
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -92,6 +92,9 @@ pub struct Metrics {
     pub store_degraded: IntGauge,
     /// `pacegate_store_instances`: live instances sharing the store (last heartbeat count).
     pub store_instances: IntGauge,
+    /// `pacegate_store_share_held`: the share of every rate held back for instances that
+    /// lost the store and may be pacing alone.
+    pub store_share_held: Gauge,
 }
 
 impl Metrics {
@@ -275,7 +278,12 @@ impl Metrics {
             "pacegate_store_instances",
             "Live pacegate instances sharing the store, as last seen",
         )?;
+        let store_share_held = Gauge::new(
+            "pacegate_store_share_held",
+            "Share of every destination's rate left unused on the shared schedule for instances whose heartbeat is stale and that may be pacing alone",
+        )?;
         registry.register(Box::new(store_degraded.clone()))?;
+        registry.register(Box::new(store_share_held.clone()))?;
         registry.register(Box::new(store_instances.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
@@ -347,6 +355,7 @@ impl Metrics {
             in_flight,
             store_degraded,
             store_instances,
+            store_share_held,
         })
     }
 

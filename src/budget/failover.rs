@@ -6,11 +6,17 @@
 //! error, or a heartbeat unanswered, see [`super::fleet`]) marks it *degraded* (one ERROR
 //! log, `pacegate_store_degraded` = 1); an odd answer or a slow one is an error of that call
 //! alone. Until the store answers again:
-//! - `divide`: this instance paces on a local budget at `rate / n`, where `n` is the number
-//!   of live instances last seen (heartbeats), or `instances_hint` if it never saw one, so the
-//!   aggregate ceiling still holds. The local budget starts from the last known shared one,
-//!   lockouts included.
+//! - `divide`: this instance paces alone by its [`Standing`]: nothing for [`ALONE_AFTER`]
+//!   after its last answered heartbeat, then on a local budget at the share it reported
+//!   (`rate / n`, `n` the instances it counted), for at most `divide_for`, then it refuses.
+//!   The instances that still reach the store hold that share back meanwhile, so the
+//!   aggregate ceiling holds through a full outage and a partial one alike. The local budget
+//!   starts from the last known shared one: lockouts, pauses and the last slot taken, with
+//!   quota windows taken to be full.
 //! - `refuse`: reservations fail with "pacing store unavailable".
+//!
+//! While the store answers, reservations on the shared schedule use the share of each rate
+//! that instances which may be pacing alone leave ([`Standing::shared`]).
 //!
 //! Lockouts taken meanwhile are kept and written to the store when it returns, so none is
 //! lost.
@@ -22,11 +28,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use prometheus::IntGauge;
+use prometheus::{Gauge, IntGauge};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::fleet::{self, Fleet, Health, Instance, LiveCount, HEARTBEAT, LIVE_WITHIN};
+use super::fleet::{
+    self, Alone, Fleet, Health, Instance, Standing, StandingGauges, ALONE_AFTER, HEARTBEAT,
+    LIVE_WITHIN,
+};
 use super::memory::MemoryStore;
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, ReserveError,
@@ -36,6 +45,10 @@ use crate::config::OnUnavailable;
 use crate::destination::Quota;
 use crate::status::InstanceStatus;
 
+/// How soon a reservation that may not be made yet (no fresh view of the fleet, or waiting
+/// before pacing alone) is asked again.
+const RECHECK: Duration = Duration::from_millis(250);
+
 /// How a [`Failover`] behaves, from `[store]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
@@ -43,6 +56,8 @@ pub struct Policy {
     pub on_unavailable: OnUnavailable,
     /// Live instances to assume before a heartbeat has counted them.
     pub instances_hint: usize,
+    /// The longest this instance paces alone once the store is lost.
+    pub divide_for: Duration,
     /// Longest wait for a reservation's answer.
     pub timeout: Duration,
 }
@@ -53,6 +68,8 @@ pub struct Gauges {
     pub degraded: IntGauge,
     /// `pacegate_store_instances`.
     pub instances: IntGauge,
+    /// `pacegate_store_share_held`.
+    pub held: Gauge,
 }
 
 /// A shared store, degrading per [`OnUnavailable`] while it is unreachable.
@@ -64,7 +81,7 @@ pub struct Failover<S> {
     local: MemoryStore,
     policy: Policy,
     degraded: AtomicBool,
-    live: LiveCount,
+    standing: Standing,
     /// The last budget read from the store, per destination, to seed the local one.
     last_known: Mutex<HashMap<String, BudgetView>>,
     /// The end of the last interval this instance reserved, per destination: where the local
@@ -84,7 +101,14 @@ impl<S: Store + Fleet> Failover<S> {
             primary,
             control,
             local: MemoryStore::ephemeral(),
-            live: LiveCount::new(policy.instances_hint, gauges.instances),
+            standing: Standing::new(
+                policy.instances_hint,
+                policy.divide_for,
+                StandingGauges {
+                    instances: gauges.instances,
+                    held: gauges.held,
+                },
+            ),
             policy,
             degraded: AtomicBool::new(false),
             last_known: Mutex::new(HashMap::new()),
@@ -102,7 +126,14 @@ impl<S: Store + Fleet> Failover<S> {
 
     /// Heartbeats this instance until `stop` (see [`fleet::supervise`]).
     pub async fn supervise(self: Arc<Self>, stop: CancellationToken) {
-        fleet::supervise(&self.control, Instance::this(), &self.live, &*self, stop).await;
+        fleet::supervise(
+            &self.control,
+            Instance::this(),
+            &self.standing,
+            &*self,
+            stop,
+        )
+        .await;
     }
 
     /// Calls other than reservations (verdicts, views, unlocks, write-backs) are off the
@@ -156,10 +187,12 @@ impl<S: Store + Fleet> Failover<S> {
             self.local.fill_windows(dest, *limit);
         }
         self.degraded_gauge.set(1);
-        let live = self.live.get();
+        let n = self.standing.divisor();
         match self.policy.on_unavailable {
             OnUnavailable::Divide => tracing::error!(
-                "pacing store unavailable ({why}); pacing locally at rate / {live} (live instances last seen) until it returns"
+                "pacing store unavailable ({why}); pacing alone at no more than rate / {n} (the instances last counted) from {} after the last heartbeat, for at most {}, then refusing until it returns",
+                humantime::format_duration(ALONE_AFTER),
+                humantime::format_duration(self.policy.divide_for),
             ),
             OnUnavailable::Refuse => {
                 tracing::error!("pacing store unavailable ({why}); refusing paced requests until it returns (on_unavailable = refuse)")
@@ -189,22 +222,84 @@ impl<S: Store + Fleet> Failover<S> {
         Ok(())
     }
 
-    fn divided(&self, rule: &Rule) -> Rule {
-        let n = u32::try_from(self.live.get()).unwrap_or(u32::MAX).max(1);
-        // Quota windows are divided too. The local store has not seen the shared window's
-        // history, so this bounds each instance's own sends, not the window as a whole.
+    /// `rule` at `share` of its rate, for pacing alone. Quota windows are shared out too:
+    /// the local store has not seen the shared window's history (and takes it to be full at
+    /// the loss), so this bounds this instance's own sends, not the window as a whole.
+    fn alone_rule(rule: &Rule, share: f64) -> Rule {
         let quota = rule
             .quota
             .iter()
             .map(|q| Quota {
-                limit: (q.limit / n).max(1),
+                limit: ((f64::from(q.limit) * share).floor() as u32).max(1),
                 per: q.per,
             })
             .collect();
         Rule {
-            interval: rule.interval * n,
+            interval: rule.interval.div_f64(share),
             quota,
             ..rule.clone()
+        }
+    }
+
+    /// A reservation on the shared schedule, at the share of the rate that instances which
+    /// may be pacing alone leave.
+    async fn shared(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
+        let Some(share) = self.standing.shared(Instant::now()) else {
+            // The heartbeats have not been answered lately: an instance may have gone stale
+            // unseen, so nothing is sent until a fresh view says whose share to hold back.
+            return Err(ReserveError::Yield(RECHECK));
+        };
+        if share <= 0.0 {
+            return Err(ReserveError::Yield(RECHECK));
+        }
+        let scaled;
+        let rule = if share < 1.0 {
+            scaled = Rule {
+                interval: rule.interval.div_f64(share),
+                ..rule.clone()
+            };
+            &scaled
+        } else {
+            rule
+        };
+        let timeout = self.policy.timeout;
+        match tokio::time::timeout(timeout, self.primary.reserve(destination, rule, ask)).await {
+            // A lockout set elsewhere, met here: kept for pacing alone, should the store be
+            // lost before a view or verdict says so again.
+            Ok(Err(ReserveError::Locked(lock))) => {
+                self.last_known
+                    .lock()
+                    .entry(destination.to_owned())
+                    .or_default()
+                    .lock = Some(lock.clone());
+                Err(ReserveError::Locked(lock))
+            }
+            // The shared schedule's next slot (a pause, a block, a vendor's reset): pacing
+            // alone must not come sooner.
+            Ok(Err(ReserveError::TooLate { slot })) => {
+                let mut ends = self.last_slot_end.lock();
+                let end = ends.entry(destination.to_owned()).or_insert(slot);
+                *end = (*end).max(slot);
+                Err(ReserveError::TooLate { slot })
+            }
+            Ok(Ok(grant)) => {
+                // Pacing alone, slots are spaced at least `interval * n` apart.
+                let n = self.standing.divisor();
+                let end = grant.slot.at + rule.interval * n;
+                self.last_slot_end
+                    .lock()
+                    .insert(destination.to_owned(), end);
+                Ok(grant)
+            }
+            Ok(result) => result,
+            // Slow is not gone: pacing locally beside instances that still reach the store
+            // could exceed the ceiling, so a slow answer only delays this slot.
+            Err(_) => Err(ReserveError::Busy(timeout)),
         }
     }
 
@@ -256,49 +351,29 @@ impl<S: Store + Fleet> Store for Failover<S> {
                 }
             }
             if !self.is_degraded() {
-                let timeout = self.policy.timeout;
-                match tokio::time::timeout(timeout, self.primary.reserve(destination, rule, ask))
-                    .await
-                {
-                    Ok(Err(ReserveError::Store(e))) if e.is_lost() => self.degrade(&e),
-                    // A lockout set elsewhere, met here: kept for pacing alone, should the
-                    // store be lost before a view or verdict says so again.
-                    Ok(Err(ReserveError::Locked(lock))) => {
-                        self.last_known
-                            .lock()
-                            .entry(destination.to_owned())
-                            .or_default()
-                            .lock = Some(lock.clone());
-                        return Err(ReserveError::Locked(lock));
-                    }
-                    // The shared schedule's next slot (a pause, a block, a vendor's reset):
-                    // pacing alone must not come sooner.
-                    Ok(Err(ReserveError::TooLate { slot })) => {
-                        let mut ends = self.last_slot_end.lock();
-                        let end = ends.entry(destination.to_owned()).or_insert(slot);
-                        *end = (*end).max(slot);
-                        return Err(ReserveError::TooLate { slot });
-                    }
-                    Ok(Ok(grant)) => {
-                        // Slots are spaced at least `interval * n` apart while dividing.
-                        let end = grant.slot.at + self.divided(rule).interval;
-                        self.last_slot_end
-                            .lock()
-                            .insert(destination.to_owned(), end);
-                        return Ok(grant);
-                    }
-                    Ok(result) => return result,
-                    // Slow is not gone: pacing locally beside instances that still reach the
-                    // store could exceed the ceiling, so a slow answer only delays this slot.
-                    Err(_) => return Err(ReserveError::Busy(timeout)),
+                match self.shared(destination, rule, ask).await {
+                    Err(ReserveError::Store(e)) if e.is_lost() => self.degrade(&e),
+                    answer => return answer,
                 }
             }
-            match self.policy.on_unavailable {
-                OnUnavailable::Refuse => Err(ReserveError::Store(StoreError::Unavailable)),
-                OnUnavailable::Divide => {
-                    let divided = self.divided(rule);
-                    self.local.reserve(destination, &divided, ask).await
+            let alone = match self.policy.on_unavailable {
+                OnUnavailable::Refuse => Alone::Refuse(StoreError::Unavailable),
+                OnUnavailable::Divide => self.standing.alone(Instant::now()),
+            };
+            let no = match alone {
+                Alone::Pace(share) => {
+                    let rule = Self::alone_rule(rule, share);
+                    return self.local.reserve(destination, &rule, ask).await;
                 }
+                // The others may not hold this instance's share back yet. Ask again shortly:
+                // the store may be back by then.
+                Alone::Wait(left) => ReserveError::Yield(left.min(RECHECK)),
+                Alone::Refuse(why) => ReserveError::Store(why),
+            };
+            // A lockout known here is the clearer refusal.
+            match self.local.view(destination).await.ok().and_then(|v| v.lock) {
+                Some(lock) => Err(ReserveError::Locked(lock)),
+                None => Err(no),
             }
         })
     }

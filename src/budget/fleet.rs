@@ -2,15 +2,18 @@
 //!
 //! This module owns this instance's identity (made once per process start), the heartbeat
 //! that keeps it counted as live and keeps its waiting requests' lease, the leases
-//! themselves, the live count that `divide` splits the rate by, and the supervisor that
-//! heartbeats and tells the failover when the store is lost and when it answers again.
+//! themselves, this instance's [`Standing`] (the share of each rate it may use: on the
+//! shared schedule beside instances that may be pacing alone, or alone itself), and the
+//! supervisor that heartbeats and tells the failover when the store is lost and when it
+//! answers again.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use prometheus::IntGauge;
+use parking_lot::Mutex;
+use prometheus::{Gauge, IntGauge};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{StoreError, StoreFuture};
@@ -67,11 +70,64 @@ fn host_name() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
+/// How long an instance may go without a heartbeat before the others hold its share back:
+/// from then on it may be pacing alone.
+pub const STALE_AFTER: Duration = Duration::from_secs(3);
+/// The oldest view of the fleet an instance paces on. An older one could miss an instance
+/// that went stale since; the instance then waits for a fresh one instead.
+pub const VIEW_FRESH: Duration = Duration::from_secs(3);
+/// How long after its last answered heartbeat an instance that lost the store waits before
+/// it paces alone: [`STALE_AFTER`] plus [`VIEW_FRESH`], so that by then every instance that
+/// still reaches the store has seen it stale and holds its share back.
+pub const ALONE_AFTER: Duration = Duration::from_secs(6);
+/// The longest `[store] divide_for`.
+pub const MAX_ALONE: Duration = crate::config::MAX_DIVIDE_FOR;
+/// Heartbeat rows older than this concern nobody: no instance paces alone that long after.
+pub const PEERS_WITHIN: Duration =
+    Duration::from_secs(ALONE_AFTER.as_secs() + MAX_ALONE.as_secs() + 2 * VIEW_FRESH.as_secs());
+
+/// What an instance writes of itself with each heartbeat: should it lose the store, it paces
+/// alone at no more than `1 / divisor` of each rate, for at most `alone_for`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    /// The instances it counts, itself included.
+    pub divisor: u32,
+    /// `[store] divide_for`.
+    pub alone_for: Duration,
+}
+
+/// Another instance, as a heartbeat's answer tells it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Peer {
+    /// Its [`Instance::id`].
+    pub id: String,
+    /// How long before the answer its last heartbeat was.
+    pub age: Duration,
+    /// What it last reported of itself.
+    pub report: Report,
+}
+
+impl Peer {
+    /// How long after its last heartbeat its share stays held back. It paces alone for at
+    /// most `alone_for` from [`ALONE_AFTER`] after its last *answered* heartbeat, which the
+    /// store stamped up to a heartbeat's time (the longest wait for an answer) earlier; and
+    /// ages read here may run ahead of the store's by up to [`VIEW_FRESH`] (a heartbeat of it
+    /// newer than the view).
+    fn held_until(&self) -> Duration {
+        ALONE_AFTER + self.report.alone_for + HEARTBEAT + VIEW_FRESH
+    }
+}
+
 /// A store that several instances share: they heartbeat into it and see each other.
 pub trait Fleet: Send + Sync + 'static {
-    /// Records that `me` is alive now (renewing its waiters' lease), and drops the waiting
-    /// requests of instances whose lease ran out.
-    fn heartbeat<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>>;
+    /// Records that `me` is alive now, with its `report` (renewing its waiters' lease), and
+    /// drops the waiting requests of instances whose lease ran out. Answers the other
+    /// instances whose heartbeat is younger than [`PEERS_WITHIN`].
+    fn heartbeat<'a>(
+        &'a self,
+        me: &'a Instance,
+        report: Report,
+    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>>;
 
     /// Instances whose last heartbeat is younger than `within`.
     fn live_instances(
@@ -83,29 +139,216 @@ pub trait Fleet: Send + Sync + 'static {
     fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>>;
 }
 
-/// The live instances last seen (at least 1), and their gauge.
-pub struct LiveCount {
-    n: AtomicUsize,
-    gauge: IntGauge,
+/// The fleet as this instance's last answered heartbeat saw it.
+#[derive(Debug, Clone)]
+struct View {
+    /// When that heartbeat was sent. A peer's age now is at most its age in the answer plus
+    /// the time since: reckoning from the sending errs towards holding a share back.
+    asked: Instant,
+    /// When it was answered: this instance's last heartbeat in the store is no later.
+    answered: Instant,
+    peers: Vec<Peer>,
 }
 
-impl LiveCount {
-    /// Assumes `hint` live instances until a heartbeat has counted them.
-    pub fn new(hint: usize, gauge: IntGauge) -> Self {
+impl View {
+    fn age(&self, peer: &Peer, now: Instant) -> Duration {
+        peer.age + now.saturating_duration_since(self.asked)
+    }
+
+    /// Peers that may be pacing alone now: their share is held back.
+    fn held(&self, now: Instant) -> impl Iterator<Item = &Peer> {
+        self.peers.iter().filter(move |p| {
+            let age = self.age(p, now);
+            age >= STALE_AFTER && age < p.held_until()
+        })
+    }
+
+    /// Peers that were still counted when the store answered: fresh, or held back.
+    fn counted(&self) -> impl Iterator<Item = &Peer> {
+        self.peers.iter().filter(|p| p.age < p.held_until())
+    }
+}
+
+/// How an instance that lost the store may pace.
+#[derive(Debug, Clone)]
+pub enum Alone {
+    /// Not yet: the others may not hold its share back yet.
+    Wait(Duration),
+    /// At this share of each rate.
+    Pace(f64),
+    /// Not at all.
+    Refuse(StoreError),
+}
+
+/// This instance's standing in the fleet: what it reports of itself, what it last saw of the
+/// others, and so what share of each rate it may use, on the shared schedule or alone.
+///
+/// One rule covers a full outage, a partial partition, a killed instance and recovery: an
+/// instance that loses the store waits [`ALONE_AFTER`], then paces alone at no more than the
+/// share it reported (1 / the instances it counted), for at most `alone_for`, then refuses.
+/// The instances that keep the store leave the share of every instance whose heartbeat is
+/// stale unused on the shared schedule for as long as that one may pace alone. Ages come
+/// from the store's clock and this process's monotonic one, never from another machine's.
+pub struct Standing {
+    alone_for: Duration,
+    hint: u32,
+    state: Mutex<StandingState>,
+    gauges: StandingGauges,
+}
+
+struct StandingState {
+    view: Option<View>,
+    /// The largest divisor written since the last answered heartbeat: a heartbeat may be
+    /// taken by the store without its answer arriving, and pacing alone must not take more
+    /// than the share the others hold back.
+    reported: u32,
+    /// The peers held back at the last answer, to log each change once.
+    held: Vec<String>,
+}
+
+/// The gauges a [`Standing`] keeps.
+pub struct StandingGauges {
+    /// `pacegate_store_instances`.
+    pub instances: IntGauge,
+    /// `pacegate_store_share_held`.
+    pub held: Gauge,
+}
+
+impl Standing {
+    /// Counts `hint` instances until a heartbeat has counted them; paces alone for at most
+    /// `alone_for`.
+    pub fn new(hint: usize, alone_for: Duration, gauges: StandingGauges) -> Self {
+        let hint = u32::try_from(hint.max(1)).unwrap_or(u32::MAX);
+        gauges.instances.set(i64::from(hint));
         Self {
-            n: AtomicUsize::new(hint.max(1)),
-            gauge,
+            alone_for,
+            hint,
+            state: Mutex::new(StandingState {
+                view: None,
+                reported: hint,
+                held: Vec::new(),
+            }),
+            gauges,
         }
     }
 
-    /// The live instances last seen, at least 1.
-    pub fn get(&self) -> usize {
-        self.n.load(Ordering::SeqCst)
+    /// What the next heartbeat writes: the instances counted at the last answer, this one
+    /// included. Remembered as written before it is sent.
+    pub fn report(&self) -> Report {
+        let mut state = self.state.lock();
+        let divisor = state.view.as_ref().map_or(self.hint, |v| {
+            1 + u32::try_from(v.counted().count()).unwrap_or(u32::MAX - 1)
+        });
+        state.reported = state.reported.max(divisor);
+        Report {
+            divisor,
+            alone_for: self.alone_for,
+        }
     }
 
-    fn set(&self, live: usize) {
-        self.n.store(live.max(1), Ordering::SeqCst);
-        self.gauge.set(i64::try_from(live).unwrap_or(i64::MAX));
+    /// A heartbeat sent at `asked` with `report` was answered with `peers`.
+    pub fn answered(&self, asked: Instant, report: Report, peers: Vec<Peer>) {
+        let now = Instant::now();
+        let view = View {
+            asked,
+            answered: now,
+            peers,
+        };
+        let live = 1 + view.peers.iter().filter(|p| p.age < LIVE_WITHIN).count();
+        let held: Vec<&Peer> = view.held(now).collect();
+        let share_held: f64 = held.iter().map(|p| 1.0 / f64::from(p.report.divisor)).sum();
+        let held_ids: Vec<String> = held.iter().map(|p| p.id.clone()).collect();
+        let mut state = self.state.lock();
+        for p in &held {
+            if !state.held.contains(&p.id) {
+                tracing::warn!(
+                    instance = %p.id,
+                    "an instance sharing the store missed its heartbeats for {:.1}s: holding back 1/{} of every rate while it may pace alone (for up to {})",
+                    p.age.as_secs_f64(),
+                    p.report.divisor,
+                    humantime::format_duration(p.held_until().saturating_sub(p.age)),
+                );
+            }
+        }
+        for id in &state.held {
+            if !held_ids.contains(id) {
+                tracing::info!(instance = %id, "an instance's share is no longer held back: it heartbeats again, or its time to pace alone is over");
+            }
+        }
+        state.held = held_ids;
+        state.view = Some(view);
+        state.reported = report.divisor;
+        self.gauges
+            .instances
+            .set(i64::try_from(live).unwrap_or(i64::MAX));
+        self.gauges.held.set(share_held.min(1.0));
+    }
+
+    /// The largest share divisor written since the last answer (or the hint).
+    pub fn divisor(&self) -> u32 {
+        self.state.lock().reported
+    }
+
+    /// The live instances last seen, this one included: heartbeats younger than
+    /// [`LIVE_WITHIN`].
+    pub fn live(&self) -> usize {
+        usize::try_from(self.gauges.instances.get())
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// The share of every rate held back at the last answer.
+    pub fn share_held(&self) -> f64 {
+        self.gauges.held.get()
+    }
+
+    /// The share of each rate the shared schedule may use now: what the instances that may
+    /// be pacing alone leave. `None` while the last view is too old to tell.
+    pub fn shared(&self, now: Instant) -> Option<f64> {
+        let state = self.state.lock();
+        let Some(view) = &state.view else {
+            // Not counted yet: no instance holds this one's share, and it holds none; the
+            // first heartbeat goes out as the instance starts.
+            return Some(1.0);
+        };
+        if now.saturating_duration_since(view.asked) > VIEW_FRESH {
+            return None;
+        }
+        let held: f64 = view
+            .held(now)
+            .map(|p| 1.0 / f64::from(p.report.divisor))
+            .sum();
+        Some((1.0 - held).max(0.0))
+    }
+
+    /// How this instance may pace now, having lost the store.
+    pub fn alone(&self, now: Instant) -> Alone {
+        let state = self.state.lock();
+        let Some(view) = &state.view else {
+            return Alone::Refuse(StoreError::Unreachable(
+                "this instance never reached the store, so no other holds a share for it".into(),
+            ));
+        };
+        let since = now.saturating_duration_since(view.answered);
+        if since < ALONE_AFTER {
+            return Alone::Wait(ALONE_AFTER - since);
+        }
+        if since >= ALONE_AFTER + self.alone_for {
+            return Alone::Refuse(StoreError::LongGone(since));
+        }
+        // Never more than the others hold back for it; and where the divisors disagree (an
+        // instance that had not yet counted this one), never more than they leave.
+        let others: f64 = view
+            .counted()
+            .map(|p| 1.0 / f64::from(p.report.divisor))
+            .sum();
+        let share = (1.0 / f64::from(state.reported)).min(1.0 - others);
+        if share <= 0.0 {
+            return Alone::Refuse(StoreError::Unreachable(
+                "the other instances' shares leave this one none to pace alone on".into(),
+            ));
+        }
+        Alone::Pace(share)
     }
 }
 
@@ -132,37 +375,35 @@ fn pause_after(failures: u32) -> Duration {
     }
 }
 
-/// Heartbeats `me` into `fleet` every [`HEARTBEAT`] until `stop`, keeps `live` current, and
-/// tells `health` when the store is lost (a heartbeat unanswered, or refused for want of a
-/// connection) and when it answers again. Removes `me` from the fleet on stop.
+/// Heartbeats `me` into `fleet` every [`HEARTBEAT`] until `stop`, keeps `standing` current,
+/// and tells `health` when the store is lost (a heartbeat unanswered, or refused for want of
+/// a connection) and when it answers again. Removes `me` from the fleet on stop.
 pub async fn supervise<F: Fleet, H: Health>(
     fleet: &F,
     me: &Instance,
-    live: &LiveCount,
+    standing: &Standing,
     health: &H,
     stop: CancellationToken,
 ) {
     let mut failures = 0u32;
     loop {
+        let report = standing.report();
+        let asked = Instant::now();
         // The heartbeat is off the request path: it gets more time than a reservation before
         // it declares the store unreachable.
-        let beat = tokio::time::timeout(HEARTBEAT, fleet.heartbeat(me))
+        let beat = tokio::time::timeout(HEARTBEAT, fleet.heartbeat(me, report))
             .await
             .unwrap_or(Err(StoreError::Timeout(HEARTBEAT)));
         match beat {
-            Ok(()) => {
+            Ok(peers) => {
                 failures = 0;
+                standing.answered(asked, report, peers);
                 if health.is_lost() {
                     if let Err(e) = health.answered().await {
                         tracing::debug!(
                             "store answered a heartbeat but not the lockout write-back: {e}"
                         );
                     }
-                }
-                if let Ok(Ok(seen)) =
-                    tokio::time::timeout(HEARTBEAT, fleet.live_instances(LIVE_WITHIN)).await
-                {
-                    live.set(seen.len());
                 }
             }
             // An unanswered heartbeat is a lost store: nothing else tells a partition apart.

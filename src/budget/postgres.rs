@@ -27,7 +27,7 @@ pub use migrations::MIGRATIONS;
 use rows::{after, after_grant, columns, db, lockout, pause_args, rows_of, view_of, Row};
 use sql::*;
 
-use super::fleet::{Fleet, Instance, WAITER_LEASE};
+use super::fleet::{Fleet, Instance, Peer, Report, PEERS_WITHIN, WAITER_LEASE};
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
     ReserveError, Rule, Store, StoreError, StoreFuture,
@@ -466,18 +466,43 @@ impl Store for PostgresStore {
 }
 
 impl Fleet for PostgresStore {
-    fn heartbeat<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
+    fn heartbeat<'a>(
+        &'a self,
+        me: &'a Instance,
+        report: Report,
+    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
+            let divisor = i32::try_from(report.divisor).unwrap_or(i32::MAX);
+            let alone_ms = i64::try_from(report.alone_for.as_millis()).unwrap_or(i64::MAX);
             client
-                .execute(SQL_HEARTBEAT, &[&me.id, &me.host, &me.pid, &me.version])
+                .execute(
+                    SQL_HEARTBEAT,
+                    &[&me.id, &me.host, &me.pid, &me.version, &divisor, &alone_ms],
+                )
                 .await
                 .map_err(db)?;
             client
                 .execute(SQL_EXPIRE_WAITING, &[&WAITER_LEASE.as_secs_f64()])
                 .await
                 .map_err(db)?;
-            Ok(())
+            let rows = client
+                .query(SQL_PEERS, &[&me.id, &PEERS_WITHIN.as_secs_f64()])
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| Peer {
+                    id: r.get(0),
+                    age: Duration::from_secs_f64(r.get::<_, f64>(1).max(0.0)),
+                    report: Report {
+                        divisor: u32::try_from(r.get::<_, i32>(2)).unwrap_or(1).max(1),
+                        alone_for: Duration::from_millis(
+                            u64::try_from(r.get::<_, i64>(3)).unwrap_or(0),
+                        ),
+                    },
+                })
+                .collect())
         })
     }
 

@@ -116,6 +116,8 @@ pub(super) struct RawStore {
     pub(super) on_unavailable: Option<OnUnavailable>,
     pub(super) instances_hint: Option<usize>,
     #[serde(default, with = "humantime_serde")]
+    pub(super) divide_for: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
     pub(super) timeout: Option<Duration>,
 }
 

@@ -34,6 +34,21 @@ impl Validator<'_> {
         })
     }
 
+    /// `[store] divide_for`: at least a second, at most [`MAX_DIVIDE_FOR`].
+    fn divide_for(&mut self, value: Option<Duration>) -> Duration {
+        let d = value.unwrap_or(Duration::from_secs(60));
+        if d < Duration::from_secs(1) || d > MAX_DIVIDE_FOR {
+            self.push(
+                "store.divide_for",
+                format!(
+                    "must be between 1s and {} (the other instances hold a lost instance's share back that long)",
+                    humantime::format_duration(MAX_DIVIDE_FOR)
+                ),
+            );
+        }
+        d
+    }
+
     fn positive(&mut self, path: &str, value: Option<Duration>, default: Duration) -> Duration {
         let d = value.unwrap_or(default);
         if d.is_zero() {
@@ -262,6 +277,7 @@ impl Validator<'_> {
             migrate: raw.migrate.unwrap_or(true),
             on_unavailable: raw.on_unavailable.unwrap_or_default(),
             instances_hint: raw.instances_hint.unwrap_or(1).max(1),
+            divide_for: self.divide_for(raw.divide_for),
             timeout: self.positive("store.timeout", raw.timeout, Duration::from_millis(100)),
         }
     }

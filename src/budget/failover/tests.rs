@@ -5,10 +5,21 @@ use std::sync::atomic::AtomicU8;
 
 use super::*;
 use crate::budget::contract;
+use crate::budget::fleet::{Peer, Report, STALE_AFTER};
 
 const UP: u8 = 0;
 const DOWN: u8 = 1;
 const ODD: u8 = 2;
+/// Heartbeats are refused (an odd answer); every other call is answered.
+const DEAF: u8 = 3;
+
+/// Another instance the fake store plays: it heartbeats with every heartbeat of this one,
+/// until it is silenced.
+struct FakePeer {
+    last_seen: Instant,
+    silent: bool,
+    report: Report,
+}
 
 /// A shared store that plays `live` instances, and fails on demand.
 #[derive(Clone)]
@@ -17,17 +28,42 @@ struct Fake {
     state: Arc<AtomicU8>,
     /// When each heartbeat was sent.
     beats: Arc<Mutex<Vec<Instant>>>,
+    /// What this instance reported with each heartbeat.
+    reports: Arc<Mutex<Vec<Report>>>,
+    peers: Arc<Mutex<Vec<FakePeer>>>,
     live: usize,
 }
 
 impl Fake {
     fn new(live: usize) -> Self {
+        let peers = (1..live)
+            .map(|_| FakePeer {
+                last_seen: Instant::now(),
+                silent: false,
+                report: Report {
+                    divisor: u32::try_from(live).unwrap(),
+                    alone_for: Duration::from_secs(60),
+                },
+            })
+            .collect();
         Self {
             inner: Arc::new(MemoryStore::ephemeral()),
             state: Arc::new(AtomicU8::new(UP)),
             beats: Arc::default(),
+            reports: Arc::default(),
+            peers: Arc::new(Mutex::new(peers)),
             live,
         }
+    }
+
+    /// Peer `i` stops heartbeating (it lost the store, or was killed).
+    fn silence(&self, i: usize) {
+        self.peers.lock()[i].silent = true;
+    }
+
+    /// Peer `i` heartbeats again.
+    fn revive(&self, i: usize) {
+        self.peers.lock()[i].silent = false;
     }
 
     fn set(&self, state: u8) {
@@ -116,9 +152,36 @@ impl Store for Fake {
 }
 
 impl Fleet for Fake {
-    fn heartbeat<'a>(&'a self, _me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
-        self.beats.lock().push(Instant::now());
-        Box::pin(std::future::ready(self.check()))
+    fn heartbeat<'a>(
+        &'a self,
+        _me: &'a Instance,
+        report: Report,
+    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
+        let now = Instant::now();
+        self.beats.lock().push(now);
+        self.reports.lock().push(report);
+        let refused = match self.state.load(Ordering::SeqCst) {
+            DEAF => Err(StoreError::Refused("an odd answer".into())),
+            _ => self.check(),
+        };
+        let answer = refused.map(|()| {
+            let mut peers = self.peers.lock();
+            peers
+                .iter_mut()
+                .enumerate()
+                .map(|(i, p)| {
+                    if !p.silent {
+                        p.last_seen = now;
+                    }
+                    Peer {
+                        id: format!("fake-{i}"),
+                        age: now - p.last_seen,
+                        report: p.report,
+                    }
+                })
+                .collect()
+        });
+        Box::pin(std::future::ready(answer))
     }
 
     fn live_instances(
@@ -151,11 +214,13 @@ fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake>> {
         Policy {
             on_unavailable: mode,
             instances_hint: 1,
+            divide_for: Duration::from_secs(30),
             timeout: Duration::from_millis(100),
         },
         Gauges {
             degraded: gauge("degraded"),
             instances: gauge("instances"),
+            held: Gauge::new("held", "test").unwrap(),
         },
     ))
 }
@@ -180,26 +245,152 @@ async fn passes_the_store_contract_while_the_store_answers() {
     .await;
 }
 
+/// Takes a slot, asking again whenever told to ask later.
+async fn take_patiently(
+    f: &Failover<Fake>,
+    destination: &str,
+    rule: &Rule,
+    not_after: Option<Instant>,
+) -> Result<crate::budget::Reservation, ReserveError> {
+    loop {
+        match contract::take(f, destination, rule, not_after).await {
+            Err(ReserveError::Yield(after)) => tokio::time::sleep(after).await,
+            other => return other,
+        }
+    }
+}
+
+/// The gap between two slots taken in a row on the shared schedule.
+async fn gap(f: &Failover<Fake>, rule: &Rule) -> Duration {
+    let a = take_patiently(f, "d", rule, None).await.unwrap();
+    let b = take_patiently(f, "d", rule, None).await.unwrap();
+    b.at - a.at
+}
+
 #[tokio::test(start_paused = true)]
-async fn a_lost_store_divides_the_rate_by_the_live_instances() {
+async fn a_lost_store_is_paced_alone_at_the_reported_share_after_a_wait_and_for_a_while() {
     let fake = Fake::new(2);
     let f = failover(&fake, OnUnavailable::Divide);
     let stop = supervise(&f);
     tokio::time::sleep(ms(10)).await;
-    assert_eq!(f.live.get(), 2, "the heartbeat counted the live instances");
+    assert_eq!(
+        f.standing.live(),
+        2,
+        "the heartbeat counted the live instances"
+    );
+    tokio::time::sleep(ms(1_000)).await;
+    assert_eq!(fake.reports.lock().last().unwrap().divisor, 2);
     let rule = contract::rule(10.0);
     let shared = contract::take(&*f, "d", &rule, None).await.unwrap();
+    let last_answer = *fake.beats.lock().last().unwrap();
     fake.set(DOWN);
-    let first = contract::take(&*f, "d", &rule, None).await.unwrap();
+    assert!(
+        matches!(
+            contract::take(&*f, "d", &rule, None).await,
+            Err(ReserveError::Yield(_))
+        ),
+        "nothing is sent at once"
+    );
     assert!(f.is_degraded());
     assert_eq!(f.degraded_gauge.get(), 1);
-    let second = contract::take(&*f, "d", &rule, None).await.unwrap();
-    // Locally at rate / 2, continuing after the last shared slot: no burst.
-    assert!(
-        first.at >= shared.at + rule.interval * 2,
-        "{first:?} after {shared:?}"
-    );
+    let first = take_patiently(&f, "d", &rule, None).await.unwrap();
+    let second = take_patiently(&f, "d", &rule, None).await.unwrap();
+    // Alone at rate / 2, from ALONE_AFTER after the last answered heartbeat, and after the
+    // last shared slot: no burst.
+    assert!(first.at >= last_answer + ALONE_AFTER, "{first:?}");
+    assert!(first.at < last_answer + ALONE_AFTER + ms(300), "{first:?}");
+    assert!(first.at >= shared.at + rule.interval * 2);
     assert_eq!(second.at - first.at, rule.interval * 2);
+    // For divide_for (30 s here), then refused.
+    tokio::time::sleep_until(last_answer + ALONE_AFTER + Duration::from_secs(30)).await;
+    let over = contract::take(&*f, "d", &rule, None).await;
+    assert!(
+        matches!(over, Err(ReserveError::Store(StoreError::LongGone(_)))),
+        "{over:?}"
+    );
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_instance_s_share_is_held_back_while_it_may_pace_alone() {
+    let fake = Fake::new(3);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    let rule = contract::rule(10.0);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(
+        gap(&f, &rule).await,
+        rule.interval,
+        "the whole rate, shared"
+    );
+    fake.silence(0);
+    tokio::time::sleep(STALE_AFTER + ms(1_000)).await;
+    // The stale one reported 1/3: the shared schedule runs at the 2/3 left.
+    assert_eq!(gap(&f, &rule).await, rule.interval.div_f64(2.0 / 3.0));
+    assert!((f.standing.share_held() - 1.0 / 3.0).abs() < 1e-9);
+    assert_eq!(
+        fake.reports.lock().last().unwrap().divisor,
+        3,
+        "still counted: it may be pacing alone"
+    );
+    // Back: the whole rate again at the next heartbeat.
+    fake.revive(0);
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(gap(&f, &rule).await, rule.interval);
+    assert_eq!(f.standing.share_held(), 0.0);
+    // Gone for good: held back for as long as it may pace alone (ALONE_AFTER + 60 s, plus
+    // the margins), then no longer counted.
+    fake.silence(0);
+    let silenced = Instant::now();
+    tokio::time::sleep(ALONE_AFTER + Duration::from_secs(60)).await;
+    assert!(f.standing.share_held() > 0.0);
+    tokio::time::sleep(ms(5_000)).await;
+    assert_eq!(
+        gap(&f, &rule).await,
+        rule.interval,
+        "{:?}",
+        silenced.elapsed()
+    );
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(fake.reports.lock().last().unwrap().divisor, 2);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_fresh_view_of_the_fleet_nothing_is_reserved() {
+    let fake = Fake::new(2);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    let rule = contract::rule(10.0);
+    tokio::time::sleep(ms(10)).await;
+    contract::take(&*f, "d", &rule, None).await.unwrap();
+    fake.set(DEAF);
+    tokio::time::sleep(fleet::VIEW_FRESH + ms(1_000)).await;
+    assert!(
+        matches!(
+            contract::take(&*f, "d", &rule, None).await,
+            Err(ReserveError::Yield(_))
+        ),
+        "a refused heartbeat leaves the view stale"
+    );
+    assert!(!f.is_degraded(), "refused is not lost");
+    fake.set(UP);
+    tokio::time::sleep(ms(1_100)).await;
+    contract::take(&*f, "d", &rule, None).await.unwrap();
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_that_never_reached_the_store_does_not_pace_alone() {
+    let fake = Fake::new(1);
+    fake.set(DOWN);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    tokio::time::sleep(ALONE_AFTER * 2).await;
+    assert!(matches!(
+        contract::take(&*f, "d", &contract::rule(10.0), None).await,
+        Err(ReserveError::Store(StoreError::Unreachable(_)))
+    ));
     stop.cancel();
 }
 
@@ -280,7 +471,9 @@ async fn refuse_mode_refuses_while_the_store_is_away() {
 async fn what_a_reservation_learned_is_kept_when_the_store_is_lost() {
     let fake = Fake::new(1);
     let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
     let rule = contract::rule(10.0);
+    tokio::time::sleep(ms(10)).await;
     // Another instance locks "a" and pauses "b" for 30 s; this one learns of both only
     // through reservations.
     let lock = Lockout::new(403, "GET https://a/x".into(), "elsewhere".into());
@@ -295,6 +488,7 @@ async fn what_a_reservation_learned_is_kept_when_the_store_is_lost() {
         spread: 0.0,
     };
     fake.inner.record("b", &rule, pause, None).await.unwrap();
+    let paused = Instant::now();
     assert!(matches!(
         contract::take(&*f, "a", &rule, None).await,
         Err(ReserveError::Locked(_))
@@ -313,11 +507,12 @@ async fn what_a_reservation_learned_is_kept_when_the_store_is_lost() {
         "the lockout is kept"
     );
     assert!(f.is_degraded());
-    let slot = contract::take(&*f, "b", &rule, None).await.unwrap();
+    let slot = take_patiently(&f, "b", &rule, None).await.unwrap();
     assert!(
-        slot.at >= Instant::now() + Duration::from_secs(29),
+        slot.at >= paused + Duration::from_secs(30),
         "the pause is kept: {slot:?}"
     );
+    stop.cancel();
 }
 
 #[tokio::test(start_paused = true)]
@@ -331,14 +526,17 @@ async fn a_quota_window_is_assumed_full_when_the_store_is_lost() {
         }],
         ..contract::rule(100.0)
     };
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
     contract::take(&*f, "d", &rule, None).await.unwrap();
     fake.set(DOWN);
     let lost = Instant::now();
-    let slot = contract::take(&*f, "d", &rule, None).await.unwrap();
+    let slot = take_patiently(&f, "d", &rule, None).await.unwrap();
     assert!(f.is_degraded());
     assert!(
         slot.at >= lost + Duration::from_secs(10),
         "pacing alone waits for the window it cannot see: {:?} after the loss",
         slot.at - lost
     );
+    stop.cancel();
 }

@@ -28,6 +28,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "vendor",
         include_str!("../../../migrations/0004_vendor.sql"),
     ),
+    (
+        5,
+        "shares",
+        include_str!("../../../migrations/0005_shares.sql"),
+    ),
 ];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).

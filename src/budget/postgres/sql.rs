@@ -58,9 +58,16 @@ pub(super) const SQL_UNLOCK: &str = "WITH old AS (
     FROM old WHERE b.destination = old.destination
     RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
 pub(super) const SQL_HEARTBEAT: &str =
-    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
-        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp())
-    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp()";
+    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen, divisor, alone_ms)
+        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp(), $5, $6)
+    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp(), divisor = $5, alone_ms = $6";
+/// The other instances a heartbeat reports back: every row younger than the longest time any
+/// instance may pace alone (the caller tells what it still counts).
+pub(super) const SQL_PEERS: &str = "SELECT id,
+        greatest(extract(epoch FROM clock_timestamp() - last_seen), 0)::double precision,
+        divisor, alone_ms
+    FROM pacegate_instances
+    WHERE id <> $1 AND last_seen > clock_timestamp() - make_interval(secs => $2)";
 pub(super) const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
         extract(epoch FROM clock_timestamp() - last_seen)::double precision
     FROM pacegate_instances

@@ -5,7 +5,7 @@ use crate::budget::contract;
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4]);
+    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5]);
     store
 }
 
@@ -18,14 +18,19 @@ fn instance(id: &str) -> Instance {
     }
 }
 
+const REPORT: Report = Report {
+    divisor: 2,
+    alone_for: Duration::from_secs(60),
+};
+
 /// Two live instances on one fresh store.
 async fn pair() -> (PostgresStore, PostgresStore) {
     let url = testdb::fresh().await;
     let a = PostgresStore::new(&url, 4).unwrap().with_instance("a");
     a.migrate().await.unwrap();
     let b = PostgresStore::new(&url, 4).unwrap().with_instance("b");
-    a.heartbeat(&instance("a")).await.unwrap();
-    b.heartbeat(&instance("b")).await.unwrap();
+    a.heartbeat(&instance("a"), REPORT).await.unwrap();
+    b.heartbeat(&instance("b"), REPORT).await.unwrap();
     (a, b)
 }
 
@@ -134,8 +139,37 @@ async fn waiters_count_only_while_their_instance_heartbeats() {
         Class(2)
     );
     // Its rows are dropped at the next heartbeat of anyone.
-    b.heartbeat(&instance("b")).await.unwrap();
+    b.heartbeat(&instance("b"), REPORT).await.unwrap();
     assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(2));
+}
+
+#[tokio::test]
+async fn a_heartbeat_answers_the_others_with_their_age_and_report() {
+    let (a, b) = pair().await;
+    let three = Report {
+        divisor: 3,
+        alone_for: Duration::from_millis(1500),
+    };
+    let peers = b.heartbeat(&instance("b"), three).await.unwrap();
+    assert_eq!(peers.len(), 1, "{peers:?}");
+    assert_eq!((peers[0].id.as_str(), peers[0].report), ("a", REPORT));
+    assert!(peers[0].age < Duration::from_secs(1), "{peers:?}");
+    // A stale heartbeat reads as old as it is, by the store's clock.
+    a.client()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE pacegate_instances SET last_seen = last_seen - interval '10 seconds' WHERE id = 'b'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let peers = a.heartbeat(&instance("a"), REPORT).await.unwrap();
+    assert_eq!((peers[0].id.as_str(), peers[0].report), ("b", three));
+    assert!(
+        (10.0..11.0).contains(&peers[0].age.as_secs_f64()),
+        "{peers:?}"
+    );
 }
 
 #[tokio::test]
@@ -183,9 +217,9 @@ async fn heartbeats_count_live_instances() {
         pid: n,
         version: "test".into(),
     };
-    store.heartbeat(&me(1)).await.unwrap();
-    store.heartbeat(&me(2)).await.unwrap();
-    store.heartbeat(&me(1)).await.unwrap();
+    store.heartbeat(&me(1), REPORT).await.unwrap();
+    store.heartbeat(&me(2), REPORT).await.unwrap();
+    store.heartbeat(&me(1), REPORT).await.unwrap();
     let live = store.live_instances(Duration::from_secs(5)).await.unwrap();
     assert_eq!(live.iter().map(|i| i.pid).collect::<Vec<_>>(), [1, 2]);
     store.forget(&me(2)).await.unwrap();
