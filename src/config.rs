@@ -305,7 +305,8 @@ pub struct StoreConfig {
     pub divide_for: Duration,
     /// Longest wait for a reservation's answer from the postgres store; a slower one delays
     /// that slot (the store counts as unreachable only on a connection error or a missed
-    /// heartbeat). Default 100 ms.
+    /// heartbeat). A reservation given up may still take its slot in the database, which only
+    /// slows the destination. Default 1 s.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
 }

@@ -5,189 +5,18 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
+use support::fleet::{postgres_store, Fleet, INSTANCES};
 use support::pg::Cluster;
-use support::process::{spawn_binary, Instance};
 use support::testdb;
-use support::{
-    admin_client, busiest, client, eventually, metric_value, status_of, Alpn, FakeUpstream,
-};
+use support::{admin_client, busiest, eventually, status_of, FakeUpstream};
 
 const RATE: f64 = 20.0;
-const INSTANCES: usize = 3;
 
 /// These scenarios measure timing across processes on a 2-core machine: one at a time, so
 /// that they do not measure each other.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Writes a config for one instance into `dir` and starts it.
-fn instance(dir: &Path, store: &str, keys: &str) -> Instance {
-    let config = dir.join("pacegate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[proxy]
-listen = "127.0.0.1:0"
-allow_private_upstreams = true
-[admin]
-listen = "127.0.0.1:0"
-[tls]
-generate_ca = true
-{store}
-[destinations.local]
-hosts = ["localhost"]
-{keys}
-"#
-        ),
-    )
-    .unwrap();
-    spawn_binary(&config)
-}
-
-struct Fleet {
-    instances: Vec<Instance>,
-    _dirs: Vec<tempfile::TempDir>,
-}
-
-impl Fleet {
-    async fn start(store: &str, keys: &str) -> Self {
-        Self::start_n(INSTANCES, store, keys).await
-    }
-
-    async fn start_n(n: usize, store: &str, keys: &str) -> Self {
-        let dirs: Vec<_> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
-        let instances = dirs
-            .iter()
-            .map(|d| instance(d.path(), store, keys))
-            .collect();
-        Self {
-            instances,
-            _dirs: dirs,
-        }
-    }
-
-    fn client(&self, i: usize) -> reqwest::Client {
-        client(
-            Some(&format!("http://{}", self.instances[i].proxy)),
-            &[],
-            Alpn::Http1,
-        )
-    }
-
-    /// For a failed timing assertion: the store errors each instance logged, and every
-    /// arrival (ms after the first, and the request).
-    fn explain(&self, upstream: &FakeUpstream) -> String {
-        let errors: Vec<usize> = self
-            .instances
-            .iter()
-            .map(|i| {
-                i.logs
-                    .json()
-                    .iter()
-                    .filter(|l| l["level"] == "ERROR")
-                    .count()
-            })
-            .collect();
-        let mut seen = upstream.recorded();
-        seen.sort_by_key(|r| r.at);
-        let first = seen.first().map(|r| r.at);
-        let arrivals: Vec<String> = seen
-            .iter()
-            .map(|r| {
-                format!(
-                    "{:.1}ms {}",
-                    (r.at - first.unwrap()).as_secs_f64() * 1000.0,
-                    r.path
-                )
-            })
-            .collect();
-        let dropped: Vec<usize> = self
-            .instances
-            .iter()
-            .map(|i| {
-                let lines = i.logs.json();
-                lines
-                    .iter()
-                    .filter(|l| l["message"] == "slot too late to use; reserving another")
-                    .count()
-            })
-            .collect();
-        format!(
-            "store errors per instance {errors:?}; slots dropped per instance {dropped:?}; arrivals: {}",
-            arrivals.join(", ")
-        )
-    }
-
-    async fn metric(&self, i: usize, series: &str) -> f64 {
-        let text = admin_client()
-            .get(format!("http://{}/metrics", self.instances[i].admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        metric_value(&text, series)
-    }
-
-    /// Waits until instance `i` sees at least `n` requests of `class` waiting over every
-    /// instance, through the store.
-    async fn sees_waiting(&self, i: usize, class: &str, n: usize) {
-        let series = format!("pacegate_store_waiting{{class=\"{class}\",destination=\"local\"}}");
-        let what = format!("{n} {class} requests waiting");
-        eventually(Duration::from_secs(10), &what, || async {
-            (self.metric(i, &series).await >= n as f64).then_some(())
-        })
-        .await;
-    }
-
-    /// Kills instance `i` with SIGKILL (no goodbye to the store); returns when.
-    fn kill_9(&mut self, i: usize) -> Instant {
-        let victim = self.instances.remove(i);
-        assert!(std::process::Command::new("kill")
-            .args(["-9", &victim.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success());
-        Instant::now()
-    }
-
-    /// Waits until every instance sees `n` live instances.
-    async fn see_live(&self, n: usize) {
-        for i in 0..self.instances.len() {
-            eventually(
-                Duration::from_secs(15),
-                "the live instance count",
-                || async {
-                    (self.metric(i, "pacegate_store_instances").await == n as f64).then_some(())
-                },
-            )
-            .await;
-        }
-    }
-
-    async fn status(&self, i: usize) -> serde_json::Value {
-        let text = admin_client()
-            .get(format!("http://{}/status", self.instances[i].admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        serde_json::from_str::<serde_json::Value>(&text).unwrap()[0].clone()
-    }
-}
-
-async fn postgres_store() -> String {
-    format!(
-        "[store]\nbackend = \"postgres\"\nurl = \"{}\"\n",
-        testdb::fresh().await
-    )
-}
 
 /// Sends `per_instance` requests through every instance at once; returns their arrivals.
 ///
@@ -536,7 +365,7 @@ async fn migrate_and_status_work_against_the_store_directly() {
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
-        "applied migrations [1, 2, 3, 4, 5]"
+        "applied migrations [1, 2, 3, 4, 5, 6]"
     );
     let out = run(&["migrate", "--store", &url]);
     assert_eq!(

@@ -33,7 +33,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::fleet::{
-    self, Alone, Fleet, Health, Instance, Standing, StandingGauges, ALONE_AFTER, HEARTBEAT,
+    self, Alone, Fleet, Health, Instance, Split, Standing, StandingGauges, ALONE_AFTER, HEARTBEAT,
     LIVE_WITHIN,
 };
 use super::memory::MemoryStore;
@@ -222,23 +222,24 @@ impl<S: Store + Fleet> Failover<S> {
         Ok(())
     }
 
-    /// `rule` at `share` of its rate, for pacing alone. Quota windows are shared out too:
-    /// the local store has not seen the shared window's history (and takes it to be full at
-    /// the loss), so this bounds this instance's own sends, not the window as a whole.
-    fn alone_rule(rule: &Rule, share: f64) -> Rule {
+    /// `rule` at `part` of its rate, for pacing alone; `None` when nothing is left of it.
+    /// Quota windows are shared out too: the local store has not seen the shared window's
+    /// history (and takes it to be full at the loss), so this bounds this instance's own
+    /// sends, not the window as a whole.
+    fn alone_rule(rule: &Rule, part: Split) -> Option<Rule> {
         let quota = rule
             .quota
             .iter()
             .map(|q| Quota {
-                limit: ((f64::from(q.limit) * share).floor() as u32).max(1),
+                limit: ((f64::from(q.limit) * part.share).floor() as u32).max(1),
                 per: q.per,
             })
             .collect();
-        Rule {
-            interval: rule.interval.div_f64(share),
+        Some(Rule {
+            interval: part.interval(rule.interval)?,
             quota,
             ..rule.clone()
-        }
+        })
     }
 
     /// A reservation on the shared schedule, at the share of the rate that instances which
@@ -249,23 +250,24 @@ impl<S: Store + Fleet> Failover<S> {
         rule: &Rule,
         ask: Ask<'_>,
     ) -> Result<Grant, ReserveError> {
-        let Some(share) = self.standing.shared(Instant::now()) else {
+        let Some(part) = self.standing.shared(Instant::now()) else {
             // The heartbeats have not been answered lately: an instance may have gone stale
             // unseen, so nothing is sent until a fresh view says whose share to hold back.
             return Err(ReserveError::Yield(RECHECK));
         };
-        if share <= 0.0 {
+        // Instances that may be pacing alone take every request a second of it.
+        let Some(interval) = part.interval(rule.interval) else {
             return Err(ReserveError::Yield(RECHECK));
-        }
+        };
         let scaled;
-        let rule = if share < 1.0 {
+        let rule = if interval == rule.interval {
+            rule
+        } else {
             scaled = Rule {
-                interval: rule.interval.div_f64(share),
+                interval,
                 ..rule.clone()
             };
             &scaled
-        } else {
-            rule
         };
         let timeout = self.policy.timeout;
         match tokio::time::timeout(timeout, self.primary.reserve(destination, rule, ask)).await {
@@ -361,10 +363,13 @@ impl<S: Store + Fleet> Store for Failover<S> {
                 OnUnavailable::Divide => self.standing.alone(Instant::now()),
             };
             let no = match alone {
-                Alone::Pace(share) => {
-                    let rule = Self::alone_rule(rule, share);
-                    return self.local.reserve(destination, &rule, ask).await;
-                }
+                Alone::Pace(part) => match Self::alone_rule(rule, part) {
+                    Some(rule) => return self.local.reserve(destination, &rule, ask).await,
+                    None => ReserveError::Store(StoreError::Unreachable(format!(
+                        "at rate / {n}, less the slack the other instances may use, nothing is left of this destination's rate to pace alone on",
+                        n = self.standing.divisor()
+                    ))),
+                },
                 // The others may not hold this instance's share back yet. Ask again shortly:
                 // the store may be back by then.
                 Alone::Wait(left) => ReserveError::Yield(left.min(RECHECK)),

@@ -29,7 +29,7 @@ pub const WAITER_LEASE: Duration = Duration::from_secs(3);
 /// The first probe after the store stopped answering, doubling up to [`PROBE_MAX`].
 const PROBE_FIRST: Duration = Duration::from_millis(250);
 /// The longest interval between probes of an unreachable store.
-const PROBE_MAX: Duration = Duration::from_secs(2);
+const PROBE_MAX: Duration = Duration::from_secs(1);
 
 /// A pacegate process as the fleet knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,13 +169,45 @@ impl View {
     }
 }
 
+/// A part of every destination's rate: `share` of it, less `less` requests a second.
+///
+/// Schedules kept apart (the shared one, and each instance pacing alone) each may put one
+/// request of slack into a 1 s window. The promise allows the fleet one, so every schedule
+/// beside the first gives up a request a second: the shared schedule one for each instance
+/// that may be pacing alone, and `n` instances all pacing alone `(n - 1) / n` each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Split {
+    /// The fraction of the rate.
+    pub share: f64,
+    /// Requests a second given up beside it.
+    pub less: f64,
+}
+
+impl Split {
+    /// The whole rate.
+    pub const WHOLE: Split = Split {
+        share: 1.0,
+        less: 0.0,
+    };
+
+    /// The interval at this part of the rate whose interval is `interval`; `None` when
+    /// nothing is left.
+    pub fn interval(&self, interval: Duration) -> Option<Duration> {
+        if *self == Self::WHOLE {
+            return Some(interval);
+        }
+        let rate = self.share / interval.as_secs_f64() - self.less;
+        (rate > 0.0).then(|| Duration::from_secs_f64(1.0 / rate))
+    }
+}
+
 /// How an instance that lost the store may pace.
 #[derive(Debug, Clone)]
 pub enum Alone {
     /// Not yet: the others may not hold its share back yet.
     Wait(Duration),
-    /// At this share of each rate.
-    Pace(f64),
+    /// At this part of each rate.
+    Pace(Split),
     /// Not at all.
     Refuse(StoreError),
 }
@@ -302,23 +334,27 @@ impl Standing {
         self.gauges.held.get()
     }
 
-    /// The share of each rate the shared schedule may use now: what the instances that may
-    /// be pacing alone leave. `None` while the last view is too old to tell.
-    pub fn shared(&self, now: Instant) -> Option<f64> {
+    /// The part of each rate the shared schedule may use now: what the instances that may be
+    /// pacing alone leave. `None` while the last view is too old to tell.
+    pub fn shared(&self, now: Instant) -> Option<Split> {
         let state = self.state.lock();
         let Some(view) = &state.view else {
             // Not counted yet: no instance holds this one's share, and it holds none; the
             // first heartbeat goes out as the instance starts.
-            return Some(1.0);
+            return Some(Split::WHOLE);
         };
         if now.saturating_duration_since(view.asked) > VIEW_FRESH {
             return None;
         }
-        let held: f64 = view
-            .held(now)
-            .map(|p| 1.0 / f64::from(p.report.divisor))
-            .sum();
-        Some((1.0 - held).max(0.0))
+        let (mut held, mut apart) = (0.0, 0.0);
+        for p in view.held(now) {
+            held += 1.0 / f64::from(p.report.divisor);
+            apart += 1.0;
+        }
+        Some(Split {
+            share: (1.0 - held).max(0.0),
+            less: apart,
+        })
     }
 
     /// How this instance may pace now, having lost the store.
@@ -342,13 +378,17 @@ impl Standing {
             .counted()
             .map(|p| 1.0 / f64::from(p.report.divisor))
             .sum();
-        let share = (1.0 / f64::from(state.reported)).min(1.0 - others);
+        let n = f64::from(state.reported);
+        let share = (1.0 / n).min(1.0 - others);
         if share <= 0.0 {
             return Alone::Refuse(StoreError::Unreachable(
                 "the other instances' shares leave this one none to pace alone on".into(),
             ));
         }
-        Alone::Pace(share)
+        Alone::Pace(Split {
+            share,
+            less: (n - 1.0) / n,
+        })
     }
 }
 
@@ -365,8 +405,8 @@ pub trait Health: Send + Sync {
 
 /// How long the supervisor waits after `failures` heartbeats in a row went unanswered: a
 /// heartbeat's interval while the store answers; while it is away, probes at growing
-/// intervals (250 ms, 500 ms, 1 s, then every 2 s), so that pacing is back on the shared
-/// budget within about two seconds of its return.
+/// intervals (250 ms, 500 ms, then every second), so that pacing is back on the shared
+/// budget within about a second of its return.
 fn pause_after(failures: u32) -> Duration {
     if failures == 0 {
         HEARTBEAT

@@ -278,7 +278,7 @@ impl Validator<'_> {
             on_unavailable: raw.on_unavailable.unwrap_or_default(),
             instances_hint: raw.instances_hint.unwrap_or(1).max(1),
             divide_for: self.divide_for(raw.divide_for),
-            timeout: self.positive("store.timeout", raw.timeout, Duration::from_millis(100)),
+            timeout: self.positive("store.timeout", raw.timeout, Duration::from_secs(1)),
         }
     }
 

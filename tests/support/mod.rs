@@ -2,8 +2,10 @@
 //! started in-process on port 0, real clients (reqwest, raw TCP), and bounded waits.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod fleet;
 pub mod pg;
 pub mod process;
+pub mod relay;
 pub mod testdb;
 pub mod upstream;
 

@@ -52,9 +52,15 @@ pub struct Instance {
 
 /// Starts the real binary with JSON logs and waits until it reports listening.
 pub fn spawn_binary(config: &std::path::Path) -> Instance {
+    spawn_binary_with(config, &[])
+}
+
+/// [`spawn_binary`] with more environment variables.
+pub fn spawn_binary_with(config: &std::path::Path, env: &[(&str, &str)]) -> Instance {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pacegate"))
         .args(["--log-format", "json", "serve", "--config"])
         .arg(config)
+        .envs(env.iter().copied())
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()

@@ -33,6 +33,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "shares",
         include_str!("../../../migrations/0005_shares.sql"),
     ),
+    (
+        6,
+        "claims",
+        include_str!("../../../migrations/0006_claims.sql"),
+    ),
 ];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).

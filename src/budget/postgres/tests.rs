@@ -5,7 +5,7 @@ use crate::budget::contract;
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5]);
+    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6]);
     store
 }
 
@@ -107,6 +107,44 @@ async fn after_a_yield_the_wait_list_is_told_again() {
         contract::ask(&a, &r, &backfill).await.unwrap(),
         contract::BACKFILL
     );
+}
+
+#[tokio::test]
+async fn waiters_keep_their_place_only_while_their_instance_keeps_asking() {
+    let (a, b) = pair().await;
+    let r = contract::rule(100.0);
+    let older = [contract::waiting(contract::BACKFILL, 3, 1000)];
+    let newer = [contract::waiting(contract::BACKFILL, 3, 10)];
+    assert_eq!(
+        contract::ask(&a, &r, &older).await.unwrap(),
+        contract::BACKFILL
+    );
+    assert!(
+        matches!(
+            contract::ask(&b, &r, &newer).await,
+            Err(ReserveError::Yield(_))
+        ),
+        "a's older request goes first while a asks"
+    );
+    // a stops asking (cut off from the database, its heartbeat still fresh): within half a
+    // second of its slot its requests no longer hold b's back.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    b.heartbeat(&instance("b"), REPORT).await.unwrap();
+    assert_eq!(
+        contract::ask(&b, &r, &newer).await.unwrap(),
+        contract::BACKFILL
+    );
+    // Asking again, a has its place back.
+    let left = [contract::waiting(contract::BACKFILL, 2, 1000)];
+    assert_eq!(
+        contract::ask(&a, &r, &left).await.unwrap(),
+        contract::BACKFILL
+    );
+    let newer = [contract::waiting(contract::BACKFILL, 3, 10)];
+    assert!(matches!(
+        contract::ask(&b, &r, &newer).await,
+        Err(ReserveError::Yield(_))
+    ));
 }
 
 #[tokio::test]

@@ -1,0 +1,189 @@
+-- A waiting request keeps its place ahead of other instances' only while its instance keeps
+-- asking: an instance asks again within a yield (at most 250 ms) or once its granted slot has
+-- come, and each ask renews its requests' claim for 500 ms past that. An instance cut off
+-- from the database while its heartbeat still counts (a link that flaps) no longer holds
+-- every other instance's requests back: its claims lapse within half a second.
+ALTER TABLE pacegate_waiting
+    ADD COLUMN claimed_until timestamptz NOT NULL DEFAULT clock_timestamp() + interval '500 milliseconds';
+
+-- As 0004's pacegate_reserve_for, with the claims.
+CREATE OR REPLACE FUNCTION pacegate_reserve_for(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text
+) LANGUAGE plpgsql AS $$
+DECLARE
+    b pacegate_budgets%ROWTYPE;
+    now_ts timestamptz;
+    t interval;
+    s timestamptz;
+    n integer := coalesce(array_length(p_shares, 1), 0);
+    nq integer := coalesce(array_length(p_quota_limits, 1), 0);
+    waiting integer[];
+    new_credits double precision[];
+    chosen integer;
+    first_instance text;
+    i integer;
+    keep bigint;
+    at_ts timestamptz;
+    usable bigint;
+    k bigint;
+    claim constant interval := interval '500 milliseconds';
+BEGIN
+    SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO pacegate_budgets (destination) VALUES (p_destination) ON CONFLICT DO NOTHING;
+        SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
+    END IF;
+    now_ts := clock_timestamp();
+    IF p_tell THEN
+        PERFORM pacegate_tell(p_destination, p_instance, now_ts, p_classes, p_counts, p_oldest, p_next);
+    END IF;
+    IF b.lock_status IS NOT NULL THEN
+        RETURN QUERY SELECT 'locked'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
+            b.backoff, b.lock_since, b.lock_status, b.lock_request, b.lock_instance;
+        RETURN;
+    END IF;
+    -- The caller asks: its waiting requests claim their places again.
+    UPDATE pacegate_waiting AS w SET claimed_until = now_ts + claim
+        WHERE w.destination = p_destination AND w.instance = p_instance;
+    -- The classes with waiting requests on live instances that keep asking (the caller is
+    -- live and asking).
+    SELECT array_agg(DISTINCT w.class ORDER BY w.class) INTO waiting
+        FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+        WHERE w.destination = p_destination
+          AND (w.instance = p_instance OR (l.last_seen > now_ts - make_interval(secs => p_lease)
+               AND w.claimed_until > now_ts));
+    -- budget::schedule::choose: shares earn credit while their class waits; an owed class
+    -- goes first, else the most urgent.
+    new_credits := array_fill(0::double precision, ARRAY[n]);
+    FOR i IN 1..n LOOP
+        IF p_shares[i] > 0 AND (i - 1) = ANY (waiting) THEN
+            new_credits[i] := coalesce(b.credits[i], 0) + p_shares[i];
+        END IF;
+    END LOOP;
+    chosen := NULL;
+    FOR i IN 1..n LOOP
+        IF new_credits[i] >= 1 - 1e-9 AND (i - 1) = ANY (waiting) THEN
+            chosen := i - 1;
+            EXIT;
+        END IF;
+    END LOOP;
+    IF chosen IS NULL THEN
+        chosen := waiting[1];
+    END IF;
+    IF chosen IS NOT NULL THEN
+        SELECT w.instance INTO first_instance
+            FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+            WHERE w.destination = p_destination AND w.class = chosen
+              AND (w.instance = p_instance OR (l.last_seen > now_ts - make_interval(secs => p_lease)
+                   AND w.claimed_until > now_ts))
+            ORDER BY w.since, w.instance
+            LIMIT 1;
+    END IF;
+    IF first_instance IS DISTINCT FROM p_instance THEN
+        RETURN QUERY SELECT 'yield'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
+            b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    IF chosen + 1 <= n THEN
+        new_credits[chosen + 1] := greatest(new_credits[chosen + 1] - 1, 0);
+    END IF;
+    -- budget::schedule::Budget::reserve: beat keeping, then quota windows.
+    t := make_interval(secs => p_interval * b.backoff);
+    s := GREATEST(now_ts, b.next_at - t * (p_burst - 1), b.paused_until);
+    FOR i IN 1..nq LOOP
+        IF b.sends >= p_quota_limits[i] THEN
+            SELECT x.at INTO at_ts FROM pacegate_sends AS x
+                WHERE x.destination = p_destination AND x.seq = b.sends - p_quota_limits[i] + 1;
+            IF FOUND THEN
+                s := GREATEST(s, at_ts + make_interval(secs => p_quota_pers[i] + p_max_late));
+            END IF;
+        END IF;
+    END LOOP;
+    IF nq > 0 THEN
+        SELECT x.at INTO at_ts FROM pacegate_sends AS x
+            WHERE x.destination = p_destination AND x.seq = b.sends;
+        IF FOUND THEN
+            s := GREATEST(s, at_ts);
+        END IF;
+    END IF;
+    -- budget::schedule::Budget::reserve: the vendor's view, while its window lasts, spreads
+    -- its remaining requests less the reserve evenly until the reset.
+    IF b.vendor_reset IS NOT NULL AND b.vendor_reset <= now_ts THEN
+        b.vendor_reset := NULL;
+        b.vendor_remaining := NULL;
+        b.vendor_family := NULL;
+        b.vendor_limit := NULL;
+        b.vendor_observed := NULL;
+        b.vendor_taken := 0;
+    END IF;
+    IF b.vendor_reset IS NOT NULL THEN
+        usable := GREATEST(b.vendor_remaining - p_reserve, 0);
+        k := b.vendor_taken + 1;
+        IF k > usable THEN
+            s := GREATEST(s, b.vendor_reset);
+        ELSE
+            s := GREATEST(s, b.vendor_observed + make_interval(secs =>
+                ((extract(epoch FROM b.vendor_reset - b.vendor_observed) * 1000000)::bigint
+                    * k / usable) / 1000000.0));
+        END IF;
+    END IF;
+    IF p_not_after IS NOT NULL AND s > now_ts + make_interval(secs => p_not_after) THEN
+        RETURN QUERY SELECT 'too_late'::text, s, now_ts, b.generation, NULL::integer,
+            b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM unnest(new_credits) AS c WHERE c > 0) THEN
+        new_credits := '{}';
+    END IF;
+    UPDATE pacegate_budgets AS x SET next_at = GREATEST(b.next_at, s) + t, credits = new_credits,
+        sends = b.sends + CASE WHEN nq > 0 THEN 1 ELSE 0 END,
+        vendor_reset = b.vendor_reset, vendor_remaining = b.vendor_remaining,
+        vendor_family = b.vendor_family, vendor_limit = b.vendor_limit,
+        vendor_observed = b.vendor_observed,
+        vendor_taken = CASE WHEN b.vendor_reset IS NULL THEN 0 ELSE b.vendor_taken + 1 END
+        WHERE x.destination = p_destination;
+    IF nq > 0 THEN
+        SELECT max(q) INTO keep FROM unnest(p_quota_limits) AS q;
+        INSERT INTO pacegate_sends (destination, seq, at) VALUES (p_destination, b.sends + 1, s);
+        DELETE FROM pacegate_sends AS x
+            WHERE x.destination = p_destination AND x.seq <= b.sends + 1 - keep;
+    END IF;
+    -- The request served leaves the list; the next oldest of its class is the oldest. The
+    -- caller asks again once the slot has come: its requests keep their places until then.
+    UPDATE pacegate_waiting AS w
+        SET count = w.count - 1, since = coalesce(w.next_since, w.since), next_since = NULL
+        WHERE w.destination = p_destination AND w.instance = p_instance AND w.class = chosen;
+    UPDATE pacegate_waiting AS w SET claimed_until = GREATEST(s, now_ts) + claim
+        WHERE w.destination = p_destination AND w.instance = p_instance;
+    DELETE FROM pacegate_waiting AS w
+        WHERE w.destination = p_destination AND w.instance = p_instance AND w.count <= 0;
+    RETURN QUERY SELECT 'granted'::text, s, now_ts, b.generation, chosen, b.backoff,
+        NULL::timestamptz, NULL::integer, NULL::text, NULL::text;
+END
+$$;
