@@ -95,6 +95,9 @@ pub struct Metrics {
     /// `pacegate_store_share_held`: the share of every rate held back for instances that
     /// lost the store and may be pacing alone.
     pub store_share_held: Gauge,
+    /// `pacegate_store_share_alone`: the share of every rate this instance would pace alone
+    /// at, were it to lose the store now.
+    pub store_share_alone: Gauge,
 }
 
 impl Metrics {
@@ -283,7 +286,12 @@ impl Metrics {
             "Share of every destination's rate left unused on the shared schedule for instances whose heartbeat is stale and that may be pacing alone",
         )?;
         registry.register(Box::new(store_degraded.clone()))?;
+        let store_share_alone = Gauge::new(
+            "pacegate_store_share_alone",
+            "Share of every destination's rate this instance would pace alone at if it lost the store now (divide), before the slack it gives up",
+        )?;
         registry.register(Box::new(store_share_held.clone()))?;
+        registry.register(Box::new(store_share_alone.clone()))?;
         registry.register(Box::new(store_instances.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
@@ -356,6 +364,7 @@ impl Metrics {
             store_degraded,
             store_instances,
             store_share_held,
+            store_share_alone,
         })
     }
 

@@ -247,6 +247,7 @@ async fn a_store_outage_divides_the_rate_and_keeps_lockouts() {
     );
     let fleet = Fleet::start_n(2, &store, &format!("rate = {RATE}\nretry_throttled = 0")).await;
     fleet.see_live(2).await;
+    fleet.see_shares(2).await;
     let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
 
     cluster.down();
@@ -259,7 +260,8 @@ async fn a_store_outage_divides_the_rate_and_keeps_lockouts() {
         .await;
     }
     upstream.clear();
-    // Each paces alone at rate / 2: the aggregate still holds the ceiling.
+    // Each paces alone at about rate / 2 (six seconds after its last heartbeat): the
+    // aggregate still holds the ceiling.
     let mut tasks = Vec::new();
     for i in 0..2 {
         for n in 0..30 {

@@ -145,7 +145,7 @@ async fn with_a_relay() -> (Fleet, Relay) {
         store_via(&url, None),
     ];
     let fleet = Fleet::start_each(&stores, &format!("rate = {RATE}"), &[]).await;
-    fleet.see_live(INSTANCES).await;
+    fleet.see_shares(INSTANCES).await;
     (fleet, relay)
 }
 

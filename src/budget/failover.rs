@@ -70,6 +70,8 @@ pub struct Gauges {
     pub instances: IntGauge,
     /// `pacegate_store_share_held`.
     pub held: Gauge,
+    /// `pacegate_store_share_alone`.
+    pub alone: Gauge,
 }
 
 /// A shared store, degrading per [`OnUnavailable`] while it is unreachable.
@@ -107,6 +109,7 @@ impl<S: Store + Fleet> Failover<S> {
                 StandingGauges {
                     instances: gauges.instances,
                     held: gauges.held,
+                    alone: gauges.alone,
                 },
             ),
             policy,

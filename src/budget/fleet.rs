@@ -167,6 +167,17 @@ impl View {
     fn counted(&self) -> impl Iterator<Item = &Peer> {
         self.peers.iter().filter(|p| p.age < p.held_until())
     }
+
+    /// The share of every rate this instance may pace alone at, having written `divisor`:
+    /// never more than the others hold back for it, and where the divisors disagree (an
+    /// instance that had not yet counted this one), never more than they leave.
+    fn alone_share(&self, divisor: u32) -> f64 {
+        let others: f64 = self
+            .counted()
+            .map(|p| 1.0 / f64::from(p.report.divisor))
+            .sum();
+        (1.0 / f64::from(divisor)).min(1.0 - others)
+    }
 }
 
 /// A part of every destination's rate: `share` of it, less `less` requests a second.
@@ -244,6 +255,8 @@ pub struct StandingGauges {
     pub instances: IntGauge,
     /// `pacegate_store_share_held`.
     pub held: Gauge,
+    /// `pacegate_store_share_alone`.
+    pub alone: Gauge,
 }
 
 impl Standing {
@@ -252,6 +265,7 @@ impl Standing {
     pub fn new(hint: usize, alone_for: Duration, gauges: StandingGauges) -> Self {
         let hint = u32::try_from(hint.max(1)).unwrap_or(u32::MAX);
         gauges.instances.set(i64::from(hint));
+        gauges.alone.set(1.0 / f64::from(hint));
         Self {
             alone_for,
             hint,
@@ -278,8 +292,10 @@ impl Standing {
         }
     }
 
-    /// A heartbeat sent at `asked` with `report` was answered with `peers`.
-    pub fn answered(&self, asked: Instant, report: Report, peers: Vec<Peer>) {
+    /// A heartbeat sent at `asked` with `report` was answered with `peers`. Returns whether
+    /// the next heartbeat reports another divisor (it should go at once: until it does, the
+    /// others reckon with the old one).
+    pub fn answered(&self, asked: Instant, report: Report, peers: Vec<Peer>) -> bool {
         let now = Instant::now();
         let view = View {
             asked,
@@ -307,6 +323,8 @@ impl Standing {
                 tracing::info!(instance = %id, "an instance's share is no longer held back: it heartbeats again, or its time to pace alone is over");
             }
         }
+        let divisor = 1 + u32::try_from(view.counted().count()).unwrap_or(u32::MAX - 1);
+        let alone = view.alone_share(divisor.max(report.divisor));
         state.held = held_ids;
         state.view = Some(view);
         state.reported = report.divisor;
@@ -314,6 +332,8 @@ impl Standing {
             .instances
             .set(i64::try_from(live).unwrap_or(i64::MAX));
         self.gauges.held.set(share_held.min(1.0));
+        self.gauges.alone.set(alone.max(0.0));
+        divisor != report.divisor
     }
 
     /// The largest share divisor written since the last answer (or the hint).
@@ -372,14 +392,8 @@ impl Standing {
         if since >= ALONE_AFTER + self.alone_for {
             return Alone::Refuse(StoreError::LongGone(since));
         }
-        // Never more than the others hold back for it; and where the divisors disagree (an
-        // instance that had not yet counted this one), never more than they leave.
-        let others: f64 = view
-            .counted()
-            .map(|p| 1.0 / f64::from(p.report.divisor))
-            .sum();
+        let share = view.alone_share(state.reported);
         let n = f64::from(state.reported);
-        let share = (1.0 / n).min(1.0 - others);
         if share <= 0.0 {
             return Alone::Refuse(StoreError::Unreachable(
                 "the other instances' shares leave this one none to pace alone on".into(),
@@ -434,10 +448,12 @@ pub async fn supervise<F: Fleet, H: Health>(
         let beat = tokio::time::timeout(HEARTBEAT, fleet.heartbeat(me, report))
             .await
             .unwrap_or(Err(StoreError::Timeout(HEARTBEAT)));
+        // The count changed: tell the others at once rather than in a second.
+        let mut again = false;
         match beat {
             Ok(peers) => {
                 failures = 0;
-                standing.answered(asked, report, peers);
+                again = standing.answered(asked, report, peers);
                 if health.is_lost() {
                     if let Err(e) = health.answered().await {
                         tracing::debug!(
@@ -453,8 +469,13 @@ pub async fn supervise<F: Fleet, H: Health>(
             }
             Err(e) => tracing::warn!("heartbeat refused: {e}"),
         }
+        let pause = if again {
+            Duration::ZERO
+        } else {
+            pause_after(failures)
+        };
         tokio::select! {
-            () = tokio::time::sleep(pause_after(failures)) => {}
+            () = tokio::time::sleep(pause) => {}
             () = stop.cancelled() => break,
         }
     }

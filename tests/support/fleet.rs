@@ -167,6 +167,22 @@ impl Fleet {
         Instant::now()
     }
 
+    /// Waits until every instance would pace alone at `1 / n` of each rate were it to lose
+    /// the store: the instances have counted each other, and told each other so.
+    pub async fn see_shares(&self, n: usize) {
+        for i in 0..self.instances.len() {
+            eventually(
+                Duration::from_secs(15),
+                "the share each would pace alone at",
+                || async {
+                    let share = self.metric(i, "pacegate_store_share_alone").await;
+                    ((share - 1.0 / n as f64).abs() < 1e-9).then_some(())
+                },
+            )
+            .await;
+        }
+    }
+
     /// Waits until every instance sees `n` live instances.
     pub async fn see_live(&self, n: usize) {
         for i in 0..self.instances.len() {

@@ -221,6 +221,7 @@ fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake>> {
             degraded: gauge("degraded"),
             instances: gauge("instances"),
             held: Gauge::new("held", "test").unwrap(),
+            alone: Gauge::new("alone", "test").unwrap(),
         },
     ))
 }
@@ -278,8 +279,8 @@ async fn a_lost_store_is_paced_alone_at_the_reported_share_after_a_wait_and_for_
         2,
         "the heartbeat counted the live instances"
     );
-    tokio::time::sleep(ms(1_000)).await;
-    assert_eq!(fake.reports.lock().last().unwrap().divisor, 2);
+    let divisors: Vec<u32> = fake.reports.lock().iter().map(|r| r.divisor).collect();
+    assert_eq!(divisors, [1, 2], "a new count is told at once");
     let rule = contract::rule(10.0);
     let shared = contract::take(&*f, "d", &rule, None).await.unwrap();
     let last_answer = *fake.beats.lock().last().unwrap();
@@ -361,6 +362,24 @@ async fn a_stale_instance_s_share_is_held_back_while_it_may_pace_alone() {
     );
     tokio::time::sleep(ms(1_100)).await;
     assert_eq!(fake.reports.lock().last().unwrap().divisor, 2);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_that_would_take_the_whole_rate_leaves_none_to_pace_alone_on() {
+    // The other instance has not counted this one yet: alone, it would take all of it.
+    let fake = Fake::new(2);
+    fake.peers.lock()[0].report.divisor = 1;
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(f.standing.divisor(), 2);
+    fake.set(DOWN);
+    let alone = take_patiently(&f, "d", &contract::rule(10.0), None).await;
+    assert!(
+        matches!(&alone, Err(ReserveError::Store(StoreError::Unreachable(why))) if why.contains("shares")),
+        "{alone:?}"
+    );
     stop.cancel();
 }
 
