@@ -146,6 +146,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 instances: metrics.store_instances.clone(),
                 held: metrics.store_share_held.clone(),
                 alone: metrics.store_share_alone.clone(),
+                mismatch: metrics.config_mismatch.clone(),
             };
             let failover = Arc::new(Failover::new(store, control, policy, gauges));
             let supervisor = tokio::spawn(failover.clone().supervise(supervisor_stop.clone()));

@@ -5,6 +5,7 @@
 //! budgets and applies that arithmetic atomically: `memory` for one instance, `postgres` for
 //! every instance at once. Nothing here knows HTTP or how responses are classified.
 
+pub mod drift;
 pub mod failover;
 pub mod fleet;
 pub mod memory;
@@ -445,5 +446,15 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the store is unreachable and a fallback is pacing instead.
     fn degraded(&self) -> bool {
         false
+    }
+
+    /// Tells a shared store this instance's rule for every destination, to compare with the
+    /// other instances' (see [`drift`]).
+    fn announce(&self, _rules: &[(String, Rule)]) {}
+
+    /// The live instances whose rule for `destination` differs from this one's (the stricter
+    /// governs); empty where they agree, or the store is not shared.
+    fn drift(&self, _destination: &str) -> Vec<String> {
+        Vec::new()
     }
 }

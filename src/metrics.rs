@@ -98,6 +98,9 @@ pub struct Metrics {
     /// `pacegate_store_share_alone`: the share of every rate this instance would pace alone
     /// at, were it to lose the store now.
     pub store_share_alone: Gauge,
+    /// `pacegate_config_mismatch{destination}`: 1 while a live instance paces the
+    /// destination by another rule (the stricter governs).
+    pub config_mismatch: IntGaugeVec,
 }
 
 impl Metrics {
@@ -292,6 +295,14 @@ impl Metrics {
         )?;
         registry.register(Box::new(store_share_held.clone()))?;
         registry.register(Box::new(store_share_alone.clone()))?;
+        let config_mismatch = IntGaugeVec::new(
+            Opts::new(
+                "pacegate_config_mismatch",
+                "1 while another live instance paces the destination by another rule; the stricter of each key governs until the configs agree",
+            ),
+            &["destination"],
+        )?;
+        registry.register(Box::new(config_mismatch.clone()))?;
         registry.register(Box::new(store_instances.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
@@ -365,6 +376,7 @@ impl Metrics {
             store_instances,
             store_share_held,
             store_share_alone,
+            config_mismatch,
         })
     }
 

@@ -170,6 +170,11 @@ impl Pacer {
     /// Loads each budget (a lockout from before a restart applies at once) and spawns one
     /// dispatcher per destination.
     pub async fn start(&self) -> Result<(), StoreError> {
+        let rules: Vec<(String, Rule)> = self
+            .lanes()
+            .map(|l| (l.name.to_string(), l.rule.clone()))
+            .collect();
+        self.store.announce(&rules);
         for lane in self.lanes() {
             lane.note(self.store.view(&lane.name).await?);
             tokio::spawn(dispatch::dispatch(
@@ -446,6 +451,7 @@ impl Pacer {
                     limit: v.limit,
                     reset_in_seconds: v.reset_in.as_secs_f64(),
                 }),
+                config_mismatch: self.store.drift(&lane.name),
             };
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);

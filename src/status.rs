@@ -49,6 +49,10 @@ pub struct DestinationStatus {
     /// What the vendor last said about its budget, while its window lasts.
     #[serde(default)]
     pub vendor: Option<VendorStatus>,
+    /// Live instances whose rule for this destination differs from this one's: until the
+    /// configs agree, the stricter of each key governs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub config_mismatch: Vec<String>,
 }
 
 /// The vendor's budget as the store holds it, for status.
@@ -228,6 +232,13 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
         ]);
     }
     let mut out = aligned(&lines);
+    for r in rows.iter().filter(|r| !r.config_mismatch.is_empty()) {
+        out.push_str(&format!(
+            "{}: CONFIG MISMATCH with {}: the stricter rule governs until the configs agree\n",
+            r.destination,
+            r.config_mismatch.join(", ")
+        ));
+    }
     if rows.iter().any(|r| r.classes.len() > 1) {
         let mut lines = vec![[
             "DESTINATION",

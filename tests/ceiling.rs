@@ -76,6 +76,50 @@ async fn three_processes_on_one_postgres_keep_one_ceiling() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_whose_configs_differ_keep_the_stricter_rule_and_say_so() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let upstream = FakeUpstream::start().await;
+    let store = postgres_store().await;
+    // The third instance was deployed with twice the rate.
+    let fast = format!("rate = {}", RATE * 2.0);
+    let fleet = Fleet::start_each(
+        &vec![store; INSTANCES],
+        &[&format!("rate = {RATE}"), &format!("rate = {RATE}"), &fast],
+        &[],
+    )
+    .await;
+    let series = "pacegate_config_mismatch{destination=\"local\"}";
+    for i in 0..INSTANCES {
+        eventually(Duration::from_secs(10), "the mismatch seen", || async {
+            (fleet.metric(i, series).await == 1.0).then_some(())
+        })
+        .await;
+    }
+    let at = load(&fleet, &upstream, 30).await;
+    let most = busiest(&at, Duration::from_secs(1));
+    assert!(
+        most <= 21,
+        "{most} requests within one second: the faster config set the pace; {}",
+        fleet.explain(&upstream)
+    );
+    // Said in the log, and in status, by the instance that runs the faster config too.
+    let said = fleet.instances[2].logs.json().iter().any(|l| {
+        l["level"] == "ERROR"
+            && l["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("config mismatch")
+    });
+    assert!(said, "no ERROR line about the mismatch");
+    let status = fleet.status(2).await;
+    assert_eq!(
+        status["config_mismatch"].as_array().unwrap().len(),
+        2,
+        "{status}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_one_memory_store_per_process_exceeds_the_ceiling() {
     let _alone = ONE_AT_A_TIME.lock().await;
     let upstream = FakeUpstream::start().await;
@@ -367,7 +411,7 @@ async fn migrate_and_status_work_against_the_store_directly() {
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
-        "applied migrations [1, 2, 3, 4, 5, 6]"
+        "applied migrations [1, 2, 3, 4, 5, 6, 7]"
     );
     let out = run(&["migrate", "--store", &url]);
     assert_eq!(

@@ -144,7 +144,7 @@ async fn with_a_relay() -> (Fleet, Relay) {
         store_via(&url, None),
         store_via(&url, None),
     ];
-    let fleet = Fleet::start_each(&stores, &format!("rate = {RATE}"), &[]).await;
+    let fleet = Fleet::start_each(&stores, &[&format!("rate = {RATE}")], &[]).await;
     fleet.see_shares(INSTANCES).await;
     (fleet, relay)
 }
@@ -293,7 +293,7 @@ async fn wall_clocks_a_minute_apart() {
     let stores = vec![store_via(&url, None); INSTANCES];
     let ahead: &[(&str, &str)] = &[("LD_PRELOAD", &lib), ("FAKETIME", "+30s")];
     let behind: &[(&str, &str)] = &[("LD_PRELOAD", &lib), ("FAKETIME", "-30s")];
-    let fleet = Fleet::start_each(&stores, &format!("rate = {RATE}"), &[ahead, behind]).await;
+    let fleet = Fleet::start_each(&stores, &[&format!("rate = {RATE}")], &[ahead, behind]).await;
     fleet.see_live(INSTANCES).await;
     // The clocks are skewed indeed: the status each instance writes says so.
     let started = |i: usize| {

@@ -16,6 +16,7 @@ use prometheus::{Gauge, IntGauge};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::drift::{Theirs, Written};
 use super::{StoreError, StoreFuture};
 use crate::status::InstanceStatus;
 
@@ -137,6 +138,15 @@ pub trait Fleet: Send + Sync + 'static {
 
     /// Removes `me` from the live instances and its waiting requests (a clean shutdown).
     fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>>;
+
+    /// Writes `mine` (when `write`: this instance's rules, one per destination) and answers
+    /// the live instances' rules that differ from them (see [`super::drift`]).
+    fn compare_rules<'a>(
+        &'a self,
+        me: &'a Instance,
+        mine: &'a [Written],
+        write: bool,
+    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>>;
 }
 
 /// The fleet as this instance's last answered heartbeat saw it.
@@ -415,6 +425,8 @@ pub trait Health: Send + Sync {
     /// The store answered a heartbeat while it was taken to be gone; `Err` if it is not
     /// ready to be used again (it did not take the lockouts written back).
     fn answered(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// The store answered a heartbeat: time for what is done once a heartbeat.
+    fn heard(&self) -> impl Future<Output = ()> + Send;
 }
 
 /// How long the supervisor waits after `failures` heartbeats in a row went unanswered: a
@@ -461,6 +473,7 @@ pub async fn supervise<F: Fleet, H: Health>(
                         );
                     }
                 }
+                health.heard().await;
             }
             // An unanswered heartbeat is a lost store: nothing else tells a partition apart.
             Err(e @ (StoreError::Unreachable(_) | StoreError::Timeout(_))) => {

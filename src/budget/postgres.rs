@@ -27,7 +27,8 @@ pub use migrations::MIGRATIONS;
 use rows::{after, after_grant, columns, db, lockout, pause_args, rows_of, view_of, Row};
 use sql::*;
 
-use super::fleet::{Fleet, Instance, Peer, Report, PEERS_WITHIN, WAITER_LEASE};
+use super::drift::{Theirs, Written};
+use super::fleet::{Fleet, Instance, Peer, Report, LIVE_WITHIN, PEERS_WITHIN, WAITER_LEASE};
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
     ReserveError, Rule, Store, StoreError, StoreFuture,
@@ -531,10 +532,58 @@ impl Fleet for PostgresStore {
         })
     }
 
+    fn compare_rules<'a>(
+        &'a self,
+        me: &'a Instance,
+        mine: &'a [Written],
+        write: bool,
+    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let destinations: Vec<&str> = mine.iter().map(|w| w.destination.as_str()).collect();
+            let fingerprints: Vec<&str> = mine.iter().map(|w| w.fingerprint.as_str()).collect();
+            if write {
+                let rules: Vec<&str> = mine.iter().map(|w| w.rule.as_str()).collect();
+                client
+                    .execute(
+                        SQL_WRITE_RULES,
+                        &[&me.id, &destinations, &fingerprints, &rules],
+                    )
+                    .await
+                    .map_err(db)?;
+            }
+            let rows = client
+                .query(
+                    SQL_OTHER_RULES,
+                    &[
+                        &me.id,
+                        &destinations,
+                        &fingerprints,
+                        &LIVE_WITHIN.as_secs_f64(),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| Theirs {
+                    destination: r.get(0),
+                    instance: r.get(1),
+                    fingerprint: r.get(2),
+                    rule: r.get(3),
+                })
+                .collect())
+        })
+    }
+
     fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
             client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
+            client
+                .execute(SQL_FORGET_RULES, &[&me.id])
+                .await
+                .map_err(db)?;
             client
                 .execute(SQL_FORGET_WAITING, &[&me.id])
                 .await

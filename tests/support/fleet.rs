@@ -44,8 +44,9 @@ impl Fleet {
         Self::start_n(INSTANCES, store, keys).await
     }
 
-    /// One instance per entry of `stores` (its `[store]` section), each with `env`.
-    pub async fn start_each(stores: &[String], keys: &str, env: &[&[(&str, &str)]]) -> Self {
+    /// One instance per entry of `stores` (its `[store]` section), each with its entry of
+    /// `keys` (the destination's keys; the last entry for the rest) and of `env`.
+    pub async fn start_each(stores: &[String], keys: &[&str], env: &[&[(&str, &str)]]) -> Self {
         let dirs: Vec<_> = stores
             .iter()
             .map(|_| tempfile::tempdir().unwrap())
@@ -55,6 +56,7 @@ impl Fleet {
             .zip(stores)
             .enumerate()
             .map(|(i, (d, store))| {
+                let keys = keys.get(i).or(keys.last()).copied().unwrap_or_default();
                 instance(
                     d.path(),
                     store,

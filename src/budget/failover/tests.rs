@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicU8;
 
 use super::*;
 use crate::budget::contract;
+use crate::budget::drift::{Theirs, Written};
 use crate::budget::fleet::{Peer, Report, STALE_AFTER};
 
 const UP: u8 = 0;
@@ -31,6 +32,8 @@ struct Fake {
     /// What this instance reported with each heartbeat.
     reports: Arc<Mutex<Vec<Report>>>,
     peers: Arc<Mutex<Vec<FakePeer>>>,
+    /// Other instances' rules that differ, as the store would answer them.
+    theirs: Arc<Mutex<Vec<Theirs>>>,
     live: usize,
 }
 
@@ -52,6 +55,7 @@ impl Fake {
             beats: Arc::default(),
             reports: Arc::default(),
             peers: Arc::new(Mutex::new(peers)),
+            theirs: Arc::default(),
             live,
         }
     }
@@ -204,6 +208,16 @@ impl Fleet for Fake {
     fn forget<'a>(&'a self, _me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(std::future::ready(Ok(())))
     }
+
+    fn compare_rules<'a>(
+        &'a self,
+        _me: &'a Instance,
+        _mine: &'a [Written],
+        _write: bool,
+    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>> {
+        let theirs = self.theirs.lock().clone();
+        Box::pin(std::future::ready(self.check().map(|()| theirs)))
+    }
 }
 
 fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake>> {
@@ -222,6 +236,8 @@ fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake>> {
             instances: gauge("instances"),
             held: Gauge::new("held", "test").unwrap(),
             alone: Gauge::new("alone", "test").unwrap(),
+            mismatch: IntGaugeVec::new(prometheus::Opts::new("mismatch", "test"), &["destination"])
+                .unwrap(),
         },
     ))
 }
@@ -380,6 +396,37 @@ async fn an_instance_that_would_take_the_whole_rate_leaves_none_to_pace_alone_on
         matches!(&alone, Err(ReserveError::Store(StoreError::Unreachable(why))) if why.contains("shares")),
         "{alone:?}"
     );
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_stricter_rule_governs_while_another_instance_s_rule_differs() {
+    let fake = Fake::new(2);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    f.announce(&[("d".to_owned(), rule.clone())]);
+    let slower = Written::of("d", &contract::rule(5.0));
+    *fake.theirs.lock() = vec![Theirs {
+        destination: "d".into(),
+        instance: "fake-0".into(),
+        fingerprint: slower.fingerprint,
+        rule: slower.rule,
+    }];
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(f.drift("d"), ["fake-0"]);
+    assert_eq!(f.mismatch_gauge.with_label_values(&["d"]).get(), 1);
+    assert_eq!(
+        gap(&f, &rule).await,
+        ms(200),
+        "the other's slower rate governs"
+    );
+    // The configs agree again.
+    fake.theirs.lock().clear();
+    tokio::time::sleep(ms(1_100)).await;
+    assert!(f.drift("d").is_empty());
+    assert_eq!(f.mismatch_gauge.with_label_values(&["d"]).get(), 0);
+    assert_eq!(gap(&f, &rule).await, rule.interval);
     stop.cancel();
 }
 

@@ -38,6 +38,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "claims",
         include_str!("../../../migrations/0006_claims.sql"),
     ),
+    (
+        7,
+        "rules",
+        include_str!("../../../migrations/0007_rules.sql"),
+    ),
 ];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).

@@ -74,6 +74,24 @@ pub(super) const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, la
     WHERE last_seen > clock_timestamp() - make_interval(secs => $1)
     ORDER BY started_at";
 pub(super) const SQL_FORGET: &str = "DELETE FROM pacegate_instances WHERE id = $1";
+pub(super) const SQL_FORGET_RULES: &str = "DELETE FROM pacegate_rules WHERE instance = $1";
+/// This instance's rules: one row per destination, and none for a destination it no longer has.
+pub(super) const SQL_WRITE_RULES: &str = "WITH mine AS (
+        SELECT * FROM unnest($2::text[], $3::text[], $4::text[]) AS m(destination, fingerprint, rule)),
+    gone AS (DELETE FROM pacegate_rules AS r WHERE r.instance = $1
+        AND r.destination NOT IN (SELECT destination FROM mine))
+    INSERT INTO pacegate_rules (destination, instance, fingerprint, rule)
+        SELECT destination, $1, fingerprint, rule FROM mine
+    ON CONFLICT (destination, instance) DO UPDATE
+        SET fingerprint = EXCLUDED.fingerprint, rule = EXCLUDED.rule, written_at = clock_timestamp()";
+/// The rules of live instances that differ from this one's, destination by destination.
+pub(super) const SQL_OTHER_RULES: &str = "SELECT r.destination, r.instance, r.fingerprint, r.rule
+    FROM pacegate_rules AS r
+    JOIN pacegate_instances AS l ON l.id = r.instance
+    JOIN unnest($2::text[], $3::text[]) AS m(destination, fingerprint) ON m.destination = r.destination
+    WHERE r.instance <> $1 AND r.fingerprint <> m.fingerprint
+      AND l.last_seen > clock_timestamp() - make_interval(secs => $4)
+    ORDER BY r.destination, r.instance";
 /// The columns `view_of` reads, in its order.
 macro_rules! view_columns {
     () => {

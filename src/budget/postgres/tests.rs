@@ -5,7 +5,7 @@ use crate::budget::contract;
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6]);
+    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6, 7]);
     store
 }
 
