@@ -488,4 +488,6 @@ fn limited_by(seen: &BudgetView, rule: &Rule) -> &'static str {
 }
 
 #[cfg(test)]
+mod any_config;
+#[cfg(test)]
 mod tests;
