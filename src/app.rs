@@ -16,6 +16,7 @@ use crate::budget::memory::MemoryStore;
 use crate::budget::postgres::PostgresStore;
 use crate::budget::{Store, StoreError};
 use crate::config::{Backend, Config};
+use crate::destination;
 use crate::metrics::Metrics;
 use crate::pacing::Pacer;
 use crate::proxy::{Proxy, ProxyParts};
@@ -110,6 +111,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         );
     } else {
         tracing::info!(ca_cert = %config.tls.ca_cert.display(), "loaded local CA");
+    }
+    for host in authority.outside_constraints(&destination::ca_names(&config.destinations)) {
+        tracing::warn!(
+            host,
+            ca_cert = %config.tls.ca_cert.display(),
+            "a configured host is outside the CA's name constraints: clients will refuse the certificates minted for it; create a CA for this config with `pacegate ca init --name-constraints --config FILE`"
+        );
     }
     let supervisor_stop = CancellationToken::new();
     // The store's supervisor: the memory store's quota-window writer, or the postgres

@@ -26,12 +26,36 @@ pub fn check_config(path: &Path) -> ExitCode {
     }
 }
 
-/// `pacegate ca init`: a new CA in `dir`.
-pub fn ca_init(dir: &Path) -> ExitCode {
+/// `pacegate ca init`: a new CA in `dir`; with `constrained_to`, a config, one constrained to
+/// the hosts of its destinations that intercept.
+pub fn ca_init(dir: &Path, constrained_to: Option<&Path>) -> ExitCode {
     let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
-    match tls::write_new_ca(&cert, &key) {
+    let before_ca = |path: &Path| {
+        Config::load_before_ca(path).map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_USAGE)
+        })
+    };
+    let config = match constrained_to.map(before_ca).transpose() {
+        Ok(config) => config,
+        Err(code) => return code,
+    };
+    let names = config
+        .as_ref()
+        .map(|c| crate::destination::ca_names(&c.destinations));
+    if names.as_ref().is_some_and(Vec::is_empty) {
+        eprintln!("error: the config has no destination that intercepts: a CA constrained to no host could sign for none");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    match tls::write_new_ca_for(&cert, &key, names.as_deref()) {
         Ok(()) => {
             println!("wrote {} and {} (mode 0600)", cert.display(), key.display());
+            if let Some(names) = &names {
+                println!(
+                    "the CA may sign only for: {} (and the names below each)",
+                    names.join(", ")
+                );
+            }
             println!(
                 "clients trust it through `pacegate ca bundle --config FILE --out bundle.pem`"
             );

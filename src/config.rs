@@ -367,6 +367,15 @@ fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_checking(path, true)
+    }
+
+    /// [`Config::load`] for a CA about to be made for this config: its files need not exist.
+    pub fn load_before_ca(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_checking(path, false)
+    }
+
+    fn load_checking(path: &Path, ca_must_exist: bool) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -378,7 +387,7 @@ impl Config {
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
         let base = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
-        Self::parse(&text, &base).map_err(|problems| ConfigError::Invalid {
+        Self::parse_checking(&text, &base, ca_must_exist).map_err(|problems| ConfigError::Invalid {
             path: path.to_owned(),
             problems,
         })
@@ -387,6 +396,14 @@ impl Config {
     /// Parses and validates config text; relative paths are resolved against `base`.
     /// Environment variables named by the config (`password_env`) are read here.
     pub fn parse(text: &str, base: &Path) -> Result<Self, Vec<ConfigProblem>> {
+        Self::parse_checking(text, base, true)
+    }
+
+    fn parse_checking(
+        text: &str,
+        base: &Path,
+        ca_must_exist: bool,
+    ) -> Result<Self, Vec<ConfigProblem>> {
         let mut problems = Vec::new();
         let mut table: toml::Table = match toml::from_str(text) {
             Ok(t) => t,
@@ -427,7 +444,11 @@ impl Config {
             problems.push(problem(key, "unknown section"));
         }
 
-        let mut v = Validator { problems, base };
+        let mut v = Validator {
+            problems,
+            base,
+            ca_must_exist,
+        };
         let config = Config {
             proxy: v.proxy(proxy.unwrap_or_default()),
             upstream: v.upstream(upstream.unwrap_or_default()),

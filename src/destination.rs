@@ -131,6 +131,15 @@ impl HostPattern {
         }
     }
 
+    /// The name a CA's name constraints permit for this pattern: the host, or the suffix of a
+    /// `*.suffix` pattern (name constraints cannot keep the suffix itself out).
+    pub fn ca_name(&self) -> &str {
+        match &self.host {
+            HostMatch::Exact(h) => h,
+            HostMatch::Suffix(s) => s.trim_start_matches('.'),
+        }
+    }
+
     /// Whether some host and port would match both patterns.
     pub fn overlaps(&self, other: &Self) -> bool {
         if let (Some(a), Some(b)) = (self.port, other.port) {
@@ -177,6 +186,19 @@ pub struct Destination {
     pub pace: Pace,
     /// Ports below 1024, besides the scheme's default, that its port-less patterns allow.
     pub ports: Vec<u16>,
+}
+
+/// The names the local CA signs for: every host pattern of the destinations that intercept
+/// (see [`HostPattern::ca_name`]), once each.
+pub fn ca_names(destinations: &[Destination]) -> Vec<&str> {
+    let mut names: Vec<&str> = destinations
+        .iter()
+        .filter(|d| d.pace.intercept)
+        .flat_map(|d| d.hosts.iter().map(HostPattern::ca_name))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
 }
 
 /// A destination's pacing keys, validated. The names are the config's and the spec's.

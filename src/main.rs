@@ -80,6 +80,14 @@ enum CaCommand {
         /// Directory to write into (created if missing).
         #[arg(long)]
         dir: PathBuf,
+        /// Constrain the CA (X.509 name constraints) to sign only for the hosts of the
+        /// destinations in --config that intercept: a stolen key cannot impersonate any other
+        /// site.
+        #[arg(long, requires = "config")]
+        name_constraints: bool,
+        /// Config file whose destinations the constraints permit.
+        #[arg(long, env = "PACEGATE_CONFIG", requires = "name_constraints")]
+        config: Option<PathBuf>,
     },
     /// Write the system roots plus the CA that a config names, as one PEM bundle, for clients
     /// whose SSL_CERT_FILE / REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE replaces the system store.
@@ -110,8 +118,8 @@ fn main() -> ExitCode {
         Command::Serve { config } => cli::serve(&config),
         Command::CheckConfig { config } => cli::check_config(&config),
         Command::Ca {
-            command: CaCommand::Init { dir },
-        } => cli::ca_init(&dir),
+            command: CaCommand::Init { dir, config, .. },
+        } => cli::ca_init(&dir, config.as_deref()),
         Command::Ca {
             command: CaCommand::Bundle { config, out },
         } => cli::bundle(&config, &out),

@@ -22,6 +22,8 @@ use time::OffsetDateTime;
 
 use crate::config::TlsConfig;
 
+mod constraints;
+
 /// Why a TLS component could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -146,6 +148,22 @@ impl Authority {
         })
     }
 
+    /// Of `hosts`, those this CA's name constraints do not permit: clients refuse the leaves
+    /// minted for them. Empty for a CA without constraints.
+    pub fn outside_constraints<'a>(&self, hosts: &[&'a str]) -> Vec<&'a str> {
+        let Ok((_, parsed)) = x509_parser::parse_x509_certificate(&self.cert_der) else {
+            return Vec::new();
+        };
+        match parsed.name_constraints() {
+            Ok(Some(ext)) => hosts
+                .iter()
+                .copied()
+                .filter(|h| !constraints::permits(ext.value, h))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// The CA certificate in PEM form, for clients to trust.
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
@@ -221,6 +239,16 @@ fn random_serial() -> SerialNumber {
 
 /// Creates a new CA: the key is written first, with mode 0600, and neither file may exist.
 pub fn write_new_ca(cert_path: &Path, key_path: &Path) -> Result<(), TlsError> {
+    write_new_ca_for(cert_path, key_path, None)
+}
+
+/// [`write_new_ca`], constrained to sign for `names` alone when given (hosts, `*.suffix`
+/// patterns as their suffix, or IP addresses; see [`constraints`]).
+pub fn write_new_ca_for(
+    cert_path: &Path,
+    key_path: &Path,
+    names: Option<&[&str]>,
+) -> Result<(), TlsError> {
     for p in [cert_path, key_path] {
         if p.exists() {
             return Err(TlsError::BadCa {
@@ -244,6 +272,7 @@ pub fn write_new_ca(cert_path: &Path, key_path: &Path) -> Result<(), TlsError> {
         KeyUsagePurpose::DigitalSignature,
     ];
     params.serial_number = Some(random_serial());
+    params.name_constraints = names.map(constraints::permitting);
     let now = OffsetDateTime::now_utc();
     params.not_before = now - time::Duration::hours(1);
     params.not_after = now + time::Duration::days(3650);
@@ -498,5 +527,73 @@ mod tests {
         );
         assert!(bundle.ends_with("-----END CERTIFICATE-----\n"));
         assert!(bundle.contains("AAAA"));
+    }
+
+    #[test]
+    fn a_constrained_ca_signs_for_its_hosts_alone() {
+        use rustls::client::danger::ServerCertVerifier;
+        use rustls_pki_types::{ServerName, UnixTime};
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("ca.pem"), dir.path().join("ca-key.pem"));
+        let names = ["api.example.com", "example.net", "192.0.2.7"];
+        write_new_ca_for(&cert, &key, Some(&names)).unwrap();
+        let ca = Authority::load(&cert, &key, Duration::from_secs(3600)).unwrap();
+        let mut roots = RootCertStore::empty();
+        roots.add(ca.cert_der.clone()).unwrap();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider(),
+        )
+        .build()
+        .unwrap();
+        let verify = |host: &str| {
+            let (leaf, _) = ca.mint_leaf(host).unwrap();
+            let name = ServerName::try_from(host.to_owned()).unwrap();
+            verifier.verify_server_cert(&leaf, &[], &name, &[], UnixTime::now())
+        };
+        for inside in [
+            "api.example.com",
+            "v2.api.example.com",
+            "a.example.net",
+            "192.0.2.7",
+        ] {
+            assert!(verify(inside).is_ok(), "{inside}: {:?}", verify(inside));
+        }
+        for outside in [
+            "example.com",
+            "bank.example",
+            "192.0.2.8",
+            "127.0.0.1",
+            "::1",
+        ] {
+            let refused = verify(outside).unwrap_err();
+            assert!(
+                format!("{refused:?}").contains("NameConstraint"),
+                "{outside}: {refused:?}"
+            );
+        }
+        assert_eq!(
+            ca.outside_constraints(&[
+                "api.example.com",
+                "x.example.net",
+                "other.org",
+                "192.0.2.7",
+                "10.0.0.1"
+            ]),
+            ["other.org", "10.0.0.1"]
+        );
+        // Without an address among the names, every address is excluded.
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("ca.pem"), dir.path().join("ca-key.pem"));
+        write_new_ca_for(&cert, &key, Some(&["localhost"])).unwrap();
+        let ca = Authority::load(&cert, &key, Duration::from_secs(3600)).unwrap();
+        assert_eq!(
+            ca.outside_constraints(&["localhost", "127.0.0.1", "[::1]"]),
+            ["127.0.0.1", "[::1]"]
+        );
+        // And a CA without constraints signs for anything.
+        assert!(new_ca(dir.path().join("free").as_path())
+            .outside_constraints(&["a", "10.0.0.1"])
+            .is_empty());
     }
 }

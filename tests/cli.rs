@@ -1,5 +1,7 @@
 //! The command line: shipped configs, bad-config fixtures, CA commands, exit codes.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -168,6 +170,53 @@ fn ca_init_writes_a_private_key_and_never_overwrites() {
     assert_eq!(again.status.code(), Some(1));
     assert!(text(&again.stderr).contains("refusing to overwrite"));
     assert_eq!(std::fs::read(target.join("ca-key.pem")).unwrap(), key);
+}
+
+#[test]
+fn a_ca_constrained_to_a_config_s_hosts_and_serve_s_warning_outside_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("pacegate.toml");
+    let write = |hosts: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "[proxy]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\nca_cert = \"ca/ca.pem\"\nca_key = \"ca/ca-key.pem\"\n[destinations.api]\nhosts = [{hosts}]\nrate = 5\n[destinations.tunnel]\nhosts = [\"blind.example\"]\nrate = 5\nintercept = false\n"
+            ),
+        )
+        .unwrap();
+    };
+    write("\"api.example.com\", \"*.example.net\"");
+    let ca = dir.path().join("ca");
+    let args = [
+        "ca",
+        "init",
+        "--dir",
+        ca.to_str().unwrap(),
+        "--name-constraints",
+        "--config",
+    ];
+    let out = pacegate(&[&args[..], &[config.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("may sign only for: api.example.com, example.net"),
+        "{}",
+        text(&out.stdout)
+    );
+    // --name-constraints needs a config.
+    let alone = pacegate(&["ca", "init", "--dir", "x", "--name-constraints"]);
+    assert_eq!(alone.status.code(), Some(64), "{}", text(&alone.stderr));
+    // Serving a host outside the constraints warns at start.
+    write("\"api.example.com\", \"other.org\"");
+    let serving = support::process::spawn_binary(&config);
+    let warned = serving.logs.json().into_iter().find(|l| {
+        l["level"] == "WARN"
+            && l["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("outside the CA's name constraints")
+    });
+    let warned = warned.expect("no warning about the host outside the constraints");
+    assert_eq!(warned["host"], "other.org");
 }
 
 #[test]

@@ -138,3 +138,105 @@ print(r.status_code, r.headers.get("X-Up"), r.headers.get("Retry-After"))
         "both requests went through pacegate"
     );
 }
+
+/// Through a proxy, by the client named: `Ok` with the status line when the TLS handshake
+/// with the proxy's leaf succeeded, `Err` with the client's complaint when it did not.
+async fn fetch(client: &str, proxy: &TestProxy, url: &str) -> Result<String, String> {
+    let ca = proxy.ca_path();
+    let out = match client {
+        "curl" => Command::new("curl")
+            .args(["-sS", "--noproxy", "", "-x", &proxy.url(), "--cacert"])
+            .arg(&ca)
+            .args(["-o", "/dev/null", "-w", "%{http_code}", url])
+            .output()
+            .await
+            .unwrap(),
+        "python" => Command::new("python3")
+            .args(["-c", "import os, requests\nprint(requests.get(os.environ['TARGET'], timeout=20).status_code)"])
+            .env("TARGET", url)
+            .env("HTTPS_PROXY", proxy.url())
+            .env("NO_PROXY", "")
+            .env("no_proxy", "")
+            .env("REQUESTS_CA_BUNDLE", &ca)
+            .output()
+            .await
+            .unwrap(),
+        _ => Command::new("node")
+            .args(["-e", NODE_THROUGH_PROXY])
+            .env("TARGET", url)
+            .env("PROXY", proxy.addr.to_string())
+            .env("CA", &ca)
+            .output()
+            .await
+            .unwrap(),
+    };
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(said)
+    } else {
+        Err(said)
+    }
+}
+
+/// Node's own CONNECT and TLS, trusting only the CA in `CA`.
+const NODE_THROUGH_PROXY: &str = r"
+const http = require('http'), tls = require('tls'), net = require('net'), fs = require('fs');
+const [host, port] = process.env.PROXY.split(':');
+const target = new URL(process.env.TARGET);
+const req = http.request({ host, port: +port, method: 'CONNECT', path: `${target.hostname}:${target.port}` });
+req.on('connect', (res, socket) => {
+  if (res.statusCode !== 200) { console.log(`CONNECT ${res.statusCode}`); process.exit(2); }
+  const ip = net.isIP(target.hostname) !== 0;
+  const s = tls.connect({ socket, host: target.hostname, servername: ip ? undefined : target.hostname,
+                          ca: fs.readFileSync(process.env.CA) }, () => {
+    s.write(`GET ${target.pathname} HTTP/1.1\r\nHost: ${target.host}\r\nConnection: close\r\n\r\n`);
+  });
+  let data = '';
+  s.on('data', (d) => { data += d; });
+  s.on('end', () => { console.log(data.split('\r\n')[0]); process.exit(0); });
+  s.on('error', (e) => { console.log(`TLS ${e.code} ${e.message}`); process.exit(1); });
+});
+req.on('error', (e) => { console.log(`proxy ${e.message}`); process.exit(3); });
+req.end();
+";
+
+#[tokio::test]
+async fn clients_refuse_a_constrained_ca_s_leaf_for_a_host_outside_it() {
+    require("curl", &["--version"]);
+    require("python3", &["-c", "import requests"]);
+    require("node", &["--version"]);
+    let upstream = FakeUpstream::start().await;
+    let ip = "[destinations.ip]\nhosts = [\"127.0.0.1\"]\nrate = 100000\nthrottle_statuses = []\nlockout_statuses = []\n";
+    let mut proxy = TestProxy::start(&upstream.ca.cert_path, "", &format!("{LOCAL}{ip}")).await;
+    let inside = format!("{}/status/200", upstream.https_url("localhost"));
+    let outside = format!("{}/status/200", upstream.https_url("127.0.0.1"));
+    // The CA made at start has no constraints: every client takes its leaf for the address.
+    for client in ["curl", "python", "node"] {
+        let got = fetch(client, &proxy, &outside).await;
+        assert!(got.is_ok(), "{client}, unconstrained CA: {got:?}");
+    }
+    // A CA constrained to localhost: the address is outside it.
+    proxy.stop().await;
+    let dir = std::mem::replace(&mut proxy.dir, tempfile::tempdir().unwrap());
+    let (cert, key) = (dir.path().join("ca.pem"), dir.path().join("ca-key.pem"));
+    std::fs::remove_file(&cert).unwrap();
+    std::fs::remove_file(&key).unwrap();
+    pacegate::tls::write_new_ca_for(&cert, &key, Some(&["localhost"])).unwrap();
+    let proxy = TestProxy::start_in(dir).await;
+    for client in ["curl", "python", "node"] {
+        let got = fetch(client, &proxy, &inside).await;
+        assert!(
+            got.as_deref().is_ok_and(|s| s.contains("200")),
+            "{client}, inside: {got:?}"
+        );
+        let refused = fetch(client, &proxy, &outside).await.unwrap_err();
+        assert!(
+            refused.to_lowercase().contains("subtree"),
+            "{client} refused the leaf outside the constraints, but not for them: {refused}"
+        );
+    }
+}

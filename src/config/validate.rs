@@ -16,6 +16,8 @@ mod pace;
 pub(super) struct Validator<'a> {
     pub(super) problems: Vec<ConfigProblem>,
     pub(super) base: &'a Path,
+    /// Whether the CA files must exist (not while a CA is being made for this config).
+    pub(super) ca_must_exist: bool,
 }
 
 impl Validator<'_> {
@@ -316,7 +318,7 @@ impl Validator<'_> {
         let generate_ca = raw.generate_ca.unwrap_or(false);
         let ca_cert = self.path(raw.ca_cert.unwrap_or_else(|| "ca.pem".into()));
         let ca_key = self.path(raw.ca_key.unwrap_or_else(|| "ca-key.pem".into()));
-        if !generate_ca {
+        if !generate_ca && self.ca_must_exist {
             for (key, p) in [("tls.ca_cert", &ca_cert), ("tls.ca_key", &ca_key)] {
                 if !p.exists() {
                     self.push(
