@@ -441,7 +441,7 @@ impl Config {
             )),
         }
         for key in table.keys() {
-            problems.push(problem(key, "unknown section"));
+            problems.push(problem(&file::key_name(key), "unknown section"));
         }
 
         let mut v = Validator {

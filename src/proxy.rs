@@ -3,7 +3,7 @@
 //! This module decides; the submodules act. No socket is opened here: upstream connections come
 //! from [`crate::upstream`], and client connections are served by [`crate::server`].
 
-mod auth;
+pub mod auth;
 mod connect;
 mod forward;
 pub mod headers;
@@ -234,49 +234,8 @@ impl Proxy {
 
     /// Where a client request is going: the CONNECT authority or the absolute-form URI.
     fn target_of(&self, req: &Request<Incoming>) -> Result<Target, ProxyError> {
-        let uri = req.uri();
         let connect = req.method() == Method::CONNECT;
-        let scheme = if connect {
-            http::uri::Scheme::HTTPS
-        } else {
-            match uri.scheme() {
-                Some(s) if *s == http::uri::Scheme::HTTP => http::uri::Scheme::HTTP,
-                Some(s) if *s == http::uri::Scheme::HTTPS => {
-                    return Err(ProxyError::BadRequest(
-                        "https:// requests must be sent through CONNECT (set HTTPS_PROXY, not an absolute https URL)".into(),
-                    ))
-                }
-                Some(s) => return Err(ProxyError::BadRequest(format!("scheme `{s}` is not supported"))),
-                None => {
-                    return Err(ProxyError::BadRequest(
-                        "pacegate is a forward proxy: send absolute-form requests (GET http://host/path) or CONNECT host:port"
-                            .into(),
-                    ))
-                }
-            }
-        };
-        let authority = uri
-            .authority()
-            .ok_or_else(|| ProxyError::BadRequest("the request names no host".into()))?;
-        let host = normalise_host(authority.host()).ok_or_else(|| {
-            ProxyError::BadRequest(format!(
-                "`{authority}` is not a valid host name or IP address"
-            ))
-        })?;
-        let port = match authority.port_u16() {
-            Some(0) => {
-                return Err(ProxyError::BadRequest(format!(
-                    "`{authority}`: port 0 is not valid"
-                )))
-            }
-            Some(p) => p,
-            None if connect => {
-                return Err(ProxyError::BadRequest(format!(
-                    "CONNECT `{authority}` has no port"
-                )))
-            }
-            None => 80,
-        };
+        let (scheme, host, port) = parse_target(connect, req.uri())?;
         let destination = match self
             .inner
             .pacer
@@ -331,4 +290,54 @@ impl Proxy {
         );
         handled.response
     }
+}
+
+/// The scheme, host (normalised) and port a request goes to: the CONNECT authority, or the
+/// absolute-form URI of a plain http request. Everything else is a 400 that says what to send.
+pub fn parse_target(
+    connect: bool,
+    uri: &http::Uri,
+) -> Result<(http::uri::Scheme, String, u16), ProxyError> {
+    let scheme = if connect {
+        http::uri::Scheme::HTTPS
+    } else {
+        match uri.scheme() {
+            Some(s) if *s == http::uri::Scheme::HTTP => http::uri::Scheme::HTTP,
+            Some(s) if *s == http::uri::Scheme::HTTPS => {
+                return Err(ProxyError::BadRequest(
+                    "https:// requests must be sent through CONNECT (set HTTPS_PROXY, not an absolute https URL)".into(),
+                ))
+            }
+            Some(s) => return Err(ProxyError::BadRequest(format!("scheme `{s}` is not supported"))),
+            None => {
+                return Err(ProxyError::BadRequest(
+                    "pacegate is a forward proxy: send absolute-form requests (GET http://host/path) or CONNECT host:port"
+                        .into(),
+                ))
+            }
+        }
+    };
+    let authority = uri
+        .authority()
+        .ok_or_else(|| ProxyError::BadRequest("the request names no host".into()))?;
+    let host = normalise_host(authority.host()).ok_or_else(|| {
+        ProxyError::BadRequest(format!(
+            "`{authority}` is not a valid host name or IP address"
+        ))
+    })?;
+    let port = match authority.port_u16() {
+        Some(0) => {
+            return Err(ProxyError::BadRequest(format!(
+                "`{authority}`: port 0 is not valid"
+            )))
+        }
+        Some(p) => p,
+        None if connect => {
+            return Err(ProxyError::BadRequest(format!(
+                "CONNECT `{authority}` has no port"
+            )))
+        }
+        None => 80,
+    };
+    Ok((scheme, host, port))
 }

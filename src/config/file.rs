@@ -18,6 +18,20 @@ pub(super) fn problem(path: &str, message: impl Into<String>) -> ConfigProblem {
     }
 }
 
+/// A key as a path shows it: bare when TOML would write it bare, quoted otherwise (an empty
+/// key, or one with dots or spaces).
+pub(super) fn key_name(key: &str) -> String {
+    let bare = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if bare {
+        key.to_owned()
+    } else {
+        format!("{key:?}")
+    }
+}
+
 /// Deserialises one section, recording its unknown keys and its first type error as problems.
 pub(super) fn section<T: DeserializeOwned + Default>(
     value: Option<toml::Value>,
@@ -39,6 +53,8 @@ pub(super) fn section<T: DeserializeOwned + Default>(
     let de = serde_ignored::Deserializer::new(value, &mut record);
     let result: Result<T, _> = serde_path_to_error::deserialize(de);
     for key in unknown {
+        // An empty key (`"" = 1`) is a key all the same, not the section itself.
+        let key = if key.is_empty() { key_name("") } else { key };
         problems.push(problem(&join(&key), "unknown key"));
     }
     match result {

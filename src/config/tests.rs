@@ -320,3 +320,12 @@ fn a_users_classes_must_be_configured_classes() {
     .unwrap_err();
     assert_eq!(paths(&err), ["proxy.auth.users[0].classes[1]"], "{err:#?}");
 }
+
+#[test]
+fn an_empty_or_dotted_key_is_named_quoted() {
+    let problems = parse("\"\" = \"\"\n\"a.b\" = 1\n[proxy]\n\"\" = 1\n").unwrap_err();
+    let paths = paths(&problems);
+    assert!(paths.contains(&"\"\""), "{paths:?}");
+    assert!(paths.contains(&"\"a.b\""), "{paths:?}");
+    assert!(paths.contains(&"proxy.\"\""), "{paths:?}");
+}

@@ -8,7 +8,7 @@ use subtle::ConstantTimeEq;
 use crate::config::{AuthConfig, User};
 
 /// The user name and password of `Proxy-Authorization: Basic` credentials, as sent.
-fn basic_credentials(headers: &HeaderMap) -> Option<(Vec<u8>, Vec<u8>)> {
+pub fn basic_credentials(headers: &HeaderMap) -> Option<(Vec<u8>, Vec<u8>)> {
     let value = headers.get(PROXY_AUTHORIZATION)?.to_str().ok()?;
     let (scheme, encoded) = value.trim().split_once(' ')?;
     if !scheme.eq_ignore_ascii_case("basic") {
