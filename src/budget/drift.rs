@@ -163,35 +163,27 @@ pub fn differences(mine: &Rule, theirs: &str) -> Vec<&'static str> {
         return vec!["(unreadable)"];
     };
     let mine = Keys::from(mine);
-    let mut keys = Vec::new();
-    if mine.interval != other.interval {
-        keys.push("rate");
-    }
-    if mine.burst != other.burst {
-        keys.push("burst");
-    }
-    if mine.backoff_factor != other.backoff_factor {
-        keys.push("backoff_factor");
-    }
-    if mine.backoff_max != other.backoff_max {
-        keys.push("backoff_max");
-    }
-    if mine.decay_after != other.decay_after {
-        keys.push("decay_after");
-    }
-    if mine.retry_after_max != other.retry_after_max {
-        keys.push("retry_after_max");
-    }
-    if mine.quota != other.quota {
-        keys.push("quota");
-    }
-    if mine.reserve != other.reserve {
-        keys.push("reserve");
-    }
-    if mine.block != other.block {
-        keys.push("block");
-    }
-    keys
+    let differs = [
+        ("rate", mine.interval != other.interval),
+        ("burst", mine.burst != other.burst),
+        (
+            "backoff_factor",
+            mine.backoff_factor != other.backoff_factor,
+        ),
+        ("backoff_max", mine.backoff_max != other.backoff_max),
+        ("decay_after", mine.decay_after != other.decay_after),
+        (
+            "retry_after_max",
+            mine.retry_after_max != other.retry_after_max,
+        ),
+        ("quota", mine.quota != other.quota),
+        ("reserve", mine.reserve != other.reserve),
+        ("block", mine.block != other.block),
+    ];
+    differs
+        .into_iter()
+        .filter_map(|(key, differs)| differs.then_some(key))
+        .collect()
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use prometheus::Registry;
 use proptest::prelude::*;
 use tokio::time::Instant;
 
+use super::tests::headers;
 use super::*;
 use crate::budget::memory::MemoryStore;
 use crate::config::Config;
@@ -87,17 +88,6 @@ prop_compose! {
         }
         text
     }
-}
-
-fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-    let mut h = HeaderMap::new();
-    for (k, v) in pairs {
-        h.insert(
-            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-            v.parse().unwrap(),
-        );
-    }
-    h
 }
 
 /// Every kind of answer a destination can get, by status and headers.

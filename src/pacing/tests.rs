@@ -40,7 +40,7 @@ fn far() -> Instant {
     Instant::now() + Duration::from_secs(3600)
 }
 
-fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+pub(super) fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
     let mut h = HeaderMap::new();
     for (k, v) in pairs {
         h.insert(

@@ -91,11 +91,9 @@ impl Fleet {
         )
     }
 
-    /// For a failed timing assertion: the store errors each instance logged, and every
-    /// arrival (ms after the first, and the request).
-    pub fn explain(&self, upstream: &FakeUpstream) -> String {
-        let errors: Vec<usize> = self
-            .instances
+    /// The ERROR lines each instance logged so far.
+    pub fn errors(&self) -> Vec<usize> {
+        self.instances
             .iter()
             .map(|i| {
                 i.logs
@@ -104,7 +102,13 @@ impl Fleet {
                     .filter(|l| l["level"] == "ERROR")
                     .count()
             })
-            .collect();
+            .collect()
+    }
+
+    /// For a failed timing assertion: the store errors each instance logged, and every
+    /// arrival (ms after the first, and the request).
+    pub fn explain(&self, upstream: &FakeUpstream) -> String {
+        let errors = self.errors();
         let mut seen = upstream.recorded();
         seen.sort_by_key(|r| r.at);
         let first = seen.first().map(|r| r.at);
