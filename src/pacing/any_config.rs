@@ -2,10 +2,11 @@
 //!
 //! Destination keys are drawn from their edges (zero, the limits validation enforces and one
 //! past them, the largest numbers TOML can write) and from their ordinary ranges. A config
-//! that `Config::parse` accepts starts a pacer on the memory store, on paused time; each
-//! destination then takes every kind of answer: clean, a throttle with the longest
-//! Retry-After and a vendor's reset far away, a spent vendor budget, a throttle dressed as a
-//! lockout, a lockout.
+//! that `Config::parse` accepts (one destination per kind of answer, all with the drawn
+//! keys) starts a pacer on the memory store, on paused time; each destination then takes its
+//! answer twice, after clean ones: a throttle with the longest Retry-After or a vendor's reset
+//! far away, a spent vendor budget, huge vendor numbers, a throttle dressed as a lockout, a
+//! lockout.
 
 use std::path::Path;
 use std::sync::Arc;
