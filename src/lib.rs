@@ -24,8 +24,8 @@
 //!   shared one (`sql`, `migrations`, `rows` apart), `budget::fleet` this instance among the
 //!   others (identity, heartbeat, leases, its standing: the share of each rate it may use,
 //!   supervisor), `budget::failover` what happens while a shared store is lost (divide or
-//!   refuse, lockout write-back) and which rule governs, `budget::drift` instances whose
-//!   rules differ (fingerprints, the stricter rule).
+//!   refuse, lockout write-back), `budget::drift` instances whose rules differ (fingerprints,
+//!   the stricter rule, and the `Agreement` that decides which rule governs).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.

@@ -19,11 +19,16 @@
 //! Class shares and order are not merged: they order requests, they do not pace them. They
 //! are part of no fingerprint.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
+use prometheus::IntGaugeVec;
 use serde::{Deserialize, Serialize};
 
+use super::fleet::{Fleet, Instance, HEARTBEAT};
 use super::Rule;
 use crate::destination::{Block, Quota};
 
@@ -155,6 +160,138 @@ pub fn stricter<'a>(mine: &Rule, theirs: impl IntoIterator<Item = &'a str>) -> R
         };
     }
     rule
+}
+
+/// This instance's side of the comparison: its rules as announced, whether the store holds
+/// them, and the destinations whose rule differs on other live instances.
+pub struct Agreement {
+    mine: Mutex<Arc<Mine>>,
+    /// Whether the store holds `mine` (since the last loss of the store).
+    written: AtomicBool,
+    drifting: Mutex<HashMap<String, Drifting>>,
+    /// `pacegate_config_mismatch{destination}`.
+    pub(super) gauge: IntGaugeVec,
+}
+
+/// This instance's rules, and the same written down, in one order.
+#[derive(Default)]
+struct Mine {
+    rules: Vec<Rule>,
+    written: Vec<Written>,
+}
+
+/// A destination whose rule differs on other live instances.
+struct Drifting {
+    /// The stricter rule, which governs this instance's calls to the store.
+    governing: Arc<Rule>,
+    /// The instances whose rule differs, and their fingerprints.
+    theirs: Vec<(String, String)>,
+}
+
+impl Agreement {
+    /// Nothing announced yet; `gauge` is `pacegate_config_mismatch`.
+    pub fn new(gauge: IntGaugeVec) -> Self {
+        Self {
+            mine: Mutex::default(),
+            written: AtomicBool::new(false),
+            drifting: Mutex::default(),
+            gauge,
+        }
+    }
+
+    /// This instance's rule for every destination, to be written at the next comparison.
+    pub fn announce(&self, rules: &[(String, Rule)]) {
+        let mut mine = Mine::default();
+        for (dest, rule) in rules {
+            self.gauge.with_label_values(&[dest]).set(0);
+            mine.written.push(Written::of(dest, rule));
+            mine.rules.push(rule.clone());
+        }
+        *self.mine.lock() = Arc::new(mine);
+        self.written.store(false, Ordering::SeqCst);
+    }
+
+    /// The store may no longer hold this instance's rules (it was lost): write them again.
+    pub fn unwritten(&self) {
+        self.written.store(false, Ordering::SeqCst);
+    }
+
+    /// The rule that governs `destination` here: the stricter one while other instances'
+    /// configs differ; `None` while they agree.
+    pub fn governing(&self, destination: &str) -> Option<Arc<Rule>> {
+        self.drifting
+            .lock()
+            .get(destination)
+            .map(|d| d.governing.clone())
+    }
+
+    /// The live instances whose rule for `destination` differs.
+    pub fn differing(&self, destination: &str) -> Vec<String> {
+        self.drifting
+            .lock()
+            .get(destination)
+            .map_or_else(Vec::new, |d| {
+                d.theirs.iter().map(|(id, _)| id.clone()).collect()
+            })
+    }
+
+    /// Writes this instance's rules through `fleet` (once per connection to the store) and
+    /// reads the live instances' rules that differ: the stricter governs until the configs
+    /// agree. A failed comparison is tried again at the next heartbeat; what is known stands.
+    pub async fn compare<F: Fleet>(&self, fleet: &F, me: &Instance) {
+        let mine = self.mine.lock().clone();
+        if mine.written.is_empty() {
+            return;
+        }
+        let write = !self.written.load(Ordering::SeqCst);
+        let call = fleet.compare_rules(me, &mine.written, write);
+        let theirs = match tokio::time::timeout(HEARTBEAT, call).await {
+            Ok(Ok(theirs)) => theirs,
+            Ok(Err(e)) => {
+                return tracing::debug!("cannot compare rules with the other instances: {e}")
+            }
+            Err(_) => return,
+        };
+        self.written.store(true, Ordering::SeqCst);
+        let mut drifting = self.drifting.lock();
+        for (rule, w) in mine.rules.iter().zip(&mine.written) {
+            let dest = w.destination.as_str();
+            let here: Vec<&Theirs> = theirs.iter().filter(|t| t.destination == dest).collect();
+            if here.is_empty() {
+                if drifting.remove(dest).is_some() {
+                    self.gauge.with_label_values(&[dest]).set(0);
+                    tracing::info!(destination = dest, "the instances' rules agree again");
+                }
+                continue;
+            }
+            let ids: Vec<(String, String)> = here
+                .iter()
+                .map(|t| (t.instance.clone(), t.fingerprint.clone()))
+                .collect();
+            if drifting.get(dest).is_some_and(|d| d.theirs == ids) {
+                continue;
+            }
+            for t in &here {
+                tracing::error!(
+                    destination = dest,
+                    instance = %t.instance,
+                    "config mismatch: another instance paces this destination by another rule (fingerprint {} here, {} there; differs in {}): the stricter of each key governs until the configs agree",
+                    w.fingerprint,
+                    t.fingerprint,
+                    differences(rule, &t.rule).join(", "),
+                );
+            }
+            self.gauge.with_label_values(&[dest]).set(1);
+            let governing = Arc::new(stricter(rule, here.iter().map(|t| t.rule.as_str())));
+            drifting.insert(
+                dest.to_owned(),
+                Drifting {
+                    governing,
+                    theirs: ids,
+                },
+            );
+        }
+    }
 }
 
 /// The keys on which `theirs` differs from `mine`, for the log line.

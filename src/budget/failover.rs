@@ -32,7 +32,7 @@ use prometheus::{Gauge, IntGauge, IntGaugeVec};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::drift::{self, Theirs, Written};
+use super::drift::Agreement;
 use super::fleet::{
     self, Alone, Fleet, Health, Instance, Split, Standing, StandingGauges, ALONE_AFTER, HEARTBEAT,
     LIVE_WITHIN,
@@ -77,14 +77,6 @@ pub struct Gauges {
     pub mismatch: IntGaugeVec,
 }
 
-/// A destination whose rule differs on other live instances.
-struct Drifting {
-    /// The stricter rule, which governs this instance's calls to the store.
-    governing: Arc<Rule>,
-    /// The instances whose rule differs, and their fingerprints.
-    theirs: Vec<(String, String)>,
-}
-
 /// A shared store, degrading per [`OnUnavailable`] while it is unreachable.
 pub struct Failover<S> {
     primary: S,
@@ -105,13 +97,8 @@ pub struct Failover<S> {
     /// Lockouts taken while degraded, to be written back.
     pending: Mutex<Vec<(String, Rule, Lockout)>>,
     degraded_gauge: IntGauge,
-    /// This instance's rules, as announced, and written down for the others.
-    mine: Mutex<Vec<(Rule, Written)>>,
-    /// Whether `mine` is in the store (since the last loss).
-    rules_written: AtomicBool,
-    /// Destinations whose rule differs on other live instances.
-    drift: Mutex<HashMap<String, Drifting>>,
-    mismatch_gauge: IntGaugeVec,
+    /// This instance's rules beside the other instances'.
+    agreement: Agreement,
 }
 
 impl<S: Store + Fleet> Failover<S> {
@@ -137,10 +124,7 @@ impl<S: Store + Fleet> Failover<S> {
             quota_limits: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
             degraded_gauge: gauges.degraded,
-            mine: Mutex::new(Vec::new()),
-            rules_written: AtomicBool::new(false),
-            drift: Mutex::new(HashMap::new()),
-            mismatch_gauge: gauges.mismatch,
+            agreement: Agreement::new(gauges.mismatch),
         }
     }
 
@@ -197,7 +181,7 @@ impl<S: Store + Fleet> Failover<S> {
         if self.degraded.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.rules_written.store(false, Ordering::SeqCst);
+        self.agreement.unwritten();
         // Start the local budgets from the last shared ones: a lockout must not be forgotten,
         // and the local schedule continues after the last slot taken, without a burst.
         let known = self.last_known.lock().clone();
@@ -331,79 +315,6 @@ impl<S: Store + Fleet> Failover<S> {
         }
     }
 
-    /// The rule that governs `destination` here: the stricter one while other instances'
-    /// configs differ; `None` while they agree.
-    fn governing(&self, destination: &str) -> Option<Arc<Rule>> {
-        self.drift
-            .lock()
-            .get(destination)
-            .map(|d| d.governing.clone())
-    }
-
-    /// Writes this instance's rules (once per connection to the store) and reads the live
-    /// instances' rules that differ: the stricter governs until the configs agree.
-    async fn compare_rules(&self) {
-        let written: Vec<Written> = self.mine.lock().iter().map(|(_, w)| w.clone()).collect();
-        if written.is_empty() {
-            return;
-        }
-        let write = !self.rules_written.load(Ordering::SeqCst);
-        let call = self
-            .control
-            .compare_rules(Instance::this(), &written, write);
-        let theirs = match tokio::time::timeout(HEARTBEAT, call).await {
-            Ok(Ok(theirs)) => theirs,
-            // Tried again at the next heartbeat; what is known meanwhile stands.
-            Ok(Err(e)) => {
-                return tracing::debug!("cannot compare rules with the other instances: {e}")
-            }
-            Err(_) => return,
-        };
-        self.rules_written.store(true, Ordering::SeqCst);
-        let mine = self.mine.lock().clone();
-        let mut drift = self.drift.lock();
-        for (rule, w) in &mine {
-            let here: Vec<&Theirs> = theirs
-                .iter()
-                .filter(|t| t.destination == w.destination)
-                .collect();
-            let dest = w.destination.as_str();
-            if here.is_empty() {
-                if drift.remove(dest).is_some() {
-                    self.mismatch_gauge.with_label_values(&[dest]).set(0);
-                    tracing::info!(destination = dest, "the instances' rules agree again");
-                }
-                continue;
-            }
-            let ids: Vec<(String, String)> = here
-                .iter()
-                .map(|t| (t.instance.clone(), t.fingerprint.clone()))
-                .collect();
-            if drift.get(dest).is_some_and(|d| d.theirs == ids) {
-                continue;
-            }
-            let governing = drift::stricter(rule, here.iter().map(|t| t.rule.as_str()));
-            for t in &here {
-                tracing::error!(
-                    destination = dest,
-                    instance = %t.instance,
-                    "config mismatch: another instance paces this destination by another rule (fingerprint {} here, {} there; differs in {}): the stricter of each key governs until the configs agree",
-                    w.fingerprint,
-                    t.fingerprint,
-                    drift::differences(rule, &t.rule).join(", "),
-                );
-            }
-            self.mismatch_gauge.with_label_values(&[dest]).set(1);
-            drift.insert(
-                dest.to_owned(),
-                Drifting {
-                    governing: Arc::new(governing),
-                    theirs: ids,
-                },
-            );
-        }
-    }
-
     fn remember(&self, destination: &str, view: &BudgetView) {
         self.last_known
             .lock()
@@ -425,7 +336,7 @@ impl<S: Store + Fleet> Health for Failover<S> {
     }
 
     fn heard(&self) -> impl Future<Output = ()> + Send {
-        self.compare_rules()
+        self.agreement.compare(&self.control, Instance::this())
     }
 }
 
@@ -443,23 +354,11 @@ impl<S: Store + Fleet> Store for Failover<S> {
     }
 
     fn announce(&self, rules: &[(String, Rule)]) {
-        *self.mine.lock() = rules
-            .iter()
-            .map(|(dest, rule)| {
-                self.mismatch_gauge.with_label_values(&[dest]).set(0);
-                (rule.clone(), Written::of(dest, rule))
-            })
-            .collect();
-        self.rules_written.store(false, Ordering::SeqCst);
+        self.agreement.announce(rules);
     }
 
     fn drift(&self, destination: &str) -> Vec<String> {
-        self.drift
-            .lock()
-            .get(destination)
-            .map_or_else(Vec::new, |d| {
-                d.theirs.iter().map(|(id, _)| id.clone()).collect()
-            })
+        self.agreement.differing(destination)
     }
 
     fn reserve<'a>(
@@ -469,7 +368,7 @@ impl<S: Store + Fleet> Store for Failover<S> {
         ask: Ask<'a>,
     ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         Box::pin(async move {
-            let governing = self.governing(destination);
+            let governing = self.agreement.governing(destination);
             let rule = governing.as_deref().unwrap_or(rule);
             if let Some(limit) = rule.quota.iter().map(|q| q.limit).max() {
                 let mut limits = self.quota_limits.lock();
@@ -549,7 +448,7 @@ impl<S: Store + Fleet> Store for Failover<S> {
         vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
-            let governing = self.governing(destination);
+            let governing = self.agreement.governing(destination);
             let rule = governing.as_deref().unwrap_or(rule);
             let to_share = event.clone();
             let shared = async move {

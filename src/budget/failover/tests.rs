@@ -415,7 +415,7 @@ async fn the_stricter_rule_governs_while_another_instance_s_rule_differs() {
     let stop = supervise(&f);
     tokio::time::sleep(ms(10)).await;
     assert_eq!(f.drift("d"), ["fake-0"]);
-    assert_eq!(f.mismatch_gauge.with_label_values(&["d"]).get(), 1);
+    assert_eq!(f.agreement.gauge.with_label_values(&["d"]).get(), 1);
     assert_eq!(
         gap(&f, &rule).await,
         ms(200),
@@ -425,7 +425,7 @@ async fn the_stricter_rule_governs_while_another_instance_s_rule_differs() {
     fake.theirs.lock().clear();
     tokio::time::sleep(ms(1_100)).await;
     assert!(f.drift("d").is_empty());
-    assert_eq!(f.mismatch_gauge.with_label_values(&["d"]).get(), 0);
+    assert_eq!(f.agreement.gauge.with_label_values(&["d"]).get(), 0);
     assert_eq!(gap(&f, &rule).await, rule.interval);
     stop.cancel();
 }

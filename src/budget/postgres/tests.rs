@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::budget::contract;
+use crate::budget::fleet::{Fleet, Report};
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();

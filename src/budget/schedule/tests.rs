@@ -309,6 +309,19 @@ fn one_widening_per_generation() {
     assert_eq!(b.backoff, 8.0, "capped at backoff_max");
 }
 
+/// Applies a clean response of generation 0.
+fn clean(b: &mut Budget, r: &Rule) {
+    b.apply(
+        r,
+        &Event::Clean {
+            success: true,
+            generation: 0,
+        },
+        ms(0),
+        SystemTime::UNIX_EPOCH,
+    );
+}
+
 #[test]
 fn decay_after_a_clean_streak_never_below_one() {
     let r = rule(10.0, 1);
@@ -317,26 +330,10 @@ fn decay_after_a_clean_streak_never_below_one() {
         ..Budget::default()
     };
     for _ in 0..2 {
-        b.apply(
-            &r,
-            &Event::Clean {
-                success: true,
-                generation: 0,
-            },
-            ms(0),
-            SystemTime::UNIX_EPOCH,
-        );
+        clean(&mut b, &r);
     }
     assert_eq!(b.backoff, 4.0);
-    b.apply(
-        &r,
-        &Event::Clean {
-            success: true,
-            generation: 0,
-        },
-        ms(0),
-        SystemTime::UNIX_EPOCH,
-    );
+    clean(&mut b, &r);
     assert_eq!(b.backoff, 2.0);
     assert_eq!(b.clean_streak, 0);
     b.apply(
@@ -355,15 +352,7 @@ fn decay_after_a_clean_streak_never_below_one() {
         "a throttle resets the streak even when it does not widen"
     );
     for _ in 0..30 {
-        b.apply(
-            &r,
-            &Event::Clean {
-                success: true,
-                generation: 0,
-            },
-            ms(0),
-            SystemTime::UNIX_EPOCH,
-        );
+        clean(&mut b, &r);
     }
     assert_eq!(b.backoff, 1.0);
 }
