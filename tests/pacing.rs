@@ -4,7 +4,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{admin_client, busiest, client, Alpn, FakeUpstream, TestProxy};
+use support::{admin_client, burst_of, busiest, client, Alpn, FakeUpstream, TestProxy};
 
 /// A destination `local` for localhost with the given pacing keys.
 fn local(keys: &str) -> String {
@@ -13,23 +13,6 @@ fn local(keys: &str) -> String {
 
 async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
     TestProxy::start(&upstream.ca.cert_path, "", &local(keys)).await
-}
-
-/// Sends `n` GETs at once through the proxy; returns the statuses.
-async fn burst_of(proxy: &TestProxy, urls: Vec<String>) -> Vec<u16> {
-    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
-    let tasks: Vec<_> = urls
-        .into_iter()
-        .map(|url| {
-            let via = via.clone();
-            tokio::spawn(async move { via.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
 }
 
 #[tokio::test]

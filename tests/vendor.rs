@@ -120,19 +120,9 @@ async fn a_403_without_a_marker_still_locks_out() {
     assert_eq!(upstream.recorded().len(), 1);
 }
 
+/// `n` GETs of `url` at once through the proxy (`?i=` tells them apart); their statuses.
 async fn burst(proxy: &TestProxy, url: &str, n: usize) -> Vec<u16> {
-    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let (via, url) = (via.clone(), format!("{url}?i={i}"));
-            tokio::spawn(async move { via.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+    support::burst_of(proxy, (0..n).map(|i| format!("{url}?i={i}")).collect()).await
 }
 
 #[tokio::test]

@@ -444,3 +444,20 @@ pub fn busiest(arrivals: &[std::time::Instant], window: std::time::Duration) -> 
         .max()
         .unwrap_or(0)
 }
+
+/// Sends a GET to each of `urls` at once through the proxy; returns the statuses in order.
+pub async fn burst_of(proxy: &TestProxy, urls: Vec<String>) -> Vec<u16> {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let tasks: Vec<_> = urls
+        .into_iter()
+        .map(|url| {
+            let via = via.clone();
+            tokio::spawn(async move { via.get(url).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
