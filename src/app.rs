@@ -99,6 +99,17 @@ impl Running {
 
 /// Binds the listeners and starts serving. The CA is created first if the config asks for it.
 pub async fn start(config: Config) -> Result<Running, StartError> {
+    start_on(config, None).await
+}
+
+/// [`start`], on a handle of an embedded store that other pacers in this process share
+/// (`MemoryStore::instance`), instead of the store the config names: `pacegate demo` plays a
+/// fleet this way where there is no PostgreSQL.
+pub async fn start_sharing(config: Config, store: MemoryStore) -> Result<Running, StartError> {
+    start_on(config, Some(store)).await
+}
+
+async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new(Registry::new())?);
     metrics.init_destinations(config.destinations.iter().map(|d| d.name.as_str()));
 
@@ -122,13 +133,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let supervisor_stop = CancellationToken::new();
     // The store's supervisor: the memory store's quota-window writer, or the postgres
     // store's heartbeats and failover.
-    let (store, supervisor): (Arc<dyn Store>, JoinHandle<()>) = match config.store.backend {
-        Backend::Memory => {
+    let (store, supervisor): (Arc<dyn Store>, JoinHandle<()>) = match (shared, config.store.backend)
+    {
+        // A shared handle writes no state file: its supervisor has nothing to keep.
+        (Some(store), _) => (Arc::new(store), tokio::spawn(async {})),
+        (None, Backend::Memory) => {
             let store = Arc::new(MemoryStore::open(&config.store.state_file)?);
             let supervisor = tokio::spawn(store.clone().keep_sends(supervisor_stop.clone()));
             (store, supervisor)
         }
-        Backend::Postgres => {
+        (None, Backend::Postgres) => {
             let url = config.store.url.as_deref().unwrap_or_default();
             let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
             let store =

@@ -260,6 +260,28 @@ pub fn serve(path: &Path) -> ExitCode {
     }
 }
 
+/// `pacegate demo`: 0 when the shared run held the ceiling, 1 when it did not or the demo
+/// failed, 130 when interrupted (after cleaning up).
+pub fn demo(options: crate::demo::Options) -> ExitCode {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&e),
+    };
+    match runtime.block_on(crate::demo::run(options)) {
+        Ok(outcome) if outcome.held() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(EXIT_FAILURE),
+        Err(crate::demo::DemoError::Interrupted) => {
+            eprintln!("interrupted");
+            ExitCode::from(130)
+        }
+        Err(e) => fail(&e),
+    }
+}
+
 pub fn bundle(config: &Path, out: &Path) -> ExitCode {
     let config = match load(config) {
         Ok(c) => c,
@@ -310,10 +332,11 @@ pub fn fail(e: &dyn std::error::Error) -> ExitCode {
     ExitCode::from(EXIT_FAILURE)
 }
 
-pub fn init_tracing(format: LogFormat) {
+/// Logs to stderr in `format`, filtered by `PACEGATE_LOG`, else at `level` and above.
+pub fn init_tracing(format: LogFormat, level: &str) {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new(level));
     // Colour codes only for a person at a terminal: in a log file they are noise.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -33,10 +33,13 @@
 //! - [`admin`]: the admin listener (`/metrics`, `/status`, `/healthz`, `/readyz`, unlock) and
 //!   the client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
+//! - [`demo`]: `pacegate demo`: a local vendor, three instances on one budget and a load past
+//!   the ceiling, then the control; `demo::cluster` is the throwaway PostgreSQL it (and the
+//!   tests) start.
 //!
 //! Each module imports only modules below it in this order: `status`, `class`, `signals`,
 //! `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `pacing`, `upstream`, `server`,
-//! `proxy`, `admin`, `app`, `cli` (checked by `tests/layering.rs`).
+//! `proxy`, `admin`, `app`, `demo`, `cli` (checked by `tests/layering.rs`).
 //!
 //! Words (see `pacing-model.md` in the design notes): *client* sends through pacegate;
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
@@ -50,6 +53,7 @@ pub mod budget;
 pub mod class;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod destination;
 pub mod metrics;
 pub mod pacing;

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use pacegate::cli;
 use pacegate::config::LogFormat;
+use pacegate::{cli, demo};
 
 /// pacegate: a forward proxy that paces requests to configured destinations.
 #[derive(Parser)]
@@ -71,6 +71,31 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show the promise offline in about thirty seconds: a local vendor, three instances on
+    /// one budget and a load of three times the ceiling, then the same load with each
+    /// instance pacing alone.
+    Demo {
+        /// A few seconds instead of thirty.
+        #[arg(long, conflicts_with = "seconds")]
+        quick: bool,
+        /// Seconds of load in each run.
+        #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..=600))]
+        seconds: u64,
+        /// Also write the arrivals (arrivals.csv) and a chart of them (arrivals.svg) here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Where the instances share their budget: a throwaway PostgreSQL when its server
+        /// binaries are here (auto), or three pacers in this process on the embedded store.
+        #[arg(long, value_enum, default_value_t = DemoStore::Auto)]
+        store: DemoStore,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DemoStore {
+    Auto,
+    Postgres,
+    Memory,
 }
 
 #[derive(Subcommand)]
@@ -113,7 +138,13 @@ fn main() -> ExitCode {
             };
         }
     };
-    cli::init_tracing(cli.log_format);
+    // The demo prints its own view; its in-process pacers log only what went wrong.
+    let level = if matches!(cli.command, Command::Demo { .. }) {
+        "error"
+    } else {
+        "info"
+    };
+    cli::init_tracing(cli.log_format, level);
     match cli.command {
         Command::Serve { config } => cli::serve(&config),
         Command::CheckConfig { config } => cli::check_config(&config),
@@ -138,5 +169,45 @@ fn main() -> ExitCode {
             json,
             ..
         } => cli::status(&config.unwrap_or_default(), admin, json),
+        Command::Demo {
+            quick,
+            seconds,
+            out,
+            store,
+        } => cli::demo(demo_options(quick, seconds, out, store)),
+    }
+}
+
+fn demo_options(
+    quick: bool,
+    seconds: u64,
+    out: Option<PathBuf>,
+    store: DemoStore,
+) -> demo::Options {
+    let mut command = String::from("pacegate demo");
+    if quick {
+        command.push_str(" --quick");
+    } else if seconds != 12 {
+        command.push_str(&format!(" --seconds {seconds}"));
+    }
+    let store = match store {
+        DemoStore::Auto => demo::StoreChoice::Auto,
+        DemoStore::Postgres => {
+            command.push_str(" --store postgres");
+            demo::StoreChoice::Postgres
+        }
+        DemoStore::Memory => {
+            command.push_str(" --store memory");
+            demo::StoreChoice::Memory
+        }
+    };
+    if let Some(out) = &out {
+        command.push_str(&format!(" --out {}", out.display()));
+    }
+    demo::Options {
+        seconds: if quick { 3 } else { seconds },
+        out,
+        store,
+        command,
     }
 }

@@ -22,6 +22,7 @@ const LAYERS: &[&str] = &[
     "proxy",
     "admin",
     "app",
+    "demo",
     "cli",
 ];
 

@@ -1,0 +1,266 @@
+//! A throwaway PostgreSQL cluster: initialised in a temp dir, serving on a free loopback port,
+//! stopped and removed when dropped. It is started from the local server binaries, found as
+//! `scripts/test` finds them (on `PATH`, else the newest `/usr/lib/postgresql/*/bin`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Why a cluster could not be started or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// No `initdb` and `pg_ctl` on this machine.
+    #[error("no PostgreSQL server binaries (initdb, pg_ctl) on PATH or under /usr/lib/postgresql/*/bin; install them (Debian/Ubuntu: apt-get install postgresql)")]
+    NoServer,
+    /// A file or process could not be made.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A server tool failed.
+    #[error("{tool} failed: {output}")]
+    Tool { tool: String, output: String },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
+    let what = what.into();
+    move |source| ClusterError::Io { what, source }
+}
+
+/// The directory of `initdb` and `pg_ctl`, if this machine has them.
+pub fn server_binaries() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .find(|d| d.join("initdb").is_file() && d.join("pg_ctl").is_file())
+    });
+    if on_path.is_some() {
+        return on_path;
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path().join("bin"))
+                .collect()
+        })
+        .unwrap_or_default();
+    // Newest first: "15" sorts after "13", and every packaged major version has two digits.
+    dirs.sort();
+    dirs.into_iter()
+        .rev()
+        .find(|d| d.join("initdb").is_file() && d.join("pg_ctl").is_file())
+}
+
+/// A cluster of one's own, with a `pacegate` superuser and trust authentication.
+pub struct Cluster {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    /// The server's own user when running as root (initdb refuses root).
+    run_as: Option<String>,
+    /// Its loopback port.
+    pub port: u16,
+}
+
+impl Cluster {
+    /// Creates and starts a cluster.
+    pub fn start() -> Result<Self, ClusterError> {
+        Self::start_with(None)
+    }
+
+    /// Like [`Cluster::start`], serving TLS with this certificate and key (PEM).
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Result<Self, ClusterError> {
+        Self::start_with(Some((cert_pem, key_pem)))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>) -> Result<Self, ClusterError> {
+        let bin = server_binaries().ok_or(ClusterError::NoServer)?;
+        let dir = tempfile::Builder::new()
+            .prefix("pacegate-pg.")
+            .tempdir()
+            .map_err(io("cannot create a temp dir"))?;
+        let run_as = is_root().then(server_user);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(io("cannot find a free port"))?
+            .port();
+        let cluster = Self {
+            dir,
+            bin,
+            run_as,
+            port,
+        };
+        cluster.hand_over(cluster.dir.path())?;
+        let data = cluster.data();
+        cluster.run(
+            "initdb",
+            &["-D", &data, "-U", "pacegate", "--auth=trust", "-E", "UTF8"],
+        )?;
+        if let Some((cert, key)) = tls {
+            cluster.serve_tls(cert, key)?;
+        }
+        cluster.up()?;
+        Ok(cluster)
+    }
+
+    fn serve_tls(&self, cert: &str, key: &str) -> Result<(), ClusterError> {
+        use std::io::Write;
+        use std::os::unix::fs::PermissionsExt;
+        let data = PathBuf::from(self.data());
+        for (file, pem) in [("server.crt", cert), ("server.key", key)] {
+            let path = data.join(file);
+            std::fs::write(&path, pem).map_err(io(format!("cannot write {file}")))?;
+            self.hand_over(&path)?;
+            // The server refuses a key that others may read.
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .map_err(io(format!("cannot protect {file}")))?;
+        }
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .and_then(|mut conf| {
+                conf.write_all(
+                    b"ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n",
+                )
+            })
+            .map_err(io("cannot write postgresql.conf"))
+    }
+
+    /// Gives `path` to the server's user, when there is one to give it to.
+    fn hand_over(&self, path: &Path) -> Result<(), ClusterError> {
+        let Some(user) = &self.run_as else {
+            return Ok(());
+        };
+        let out = Command::new("chown")
+            .arg(user)
+            .arg(path)
+            .output()
+            .map_err(io("cannot run chown"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(ClusterError::Tool {
+                tool: "chown".into(),
+                output: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            })
+        }
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+
+    /// The directory that holds the cluster (removed when it is dropped).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn command(&self, tool: &str) -> Command {
+        let program = self.bin.join(tool);
+        let mut cmd = match &self.run_as {
+            Some(user) => {
+                let mut c = Command::new("runuser");
+                c.args(["-u", user, "--"]).arg(&program);
+                c
+            }
+            None => Command::new(&program),
+        };
+        // A process group of its own: Ctrl-C at a terminal reaches whoever started the
+        // cluster, which stops it, and not the server behind its back.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) -> Result<(), ClusterError> {
+        let out = self
+            .command(tool)
+            .args(args)
+            .output()
+            .map_err(io(format!("cannot run {tool}")))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let mut output = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        if let Ok(log) = std::fs::read_to_string(self.dir.path().join("server.log")) {
+            output.push_str("\nserver log:\n");
+            output.push_str(log.trim());
+        }
+        Err(ClusterError::Tool {
+            tool: tool.into(),
+            output,
+        })
+    }
+
+    /// Starts the server (again), on the same port.
+    pub fn up(&self) -> Result<(), ClusterError> {
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -c port={} -c unix_socket_directories={} -c max_connections=300",
+            self.port,
+            self.dir.path().display()
+        );
+        let log = self.dir.path().join("server.log").display().to_string();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-l",
+                &log,
+                "-o",
+                &options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+        )
+    }
+
+    /// Stops the server at once, as a crash or an outage would.
+    pub fn down(&self) -> Result<(), ClusterError> {
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        )
+    }
+
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        let pidfile = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid")).ok()?;
+        pidfile.lines().next()?.trim().parse().ok()
+    }
+
+    /// The URL of its `postgres` database.
+    pub fn url(&self) -> String {
+        format!("postgres://pacegate@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // The temp dir goes with the rest of `self`, once the server no longer writes to it.
+        let _ = self.down();
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout == b"0\n")
+}
+
+/// The server's own user, or the one `scripts/test` creates where there is none.
+fn server_user() -> String {
+    let exists = |u: &str| {
+        Command::new("id")
+            .args(["-u", u])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if exists("postgres") {
+        "postgres"
+    } else {
+        "pacegate-test"
+    }
+    .to_owned()
+}
