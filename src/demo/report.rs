@@ -148,10 +148,28 @@ pub(super) fn svg(
             .map_err(|e| fail(&e))?;
         chart
             .configure_mesh()
+            .light_line_style(WHITE)
+            .x_labels(usize::try_from(seconds).unwrap_or(0).clamp(2, 30) + 1)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
             .x_desc("seconds into the run")
             .y_desc("arrivals per second")
             .draw()
             .map_err(|e| fail(&e))?;
+        // The ceiling first, dashed under the runs: the shared run sits on it.
+        let ceiling = f64::from(ceiling);
+        // Wide and light, so that it still shows around the shared run's line.
+        let grey = RGBColor(170, 170, 170);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(0.0, ceiling), (seconds as f64, ceiling)],
+                8,
+                4,
+                grey.stroke_width(6),
+            ))
+            .map_err(|e| fail(&e))?
+            .label("the ceiling (rate)")
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], grey));
         for (run, bins) in &series {
             let colour = match run {
                 Run::Shared => BLUE,
@@ -168,15 +186,6 @@ pub(super) fn svg(
                 .label(run.legend())
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour));
         }
-        let ceiling = f64::from(ceiling);
-        chart
-            .draw_series(LineSeries::new(
-                [(0.0, ceiling), (seconds as f64, ceiling)],
-                BLACK.stroke_width(1),
-            ))
-            .map_err(|e| fail(&e))?
-            .label("the ceiling (rate)")
-            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK));
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.9))
