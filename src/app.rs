@@ -213,6 +213,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         pacer: pacer.clone(),
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
+        log_requests: config.log.requests,
     });
     let proxy_task = tokio::spawn(crate::server::serve(
         proxy_listener,

@@ -21,7 +21,8 @@ mod file;
 mod validate;
 
 use file::{
-    problem, section, RawAdmin, RawClasses, RawDestination, RawProxy, RawStore, RawTls, RawUpstream,
+    problem, section, RawAdmin, RawClasses, RawDestination, RawLog, RawProxy, RawStore, RawTls,
+    RawUpstream,
 };
 use validate::Validator;
 
@@ -105,6 +106,27 @@ pub enum OnUnavailable {
     Refuse,
 }
 
+/// `[log] requests`: which requests get the request log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestLog {
+    /// Every request (the default).
+    #[default]
+    All,
+    /// Requests that were not answered 1xx-3xx: pacegate's refusals and failures, and the
+    /// upstream's 4xx and 5xx.
+    Errors,
+    /// None: for sites that log requests elsewhere. Startup, verdict and store lines stay.
+    None,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LogConfig {
+    /// Which requests are logged. Default `all`.
+    pub requests: RequestLog,
+}
+
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LogFormat {
@@ -128,6 +150,8 @@ pub struct Config {
     pub tls: TlsConfig,
     /// `[store]`.
     pub store: StoreConfig,
+    /// `[log]`.
+    pub log: LogConfig,
     /// `[classes]`: priority classes, most urgent first. Not printed when absent, so that the
     /// normalised config means the same as the file.
     #[serde(skip_serializing_if = "Classes::is_implicit")]
@@ -420,6 +444,7 @@ impl Config {
         let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", &mut problems);
         let tls: Option<RawTls> = section(table.remove("tls"), "tls", &mut problems);
         let store: Option<RawStore> = section(table.remove("store"), "store", &mut problems);
+        let log: Option<RawLog> = section(table.remove("log"), "log", &mut problems);
         let classes: Option<Option<RawClasses>> = match table.remove("classes") {
             None => Some(None),
             some => section::<RawClasses>(some, "classes", &mut problems).map(Some),
@@ -455,6 +480,9 @@ impl Config {
             admin: v.admin(admin.unwrap_or_default()),
             tls: v.tls(tls.unwrap_or_default()),
             store: v.store(store.unwrap_or_default()),
+            log: LogConfig {
+                requests: log.unwrap_or_default().requests.unwrap_or_default(),
+            },
             classes: classes
                 .flatten()
                 .map_or_else(Classes::default, |c| v.classes(c)),

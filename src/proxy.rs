@@ -17,7 +17,7 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 
 use crate::class::Class;
-use crate::config::{AuthConfig, Limits, Unmatched};
+use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
 use crate::destination::{normalise_host, Routed};
 use crate::metrics::{Metrics, UNMATCHED};
 use crate::pacing::Pacer;
@@ -48,6 +48,8 @@ pub struct ProxyParts {
     pub metrics: Arc<Metrics>,
     /// Shutdown handle (intercepted sessions and tunnels are tracked by it).
     pub shutdown: Shutdown,
+    /// Which requests get the request log line.
+    pub log_requests: RequestLog,
 }
 
 /// The proxy service; cheap to clone.
@@ -273,11 +275,20 @@ impl Proxy {
             .request_duration
             .with_label_values(&[destination])
             .observe(elapsed.as_secs_f64());
+        let logged = match self.inner.log_requests {
+            RequestLog::All => true,
+            RequestLog::Errors => status >= 400 || !handled.outcome.is_success(),
+            RequestLog::None => false,
+        };
+        if !logged {
+            return handled.response;
+        }
         tracing::info!(
             target: "pacegate::request",
             destination,
             method = %method,
-            target = %handled.target,
+            // Not `target`: that is every event's own key in JSON, and would hide this one.
+            host = %handled.target,
             outcome = %handled.outcome,
             status,
             duration_ms = elapsed.as_secs_f64() * 1000.0,

@@ -122,6 +122,11 @@ pub(super) struct RawAdmin {
 }
 
 #[derive(Debug, Default, Deserialize)]
+pub(super) struct RawLog {
+    pub(super) requests: Option<super::RequestLog>,
+}
+
+#[derive(Debug, Default, Deserialize)]
 pub(super) struct RawStore {
     pub(super) backend: Option<Backend>,
     pub(super) state_file: Option<PathBuf>,

@@ -67,6 +67,12 @@ impl Outcome {
             Self::Unavailable => "unavailable",
         }
     }
+
+    /// Whether the request went where it was meant to (forwarded, intercepted or tunnelled)
+    /// rather than being refused or failing.
+    pub fn is_success(self) -> bool {
+        matches!(self, Self::Forwarded | Self::Intercepted | Self::Tunneled)
+    }
 }
 
 impl fmt::Display for Outcome {
