@@ -29,6 +29,7 @@ impl Pace {
             retry_after_max: Duration::from_secs(3600),
             retry_throttled: 3,
             intercept: true,
+            mode: Mode::Enforce,
             quota: Vec::new(),
             signals: Families::ALL,
             reserve: 0,
@@ -201,6 +202,29 @@ pub fn ca_names(destinations: &[Destination]) -> Vec<&str> {
     names
 }
 
+/// Whether a destination's pace is enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Requests wait for their slot, and refusals refuse.
+    #[default]
+    Enforce,
+    /// Requests are forwarded at once while the pacer computes when each would have gone
+    /// and counts what it would have refused. Verdicts are still recorded, so backoff,
+    /// pauses and the vendor's signals are learned; a lockout refuses nothing.
+    Shadow,
+}
+
+impl Mode {
+    /// The name used in config and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
 /// A destination's pacing keys, validated. The names are the config's and the spec's.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Pace {
@@ -231,6 +255,8 @@ pub struct Pace {
     /// Intercept CONNECT (default); false makes it a blind tunnel that takes one slot and
     /// sees no verdicts.
     pub intercept: bool,
+    /// Enforce the pace (default), or only compute and count it.
+    pub mode: Mode,
     /// Quota windows on top of the rate. Default none.
     pub quota: Vec<Quota>,
     /// The vendor rate-limit header families read. Default all.

@@ -51,6 +51,12 @@ pub struct Metrics {
     pub slots_dropped: IntCounterVec,
     /// `pacegate_wait_seconds{destination}`: time from arrival to slot.
     pub wait_seconds: HistogramVec,
+    /// `pacegate_shadow_wait_seconds{destination}`: in shadow mode, how long each request
+    /// would have waited for its slot.
+    pub shadow_wait: HistogramVec,
+    /// `pacegate_shadow_refusals_total{destination,reason}`: in shadow mode, requests that
+    /// would have been refused (`locked`, `max_wait`, `store`), and were forwarded.
+    pub shadow_refusals: IntCounterVec,
     /// `pacegate_reservation_seconds{store}`: time one slot reservation takes in the store.
     pub reservation_seconds: HistogramVec,
     /// `pacegate_backoff_multiplier{destination}`.
@@ -186,14 +192,30 @@ impl Metrics {
             ),
             &["destination"],
         )?;
+        let wait_buckets = vec![
+            0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+        ];
+        let shadow_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "pacegate_shadow_wait_seconds",
+                "In shadow mode, how long requests would have waited for their slot, by destination",
+            )
+            .buckets(wait_buckets.clone()),
+            &["destination"],
+        )?;
+        let shadow_refusals = IntCounterVec::new(
+            Opts::new(
+                "pacegate_shadow_refusals_total",
+                "In shadow mode, requests that would have been refused, and were forwarded, by destination and reason",
+            ),
+            &["destination", "reason"],
+        )?;
         let wait_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "pacegate_wait_seconds",
                 "Time requests waited for their slot, by destination",
             )
-            .buckets(vec![
-                0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-            ]),
+            .buckets(wait_buckets),
             &["destination"],
         )?;
         let reservation_seconds = HistogramVec::new(
@@ -315,10 +337,16 @@ impl Metrics {
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(cert_cache.clone()))?;
         registry.register(Box::new(cert_cache_entries.clone()))?;
-        for c in [&verdicts, &retries, &slots_dropped, &granted] {
+        for c in [
+            &verdicts,
+            &retries,
+            &slots_dropped,
+            &granted,
+            &shadow_refusals,
+        ] {
             registry.register(Box::new(c.clone()))?;
         }
-        for h in [&wait_seconds, &reservation_seconds] {
+        for h in [&wait_seconds, &shadow_wait, &reservation_seconds] {
             registry.register(Box::new(h.clone()))?;
         }
         for g in [
@@ -356,6 +384,8 @@ impl Metrics {
             retries,
             slots_dropped,
             wait_seconds,
+            shadow_wait,
+            shadow_refusals,
             reservation_seconds,
             backoff,
             effective_rate,

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::budget::{BudgetView, Event, Lockout, Observation, PauseCause, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
-use crate::destination::{Destination, Pace, Routed, Routes};
+use crate::destination::{Destination, Mode, Pace, Routed, Routes};
 use crate::metrics::Metrics;
 use crate::status::{
     ClassStatus, DestinationStatus, InstanceStatus, LockStatus, QuotaStatus, VendorStatus,
@@ -211,6 +211,20 @@ impl Pacer {
         &self.classes
     }
 
+    /// A slot for a request of `class` to `route`, by the destination's mode: waited for
+    /// ([`Pacer::admit`]), or in shadow mode counted while the request goes at once.
+    pub async fn enter(
+        self: &Arc<Self>,
+        route: &Route,
+        class: Class,
+        deadline: Instant,
+    ) -> Result<Admission, PaceError> {
+        match route.pace().mode {
+            Mode::Enforce => self.admit(route, class, deadline).await,
+            Mode::Shadow => Ok(self.shadow(route, class, deadline)),
+        }
+    }
+
     /// Waits for a slot of `route` for a request of `class`, up to `deadline`.
     /// Cancel-safe: dropping the future leaves the queue at once.
     pub async fn admit(
@@ -221,6 +235,72 @@ impl Pacer {
     ) -> Result<Admission, PaceError> {
         let lane = &route.0;
         let started = Instant::now();
+        self.open(lane).await?;
+        let _admitting = lane.admitting();
+        let permit = match &lane.concurrency {
+            None => None,
+            Some(sem) => tokio::select! {
+                p = sem.clone().acquire_owned() => p.ok(),
+                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
+            },
+        };
+        let granted = self.slot(lane, class, started, deadline).await?;
+        let waited = started.elapsed();
+        self.metrics
+            .wait_seconds
+            .with_label_values(&[&lane.name])
+            .observe(waited.as_secs_f64());
+        Ok(self.sent(lane, granted, waited, permit))
+    }
+
+    /// Shadow mode: lets the request go at once, while a stand-in waits for the slot the
+    /// request would have had (taking it, so that the schedule is the one enforcing would
+    /// have made) and counts how long it would have waited, or why it would have been
+    /// refused. `max_concurrency` is not applied.
+    fn shadow(self: &Arc<Self>, route: &Route, class: Class, deadline: Instant) -> Admission {
+        let lane = route.0.clone();
+        let pacer = self.clone();
+        let stand_in = lane.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let name = [&*stand_in.name];
+            let waited = async {
+                pacer.open(&stand_in).await?;
+                let _admitting = stand_in.admitting();
+                pacer.slot(&stand_in, class, started, deadline).await
+            };
+            match waited.await {
+                Ok(_) => pacer
+                    .metrics
+                    .shadow_wait
+                    .with_label_values(&name)
+                    .observe(started.elapsed().as_secs_f64()),
+                Err(PaceError::ShuttingDown) => {}
+                Err(e) => {
+                    let reason = match e {
+                        PaceError::Locked { .. } => "locked",
+                        PaceError::Deadline { .. } => "max_wait",
+                        _ => "store",
+                    };
+                    pacer
+                        .metrics
+                        .shadow_refusals
+                        .with_label_values(&[name[0], reason])
+                        .inc();
+                }
+            }
+        });
+        // A throttle widens once per generation: the request counts as reserved under the
+        // generation last seen.
+        let granted = lane::Grant {
+            generation: lane.seen.lock().generation,
+            class,
+        };
+        self.sent(&lane, granted, Duration::ZERO, None)
+    }
+
+    /// Refuses at once while pacegate stops or the destination is locked.
+    async fn open(&self, lane: &Lane) -> Result<(), PaceError> {
         if self.stop.is_cancelled() {
             return Err(PaceError::ShuttingDown);
         }
@@ -233,19 +313,32 @@ impl Pacer {
                 return Err(lane.locked_error(lock));
             }
         }
-        let _admitting = lane.admitting();
-        let permit = match &lane.concurrency {
-            None => None,
-            Some(sem) => tokio::select! {
-                p = sem.clone().acquire_owned() => p.ok(),
-                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
-            },
-        };
+        Ok(())
+    }
+
+    /// Waits in `lane`'s queue for a slot, up to `deadline`.
+    async fn slot(
+        &self,
+        lane: &Lane,
+        class: Class,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<lane::Grant, PaceError> {
         let (_seat, rx) = lane.enqueue(class, started, deadline);
-        let granted = tokio::select! {
+        tokio::select! {
             g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
             () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
-        }?;
+        }
+    }
+
+    /// Counts a request sent now on `granted` and makes its admission.
+    fn sent(
+        &self,
+        lane: &Arc<Lane>,
+        granted: lane::Grant,
+        waited: Duration,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Admission {
         let now = Instant::now();
         lane.sends.lock().record(now);
         if let Some(log) = lane.granted.lock().get_mut(usize::from(granted.class.0)) {
@@ -256,19 +349,15 @@ impl Pacer {
             .with_label_values(&[&lane.name, self.classes.name(granted.class)])
             .inc();
         lane.in_flight.fetch_add(1, Ordering::Relaxed);
-        let waited = now - started;
-        self.metrics
-            .wait_seconds
-            .with_label_values(&[&lane.name])
-            .observe(waited.as_secs_f64());
-        Ok(Admission {
+        Admission {
             lane: lane.clone(),
             class: granted.class,
             generation: granted.generation,
             waited,
             _permit: permit,
-        })
+        }
     }
+
     /// Reads a response to an admitted request by status and headers. A lockout may still
     /// turn out a throttle by its body (see [`Reading::needs_body`]).
     pub fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
@@ -329,7 +418,15 @@ impl Pacer {
             .await
         {
             Ok(view) => {
-                if verdict == Verdict::Lockout {
+                if verdict == Verdict::Lockout && lane.pace.mode == Mode::Shadow {
+                    tracing::warn!(
+                        destination = %lane.name,
+                        status,
+                        request,
+                        "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
+                        lane.name
+                    );
+                } else if verdict == Verdict::Lockout {
                     tracing::error!(
                         destination = %lane.name,
                         status,
@@ -452,6 +549,7 @@ impl Pacer {
                     reset_in_seconds: v.reset_in.as_secs_f64(),
                 }),
                 config_mismatch: self.store.drift(&lane.name),
+                mode: lane.pace.mode.as_str().to_owned(),
             };
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);

@@ -53,6 +53,9 @@ pub struct DestinationStatus {
     /// configs agree, the stricter of each key governs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub config_mismatch: Vec<String>,
+    /// `shadow` while the destination's pace is only computed and counted, else `enforce`.
+    #[serde(default = "enforce")]
+    pub mode: String,
 }
 
 /// The vendor's budget as the store holds it, for status.
@@ -168,6 +171,10 @@ pub fn instances_table(rows: &[InstanceStatus]) -> String {
 
 /// `pacegate status` as a table: one line per destination, then (with more than one class)
 /// one per destination and class.
+fn enforce() -> String {
+    "enforce".into()
+}
+
 pub fn status_table(rows: &[DestinationStatus]) -> String {
     let mut lines = vec![[
         "DESTINATION",
@@ -194,7 +201,11 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
             .map(|q| format!("{}/{} per {}", q.used, q.limit, q.window))
             .collect();
         lines.push(vec![
-            r.destination.clone(),
+            if r.mode == "shadow" {
+                format!("{} (shadow)", r.destination)
+            } else {
+                r.destination.clone()
+            },
             format!("{}/s", r.rate),
             format!("{:.3}/s", r.effective_rate),
             format!("x{}", r.backoff),
@@ -232,6 +243,12 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
         ]);
     }
     let mut out = aligned(&lines);
+    for r in rows.iter().filter(|r| r.mode == "shadow") {
+        out.push_str(&format!(
+            "{}: SHADOW MODE: requests go at once; what pacing would do is counted (pacegate_shadow_*)\n",
+            r.destination
+        ));
+    }
     for r in rows.iter().filter(|r| !r.config_mismatch.is_empty()) {
         out.push_str(&format!(
             "{}: CONFIG MISMATCH with {}: the stricter rule governs until the configs agree\n",

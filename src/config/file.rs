@@ -170,6 +170,7 @@ pub(super) struct RawDestination {
     pub(super) retry_after_max: Option<Duration>,
     pub(super) retry_throttled: Option<u32>,
     pub(super) intercept: Option<bool>,
+    pub(super) mode: Option<crate::destination::Mode>,
     pub(super) quota: Option<Vec<Quota>>,
     pub(super) ports: Option<Vec<u16>>,
     pub(super) signals: Option<RawSignals>,

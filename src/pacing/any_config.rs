@@ -77,10 +77,11 @@ prop_compose! {
         retries in key("retry_throttled", int(&[0, 1, u64::from(u32::MAX)])),
         signals in key("signals", prop::sample::select(vec!["\"auto\"", "\"none\"", "[\"ietf\"]"]).prop_map(str::to_owned)),
         body in key("throttle_body", prop::sample::select(vec!["[]", "[\"\"]", "[\"rate limit\"]"]).prop_map(str::to_owned)),
+        mode in key("mode", prop::sample::select(vec!["\"enforce\"", "\"shadow\"", "\"off\""]).prop_map(str::to_owned)),
         quota in prop::option::weighted(0.3, (int(&[0, 1, 1_000_000, 1_000_001, u64::from(u32::MAX)]), duration())),
         block in prop::option::weighted(0.3, (duration(), duration(), float(&[0.0, 0.5, 0.99, 1.0, -0.5], 0.0..1.0))),
     ) -> String {
-        let mut text = format!("rate = {rate}\n{burst}{factor}{max}{decay}{retry_max}{max_wait}{reserve}{throttle}{lockout}{retries}{signals}{body}");
+        let mut text = format!("rate = {rate}\n{burst}{factor}{max}{decay}{retry_max}{max_wait}{reserve}{throttle}{lockout}{retries}{signals}{body}{mode}");
         if let Some((limit, per)) = quota {
             text.push_str(&format!("quota = [{{ limit = {limit}, per = {per} }}]\n"));
         }
@@ -143,7 +144,7 @@ async fn exercise(config: &Config) {
         {
             // A pause or a lockout refuses the next ones: their verdicts were applied.
             let deadline = Instant::now() + Duration::from_secs(60);
-            let Ok(a) = pacer.admit(&route, Class(0), deadline).await else {
+            let Ok(a) = pacer.enter(&route, Class(0), deadline).await else {
                 break;
             };
             let reading = pacer.read(&a, *status, h);

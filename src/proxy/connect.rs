@@ -45,7 +45,7 @@ impl Proxy {
         }
         // `intercept = false`: the tunnel takes one slot and sees no verdicts.
         let deadline = Deadline::now() + route.max_wait(target.class);
-        match self.inner.pacer.admit(&route, target.class, deadline).await {
+        match self.inner.pacer.enter(&route, target.class, deadline).await {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,
             Err(e) => Handled::refused(ProxyError::Paced(e), target.name(), target.authority()),
         }

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use super::respond::{Outcome, ProxyError};
 use super::{headers, sniff, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
+use crate::destination::Mode;
 use crate::metrics::UNMATCHED;
 use crate::pacing::verdict::Verdict;
 use crate::pacing::Route;
@@ -182,8 +183,11 @@ impl Proxy {
         let retryable = outgoing.retryable();
         let request_line = outgoing.request_line();
         let mut last_throttled: Option<Response<ProxyBody>> = None;
+        // Shadow mode sends at once and never retries: clients see what they would without
+        // pacegate, while the pacer counts what it would have done.
+        let shadow = route.pace().mode == Mode::Shadow;
         loop {
-            let admission = match pacer.admit(route, class, deadline).await {
+            let admission = match pacer.enter(route, class, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.
                 Err(_) if last_throttled.is_some() => {
@@ -212,7 +216,7 @@ impl Proxy {
                 .await;
             note.verdict = Some(verdict);
             let throttled = matches!(verdict, Verdict::Throttled { .. });
-            if throttled && retryable && note.retries < retry_throttled {
+            if throttled && retryable && !shadow && note.retries < retry_throttled {
                 if let Some(kept) = keep(response).await {
                     note.retries += 1;
                     self.inner

@@ -49,6 +49,7 @@ impl Validator<'_> {
             ),
             retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
             intercept: d.intercept.unwrap_or(default.intercept),
+            mode: d.mode.unwrap_or(default.mode),
             quota: d.quota.clone().unwrap_or_default(),
             signals: self.signals(path, d.signals.as_ref()),
             reserve: d.reserve.unwrap_or(default.reserve),
