@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::pacing::{Pacer, UnlockError};
+use crate::reload::Reloader;
 use crate::shutdown::Shutdown;
 
 /// What the admin endpoints read and act on.
@@ -24,6 +25,8 @@ pub struct Admin {
     pacer: Arc<Pacer>,
     shutdown: Shutdown,
     token: Option<Arc<str>>,
+    /// Present when the config came from a file that can be read again.
+    reloader: Option<Arc<Reloader>>,
 }
 
 fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -51,12 +54,14 @@ impl Admin {
         pacer: Arc<Pacer>,
         shutdown: Shutdown,
         token: Option<String>,
+        reloader: Option<Arc<Reloader>>,
     ) -> Self {
         Self {
             metrics,
             pacer,
             shutdown,
             token: token.map(Arc::from),
+            reloader,
         }
     }
 
@@ -97,22 +102,39 @@ impl Admin {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
             (&Method::GET, "/readyz") if self.shutdown.is_draining() => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
             (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
-            (&Method::POST, p) if unlock_target(p).is_some() => {
-                if !self.authorized(&req) {
-                    let mut resp = text(StatusCode::UNAUTHORIZED, "send Authorization: Bearer TOKEN (the value of [admin] token_env)\n");
-                    resp.headers_mut()
-                        .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
-                    return resp;
+            (&Method::GET, "/reload") => match self.reloader.as_ref().map(|r| r.last()) {
+                None => text(StatusCode::NOT_FOUND, "this instance's config was not read from a file: it cannot be reloaded\n"),
+                Some(None) => json(StatusCode::OK, &serde_json::json!({ "result": "none" })),
+                Some(Some(last)) => json(StatusCode::OK, &last),
+            },
+            (&Method::GET, "/config") => match &self.reloader {
+                None => text(StatusCode::NOT_FOUND, "this instance's config was not read from a file\n"),
+                Some(r) => text(StatusCode::OK, r.running().await),
+            },
+            (&Method::POST, p) if !self.authorized(&req) && (p == "/reload" || unlock_target(p).is_some()) => {
+                let mut resp = text(StatusCode::UNAUTHORIZED, "send Authorization: Bearer TOKEN (the value of [admin] token_env)\n");
+                resp.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+                resp
+            }
+            (&Method::POST, "/reload") => match &self.reloader {
+                None => text(StatusCode::NOT_FOUND, "this instance's config was not read from a file: it cannot be reloaded\n"),
+                Some(r) => {
+                    let status = r.reload().await;
+                    let code = if status.result == "ok" { StatusCode::OK } else { StatusCode::UNPROCESSABLE_ENTITY };
+                    json(code, &status)
                 }
+            },
+            (&Method::POST, p) if unlock_target(p).is_some() => {
                 let name = unlock_target(p).unwrap_or_default();
                 self.unlock(name).await
             }
-            (_, "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz") => {
+            (_, "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz" | "/config") => {
                 text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "endpoints: GET /metrics /status /instances /healthz /readyz, POST /destinations/NAME/unlock\n",
+                "endpoints: GET /metrics /status /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock\n",
             ),
         }
     }

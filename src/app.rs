@@ -19,7 +19,8 @@ use crate::config::{Backend, Config};
 use crate::destination;
 use crate::metrics::Metrics;
 use crate::pacing::Pacer;
-use crate::proxy::{Proxy, ProxyParts};
+use crate::proxy::{ClientPolicy, Proxy, ProxyParts};
+use crate::reload::Reloader;
 use crate::shutdown::{self, Shutdown};
 use crate::tls::{self, Authority, TlsError};
 use crate::upstream::Upstream;
@@ -46,6 +47,9 @@ pub enum StartError {
     /// The pacing store could not be opened.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A signal handler could not be installed.
+    #[error("cannot install the SIGHUP handler: {source}")]
+    Signal { source: std::io::Error },
 }
 
 /// A started pacegate: its bound addresses, and the handles to stop it.
@@ -64,6 +68,8 @@ pub struct Running {
     proxy_task: JoinHandle<()>,
     admin_stop: CancellationToken,
     admin_task: JoinHandle<()>,
+    /// Present when the config was read from a file.
+    reloader: Option<Arc<Reloader>>,
 }
 
 impl Running {
@@ -205,29 +211,37 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
 
     let shutdown = Shutdown::new();
     let proxy = Proxy::new(ProxyParts {
-        unmatched: config.proxy.unmatched,
-        auth: config.proxy.auth.clone(),
+        policy: arc_swap::ArcSwap::from_pointee(ClientPolicy::of(&config)),
         limits: config.proxy.limits.clone(),
         authority: Arc::new(authority),
         upstream,
         pacer: pacer.clone(),
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
-        log_requests: config.log.requests,
     });
     let proxy_task = tokio::spawn(crate::server::serve(
         proxy_listener,
-        proxy,
+        proxy.clone(),
         config.proxy.limits.clone(),
         metrics.clone(),
         shutdown.clone(),
     ));
     let admin_stop = CancellationToken::new();
+    let reloader = config.file.clone().map(|file| {
+        Arc::new(Reloader::new(
+            file,
+            config.clone(),
+            pacer.clone(),
+            proxy.clone(),
+            metrics.clone(),
+        ))
+    });
     let admin = Admin::new(
         metrics.clone(),
         pacer.clone(),
         shutdown.clone(),
         config.admin.token.clone(),
+        reloader.clone(),
     );
     let admin_task = tokio::spawn(admin.serve(admin_listener, admin_stop.clone()));
     tracing::info!(
@@ -249,13 +263,30 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         proxy_task,
         admin_stop,
         admin_task,
+        reloader,
     })
 }
 
-/// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully.
+/// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully; SIGHUP
+/// reloads the config file meanwhile.
 pub async fn run(config: Config) -> Result<(), StartError> {
     let running = start(config).await?;
-    shutdown::signal().await;
+    let stop = shutdown::signal();
+    tokio::pin!(stop);
+    let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|source| StartError::Signal { source })?;
+    loop {
+        tokio::select! {
+            () = &mut stop => break,
+            _ = hangups.recv() => match &running.reloader {
+                Some(reloader) => {
+                    tracing::info!("SIGHUP: reloading the config file");
+                    reloader.reload().await;
+                }
+                None => tracing::warn!("SIGHUP ignored: the config was not read from a file"),
+            },
+        }
+    }
     tracing::info!("shutdown signal received; draining");
     running.stop().await;
     Ok(())

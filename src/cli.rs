@@ -15,15 +15,48 @@ pub const EXIT_USAGE: u8 = 64;
 /// Exit code for a runtime failure.
 const EXIT_FAILURE: u8 = 1;
 
-/// `pacegate check-config`: the normalised config, or every problem.
-pub fn check_config(path: &Path) -> ExitCode {
-    match load(path) {
-        Ok(c) => {
-            print!("{}", c.to_toml());
-            ExitCode::SUCCESS
+/// `pacegate check-config`: the normalised config, or every problem; with `admin`, what a
+/// reload of the file would change in that running instance.
+pub fn check_config(path: &Path, admin: Option<String>) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let Some(admin) = admin else {
+        print!("{}", config.to_toml());
+        return ExitCode::SUCCESS;
+    };
+    let running = match admin_call(&config, Some(admin.clone()), http::Method::GET, "/config") {
+        Err(code) => return code,
+        Ok((s, body)) if s.is_success() => body,
+        Ok((s, body)) => {
+            eprintln!("error: {admin} answered {s}: {}", body.trim());
+            return ExitCode::from(EXIT_FAILURE);
         }
-        Err(code) => code,
+    };
+    let running: toml::Value = match toml::from_str(&running) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {admin}/config is not a config: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let changed = crate::reload::differences(&running, &crate::reload::redacted(&config));
+    if changed.is_empty() {
+        println!(
+            "{} is the config {admin} runs: a reload changes nothing",
+            path.display()
+        );
+        return ExitCode::SUCCESS;
     }
+    for key in &changed {
+        if crate::reload::in_place(key) {
+            println!("reload applies  {key}");
+        } else {
+            println!("needs restart   {key} (a reload keeps the running value)");
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// `pacegate ca init`: a new CA in `dir`; with `constrained_to`, a config, one constrained to
@@ -175,7 +208,7 @@ pub fn status(path: &Path, admin: Option<String>, json: bool) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let body = match admin_call(&config, admin, http::Method::GET, "/status") {
+    let body = match admin_call(&config, admin.clone(), http::Method::GET, "/status") {
         Err(code) => return code,
         Ok((s, body)) if s.is_success() => body,
         Ok((s, body)) => {
@@ -195,7 +228,20 @@ pub fn status(path: &Path, admin: Option<String>, json: bool) -> ExitCode {
         }
     };
     print!("{}", status::status_table(&rows));
-    if let Ok((s, body)) = admin_call(&config, None, http::Method::GET, "/instances") {
+    if let Ok((s, body)) = admin_call(&config, admin.clone(), http::Method::GET, "/reload") {
+        let last: crate::reload::ReloadStatus = serde_json::from_str(&body).unwrap_or_default();
+        if s.is_success() && last.result == "error" {
+            println!();
+            println!(
+                "LAST RELOAD FAILED at {}: the running config stays in force",
+                last.at
+            );
+            for p in &last.problems {
+                println!("  - {p}");
+            }
+        }
+    }
+    if let Ok((s, body)) = admin_call(&config, admin, http::Method::GET, "/instances") {
         let instances: Vec<status::InstanceStatus> =
             serde_json::from_str(&body).unwrap_or_default();
         if s.is_success() && !instances.is_empty() {

@@ -159,6 +159,9 @@ pub struct Config {
     /// `[destinations.NAME]`, in name order.
     #[serde(serialize_with = "ser_destinations")]
     pub destinations: Vec<Destination>,
+    /// The file it was read from, which a reload reads again; none for text parsed directly.
+    #[serde(skip)]
+    pub file: Option<PathBuf>,
 }
 
 /// `[proxy]`: the client-facing listener.
@@ -411,10 +414,14 @@ impl Config {
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
         let base = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
-        Self::parse_checking(&text, &base, ca_must_exist).map_err(|problems| ConfigError::Invalid {
-            path: path.to_owned(),
-            problems,
-        })
+        let mut config = Self::parse_checking(&text, &base, ca_must_exist).map_err(|problems| {
+            ConfigError::Invalid {
+                path: path.to_owned(),
+                problems,
+            }
+        })?;
+        config.file = Some(path.to_owned());
+        Ok(config)
     }
 
     /// Parses and validates config text; relative paths are resolved against `base`.
@@ -487,6 +494,7 @@ impl Config {
                 .flatten()
                 .map_or_else(Classes::default, |c| v.classes(c)),
             destinations: v.destinations(raw_dests),
+            file: None,
         };
         v.user_classes(&config);
         if v.problems.is_empty() {

@@ -285,13 +285,27 @@ pub struct Routes<T> {
 
 /// Where a target goes.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Routed<'a, T> {
+pub enum Routed<T> {
     /// To this destination.
-    To(&'a T),
+    To(T),
     /// A destination's host, on a port it does not allow.
-    PortRefused(&'a T),
+    PortRefused(T),
     /// No destination's.
     Nowhere,
+}
+
+impl<T> Routed<&T> {
+    /// The same answer, owning what it names.
+    pub fn cloned(self) -> Routed<T>
+    where
+        T: Clone,
+    {
+        match self {
+            Routed::To(t) => Routed::To(t.clone()),
+            Routed::PortRefused(t) => Routed::PortRefused(t.clone()),
+            Routed::Nowhere => Routed::Nowhere,
+        }
+    }
 }
 
 impl<T> FromIterator<(Vec<HostPattern>, Vec<u16>, T)> for Routes<T> {
@@ -308,7 +322,7 @@ impl<T> Routes<T> {
     /// Where a normalised host and port go, `default_port` being the scheme's (80 for http,
     /// 443 for CONNECT). A pattern with a port matches that port only; one without matches
     /// the default port, any port from [`SAFE_PORTS_FROM`], and the destination's `ports`.
-    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<'_, T> {
+    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<&T> {
         for (hosts, ports, to) in &self.entries {
             for p in hosts {
                 if p.port.is_some() {

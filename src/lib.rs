@@ -30,6 +30,8 @@
 //! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.
 //! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
+//! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can
+//!   change in place applied, the rest kept and named.
 //! - [`admin`]: the admin listener (`/metrics`, `/status`, `/healthz`, `/readyz`, unlock) and
 //!   the client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
@@ -39,7 +41,7 @@
 //!
 //! Each module imports only modules below it in this order: `status`, `class`, `signals`,
 //! `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `pacing`, `upstream`, `server`,
-//! `proxy`, `admin`, `app`, `demo`, `cli` (checked by `tests/layering.rs`).
+//! `proxy`, `reload`, `admin`, `app`, `demo`, `cli` (checked by `tests/layering.rs`).
 //!
 //! Words (see `pacing-model.md` in the design notes): *client* sends through pacegate;
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
@@ -58,6 +60,7 @@ pub mod destination;
 pub mod metrics;
 pub mod pacing;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod signals;

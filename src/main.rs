@@ -27,11 +27,15 @@ enum Command {
         #[arg(long, env = "PACEGATE_CONFIG")]
         config: PathBuf,
     },
-    /// Validate a config file and print it normalised, every default filled in.
+    /// Validate a config file and print it normalised, every default filled in; with
+    /// --admin, say what reloading it into that running instance would change.
     CheckConfig {
         /// Config file (TOML).
         #[arg(long, env = "PACEGATE_CONFIG")]
         config: PathBuf,
+        /// A running instance's admin listener, e.g. http://127.0.0.1:9464.
+        #[arg(long)]
+        admin: Option<String>,
     },
     /// Manage the local certificate authority.
     Ca {
@@ -147,7 +151,7 @@ fn main() -> ExitCode {
     cli::init_tracing(cli.log_format, level);
     match cli.command {
         Command::Serve { config } => cli::serve(&config),
-        Command::CheckConfig { config } => cli::check_config(&config),
+        Command::CheckConfig { config, admin } => cli::check_config(&config, admin),
         Command::Ca {
             command: CaCommand::Init { dir, config, .. },
         } => cli::ca_init(&dir, config.as_deref()),

@@ -104,6 +104,10 @@ pub struct Metrics {
     /// `pacegate_store_share_alone`: the share of every rate this instance would pace alone
     /// at, were it to lose the store now.
     pub store_share_alone: Gauge,
+    /// `pacegate_config_reloads_total{result}`: reloads, `ok` or `error`.
+    pub config_reloads: IntCounterVec,
+    /// `pacegate_config_last_reload_successful`: 0 while the last reload was refused.
+    pub config_last_reload_successful: IntGauge,
     /// `pacegate_config_mismatch{destination}`: 1 while a live instance paces the
     /// destination by another rule (the stricter governs).
     pub config_mismatch: IntGaugeVec,
@@ -325,6 +329,19 @@ impl Metrics {
             &["destination"],
         )?;
         registry.register(Box::new(config_mismatch.clone()))?;
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "pacegate_config_reloads_total",
+                "Config reloads (SIGHUP or POST /reload), by result: ok or error",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(config_reloads.clone()))?;
+        let config_last_reload_successful = IntGauge::new(
+            "pacegate_config_last_reload_successful",
+            "0 while the last reload was refused (the running config stays in force), else 1",
+        )?;
+        registry.register(Box::new(config_last_reload_successful.clone()))?;
         registry.register(Box::new(store_instances.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
@@ -407,6 +424,8 @@ impl Metrics {
             store_share_held,
             store_share_alone,
             config_mismatch,
+            config_reloads,
+            config_last_reload_successful,
         })
     }
 

@@ -27,6 +27,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use arc_swap::ArcSwap;
+
 use crate::budget::{BudgetView, Event, Lockout, Observation, PauseCause, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Mode, Pace, Routed, Routes};
@@ -79,6 +81,14 @@ pub enum UnlockError {
     Store(#[from] StoreError),
 }
 
+/// What a reload changed, by destination name.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Changes {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub changed: Vec<String>,
+}
+
 /// A routed destination: a handle to its lane, carried with the request. Cheap to clone.
 #[derive(Clone)]
 pub struct Route(Arc<Lane>);
@@ -89,15 +99,26 @@ impl Route {
         &self.0.name
     }
 
-    /// The destination's pacing keys.
-    pub fn pace(&self) -> &Pace {
-        &self.0.pace
+    /// The destination's pacing keys as they are now (a reload may change them).
+    pub fn pace(&self) -> PaceKeys {
+        PaceKeys(self.0.keys())
     }
 
     /// How long a request of `class` may wait for a slot: the class's `max_wait` if it has
     /// one, else the destination's.
     pub fn max_wait(&self, class: Class) -> Duration {
         self.0.max_wait(class)
+    }
+}
+
+/// A destination's keys as one reload left them; reads as its [`Pace`].
+pub struct PaceKeys(Arc<lane::Keys>);
+
+impl std::ops::Deref for PaceKeys {
+    type Target = Pace;
+
+    fn deref(&self) -> &Pace {
+        &self.0.pace
     }
 }
 
@@ -127,7 +148,8 @@ impl Drop for Admission {
 
 /// The pacer of every configured destination.
 pub struct Pacer {
-    routes: Routes<Route>,
+    /// Swapped whole by a reload; a request keeps the route it was given.
+    routes: ArcSwap<Routes<Route>>,
     classes: Arc<Classes>,
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
@@ -154,7 +176,7 @@ impl Pacer {
             })
             .collect();
         Self {
-            routes,
+            routes: ArcSwap::from_pointee(routes),
             classes,
             store,
             metrics,
@@ -163,28 +185,81 @@ impl Pacer {
         }
     }
 
-    fn lanes(&self) -> impl Iterator<Item = &Arc<Lane>> {
-        self.routes.all().map(|r| &r.0)
+    fn lanes(&self) -> Vec<Arc<Lane>> {
+        self.routes.load().all().map(|r| r.0.clone()).collect()
     }
 
     /// Loads each budget (a lockout from before a restart applies at once) and spawns one
     /// dispatcher per destination.
     pub async fn start(&self) -> Result<(), StoreError> {
-        let rules: Vec<(String, Rule)> = self
-            .lanes()
-            .map(|l| (l.name.to_string(), l.rule.clone()))
-            .collect();
-        self.store.announce(&rules);
+        self.announce();
         for lane in self.lanes() {
-            lane.note(self.store.view(&lane.name).await?);
-            tokio::spawn(dispatch::dispatch(
-                lane.clone(),
-                self.store.clone(),
-                self.metrics.clone(),
-                self.stop.clone(),
-            ));
+            self.open_lane(&lane).await?;
         }
         Ok(())
+    }
+
+    /// Tells the store every destination's rule (instances compare them).
+    fn announce(&self) {
+        let rules: Vec<(String, Rule)> = self
+            .lanes()
+            .iter()
+            .map(|l| (l.name.to_string(), l.keys().rule.clone()))
+            .collect();
+        self.store.announce(&rules);
+    }
+
+    async fn open_lane(&self, lane: &Arc<Lane>) -> Result<(), StoreError> {
+        lane.note(self.store.view(&lane.name).await?);
+        tokio::spawn(dispatch::dispatch(
+            lane.clone(),
+            self.store.clone(),
+            self.metrics.clone(),
+            self.stop.clone(),
+        ));
+        Ok(())
+    }
+
+    /// Takes a reloaded config's destinations: new ones get a lane, removed ones stop taking
+    /// requests (those waiting are still served), changed ones take their new keys for the
+    /// next slot. Every budget (backoff, streaks, pauses, lockouts, quota windows) lives in
+    /// the store under the destination's name and is kept; so are the queues and the
+    /// requests in flight. Classes are not reloaded.
+    pub async fn reconfigure(&self, destinations: &[Destination]) -> Result<Changes, StoreError> {
+        let before = self.routes.load_full();
+        let mut changes = Changes::default();
+        let mut routes = Vec::with_capacity(destinations.len());
+        for d in destinations {
+            let existing = before.all().find(|r| *r.0.name == *d.name).cloned();
+            let route = match existing {
+                Some(route) => {
+                    if route.0.keys().pace != d.pace {
+                        route.0.reconfigure(&d.pace);
+                        changes.changed.push(d.name.clone());
+                    }
+                    route
+                }
+                None => {
+                    let route = Route(Arc::new(Lane::new(d, self.classes.clone())));
+                    self.metrics
+                        .init_destinations(std::iter::once(d.name.as_str()));
+                    self.open_lane(&route.0).await?;
+                    changes.added.push(d.name.clone());
+                    route
+                }
+            };
+            routes.push((d.hosts.clone(), d.ports.clone(), route));
+        }
+        self.routes.store(Arc::new(routes.into_iter().collect()));
+        for gone in before
+            .all()
+            .filter(|r| !destinations.iter().any(|d| *d.name == *r.0.name))
+        {
+            gone.0.retire();
+            changes.removed.push(gone.0.name.to_string());
+        }
+        self.announce();
+        Ok(changes)
     }
 
     /// Refuses every waiting request and stops the dispatchers.
@@ -197,13 +272,17 @@ impl Pacer {
 
     /// Where a normalised host and port go, `default_port` being the scheme's (see
     /// [`Routes::route`]).
-    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<'_, Route> {
-        self.routes.route(host, port, default_port)
+    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<Route> {
+        self.routes.load().route(host, port, default_port).cloned()
     }
 
     /// The destination named `name` (for operators' commands, which name it).
     pub fn destination(&self, name: &str) -> Option<Route> {
-        self.routes.all().find(|r| *r.0.name == *name).cloned()
+        self.routes
+            .load()
+            .all()
+            .find(|r| *r.0.name == *name)
+            .cloned()
     }
 
     /// The priority classes.
@@ -237,7 +316,7 @@ impl Pacer {
         let started = Instant::now();
         self.open(lane).await?;
         let _admitting = lane.admitting();
-        let permit = match &lane.concurrency {
+        let permit = match &lane.keys().concurrency {
             None => None,
             Some(sem) => tokio::select! {
                 p = sem.clone().acquire_owned() => p.ok(),
@@ -361,7 +440,7 @@ impl Pacer {
     /// Reads a response to an admitted request by status and headers. A lockout may still
     /// turn out a throttle by its body (see [`Reading::needs_body`]).
     pub fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
-        verdict::classify(status, headers, &admission.lane.pace)
+        verdict::classify(status, headers, &admission.lane.keys().pace)
     }
 
     /// Applies the verdict of a response to an admitted request to the budget. `status` and
@@ -374,6 +453,7 @@ impl Pacer {
         request: &str,
     ) -> Verdict {
         let lane = &admission.lane;
+        let keys = lane.keys();
         let verdict = reading.verdict;
         // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
         let vendor = reading.signal.and_then(|(s, reset)| {
@@ -414,11 +494,11 @@ impl Pacer {
         }
         match self
             .store
-            .record(&lane.name, &lane.rule, event, vendor)
+            .record(&lane.name, &keys.rule, event, vendor)
             .await
         {
             Ok(view) => {
-                if verdict == Verdict::Lockout && lane.pace.mode == Mode::Shadow {
+                if verdict == Verdict::Lockout && keys.pace.mode == Mode::Shadow {
                     tracing::warn!(
                         destination = %lane.name,
                         status,
@@ -501,12 +581,13 @@ impl Pacer {
             };
             let waiting: usize = here.iter().map(|h| h.0).sum();
             let oldest = here.iter().map(|h| h.1).max().unwrap_or_default();
+            let keys = lane.keys();
             let used = self
                 .store
-                .quota_used(&lane.name, &lane.rule)
+                .quota_used(&lane.name, &keys.rule)
                 .await
                 .unwrap_or_default();
-            let quota = lane
+            let quota = keys
                 .rule
                 .quota
                 .iter()
@@ -523,8 +604,8 @@ impl Pacer {
             };
             let s = DestinationStatus {
                 destination: lane.name.to_string(),
-                rate: lane.pace.rate,
-                effective_rate: lane.pace.rate / seen.backoff,
+                rate: keys.pace.rate,
+                effective_rate: keys.pace.rate / seen.backoff,
                 backoff: seen.backoff,
                 achieved_rate_10s: rate_10,
                 achieved_rate_60s: rate_60,
@@ -540,7 +621,7 @@ impl Pacer {
                 oldest_wait_seconds: oldest.as_secs_f64(),
                 classes,
                 quota,
-                pace_limited_by: limited_by(&seen, &lane.rule).to_owned(),
+                pace_limited_by: limited_by(&seen, &keys.rule).to_owned(),
                 block_streak: seen.block_streak,
                 vendor: seen.vendor.map(|v| VendorStatus {
                     family: v.family.as_str().to_owned(),
@@ -549,7 +630,7 @@ impl Pacer {
                     reset_in_seconds: v.reset_in.as_secs_f64(),
                 }),
                 config_mismatch: self.store.drift(&lane.name),
-                mode: lane.pace.mode.as_str().to_owned(),
+                mode: keys.pace.mode.as_str().to_owned(),
             };
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);

@@ -28,14 +28,36 @@ use forward::PaceNote;
 pub use forward::Target;
 use respond::{Outcome, ProxyError};
 
+use arc_swap::ArcSwap;
+
 use crate::server::BoxFuture;
 
-/// What the proxy needs, assembled by the app.
-pub struct ProxyParts {
-    /// Policy for unmatched hosts.
+/// What a reload may change in how the proxy treats clients.
+#[derive(Debug, Clone)]
+pub struct ClientPolicy {
+    /// ClientPolicy for unmatched hosts.
     pub unmatched: Unmatched,
     /// Proxy authentication, if on.
     pub auth: Option<AuthConfig>,
+    /// Which requests get the request log line.
+    pub log_requests: RequestLog,
+}
+
+impl ClientPolicy {
+    /// The policy a config gives.
+    pub fn of(config: &crate::config::Config) -> Self {
+        Self {
+            unmatched: config.proxy.unmatched,
+            auth: config.proxy.auth.clone(),
+            log_requests: config.log.requests,
+        }
+    }
+}
+
+/// What the proxy needs, assembled by the app.
+pub struct ProxyParts {
+    /// Swapped whole by a reload; each request reads it once.
+    pub policy: ArcSwap<ClientPolicy>,
     /// Client-side limits.
     pub limits: Limits,
     /// The local CA.
@@ -48,8 +70,6 @@ pub struct ProxyParts {
     pub metrics: Arc<Metrics>,
     /// Shutdown handle (intercepted sessions and tunnels are tracked by it).
     pub shutdown: Shutdown,
-    /// Which requests get the request log line.
-    pub log_requests: RequestLog,
 }
 
 /// The proxy service; cheap to clone.
@@ -95,6 +115,11 @@ impl Proxy {
         }
     }
 
+    /// Takes a reloaded policy: requests that arrive from now on follow it.
+    pub fn set_policy(&self, policy: ClientPolicy) {
+        self.inner.policy.store(Arc::new(policy));
+    }
+
     /// Handles one request arriving on a client connection (absolute-form or CONNECT).
     // Boxed: an intercepted session spawns a task that serves `handle_inner`, and the compiler
     // cannot prove such self-referencing future types `Send` without the type erasure.
@@ -134,7 +159,8 @@ impl Proxy {
         } else {
             // An inner request may name its own class with the header; else it keeps the
             // CONNECT's.
-            match self.class_of(&req, None, target.class, target.allowed.as_deref()) {
+            let policy = self.inner.policy.load_full();
+            match self.class_of(&req, &policy, None, target.class, target.allowed.as_deref()) {
                 Ok(class) => {
                     let target = Target { class, ..target };
                     self.forward(req, target).await
@@ -151,7 +177,8 @@ impl Proxy {
             .authority()
             .map(ToString::to_string)
             .unwrap_or_default();
-        if let Some(auth) = &self.inner.auth {
+        let policy = self.inner.policy.load_full();
+        if let Some(auth) = &policy.auth {
             if !auth::authorized(auth, req.headers()) {
                 let err = ProxyError::AuthRequired {
                     realm: auth.realm.clone(),
@@ -165,9 +192,10 @@ impl Proxy {
         };
         // The class named on the proxy connection: header, else the proxy user name.
         let user = auth::user_name(req.headers());
-        target.allowed = self.allowed_classes(user.as_deref());
+        target.allowed = allowed_classes(&policy, &self.inner.pacer, user.as_deref());
         match self.class_of(
             &req,
+            &policy,
             user.as_deref(),
             target.class,
             target.allowed.as_deref(),
@@ -175,7 +203,7 @@ impl Proxy {
             Ok(class) => target.class = class,
             Err(e) => return Handled::refused(e, target.name(), target.authority()),
         }
-        if target.destination.is_none() && self.inner.unmatched == Unmatched::Deny {
+        if target.destination.is_none() && policy.unmatched == Unmatched::Deny {
             let err = ProxyError::Unmatched {
                 target: target.authority(),
             };
@@ -195,6 +223,7 @@ impl Proxy {
     fn class_of(
         &self,
         req: &Request<Incoming>,
+        policy: &ClientPolicy,
         user: Option<&str>,
         fallback: Class,
         allowed: Option<&[Class]>,
@@ -205,7 +234,7 @@ impl Proxy {
             _ => fallback,
         };
         let class = classes
-            .of_request(req.headers(), user, self.inner.auth.is_some(), fallback)
+            .of_request(req.headers(), user, policy.auth.is_some(), fallback)
             .map_err(ProxyError::UnknownClass)?;
         match allowed {
             Some(list) if !list.contains(&class) => Err(ProxyError::ClassNotAllowed {
@@ -221,19 +250,6 @@ impl Proxy {
         }
     }
 
-    /// The classes an authenticated `user` may use, when its config lists them.
-    fn allowed_classes(&self, user: Option<&str>) -> Option<Arc<[Class]>> {
-        let auth = self.inner.auth.as_ref()?;
-        let listed = auth
-            .users
-            .iter()
-            .find(|u| Some(u.name.as_str()) == user)?
-            .classes
-            .as_ref()?;
-        let classes = self.inner.pacer.classes();
-        Some(listed.iter().filter_map(|n| classes.lookup(n)).collect())
-    }
-
     /// Where a client request is going: the CONNECT authority or the absolute-form URI.
     fn target_of(&self, req: &Request<Incoming>) -> Result<Target, ProxyError> {
         let connect = req.method() == Method::CONNECT;
@@ -243,7 +259,7 @@ impl Proxy {
             .pacer
             .route(&host, port, if connect { 443 } else { 80 })
         {
-            Routed::To(route) => Some(route.clone()),
+            Routed::To(route) => Some(route),
             Routed::Nowhere => None,
             Routed::PortRefused(route) => {
                 return Err(ProxyError::PortRefused {
@@ -275,7 +291,7 @@ impl Proxy {
             .request_duration
             .with_label_values(&[destination])
             .observe(elapsed.as_secs_f64());
-        let logged = match self.inner.log_requests {
+        let logged = match self.inner.policy.load().log_requests {
             RequestLog::All => true,
             RequestLog::Errors => status >= 400 || !handled.outcome.is_success(),
             RequestLog::None => false,
@@ -301,6 +317,24 @@ impl Proxy {
         );
         handled.response
     }
+}
+
+/// The classes `user` may use, when the policy lists them.
+fn allowed_classes(
+    policy: &ClientPolicy,
+    pacer: &Pacer,
+    user: Option<&str>,
+) -> Option<Arc<[Class]>> {
+    let listed = policy
+        .auth
+        .as_ref()?
+        .users
+        .iter()
+        .find(|u| Some(u.name.as_str()) == user)?
+        .classes
+        .as_ref()?;
+    let classes = pacer.classes();
+    Some(listed.iter().filter_map(|n| classes.lookup(n)).collect())
 }
 
 /// The scheme, host (normalised) and port a request goes to: the CONNECT authority, or the

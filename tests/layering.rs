@@ -20,6 +20,7 @@ const LAYERS: &[&str] = &[
     "upstream",
     "server",
     "proxy",
+    "reload",
     "admin",
     "app",
     "demo",

@@ -59,7 +59,10 @@ pub(super) async fn dispatch(
             queues: &wait_list,
             not_after: Some(latest),
         };
-        let reserved = d.store.reserve(&d.lane.name, &d.lane.rule, ask).await;
+        let reserved = d
+            .store
+            .reserve(&d.lane.name, &d.lane.keys().rule, ask)
+            .await;
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
         let carry_on = match reserved {
@@ -101,12 +104,16 @@ struct Dispatcher {
 
 impl Dispatcher {
     /// Waits until a request waits; returns the latest deadline among the waiters, or `None`
-    /// when pacegate stops. A dispatcher with nothing left to wait for tells the store so.
+    /// when pacegate stops or the lane is retired and empty. A dispatcher with nothing left to wait for tells the store so.
     async fn wait_for_waiters(&mut self) -> Option<Instant> {
         loop {
             let latest = self.lane.queue.lock().prune();
             if latest.is_some() {
                 return latest;
+            }
+            // Removed by a reload, and nobody left waiting: no request is routed here again.
+            if self.lane.is_retired() {
+                return None;
             }
             // Whether the store already knows is its own business: an unchanged list costs
             // it nothing.
@@ -186,7 +193,7 @@ impl Dispatcher {
         // descheduled, or the store's answer was delayed) would bunch with the next ones. Such
         // a slot is dropped, which can only slow the destination.
         let late = Instant::now().saturating_duration_since(slot.at) + slot.excess_delay;
-        if late > lane.rule.max_late() {
+        if late > lane.keys().rule.max_late() {
             self.slots_dropped.inc();
             tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
             return;

@@ -2,10 +2,11 @@
 //! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::time::Instant;
@@ -106,13 +107,14 @@ impl Queue {
 /// One destination's lane.
 pub(crate) struct Lane {
     pub(super) name: Arc<str>,
-    pub(super) rule: Rule,
-    pub(super) pace: Pace,
+    /// The destination's keys: swapped whole by a reload, read whole by each use.
+    keys: ArcSwap<Keys>,
     pub(super) classes: Arc<Classes>,
     pub(super) queue: Mutex<Queue>,
     /// Wakes the dispatcher: a request arrived or left.
     pub(super) work: Notify,
-    pub(super) concurrency: Option<Arc<Semaphore>>,
+    /// Removed from the config by a reload: its dispatcher serves who still waits, then ends.
+    retired: AtomicBool,
     /// The lockout as last seen; the dispatcher watches it to refuse its waiters at once.
     pub(super) locked: watch::Sender<Option<Lockout>>,
     /// The budget as last seen, for status and metrics between store reads.
@@ -126,15 +128,35 @@ pub(crate) struct Lane {
     pub(super) granted: Mutex<Vec<SendLog>>,
 }
 
+/// A destination's keys as the lane uses them.
+pub(crate) struct Keys {
+    pub(crate) pace: Pace,
+    pub(super) rule: Rule,
+    /// `max_concurrency` permits; none when unbounded.
+    pub(super) concurrency: Option<Arc<Semaphore>>,
+}
+
+impl Keys {
+    fn new(pace: &Pace, classes: &Classes, before: Option<&Keys>) -> Self {
+        // The same semaphore while the bound is the same, so that the permits held count.
+        let concurrency = match before {
+            Some(k) if k.pace.max_concurrency == pace.max_concurrency => k.concurrency.clone(),
+            _ => (pace.max_concurrency > 0).then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
+        };
+        Self {
+            rule: rule_of(pace, classes),
+            pace: pace.clone(),
+            concurrency,
+        }
+    }
+}
+
 impl Lane {
     pub(super) fn new(d: &Destination, classes: Arc<Classes>) -> Self {
-        let pace = d.pace.clone();
         Self {
             name: Arc::from(d.name.as_str()),
-            rule: rule_of(&pace, &classes),
-            concurrency: (pace.max_concurrency > 0)
-                .then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
-            pace,
+            keys: ArcSwap::from_pointee(Keys::new(&d.pace, &classes, None)),
+            retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
             classes,
@@ -145,6 +167,33 @@ impl Lane {
             admitting: AtomicUsize::new(0),
             sends: Mutex::new(SendLog::new()),
         }
+    }
+
+    /// The keys now in force.
+    pub(crate) fn keys(&self) -> Arc<Keys> {
+        self.keys.load_full()
+    }
+
+    /// Takes a destination's new keys (a reload): the next slot is reserved by them; the
+    /// budget, the queue and the requests in flight are kept. A changed `max_concurrency`
+    /// takes a fresh semaphore: requests in flight keep the permits of the old one.
+    pub(super) fn reconfigure(&self, pace: &Pace) {
+        let before = self.keys();
+        self.keys
+            .store(Arc::new(Keys::new(pace, &self.classes, Some(&before))));
+        // A dispatcher sleeping on the old interval re-reads the rule.
+        self.work.notify_one();
+    }
+
+    /// Takes the lane out of service (a reload removed its destination): no new request is
+    /// routed to it, and its dispatcher ends once nobody waits.
+    pub(super) fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+        self.work.notify_one();
+    }
+
+    pub(super) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
     }
 
     pub(super) fn locked_error(&self, lock: Lockout) -> PaceError {
@@ -165,12 +214,18 @@ impl Lane {
 
     /// How long a request of `class` may wait for a slot.
     pub(super) fn max_wait(&self, class: Class) -> Duration {
-        self.classes.max_wait(class).unwrap_or(self.pace.max_wait)
+        self.classes
+            .max_wait(class)
+            .unwrap_or(self.keys.load().pace.max_wait)
     }
 
     /// The interval between slots at the backoff last seen.
     pub(super) fn interval(&self) -> Duration {
-        self.rule.interval.mul_f64(self.seen.lock().backoff)
+        self.keys
+            .load()
+            .rule
+            .interval
+            .mul_f64(self.seen.lock().backoff)
     }
 
     /// A guess at when a slot will be free for a new request: the queue ahead of it at the
@@ -178,7 +233,8 @@ impl Lane {
     pub(super) fn estimated_wait(&self) -> Duration {
         let ahead = self.queue.lock().len() as u32 + 1;
         let seen = self.seen.lock();
-        (self.rule.interval.mul_f64(seen.backoff) * ahead).max(seen.paused_for)
+        let interval = self.keys.load().rule.interval;
+        (interval.mul_f64(seen.backoff) * ahead).max(seen.paused_for)
     }
 
     /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.
@@ -250,7 +306,7 @@ impl Lane {
                 }
                 let class = Class(u16::try_from(i).unwrap_or(u16::MAX));
                 if w.deadline < at {
-                    w.refuse(self.deadline_error(class, self.rule.interval));
+                    w.refuse(self.deadline_error(class, self.keys.load().rule.interval));
                     continue;
                 }
                 if w.tx.send(Ok(Grant { generation, class })).is_ok() {

@@ -362,7 +362,7 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
     tokio::time::sleep(ms(100)).await;
     let lock = Lockout::new(403, "GET https://d/".into(), "elsewhere".into());
     store
-        .record("d", &d(&p).0.rule, Event::Lockout(lock), None)
+        .record("d", &d(&p).0.keys().rule, Event::Lockout(lock), None)
         .await
         .unwrap();
     let started = Instant::now();

@@ -176,7 +176,9 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let pacer = &self.inner.pacer;
         let destination: &str = route.name();
-        let retry_throttled = route.pace().retry_throttled;
+        // The keys as they are now; a reload meanwhile governs the next request.
+        let pace = route.pace();
+        let retry_throttled = pace.retry_throttled;
         note.class = Some(class);
         // One deadline for the request and its retries; each retry waits in the same class.
         let deadline = Instant::now() + route.max_wait(class);
@@ -185,7 +187,7 @@ impl Proxy {
         let mut last_throttled: Option<Response<ProxyBody>> = None;
         // Shadow mode sends at once and never retries: clients see what they would without
         // pacegate, while the pacer counts what it would have done.
-        let shadow = route.pace().mode == Mode::Shadow;
+        let shadow = pace.mode == Mode::Shadow;
         loop {
             let admission = match pacer.enter(route, class, deadline).await {
                 Ok(a) => a,
@@ -204,8 +206,8 @@ impl Proxy {
             let mut response = self.send(req, destination).await?;
             let status = response.status().as_u16();
             let mut reading = pacer.read(&admission, status, response.headers());
-            if reading.needs_body(route.pace()) {
-                let (whole, marked) = sniff::sniff(response, &route.pace().throttle_body).await;
+            if reading.needs_body(&pace) {
+                let (whole, marked) = sniff::sniff(response, &pace.throttle_body).await;
                 response = whole;
                 if marked {
                     reading = reading.marked_by_body();
