@@ -5,6 +5,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -18,6 +19,9 @@ pub const UNMATCHED: &str = "unmatched";
 /// pacegate's metric families.
 pub struct Metrics {
     registry: Registry,
+    /// Every family's name, exported or not yet (a labelled family shows once it has a
+    /// series).
+    families: Vec<String>,
     /// `pacegate_requests_total{destination,outcome}`: requests answered, by outcome.
     pub requests: IntCounterVec,
     /// `pacegate_upstream_responses_total{destination,status}`: upstream response statuses.
@@ -63,6 +67,10 @@ pub struct Metrics {
     pub backoff: GaugeVec,
     /// `pacegate_effective_rate{destination}`: `rate / backoff`.
     pub effective_rate: GaugeVec,
+    /// `pacegate_configured_rate{destination}`: the destination's `rate`.
+    pub configured_rate: GaugeVec,
+    /// `pacegate_max_wait_seconds{destination}`: the destination's `max_wait`.
+    pub max_wait: GaugeVec,
     /// `pacegate_achieved_rate{destination}`: sends per second over the last 10 s.
     pub achieved_rate: GaugeVec,
     /// `pacegate_locked{destination}`: 1 when locked out.
@@ -116,6 +124,11 @@ pub struct Metrics {
 impl Metrics {
     /// Creates and registers every family on `registry`.
     pub fn new(registry: Registry) -> Result<Self, prometheus::Error> {
+        let mut families = Vec::new();
+        let mut register = |c: Box<dyn Collector>| {
+            families.extend(c.desc().iter().map(|d| d.fq_name.clone()));
+            registry.register(c)
+        };
         let requests = IntCounterVec::new(
             Opts::new(
                 "pacegate_requests_total",
@@ -241,6 +254,14 @@ impl Metrics {
             "pacegate_effective_rate",
             "rate / backoff: the pace now, requests per second",
         )?;
+        let configured_rate = gauge(
+            "pacegate_configured_rate",
+            "The destination's configured rate, requests per second over every instance",
+        )?;
+        let max_wait = gauge(
+            "pacegate_max_wait_seconds",
+            "The destination's max_wait: the longest a request waits for a slot before a 503",
+        )?;
         let achieved_rate = gauge(
             "pacegate_achieved_rate",
             "Requests sent per second over the last 10 s, this instance",
@@ -314,13 +335,13 @@ impl Metrics {
             "pacegate_store_share_held",
             "Share of every destination's rate left unused on the shared schedule for instances whose heartbeat is stale and that may be pacing alone",
         )?;
-        registry.register(Box::new(store_degraded.clone()))?;
+        register(Box::new(store_degraded.clone()))?;
         let store_share_alone = Gauge::new(
             "pacegate_store_share_alone",
             "Share of every destination's rate this instance would pace alone at if it lost the store now (divide), before the slack it gives up",
         )?;
-        registry.register(Box::new(store_share_held.clone()))?;
-        registry.register(Box::new(store_share_alone.clone()))?;
+        register(Box::new(store_share_held.clone()))?;
+        register(Box::new(store_share_alone.clone()))?;
         let config_mismatch = IntGaugeVec::new(
             Opts::new(
                 "pacegate_config_mismatch",
@@ -328,7 +349,7 @@ impl Metrics {
             ),
             &["destination"],
         )?;
-        registry.register(Box::new(config_mismatch.clone()))?;
+        register(Box::new(config_mismatch.clone()))?;
         let config_reloads = IntCounterVec::new(
             Opts::new(
                 "pacegate_config_reloads_total",
@@ -336,24 +357,24 @@ impl Metrics {
             ),
             &["result"],
         )?;
-        registry.register(Box::new(config_reloads.clone()))?;
+        register(Box::new(config_reloads.clone()))?;
         let config_last_reload_successful = IntGauge::new(
             "pacegate_config_last_reload_successful",
             "0 while the last reload was refused (the running config stays in force), else 1",
         )?;
-        registry.register(Box::new(config_last_reload_successful.clone()))?;
-        registry.register(Box::new(store_instances.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(upstream_responses.clone()))?;
-        registry.register(Box::new(request_duration.clone()))?;
-        registry.register(Box::new(connections_open.clone()))?;
-        registry.register(Box::new(connections_total.clone()))?;
-        registry.register(Box::new(connections_rejected.clone()))?;
-        registry.register(Box::new(tunnels_open.clone()))?;
-        registry.register(Box::new(tunnels_total.clone()))?;
-        registry.register(Box::new(tls_handshake_failures.clone()))?;
-        registry.register(Box::new(cert_cache.clone()))?;
-        registry.register(Box::new(cert_cache_entries.clone()))?;
+        register(Box::new(config_last_reload_successful.clone()))?;
+        register(Box::new(store_instances.clone()))?;
+        register(Box::new(requests.clone()))?;
+        register(Box::new(upstream_responses.clone()))?;
+        register(Box::new(request_duration.clone()))?;
+        register(Box::new(connections_open.clone()))?;
+        register(Box::new(connections_total.clone()))?;
+        register(Box::new(connections_rejected.clone()))?;
+        register(Box::new(tunnels_open.clone()))?;
+        register(Box::new(tunnels_total.clone()))?;
+        register(Box::new(tls_handshake_failures.clone()))?;
+        register(Box::new(cert_cache.clone()))?;
+        register(Box::new(cert_cache_entries.clone()))?;
         for c in [
             &verdicts,
             &retries,
@@ -361,14 +382,16 @@ impl Metrics {
             &granted,
             &shadow_refusals,
         ] {
-            registry.register(Box::new(c.clone()))?;
+            register(Box::new(c.clone()))?;
         }
         for h in [&wait_seconds, &shadow_wait, &reservation_seconds] {
-            registry.register(Box::new(h.clone()))?;
+            register(Box::new(h.clone()))?;
         }
         for g in [
             &backoff,
             &effective_rate,
+            &configured_rate,
+            &max_wait,
             &achieved_rate,
             &locked,
             &paused_until,
@@ -382,10 +405,12 @@ impl Metrics {
             &quota_used,
             &in_flight,
         ] {
-            registry.register(Box::new(g.clone()))?;
+            register(Box::new(g.clone()))?;
         }
+        families.sort();
         Ok(Self {
             registry,
+            families,
             requests,
             upstream_responses,
             request_duration,
@@ -406,6 +431,8 @@ impl Metrics {
             reservation_seconds,
             backoff,
             effective_rate,
+            configured_rate,
+            max_wait,
             achieved_rate,
             locked,
             paused_until,
@@ -436,6 +463,8 @@ impl Metrics {
         self.effective_rate
             .with_label_values(&d)
             .set(s.effective_rate);
+        self.configured_rate.with_label_values(&d).set(s.rate);
+        self.max_wait.with_label_values(&d).set(s.max_wait_seconds);
         self.achieved_rate
             .with_label_values(&d)
             .set(s.achieved_rate_10s);
@@ -505,6 +534,11 @@ impl Metrics {
             self.wait_seconds.with_label_values(&[name]);
             self.retries.with_label_values(&[name]);
         }
+    }
+
+    /// The name of every metric family pacegate exports, sorted.
+    pub fn families(&self) -> &[String] {
+        &self.families
     }
 
     /// Everything in the Prometheus text exposition format.

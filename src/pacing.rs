@@ -631,6 +631,7 @@ impl Pacer {
                 }),
                 config_mismatch: self.store.drift(&lane.name),
                 mode: keys.pace.mode.as_str().to_owned(),
+                max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
             };
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);

@@ -53,6 +53,9 @@ pub struct DestinationStatus {
     /// configs agree, the stricter of each key governs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub config_mismatch: Vec<String>,
+    /// The destination's `max_wait`, in seconds.
+    #[serde(default)]
+    pub max_wait_seconds: f64,
     /// `shadow` while the destination's pace is only computed and counted, else `enforce`.
     #[serde(default = "enforce")]
     pub mode: String,
