@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::class::Classes;
-use crate::destination::{Destination, Pace};
+use crate::destination::{Destination, HostPattern, Pace};
 
 mod file;
 mod validate;
@@ -266,6 +266,64 @@ pub struct UpstreamConfig {
     pub pool_idle_timeout: Duration,
     /// Idle connections kept per upstream host. Default 32.
     pub pool_max_idle_per_host: usize,
+    /// A parent proxy every upstream connection goes through (HTTP CONNECT), but those to
+    /// `no_proxy` hosts. Default none: connections go direct.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ParentProxy>,
+    /// Host patterns reached directly although `proxy` is set.
+    #[serde(skip_serializing_if = "Vec::is_empty", serialize_with = "ser_patterns")]
+    pub no_proxy: Vec<HostPattern>,
+}
+
+/// `[upstream] proxy`: an HTTP proxy that upstream connections are tunnelled through.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ParentProxy {
+    /// Its host name or address.
+    pub host: String,
+    /// Its port (80 when the URL names none).
+    pub port: u16,
+    /// The user name from the URL, if any.
+    pub user: Option<String>,
+    /// `Proxy-Authorization` for every CONNECT (Basic), when the URL carries credentials.
+    pub authorization: Option<String>,
+}
+
+impl ParentProxy {
+    /// The URL without its password.
+    fn shown(&self) -> String {
+        let user = self
+            .user
+            .as_ref()
+            .map_or(String::new(), |u| format!("{u}:****@"));
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        format!("http://{user}{host}:{}", self.port)
+    }
+}
+
+impl fmt::Debug for ParentProxy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.shown())
+    }
+}
+
+impl fmt::Display for ParentProxy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.shown())
+    }
+}
+
+impl Serialize for ParentProxy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.shown())
+    }
+}
+
+fn ser_patterns<S: serde::Serializer>(patterns: &[HostPattern], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(patterns.iter().map(ToString::to_string))
 }
 
 /// `[admin]`: the operator listener (metrics, status, health, unlock).

@@ -8,6 +8,7 @@
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -20,7 +21,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 
-use crate::config::UpstreamConfig;
+use crate::config::{ParentProxy, UpstreamConfig};
+use crate::destination::HostPattern;
+
+mod parent;
 
 /// Errors of bodies flowing through pacegate.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -67,6 +71,16 @@ pub enum ConnectError {
     /// The URI handed to the connector has no host.
     #[error("upstream URI has no host")]
     NoHost,
+    /// The parent proxy refused or failed the tunnel.
+    #[error("parent proxy {parent} could not open a tunnel to {target}: {reason}")]
+    Parent {
+        /// The parent, without its password.
+        parent: String,
+        /// The destination asked for.
+        target: String,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 /// Whether an address is loopback, private, shared (CGNAT), link-local, multicast, broadcast,
@@ -103,6 +117,8 @@ pub fn is_forbidden(ip: IpAddr) -> bool {
 pub struct Connector {
     allow_private: bool,
     timeout: Duration,
+    /// The parent proxy, and the hosts reached without it.
+    parent: Option<Arc<(ParentProxy, Vec<HostPattern>)>>,
 }
 
 impl Connector {
@@ -111,18 +127,64 @@ impl Connector {
         Self {
             allow_private,
             timeout,
+            parent: None,
         }
     }
 
-    /// Resolves `host`, drops forbidden addresses, and connects to the first that answers.
+    /// The same connector, going through `parent` to every host but the `direct` ones.
+    pub fn through(mut self, parent: ParentProxy, direct: Vec<HostPattern>) -> Self {
+        self.parent = Some(Arc::new((parent, direct)));
+        self
+    }
+
+    /// Connects to `host:port` (through the parent proxy, if one is set and `host` is not
+    /// one of its exceptions) within the connect timeout. The address policy applies to the
+    /// final destination either way.
     pub async fn connect(&self, host: &str, port: u16) -> Result<TcpStream, ConnectError> {
         let timed_out = || ConnectError::Timeout {
             host: host.to_owned(),
             after: self.timeout,
         };
-        tokio::time::timeout(self.timeout, self.connect_inner(host, port))
+        let parent = self
+            .parent
+            .as_deref()
+            .filter(|(_, direct)| !direct.iter().any(|p| p.matches(host, port)));
+        let connected = async {
+            match parent {
+                Some((parent, _)) => {
+                    self.check_policy(host, port).await?;
+                    parent::tunnel(parent, host, port).await
+                }
+                None => self.connect_inner(host, port).await,
+            }
+        };
+        tokio::time::timeout(self.timeout, connected)
             .await
             .unwrap_or_else(|_| Err(timed_out()))
+    }
+
+    /// Refuses a destination the parent proxy would reach on an address the policy forbids:
+    /// an address literal, or a name that resolves here to one. A name that does not resolve
+    /// here is the parent's to resolve.
+    async fn check_policy(&self, host: &str, port: u16) -> Result<(), ConnectError> {
+        if self.allow_private {
+            return Ok(());
+        }
+        let forbidden = match host.parse::<IpAddr>() {
+            Ok(ip) => is_forbidden(ip).then_some(ip),
+            Err(_) => tokio::net::lookup_host((host, port))
+                .await
+                .ok()
+                .and_then(|mut addrs| addrs.find(|a| is_forbidden(a.ip())))
+                .map(|a| a.ip()),
+        };
+        match forbidden {
+            Some(addr) => Err(ConnectError::Forbidden {
+                host: host.to_owned(),
+                addr,
+            }),
+            None => Ok(()),
+        }
     }
 
     async fn connect_inner(&self, host: &str, port: u16) -> Result<TcpStream, ConnectError> {
@@ -220,7 +282,10 @@ pub struct Upstream {
 impl Upstream {
     /// Builds the client. `tls` must carry no ALPN; the connector offers h2 and HTTP/1.1.
     pub fn new(cfg: &UpstreamConfig, allow_private: bool, tls: rustls::ClientConfig) -> Self {
-        let connector = Connector::new(allow_private, cfg.connect_timeout);
+        let mut connector = Connector::new(allow_private, cfg.connect_timeout);
+        if let Some(parent) = &cfg.proxy {
+            connector = connector.through(parent.clone(), cfg.no_proxy.clone());
+        }
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
@@ -302,6 +367,15 @@ fn clone_connect_error(e: &ConnectError) -> ConnectError {
             after: *after,
         },
         ConnectError::NoHost => ConnectError::NoHost,
+        ConnectError::Parent {
+            parent,
+            target,
+            reason,
+        } => ConnectError::Parent {
+            parent: parent.clone(),
+            target: target.clone(),
+            reason: reason.clone(),
+        },
     }
 }
 

@@ -113,6 +113,8 @@ pub(super) struct RawUpstream {
     #[serde(default, with = "humantime_serde")]
     pub(super) pool_idle_timeout: Option<Duration>,
     pub(super) pool_max_idle_per_host: Option<usize>,
+    pub(super) proxy: Option<String>,
+    pub(super) no_proxy: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -329,3 +329,44 @@ fn an_empty_or_dotted_key_is_named_quoted() {
     assert!(paths.contains(&"\"a.b\""), "{paths:?}");
     assert!(paths.contains(&"proxy.\"\""), "{paths:?}");
 }
+
+#[test]
+fn a_parent_proxy_is_read_with_its_credentials_and_shown_without_its_password() {
+    let c = parse(&format!(
+        "{MINIMAL}[upstream]\nproxy = \"http://corp%40x:p%3Ass@proxy.corp:3128\"\nno_proxy = [\"*.internal\", \"10.0.0.5\"]\n"
+    ))
+    .unwrap();
+    let parent = c.upstream.proxy.as_ref().unwrap();
+    assert_eq!((parent.host.as_str(), parent.port), ("proxy.corp", 3128));
+    // base64("corp@x:p:ss")
+    assert_eq!(
+        parent.authorization.as_deref(),
+        Some("Basic Y29ycEB4OnA6c3M=")
+    );
+    assert_eq!(c.upstream.no_proxy.len(), 2);
+    let shown = c.to_toml();
+    assert!(
+        shown.contains("proxy = \"http://corp@x:****@proxy.corp:3128\""),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("p:ss") && !shown.contains("p%3Ass"),
+        "{shown}"
+    );
+
+    let err = parse(&format!(
+        "{MINIMAL}[upstream]\nproxy = \"https://proxy.corp:3128\"\nno_proxy = [\"*\"]\n"
+    ))
+    .unwrap_err();
+    assert_eq!(paths(&err), ["upstream.proxy", "upstream.no_proxy[0]"]);
+    let err = parse(&format!(
+        "{MINIMAL}[upstream]\nproxy = \"http://proxy.corp:3128/path\"\n"
+    ))
+    .unwrap_err();
+    assert_eq!(paths(&err), ["upstream.proxy"]);
+    let err = parse(&format!(
+        "{MINIMAL}[upstream]\nno_proxy = [\"a.example\"]\n"
+    ))
+    .unwrap_err();
+    assert!(err[0].message.contains("without upstream.proxy"), "{err:?}");
+}

@@ -196,7 +196,87 @@ impl Validator<'_> {
                 Duration::from_secs(4),
             ),
             pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(32),
+            proxy: raw.proxy.as_deref().and_then(|url| self.parent_proxy(url)),
+            no_proxy: self.no_proxy(raw.proxy.is_some(), raw.no_proxy.unwrap_or_default()),
         }
+    }
+
+    /// `upstream.proxy`: `http://[user[:password]@]host[:port]`.
+    fn parent_proxy(&mut self, url: &str) -> Option<ParentProxy> {
+        const KEY: &str = "upstream.proxy";
+        let uri: http::Uri = match url.parse() {
+            Ok(u) => u,
+            Err(e) => {
+                self.push(KEY, format!("`{url}` is not a URL: {e}"));
+                return None;
+            }
+        };
+        if uri.scheme_str() != Some("http") {
+            self.push(KEY, "must be an http:// URL (the parent proxy is spoken to in plain HTTP, with CONNECT)");
+            return None;
+        }
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            self.push(
+                KEY,
+                "must name only the proxy: http://[user:password@]host:port",
+            );
+            return None;
+        }
+        let authority = uri.authority()?;
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        if host.is_empty() {
+            self.push(KEY, "names no host");
+            return None;
+        }
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|c| c.into_owned())
+        };
+        let credentials = authority.as_str().rsplit_once('@').map(|(userinfo, _)| {
+            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+            (decode(user), decode(password))
+        });
+        let (user, authorization) = match credentials {
+            None => (None, None),
+            Some((Ok(user), Ok(password))) => {
+                use base64::Engine;
+                let basic =
+                    base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+                (Some(user), Some(format!("Basic {basic}")))
+            }
+            Some(_) => {
+                self.push(
+                    KEY,
+                    "its user name or password is not valid percent-encoded UTF-8",
+                );
+                return None;
+            }
+        };
+        Some(ParentProxy {
+            host: host.to_owned(),
+            port: uri.port_u16().unwrap_or(80),
+            user,
+            authorization,
+        })
+    }
+
+    /// `upstream.no_proxy`: host patterns, meaningful only with a proxy.
+    fn no_proxy(&mut self, with_proxy: bool, raw: Vec<String>) -> Vec<HostPattern> {
+        if !raw.is_empty() && !with_proxy {
+            self.push("upstream.no_proxy", "has no effect without upstream.proxy");
+        }
+        let mut patterns = Vec::new();
+        for (i, text) in raw.iter().enumerate() {
+            match HostPattern::parse(text) {
+                Ok(p) => patterns.push(p),
+                Err(e) => self.push(&format!("upstream.no_proxy[{i}]"), e),
+            }
+        }
+        patterns
     }
 
     pub(super) fn admin(&mut self, raw: RawAdmin) -> AdminConfig {

@@ -231,6 +231,12 @@ impl ProxyError {
                     ConnectError::NoHost => {
                         (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest)
                     }
+                    // The next hop refused or failed: RFC 9209 has no closer type.
+                    ConnectError::Parent { .. } => (
+                        S::BAD_GATEWAY,
+                        "proxy_internal_error",
+                        Outcome::UpstreamError,
+                    ),
                 },
                 UpstreamError::Tls {
                     certificate: true, ..

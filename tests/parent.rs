@@ -1,0 +1,152 @@
+//! A parent proxy: `[upstream] proxy` sends every upstream connection through an HTTP proxy
+//! with CONNECT (here a second pacegate in `unmatched = "tunnel"` mode), http and https
+//! destinations alike, except the `no_proxy` hosts; the address policy still applies to the
+//! final destination, and the parent's credentials go with each CONNECT.
+
+mod support;
+
+use support::{client, Alpn, FakeUpstream, TestProxy};
+
+const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 1000\n";
+
+/// A parent that tunnels whatever it is asked to, optionally behind `auth`.
+async fn parent(upstream: &FakeUpstream, auth: &str) -> TestProxy {
+    TestProxy::start(&upstream.ca.cert_path, "unmatched = \"tunnel\"\n", auth).await
+}
+
+/// CONNECTs the parent has tunnelled so far.
+fn tunnelled(parent: &TestProxy) -> f64 {
+    let text = parent.running.as_ref().unwrap().metrics.render();
+    support::metric_value(
+        &text,
+        "pacegate_requests_total{destination=\"unmatched\",outcome=\"tunneled\"}",
+    )
+}
+
+/// A pacegate whose upstream connections go through `proxy_url`.
+async fn child(upstream: &FakeUpstream, proxy_extra: &str, upstream_keys: &str) -> TestProxy {
+    TestProxy::start(
+        &upstream.ca.cert_path,
+        proxy_extra,
+        &format!("[upstream]\n{upstream_keys}\n{LOCAL}"),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn http_and_https_destinations_go_through_the_parent() {
+    let upstream = FakeUpstream::start().await;
+    let parent = parent(&upstream, "").await;
+    let url = format!("proxy = \"http://127.0.0.1:{}\"", parent.addr.port());
+    let child = child(&upstream, "", &url).await;
+    let via = client(Some(&child.url()), &[&child.ca_path()], Alpn::Http1);
+    assert_eq!(tunnelled(&parent), 0.0);
+    for base in [
+        upstream.http_url("localhost"),
+        upstream.https_url("localhost"),
+    ] {
+        let answer = via.get(format!("{base}/status/200")).send().await.unwrap();
+        assert_eq!(answer.status(), 200, "{base}");
+    }
+    assert_eq!(upstream.recorded().len(), 2);
+    assert_eq!(
+        tunnelled(&parent),
+        2.0,
+        "one tunnel per upstream connection, http and https"
+    );
+}
+
+#[tokio::test]
+async fn no_proxy_hosts_go_direct() {
+    let upstream = FakeUpstream::start().await;
+    let parent = parent(&upstream, "").await;
+    let keys = format!(
+        "proxy = \"http://127.0.0.1:{}\"\nno_proxy = [\"localhost\"]",
+        parent.addr.port()
+    );
+    let child = child(&upstream, "", &keys).await;
+    let via = client(Some(&child.url()), &[], Alpn::Http1);
+    let answer = via
+        .get(format!("{}/status/200", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    assert_eq!(tunnelled(&parent), 0.0, "the parent was not asked");
+}
+
+#[tokio::test]
+async fn the_address_policy_applies_to_the_final_destination() {
+    let upstream = FakeUpstream::start().await;
+    let parent = parent(&upstream, "").await;
+    let url = format!("proxy = \"http://127.0.0.1:{}\"", parent.addr.port());
+    // The parent is on loopback, and that is allowed: it is the operator's choice. The
+    // destination is on loopback too, and that is not.
+    let child = child(&upstream, "allow_private_upstreams = false\n", &url).await;
+    let via = client(Some(&child.url()), &[], Alpn::Http1);
+    let answer = via
+        .get(format!("{}/status/200", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 403);
+    let status = answer.headers()["proxy-status"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(status.contains("destination_ip_prohibited"), "{status}");
+    assert_eq!(tunnelled(&parent), 0.0, "the parent was never asked");
+    assert!(upstream.recorded().is_empty());
+}
+
+#[tokio::test]
+async fn the_parent_s_credentials_go_with_each_connect() {
+    let upstream = FakeUpstream::start().await;
+    let digest = hex::encode(pacegate::config::User::digest(b"s3cret:x"));
+    let auth =
+        format!("[proxy.auth]\nusers = [{{ name = \"corp\", password_sha256 = \"{digest}\" }}]\n");
+    let parent = parent(&upstream, &auth).await;
+    let port = parent.addr.port();
+    // The password has a colon: percent-encoded in the URL.
+    let right = child(
+        &upstream,
+        "",
+        &format!("proxy = \"http://corp:s3cret%3Ax@127.0.0.1:{port}\""),
+    )
+    .await;
+    let via = client(Some(&right.url()), &[], Alpn::Http1);
+    let answer = via
+        .get(format!("{}/status/200", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+
+    let wrong = child(
+        &upstream,
+        "",
+        &format!("proxy = \"http://corp:guess@127.0.0.1:{port}\""),
+    )
+    .await;
+    let via = client(Some(&wrong.url()), &[], Alpn::Http1);
+    let answer = via
+        .get(format!("{}/status/200", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 502);
+    let status = answer.headers()["proxy-status"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(status.contains("proxy_internal_error"), "{status}");
+    let body = answer.text().await.unwrap();
+    assert!(
+        body.contains("407"),
+        "says the parent wants credentials: {body}"
+    );
+    assert!(
+        !body.contains("guess"),
+        "the password is never shown: {body}"
+    );
+}
