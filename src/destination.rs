@@ -272,9 +272,16 @@ pub struct Pace {
 }
 
 /// Below this, a host pattern without a port matches only the scheme's default port (80 for
-/// http, 443 for CONNECT) and the destination's `ports`, as squid's `Safe_ports` does: a
+/// http; 443 and 80 for CONNECT) and the destination's `ports`, as squid's `Safe_ports` does: a
 /// paced host is not a way to reach its SSH or SMTP port.
 pub const SAFE_PORTS_FROM: u16 = 1024;
+
+/// The low ports an `http://` request may go to without a `ports` entry.
+pub const HTTP: &[u16] = &[80];
+/// The low ports a CONNECT may go to without a `ports` entry: 443, and 80 for clients that
+/// tunnel their `http://` requests too (undici's `ProxyAgent`, which Node's
+/// `EnvHttpProxyAgent` uses).
+pub const CONNECT: &[u16] = &[443, 80];
 
 /// The routing table: which destination, if any, a target host and port belong to. `T` is
 /// what routing yields for a destination (the pacer's handle to its lane).
@@ -319,10 +326,10 @@ impl<T> FromIterator<(Vec<HostPattern>, Vec<u16>, T)> for Routes<T> {
 }
 
 impl<T> Routes<T> {
-    /// Where a normalised host and port go, `default_port` being the scheme's (80 for http,
-    /// 443 for CONNECT). A pattern with a port matches that port only; one without matches
-    /// the default port, any port from [`SAFE_PORTS_FROM`], and the destination's `ports`.
-    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<&T> {
+    /// Where a normalised host and port go, `default_ports` being the request's ([`HTTP`]
+    /// or [`CONNECT`]). A pattern with a port matches that port only; one without matches
+    /// the default ports, any port from [`SAFE_PORTS_FROM`], and the destination's `ports`.
+    pub fn route(&self, host: &str, port: u16, default_ports: &[u16]) -> Routed<&T> {
         for (hosts, ports, to) in &self.entries {
             for p in hosts {
                 if p.port.is_some() {
@@ -330,8 +337,9 @@ impl<T> Routes<T> {
                         return Routed::To(to);
                     }
                 } else if p.matches(host, port) {
-                    let safe =
-                        port == default_port || port >= SAFE_PORTS_FROM || ports.contains(&port);
+                    let safe = default_ports.contains(&port)
+                        || port >= SAFE_PORTS_FROM
+                        || ports.contains(&port);
                     return if safe {
                         Routed::To(to)
                     } else {
@@ -469,7 +477,10 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let route = |host, port, default| routes.route(host, port, default);
+        // The default port given names the request: 443 a CONNECT, 80 a plain http one.
+        let route = |host, port, default| {
+            routes.route(host, port, if default == 443 { CONNECT } else { HTTP })
+        };
         assert_eq!(route("api.example.com", 443, 443), Routed::To(&"api"));
         assert_eq!(route("api.example.com", 80, 80), Routed::To(&"api"));
         assert_eq!(route("api.example.com", 8443, 443), Routed::To(&"api"));
@@ -482,10 +493,8 @@ mod tests {
             route("api.example.com", 22, 443),
             Routed::PortRefused(&"api")
         );
-        assert_eq!(
-            route("api.example.com", 80, 443),
-            Routed::PortRefused(&"api")
-        );
+        // A CONNECT to port 80: a client that tunnels its http:// requests too.
+        assert_eq!(route("api.example.com", 80, 443), Routed::To(&"api"));
         assert_eq!(
             route("api.example.com", 443, 80),
             Routed::PortRefused(&"api")

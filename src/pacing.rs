@@ -270,10 +270,10 @@ impl Pacer {
         }
     }
 
-    /// Where a normalised host and port go, `default_port` being the scheme's (see
+    /// Where a normalised host and port go, `default_ports` being the request's (see
     /// [`Routes::route`]).
-    pub fn route(&self, host: &str, port: u16, default_port: u16) -> Routed<Route> {
-        self.routes.load().route(host, port, default_port).cloned()
+    pub fn route(&self, host: &str, port: u16, default_ports: &[u16]) -> Routed<Route> {
+        self.routes.load().route(host, port, default_ports).cloned()
     }
 
     /// The destination named `name` (for operators' commands, which name it).

@@ -7,6 +7,7 @@ pub mod auth;
 mod connect;
 mod forward;
 pub mod headers;
+mod peek;
 pub mod respond;
 mod sniff;
 
@@ -18,7 +19,7 @@ use hyper::body::Incoming;
 
 use crate::class::Class;
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
-use crate::destination::{normalise_host, Routed};
+use crate::destination::{normalise_host, Routed, CONNECT, HTTP};
 use crate::metrics::{Metrics, UNMATCHED};
 use crate::pacing::Pacer;
 use crate::shutdown::Shutdown;
@@ -254,20 +255,21 @@ impl Proxy {
     fn target_of(&self, req: &Request<Incoming>) -> Result<Target, ProxyError> {
         let connect = req.method() == Method::CONNECT;
         let (scheme, host, port) = parse_target(connect, req.uri())?;
-        let destination = match self
-            .inner
-            .pacer
-            .route(&host, port, if connect { 443 } else { 80 })
-        {
-            Routed::To(route) => Some(route),
-            Routed::Nowhere => None,
-            Routed::PortRefused(route) => {
-                return Err(ProxyError::PortRefused {
-                    destination: route.name().to_string(),
-                    port,
-                })
-            }
-        };
+        let destination =
+            match self
+                .inner
+                .pacer
+                .route(&host, port, if connect { CONNECT } else { HTTP })
+            {
+                Routed::To(route) => Some(route),
+                Routed::Nowhere => None,
+                Routed::PortRefused(route) => {
+                    return Err(ProxyError::PortRefused {
+                        destination: route.name().to_string(),
+                        port,
+                    })
+                }
+            };
         Ok(Target {
             scheme,
             host,

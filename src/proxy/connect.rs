@@ -20,6 +20,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant as Deadline;
 use tokio_rustls::TlsAcceptor;
 
+use super::peek::Peeked;
 use super::respond::{Outcome, ProxyError};
 use super::{BoxFuture, Handled, PaceNote, Proxy, Target};
 use crate::pacing::Admission;
@@ -110,8 +111,26 @@ impl Proxy {
                 return;
             }
         };
-        let handshake = TlsAcceptor::from(config).accept(TokioIo::new(upgraded));
-        let tls = match tokio::time::timeout(self.inner.limits.handshake_timeout, handshake).await {
+        let limit = self.inner.limits.handshake_timeout;
+        let peeked = match tokio::time::timeout(limit, Peeked::read(TokioIo::new(upgraded))).await {
+            Ok(Ok(p)) => p,
+            _ => {
+                tracing::debug!(target = %target.authority(), "client sent nothing in the tunnel");
+                return;
+            }
+        };
+        if !peeked.is_tls() {
+            // Plain HTTP in the tunnel: served as it is, sent upstream as http://.
+            let target = Target {
+                scheme: http::uri::Scheme::HTTP,
+                ..target
+            };
+            self.serve_inner(TokioIo::new(peeked), target, INTERCEPT)
+                .await;
+            return;
+        }
+        let handshake = TlsAcceptor::from(config).accept(peeked);
+        let tls = match tokio::time::timeout(limit, handshake).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
                 metrics.tls_handshake_failures.inc();
@@ -127,8 +146,17 @@ impl Proxy {
                 return;
             }
         };
-        metrics.tunnels_total.with_label_values(&[INTERCEPT]).inc();
-        let open = metrics.tunnels_open.with_label_values(&[INTERCEPT]);
+        self.serve_inner(TokioIo::new(tls), target, INTERCEPT).await;
+    }
+
+    /// Serves the HTTP inside a CONNECT tunnel: each request goes through `handle_inner`.
+    async fn serve_inner<I>(self, io: I, target: Target, kind: &'static str)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let metrics = self.inner.metrics.clone();
+        metrics.tunnels_total.with_label_values(&[kind]).inc();
+        let open = metrics.tunnels_open.with_label_values(&[kind]);
         open.inc();
         let shutdown = self.inner.shutdown.clone();
         let builder = server::connection_builder(&self.inner.limits);
@@ -137,7 +165,7 @@ impl Proxy {
             let target = target.clone();
             async move { Ok::<_, Infallible>(proxy.handle_inner(req, target).await) }
         });
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+        let conn = builder.serve_connection_with_upgrades(io, service);
         // See `server::serve` for why this is boxed.
         let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(conn));
         if let Err(e) = driven.await {

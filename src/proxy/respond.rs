@@ -103,7 +103,7 @@ pub enum ProxyError {
     },
     /// A configured destination's host on a port below 1024 other than the scheme's default
     /// and the destination's `ports`.
-    #[error("port {port} is not allowed for destination `{destination}`: below 1024 only the default port (80 for http, 443 for CONNECT) is, unless [destinations.{destination}] lists it in `ports`")]
+    #[error("port {port} is not allowed for destination `{destination}`: below 1024 only the default ports (80 for http; 443 and 80 for CONNECT) are, unless [destinations.{destination}] lists it in `ports`")]
     PortRefused {
         /// The destination whose host it is.
         destination: String,

@@ -1,0 +1,3 @@
+module pacegate.test/client
+
+go 1.19
