@@ -16,6 +16,9 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 use crate::pacing::{Pacer, UnlockError};
 use crate::reload::Reloader;
+use history::History;
+
+mod history;
 use crate::shutdown::Shutdown;
 
 /// What the admin endpoints read and act on.
@@ -27,6 +30,8 @@ pub struct Admin {
     token: Option<Arc<str>>,
     /// Present when the config came from a file that can be read again.
     reloader: Option<Arc<Reloader>>,
+    /// The last ten minutes of each destination's pace, for the status page.
+    history: Arc<History>,
 }
 
 fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -36,6 +41,23 @@ fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
         .body(Full::new(body.into()))
         .expect("static response parts are valid")
 }
+
+/// The status page: one self-contained HTML document, its script and style inline, that
+/// reads `/status`, `/history`, `/instances` and `/metrics` from this listener.
+fn page() -> Response<Full<Bytes>> {
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/html; charset=utf-8")
+        // Nothing but this listener: no external asset, no frame around it.
+        .header(
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:; frame-ancestors 'none'",
+        )
+        .header(header::CACHE_CONTROL, "no-store")
+        .body(Full::new(Bytes::from_static(PAGE.as_bytes())))
+        .expect("static response parts are valid")
+}
+
+const PAGE: &str = include_str!("admin/page.html");
 
 fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Full<Bytes>> {
     let body = serde_json::to_vec_pretty(value).unwrap_or_default();
@@ -62,6 +84,7 @@ impl Admin {
             shutdown,
             token: token.map(Arc::from),
             reloader,
+            history: Arc::default(),
         }
     }
 
@@ -94,6 +117,8 @@ impl Admin {
                 );
                 resp
             }
+            (&Method::GET, "/") => page(),
+            (&Method::GET, "/history") => json(StatusCode::OK, &self.history.samples()),
             (&Method::GET, "/status") => json(StatusCode::OK, &self.pacer.status().await),
             (&Method::GET, "/instances") => match self.pacer.instances().await {
                 Ok(list) => json(StatusCode::OK, &list),
@@ -129,12 +154,12 @@ impl Admin {
                 let name = unlock_target(p).unwrap_or_default();
                 self.unlock(name).await
             }
-            (_, "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz" | "/config") => {
+            (_, "/" | "/history" | "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz" | "/config") => {
                 text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "endpoints: GET /metrics /status /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock\n",
+                "endpoints: GET / (the status page) /metrics /status /history /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock\n",
             ),
         }
     }
@@ -164,6 +189,7 @@ impl Admin {
 
     /// Serves until `stop` is cancelled.
     pub async fn serve(self, listener: TcpListener, stop: CancellationToken) {
+        tokio::spawn(self.history.clone().keep(self.pacer.clone(), stop.clone()));
         loop {
             let stream = tokio::select! {
                 accepted = listener.accept() => match accepted {
