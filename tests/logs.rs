@@ -5,34 +5,16 @@ mod support;
 
 use std::time::Duration;
 
-use support::process::{spawn_binary, Instance};
+use support::process::{Instance, Served};
 use support::{client, Alpn, FakeUpstream};
 
 /// The real binary with JSON logs and `[log] requests = "{requests}"`.
-fn start(dir: &std::path::Path, requests: &str) -> Instance {
-    let config = dir.join("pacegate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"[proxy]
-listen = "127.0.0.1:0"
-allow_private_upstreams = true
-[admin]
-listen = "127.0.0.1:0"
-[tls]
-generate_ca = true
-[log]
-requests = "{requests}"
-[destinations.local]
-hosts = ["localhost"]
-rate = 100000
-throttle_statuses = []
-lockout_statuses = []
-"#
-        ),
+fn start(requests: &str) -> Served {
+    Served::start(
+        "",
+        None,
+        &format!("[log]\nrequests = \"{requests}\"\n[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\nthrottle_statuses = []\nlockout_statuses = []"),
     )
-    .unwrap();
-    spawn_binary(&config)
 }
 
 /// Sends a 200, an upstream 404 and a refused request (no destination) through `instance`,
@@ -90,9 +72,8 @@ fn statuses(lines: &[serde_json::Value]) -> Vec<u64> {
 #[tokio::test]
 async fn every_request_is_logged_with_its_fields_by_default() {
     let upstream = FakeUpstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let instance = start(dir.path(), "all");
-    let lines = three_requests(&upstream, instance).await;
+    let served = start("all");
+    let lines = three_requests(&upstream, served.instance).await;
     assert_eq!(statuses(&lines), [200, 404, 403]);
     // The canonical fields are JSON fields, not text in the message.
     let ok = &lines[0];
@@ -114,18 +95,16 @@ async fn every_request_is_logged_with_its_fields_by_default() {
 #[tokio::test]
 async fn errors_logs_only_what_was_not_answered_well() {
     let upstream = FakeUpstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let instance = start(dir.path(), "errors");
-    let lines = three_requests(&upstream, instance).await;
+    let served = start("errors");
+    let lines = three_requests(&upstream, served.instance).await;
     assert_eq!(statuses(&lines), [404, 403], "{lines:?}");
 }
 
 #[tokio::test]
 async fn none_logs_no_request() {
     let upstream = FakeUpstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let instance = start(dir.path(), "none");
-    let lines = three_requests(&upstream, instance).await;
+    let served = start("none");
+    let lines = three_requests(&upstream, served.instance).await;
     assert_eq!(lines, Vec::<serde_json::Value>::new());
 }
 

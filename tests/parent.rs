@@ -1,46 +1,48 @@
-//! A parent proxy: `[upstream] proxy` sends every upstream connection through an HTTP proxy
+//! A parent proxy, on real processes: `[upstream] proxy` sends every upstream connection through an HTTP proxy
 //! with CONNECT (here a second pacegate in `unmatched = "tunnel"` mode), http and https
 //! destinations alike, except the `no_proxy` hosts; the address policy still applies to the
 //! final destination, and the parent's credentials go with each CONNECT.
 
 mod support;
 
-use support::{client, Alpn, FakeUpstream, TestProxy};
+use support::process::Served;
+use support::{client, Alpn, FakeUpstream};
 
 const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 1000\n";
 
 /// A parent that tunnels whatever it is asked to, optionally behind `auth`.
-async fn parent(upstream: &FakeUpstream, auth: &str) -> TestProxy {
-    TestProxy::start(&upstream.ca.cert_path, "unmatched = \"tunnel\"\n", auth).await
+fn parent(auth: &str) -> Served {
+    Served::start("unmatched = \"tunnel\"", None, auth)
 }
 
 /// CONNECTs the parent has tunnelled so far.
-fn tunnelled(parent: &TestProxy) -> f64 {
-    let text = parent.running.as_ref().unwrap().metrics.render();
+async fn tunnelled(parent: &Served) -> f64 {
     support::metric_value(
-        &text,
+        &parent.metrics().await,
         "pacegate_requests_total{destination=\"unmatched\",outcome=\"tunneled\"}",
     )
 }
 
 /// A pacegate whose upstream connections go through `proxy_url`.
-async fn child(upstream: &FakeUpstream, proxy_extra: &str, upstream_keys: &str) -> TestProxy {
-    TestProxy::start(
-        &upstream.ca.cert_path,
-        proxy_extra,
+fn child(upstream: &FakeUpstream, proxy_keys: &str, upstream_keys: &str) -> Served {
+    Served::start(
+        proxy_keys,
+        Some(&upstream.ca.cert_path),
         &format!("[upstream]\n{upstream_keys}\n{LOCAL}"),
     )
-    .await
 }
 
 #[tokio::test]
 async fn http_and_https_destinations_go_through_the_parent() {
     let upstream = FakeUpstream::start().await;
-    let parent = parent(&upstream, "").await;
-    let url = format!("proxy = \"http://127.0.0.1:{}\"", parent.addr.port());
-    let child = child(&upstream, "", &url).await;
-    let via = client(Some(&child.url()), &[&child.ca_path()], Alpn::Http1);
-    assert_eq!(tunnelled(&parent), 0.0);
+    let parent = parent("");
+    let url = format!(
+        "proxy = \"http://127.0.0.1:{}\"",
+        parent.instance.proxy.port()
+    );
+    let child = child(&upstream, "", &url);
+    let via = client(Some(&child.url()), &[&child.ca()], Alpn::Http1);
+    assert_eq!(tunnelled(&parent).await, 0.0);
     for base in [
         upstream.http_url("localhost"),
         upstream.https_url("localhost"),
@@ -50,7 +52,7 @@ async fn http_and_https_destinations_go_through_the_parent() {
     }
     assert_eq!(upstream.recorded().len(), 2);
     assert_eq!(
-        tunnelled(&parent),
+        tunnelled(&parent).await,
         2.0,
         "one tunnel per upstream connection, http and https"
     );
@@ -59,12 +61,12 @@ async fn http_and_https_destinations_go_through_the_parent() {
 #[tokio::test]
 async fn no_proxy_hosts_go_direct() {
     let upstream = FakeUpstream::start().await;
-    let parent = parent(&upstream, "").await;
+    let parent = parent("");
     let keys = format!(
         "proxy = \"http://127.0.0.1:{}\"\nno_proxy = [\"localhost\"]",
-        parent.addr.port()
+        parent.instance.proxy.port()
     );
-    let child = child(&upstream, "", &keys).await;
+    let child = child(&upstream, "", &keys);
     let via = client(Some(&child.url()), &[], Alpn::Http1);
     let answer = via
         .get(format!("{}/status/200", upstream.http_url("localhost")))
@@ -72,17 +74,20 @@ async fn no_proxy_hosts_go_direct() {
         .await
         .unwrap();
     assert_eq!(answer.status(), 200);
-    assert_eq!(tunnelled(&parent), 0.0, "the parent was not asked");
+    assert_eq!(tunnelled(&parent).await, 0.0, "the parent was not asked");
 }
 
 #[tokio::test]
 async fn the_address_policy_applies_to_the_final_destination() {
     let upstream = FakeUpstream::start().await;
-    let parent = parent(&upstream, "").await;
-    let url = format!("proxy = \"http://127.0.0.1:{}\"", parent.addr.port());
+    let parent = parent("");
+    let url = format!(
+        "proxy = \"http://127.0.0.1:{}\"",
+        parent.instance.proxy.port()
+    );
     // The parent is on loopback, and that is allowed: it is the operator's choice. The
     // destination is on loopback too, and that is not.
-    let child = child(&upstream, "allow_private_upstreams = false\n", &url).await;
+    let child = child(&upstream, "allow_private_upstreams = false\n", &url);
     let via = client(Some(&child.url()), &[], Alpn::Http1);
     let answer = via
         .get(format!("{}/status/200", upstream.http_url("localhost")))
@@ -95,7 +100,7 @@ async fn the_address_policy_applies_to_the_final_destination() {
         .unwrap()
         .to_owned();
     assert!(status.contains("destination_ip_prohibited"), "{status}");
-    assert_eq!(tunnelled(&parent), 0.0, "the parent was never asked");
+    assert_eq!(tunnelled(&parent).await, 0.0, "the parent was never asked");
     assert!(upstream.recorded().is_empty());
 }
 
@@ -105,15 +110,14 @@ async fn the_parent_s_credentials_go_with_each_connect() {
     let digest = hex::encode(pacegate::config::User::digest(b"s3cret:x"));
     let auth =
         format!("[proxy.auth]\nusers = [{{ name = \"corp\", password_sha256 = \"{digest}\" }}]\n");
-    let parent = parent(&upstream, &auth).await;
-    let port = parent.addr.port();
+    let parent = parent(&auth);
+    let port = parent.instance.proxy.port();
     // The password has a colon: percent-encoded in the URL.
     let right = child(
         &upstream,
         "",
         &format!("proxy = \"http://corp:s3cret%3Ax@127.0.0.1:{port}\""),
-    )
-    .await;
+    );
     let via = client(Some(&right.url()), &[], Alpn::Http1);
     let answer = via
         .get(format!("{}/status/200", upstream.http_url("localhost")))
@@ -126,8 +130,7 @@ async fn the_parent_s_credentials_go_with_each_connect() {
         &upstream,
         "",
         &format!("proxy = \"http://corp:guess@127.0.0.1:{port}\""),
-    )
-    .await;
+    );
     let via = client(Some(&wrong.url()), &[], Alpn::Http1);
     let answer = via
         .get(format!("{}/status/200", upstream.http_url("localhost")))

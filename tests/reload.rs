@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::process::{spawn_binary, Instance};
+use support::process::{config_text, spawn_binary, Instance};
 use support::{admin_client, busiest, client, eventually, metric_value, Alpn, FakeUpstream};
 
 /// A config for one instance: `keys` for destination `local` (localhost), `more` after it.
@@ -21,27 +21,14 @@ fn write_config(
     more: &str,
 ) -> PathBuf {
     let path = dir.join("pacegate.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"[proxy]
-listen = "{listen}"
-allow_private_upstreams = true
-[admin]
-listen = "127.0.0.1:0"
-[tls]
-generate_ca = true
-extra_upstream_roots = ["{}"]
-[destinations.local]
-hosts = ["localhost"]
-max_wait = "30s"
-{keys}
-{more}
-"#,
-            upstream.ca.cert_path.display()
+    let text = config_text(
+        &format!("listen = \"{listen}\""),
+        Some(&upstream.ca.cert_path),
+        &format!(
+            "[destinations.local]\nhosts = [\"localhost\"]\nmax_wait = \"30s\"\n{keys}\n{more}"
         ),
-    )
-    .unwrap();
+    );
+    std::fs::write(&path, text).unwrap();
     path
 }
 

@@ -1,40 +1,31 @@
-//! Shadow mode: a destination with `mode = "shadow"` forwards every request at once, while
-//! the pacer computes when each would have gone and counts what it would have refused.
+//! Shadow mode, on the real binary: a destination with `mode = "shadow"` forwards every
+//! request at once, while the pacer computes when each would have gone and counts what it
+//! would have refused.
 
 mod support;
 
 use std::time::Duration;
 
-use support::{admin_client, client, eventually, metric_value, Alpn, FakeUpstream, TestProxy};
+use support::process::Served;
+use support::{admin_client, client, eventually, metric_value, Alpn, FakeUpstream};
 
 /// The destination's rate in the comparison.
 const RATE: u32 = 20;
 /// Requests in the comparison, sent open-loop at twice the rate.
 const REQUESTS: u32 = 40;
 
-async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
-    TestProxy::start(
-        &upstream.ca.cert_path,
+/// A real `pacegate serve` with one destination, `local` (localhost), and `keys`.
+fn start(keys: &str) -> Served {
+    Served::start(
         "",
-        &format!("[destinations.local]\nhosts = [\"localhost\"]\nmax_wait = \"30s\"\n{keys}\n"),
+        None,
+        &format!("[destinations.local]\nhosts = [\"localhost\"]\nmax_wait = \"30s\"\n{keys}"),
     )
-    .await
-}
-
-async fn metrics(proxy: &TestProxy) -> String {
-    admin_client()
-        .get(format!("http://{}/metrics", proxy.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// Sends [`REQUESTS`] requests through `proxy` on a fixed beat of twice the rate, whatever
 /// the answers (independent workers do), and waits for every answer.
-async fn open_loop(proxy: &TestProxy, upstream: &FakeUpstream) {
+async fn open_loop(proxy: &Served, upstream: &FakeUpstream) {
     let via = client(Some(&proxy.url()), &[], Alpn::Http1);
     let beat = Duration::from_secs(1) / (2 * RATE);
     let start = tokio::time::Instant::now();
@@ -56,23 +47,23 @@ async fn open_loop(proxy: &TestProxy, upstream: &FakeUpstream) {
 }
 
 /// The mean of a histogram of the `local` destination, once it holds `count` observations.
-async fn mean_of(proxy: &TestProxy, histogram: &str, count: u32) -> f64 {
+async fn mean_of(proxy: &Served, histogram: &str, count: u32) -> f64 {
     let series = |part: &str| format!("{histogram}_{part}{{destination=\"local\"}}");
     eventually(Duration::from_secs(15), histogram, || async {
-        let text = metrics(proxy).await;
+        let text = proxy.metrics().await;
         (metric_value(&text, &series("count")) == f64::from(count))
             .then(|| metric_value(&text, &series("sum")) / f64::from(count))
     })
     .await
 }
 
-// Several threads, as pacegate runs: on one, the forty requests in flight at once in shadow
-// mode (client, proxy and upstream all in this process) would starve the dispatcher.
+// Several threads: the forty requests in flight at once in shadow mode (clients and
+// upstream in this process) are answered without delaying the beat of the load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shadow_mode_sends_at_once_and_counts_the_waits_enforcing_makes() {
     // Enforced: the requests wait, and the upstream sees the rate.
     let upstream = FakeUpstream::start().await;
-    let enforcing = start(&upstream, &format!("rate = {RATE}")).await;
+    let enforcing = start(&format!("rate = {RATE}"));
     open_loop(&enforcing, &upstream).await;
     let at = upstream.arrivals();
     let enforced_span = *at.last().unwrap() - at[0];
@@ -84,7 +75,7 @@ async fn shadow_mode_sends_at_once_and_counts_the_waits_enforcing_makes() {
 
     // Shadow: the same load reaches the upstream as it is sent; the would-be waits match.
     let upstream = FakeUpstream::start().await;
-    let shadow = start(&upstream, &format!("rate = {RATE}\nmode = \"shadow\"")).await;
+    let shadow = start(&format!("rate = {RATE}\nmode = \"shadow\""));
     open_loop(&shadow, &upstream).await;
     let at = upstream.arrivals();
     let shadow_span = *at.last().unwrap() - at[0];
@@ -99,7 +90,7 @@ async fn shadow_mode_sends_at_once_and_counts_the_waits_enforcing_makes() {
         (would - enforced).abs() <= 0.1 * enforced,
         "would-be mean wait {would:.3}s against {enforced:.3}s enforced"
     );
-    let text = metrics(&shadow).await;
+    let text = shadow.metrics().await;
     assert_eq!(
         metric_value(&text, "pacegate_wait_seconds_count{destination=\"local\"}"),
         0.0,
@@ -110,7 +101,7 @@ async fn shadow_mode_sends_at_once_and_counts_the_waits_enforcing_makes() {
 #[tokio::test]
 async fn in_shadow_mode_verdicts_are_learned_and_a_lockout_refuses_nothing() {
     let upstream = FakeUpstream::start().await;
-    let proxy = start(&upstream, "rate = 1000\nmode = \"shadow\"").await;
+    let proxy = start("rate = 1000\nmode = \"shadow\"");
     let via = client(Some(&proxy.url()), &[], Alpn::Http1);
     let base = upstream.http_url("localhost");
 
@@ -135,7 +126,7 @@ async fn in_shadow_mode_verdicts_are_learned_and_a_lockout_refuses_nothing() {
 
     let status: serde_json::Value = serde_json::from_str(
         &admin_client()
-            .get(format!("http://{}/status", proxy.admin))
+            .get(format!("http://{}/status", proxy.instance.admin))
             .send()
             .await
             .unwrap()
@@ -150,7 +141,7 @@ async fn in_shadow_mode_verdicts_are_learned_and_a_lockout_refuses_nothing() {
     assert_eq!(local["lock"]["status"], 403, "the lockout was recorded");
     // The request after the lockout would have been refused.
     eventually(Duration::from_secs(5), "a counted refusal", || async {
-        let text = metrics(&proxy).await;
+        let text = proxy.metrics().await;
         (metric_value(
             &text,
             "pacegate_shadow_refusals_total{destination=\"local\",reason=\"locked\"}",

@@ -98,3 +98,62 @@ pub fn spawn_binary_with(config: &std::path::Path, env: &[(&str, &str)]) -> Inst
         logs,
     }
 }
+
+/// The real binary on a test config in a directory of its own: listeners on port 0, a CA
+/// generated beside the config, loopback upstreams allowed (unless `proxy_keys` says
+/// otherwise), `roots` trusted upstream, and `rest` (destinations, other sections) after.
+pub struct Served {
+    pub instance: Instance,
+    pub dir: tempfile::TempDir,
+}
+
+impl Served {
+    pub fn start(proxy_keys: &str, roots: Option<&std::path::Path>, rest: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("pacegate.toml");
+        std::fs::write(&config, config_text(proxy_keys, roots, rest)).unwrap();
+        let instance = spawn_binary(&config);
+        Self { instance, dir }
+    }
+
+    /// The proxy URL clients use.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.instance.proxy)
+    }
+
+    /// The CA it generated, which clients of intercepted hosts trust.
+    pub fn ca(&self) -> std::path::PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    /// Its `/metrics`.
+    pub async fn metrics(&self) -> String {
+        super::admin_client()
+            .get(format!("http://{}/metrics", self.instance.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+/// The config [`Served::start`] writes.
+pub fn config_text(proxy_keys: &str, roots: Option<&std::path::Path>, rest: &str) -> String {
+    // Defaults for [proxy], each dropped when `proxy_keys` sets that key itself.
+    let defaults: String = [
+        ("listen", "\"127.0.0.1:0\""),
+        ("allow_private_upstreams", "true"),
+    ]
+    .iter()
+    .filter(|(key, _)| !proxy_keys.contains(key))
+    .map(|(key, value)| format!("{key} = {value}\n"))
+    .collect();
+    let roots = roots.map_or(String::new(), |r| {
+        format!("extra_upstream_roots = [\"{}\"]\n", r.display())
+    });
+    format!(
+        "[proxy]\n{defaults}{proxy_keys}\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\n{roots}\n{rest}\n"
+    )
+}
