@@ -98,6 +98,17 @@ pub fn ca_init(dir: &Path, constrained_to: Option<&Path>) -> ExitCode {
     }
 }
 
+/// The multi-threaded runtime pacegate serves on.
+fn server_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    // Every rustls config pacegate builds names ring explicitly; installing it as the process
+    // default too keeps any dependency that asks for the default on the same provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| fail(&e))
+}
+
 /// A current-thread runtime for one command's few calls.
 fn small_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
     tokio::runtime::Builder::new_current_thread()
@@ -290,15 +301,9 @@ pub fn serve(path: &Path) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    // Every rustls config pacegate builds names ring explicitly; installing it as the process
-    // default too keeps any dependency that asks for the default on the same provider.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match server_runtime() {
         Ok(rt) => rt,
-        Err(e) => return fail(&e),
+        Err(code) => return code,
     };
     match runtime.block_on(crate::app::run(config)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -309,13 +314,9 @@ pub fn serve(path: &Path) -> ExitCode {
 /// `pacegate demo`: 0 when the shared run held the ceiling, 1 when it did not or the demo
 /// failed, 130 when interrupted (after cleaning up).
 pub fn demo(options: crate::demo::Options) -> ExitCode {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match server_runtime() {
         Ok(rt) => rt,
-        Err(e) => return fail(&e),
+        Err(code) => return code,
     };
     match runtime.block_on(crate::demo::run(options)) {
         Ok(outcome) if outcome.held() => ExitCode::SUCCESS,

@@ -23,6 +23,23 @@ async fn tunnelled(parent: &Served) -> f64 {
     )
 }
 
+/// `[upstream] proxy`, naming `parent`.
+fn through(parent: &Served) -> String {
+    format!(
+        "proxy = \"http://127.0.0.1:{}\"",
+        parent.instance.proxy.port()
+    )
+}
+
+/// A GET of the upstream's `/status/200` for localhost through `child`.
+async fn get_local(child: &Served, upstream: &FakeUpstream) -> reqwest::Response {
+    client(Some(&child.url()), &[], Alpn::Http1)
+        .get(format!("{}/status/200", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap()
+}
+
 /// A pacegate whose upstream connections go through `proxy_url`.
 fn child(upstream: &FakeUpstream, proxy_keys: &str, upstream_keys: &str) -> Served {
     Served::start(
@@ -36,11 +53,7 @@ fn child(upstream: &FakeUpstream, proxy_keys: &str, upstream_keys: &str) -> Serv
 async fn http_and_https_destinations_go_through_the_parent() {
     let upstream = FakeUpstream::start().await;
     let parent = parent("");
-    let url = format!(
-        "proxy = \"http://127.0.0.1:{}\"",
-        parent.instance.proxy.port()
-    );
-    let child = child(&upstream, "", &url);
+    let child = child(&upstream, "", &through(&parent));
     let via = client(Some(&child.url()), &[&child.ca()], Alpn::Http1);
     assert_eq!(tunnelled(&parent).await, 0.0);
     for base in [
@@ -62,18 +75,9 @@ async fn http_and_https_destinations_go_through_the_parent() {
 async fn no_proxy_hosts_go_direct() {
     let upstream = FakeUpstream::start().await;
     let parent = parent("");
-    let keys = format!(
-        "proxy = \"http://127.0.0.1:{}\"\nno_proxy = [\"localhost\"]",
-        parent.instance.proxy.port()
-    );
+    let keys = format!("{}\nno_proxy = [\"localhost\"]", through(&parent));
     let child = child(&upstream, "", &keys);
-    let via = client(Some(&child.url()), &[], Alpn::Http1);
-    let answer = via
-        .get(format!("{}/status/200", upstream.http_url("localhost")))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(answer.status(), 200);
+    assert_eq!(get_local(&child, &upstream).await.status(), 200);
     assert_eq!(tunnelled(&parent).await, 0.0, "the parent was not asked");
 }
 
@@ -81,19 +85,14 @@ async fn no_proxy_hosts_go_direct() {
 async fn the_address_policy_applies_to_the_final_destination() {
     let upstream = FakeUpstream::start().await;
     let parent = parent("");
-    let url = format!(
-        "proxy = \"http://127.0.0.1:{}\"",
-        parent.instance.proxy.port()
-    );
     // The parent is on loopback, and that is allowed: it is the operator's choice. The
     // destination is on loopback too, and that is not.
-    let child = child(&upstream, "allow_private_upstreams = false\n", &url);
-    let via = client(Some(&child.url()), &[], Alpn::Http1);
-    let answer = via
-        .get(format!("{}/status/200", upstream.http_url("localhost")))
-        .send()
-        .await
-        .unwrap();
+    let child = child(
+        &upstream,
+        "allow_private_upstreams = false\n",
+        &through(&parent),
+    );
+    let answer = get_local(&child, &upstream).await;
     assert_eq!(answer.status(), 403);
     let status = answer.headers()["proxy-status"]
         .to_str()
@@ -118,25 +117,14 @@ async fn the_parent_s_credentials_go_with_each_connect() {
         "",
         &format!("proxy = \"http://corp:s3cret%3Ax@127.0.0.1:{port}\""),
     );
-    let via = client(Some(&right.url()), &[], Alpn::Http1);
-    let answer = via
-        .get(format!("{}/status/200", upstream.http_url("localhost")))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(answer.status(), 200);
+    assert_eq!(get_local(&right, &upstream).await.status(), 200);
 
     let wrong = child(
         &upstream,
         "",
         &format!("proxy = \"http://corp:guess@127.0.0.1:{port}\""),
     );
-    let via = client(Some(&wrong.url()), &[], Alpn::Http1);
-    let answer = via
-        .get(format!("{}/status/200", upstream.http_url("localhost")))
-        .send()
-        .await
-        .unwrap();
+    let answer = get_local(&wrong, &upstream).await;
     assert_eq!(answer.status(), 502);
     let status = answer.headers()["proxy-status"]
         .to_str()

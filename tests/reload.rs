@@ -23,6 +23,7 @@ fn write_config(
     let path = dir.join("pacegate.toml");
     let text = config_text(
         &format!("listen = \"{listen}\""),
+        "",
         Some(&upstream.ca.cert_path),
         &format!(
             "[destinations.local]\nhosts = [\"localhost\"]\nmax_wait = \"30s\"\n{keys}\n{more}"
@@ -40,34 +41,23 @@ fn hang_up(instance: &Instance) {
         .success());
 }
 
-async fn admin_get(instance: &Instance, path: &str) -> String {
-    admin_client()
-        .get(format!("http://{}{path}", instance.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// The last reload's JSON, once there is one with `at_least` reloads counted in all.
 async fn reloaded(instance: &Instance, at_least: f64) -> serde_json::Value {
     eventually(Duration::from_secs(10), "the reload", || async {
-        let metrics = admin_get(instance, "/metrics").await;
+        let metrics = instance.admin_get("/metrics").await;
         let done = metric_value(&metrics, "pacegate_config_reloads_total{result=\"ok\"}")
             + metric_value(&metrics, "pacegate_config_reloads_total{result=\"error\"}");
         if done < at_least {
             return None;
         }
-        serde_json::from_str(&admin_get(instance, "/reload").await).ok()
+        serde_json::from_str(&instance.admin_get("/reload").await).ok()
     })
     .await
 }
 
 async fn status_of_local(instance: &Instance) -> serde_json::Value {
     let all: serde_json::Value =
-        serde_json::from_str(&admin_get(instance, "/status").await).unwrap();
+        serde_json::from_str(&instance.admin_get("/status").await).unwrap();
     all.as_array()
         .unwrap()
         .iter()
@@ -223,7 +213,7 @@ async fn an_invalid_file_changes_nothing_and_says_why() {
         7.0,
         "the old config stays"
     );
-    let metrics = admin_get(&instance, "/metrics").await;
+    let metrics = instance.admin_get("/metrics").await;
     assert_eq!(
         metric_value(&metrics, "pacegate_config_reloads_total{result=\"error\"}"),
         1.0
@@ -255,7 +245,7 @@ async fn an_invalid_file_changes_nothing_and_says_why() {
     hang_up(&instance);
     assert_eq!(reloaded(&instance, 2.0).await["result"], "ok");
     assert_eq!(status_of_local(&instance).await["rate"], 9.0);
-    let metrics = admin_get(&instance, "/metrics").await;
+    let metrics = instance.admin_get("/metrics").await;
     assert_eq!(
         metric_value(&metrics, "pacegate_config_last_reload_successful"),
         1.0

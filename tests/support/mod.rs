@@ -90,33 +90,7 @@ impl TestProxy {
     ) -> Self {
         init();
         let dir = tempfile::tempdir().unwrap();
-        // Test defaults for [proxy], each dropped when the scenario sets that key itself.
-        let defaults: String = [
-            ("allow_private_upstreams", "true"),
-            ("shutdown_grace", "\"5s\""),
-        ]
-        .iter()
-        .filter(|(key, _)| !proxy_extra.contains(key))
-        .map(|(key, value)| format!("{key} = {value}\n"))
-        .collect();
-        let text = format!(
-            r#"
-[proxy]
-listen = "127.0.0.1:0"
-{defaults}{proxy_extra}
-
-[admin]
-listen = "127.0.0.1:0"
-{admin_extra}
-
-[tls]
-generate_ca = true
-extra_upstream_roots = ["{}"]
-
-{extra}
-"#,
-            upstream_ca.display()
-        );
+        let text = process::config_text(proxy_extra, admin_extra, Some(upstream_ca), extra);
         std::fs::write(dir.path().join(CONFIG_FILE), &text).unwrap();
         Self::start_in(dir).await
     }

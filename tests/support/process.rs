@@ -111,7 +111,7 @@ impl Served {
     pub fn start(proxy_keys: &str, roots: Option<&std::path::Path>, rest: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("pacegate.toml");
-        std::fs::write(&config, config_text(proxy_keys, roots, rest)).unwrap();
+        std::fs::write(&config, config_text(proxy_keys, "", roots, rest)).unwrap();
         let instance = spawn_binary(&config);
         Self { instance, dir }
     }
@@ -128,8 +128,15 @@ impl Served {
 
     /// Its `/metrics`.
     pub async fn metrics(&self) -> String {
+        self.instance.admin_get("/metrics").await
+    }
+}
+
+impl Instance {
+    /// The body of a GET on its admin listener.
+    pub async fn admin_get(&self, path: &str) -> String {
         super::admin_client()
-            .get(format!("http://{}/metrics", self.instance.admin))
+            .get(format!("http://{}{path}", self.admin))
             .send()
             .await
             .unwrap()
@@ -139,12 +146,20 @@ impl Served {
     }
 }
 
-/// The config [`Served::start`] writes.
-pub fn config_text(proxy_keys: &str, roots: Option<&std::path::Path>, rest: &str) -> String {
-    // Defaults for [proxy], each dropped when `proxy_keys` sets that key itself.
+/// The test config [`Served::start`] and `TestProxy` write: listeners on port 0, loopback
+/// upstreams allowed and a 5 s shutdown grace (each default dropped when `proxy_keys` sets
+/// that key), `admin_keys` in `[admin]`, a CA generated beside it, `roots` trusted upstream,
+/// then `rest`.
+pub fn config_text(
+    proxy_keys: &str,
+    admin_keys: &str,
+    roots: Option<&std::path::Path>,
+    rest: &str,
+) -> String {
     let defaults: String = [
         ("listen", "\"127.0.0.1:0\""),
         ("allow_private_upstreams", "true"),
+        ("shutdown_grace", "\"5s\""),
     ]
     .iter()
     .filter(|(key, _)| !proxy_keys.contains(key))
@@ -154,6 +169,6 @@ pub fn config_text(proxy_keys: &str, roots: Option<&std::path::Path>, rest: &str
         format!("extra_upstream_roots = [\"{}\"]\n", r.display())
     });
     format!(
-        "[proxy]\n{defaults}{proxy_keys}\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\n{roots}\n{rest}\n"
+        "[proxy]\n{defaults}{proxy_keys}\n[admin]\nlisten = \"127.0.0.1:0\"\n{admin_keys}\n[tls]\ngenerate_ca = true\n{roots}\n{rest}\n"
     )
 }
