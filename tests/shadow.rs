@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use support::process::Served;
-use support::{admin_client, client, eventually, metric_value, Alpn, FakeUpstream};
+use support::{client, eventually, metric_value, Alpn, FakeUpstream};
 
 /// The destination's rate in the comparison.
 const RATE: u32 = 20;
@@ -124,17 +124,8 @@ async fn in_shadow_mode_verdicts_are_learned_and_a_lockout_refuses_nothing() {
         "a lockout in shadow mode refuses nothing"
     );
 
-    let status: serde_json::Value = serde_json::from_str(
-        &admin_client()
-            .get(format!("http://{}/status", proxy.instance.admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap(),
-    )
-    .unwrap();
+    let status: serde_json::Value =
+        serde_json::from_str(&proxy.instance.admin_get("/status").await).unwrap();
     let local = &status[0];
     assert_eq!(local["mode"], "shadow");
     assert_eq!(local["backoff"], 2.0, "the throttle was learned");

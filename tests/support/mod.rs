@@ -155,14 +155,7 @@ impl TestProxy {
 
     /// The admin listener's `/metrics` text.
     pub async fn metrics(&self) -> String {
-        admin_client()
-            .get(format!("http://{}/metrics", self.admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        admin_get(self.admin, "/metrics").await
     }
 
     /// The value of one sample in `/metrics`, e.g. `pacegate_requests_total{destination="a",outcome="forwarded"}`.
@@ -238,6 +231,18 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// A plain client for the admin listener.
 pub fn admin_client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// The body of a GET on the admin listener at `admin`.
+pub async fn admin_get(admin: SocketAddr, path: &str) -> String {
+    admin_client()
+        .get(format!("http://{admin}{path}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// The value of `series` in Prometheus text, 0 when absent.

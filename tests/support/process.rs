@@ -135,14 +135,7 @@ impl Served {
 impl Instance {
     /// The body of a GET on its admin listener.
     pub async fn admin_get(&self, path: &str) -> String {
-        super::admin_client()
-            .get(format!("http://{}{path}", self.admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        super::admin_get(self.admin, path).await
     }
 }
 
