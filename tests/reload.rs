@@ -322,3 +322,33 @@ async fn destinations_come_and_go_and_what_needs_a_restart_is_kept_and_named() {
         .unwrap();
     assert_eq!(local.status(), 403, "no destination for localhost any more");
 }
+
+#[tokio::test]
+async fn proxy_authentication_is_turned_on_by_a_reload() {
+    let upstream = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &upstream, "127.0.0.1:0", "rate = 100", "");
+    let instance = spawn_binary(&config);
+    let url = format!("{}/status/200", upstream.http_url("localhost"));
+    let anyone = client(
+        Some(&format!("http://{}", instance.proxy)),
+        &[],
+        Alpn::Http1,
+    );
+    assert_eq!(anyone.get(&url).send().await.unwrap().status(), 200);
+
+    let digest = hex::encode(pacegate::config::User::digest(b"pw"));
+    let auth =
+        format!("[proxy.auth]\nusers = [{{ name = \"worker\", password_sha256 = \"{digest}\" }}]");
+    write_config(dir.path(), &upstream, "127.0.0.1:0", "rate = 100", &auth);
+    hang_up(&instance);
+    let last = reloaded(&instance, 1.0).await;
+    assert_eq!(last["applied"], serde_json::json!(["proxy.auth"]), "{last}");
+    assert_eq!(anyone.get(&url).send().await.unwrap().status(), 407);
+    let worker = client(
+        Some(&format!("http://worker:pw@{}", instance.proxy)),
+        &[],
+        Alpn::Http1,
+    );
+    assert_eq!(worker.get(&url).send().await.unwrap().status(), 200);
+}
