@@ -16,7 +16,8 @@
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
-//!   destination's lane) that the request carries; `pacing::lane` queues waiting requests
+//!   destination's lane) that the request carries; `pacing::admit` gets a request its slot
+//!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting requests
 //!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::rate`
 //!   counts the achieved rate, `pacing::verdict` reads a response.
 //! - [`budget`]: the store seam and the budget arithmetic both stores share

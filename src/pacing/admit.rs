@@ -1,0 +1,164 @@
+//! How a request gets its slot: waited for in its lane's queue ([`Pacer::admit`]), or in
+//! shadow mode taken by a stand-in while the request goes at once; [`Pacer::enter`] decides
+//! which by the destination's mode.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+
+use super::lane::{self, Lane};
+use super::{Admission, PaceError, Pacer, Route};
+use crate::class::Class;
+use crate::destination::Mode;
+
+impl Pacer {
+    /// A slot for a request of `class` to `route`, by the destination's mode: waited for
+    /// ([`Pacer::admit`]), or in shadow mode counted while the request goes at once.
+    pub async fn enter(
+        self: &Arc<Self>,
+        route: &Route,
+        class: Class,
+        deadline: Instant,
+    ) -> Result<Admission, PaceError> {
+        match route.pace().mode {
+            Mode::Enforce => self.admit(route, class, deadline).await,
+            Mode::Shadow => Ok(self.shadow(route, class, deadline)),
+        }
+    }
+
+    /// Waits for a slot of `route` for a request of `class`, up to `deadline`.
+    /// Cancel-safe: dropping the future leaves the queue at once.
+    pub async fn admit(
+        &self,
+        route: &Route,
+        class: Class,
+        deadline: Instant,
+    ) -> Result<Admission, PaceError> {
+        let lane = &route.0;
+        let started = Instant::now();
+        self.open(lane).await?;
+        let _admitting = lane.admitting();
+        let permit = match &lane.keys().concurrency {
+            None => None,
+            Some(sem) => tokio::select! {
+                p = sem.clone().acquire_owned() => p.ok(),
+                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
+            },
+        };
+        let granted = self.slot(lane, class, started, deadline).await?;
+        let waited = started.elapsed();
+        self.metrics
+            .wait_seconds
+            .with_label_values(&[&lane.name])
+            .observe(waited.as_secs_f64());
+        Ok(self.sent(lane, granted, waited, permit))
+    }
+
+    /// Shadow mode: lets the request go at once, while a stand-in waits for the slot the
+    /// request would have had (taking it, so that the schedule is the one enforcing would
+    /// have made) and counts how long it would have waited, or why it would have been
+    /// refused. `max_concurrency` is not applied.
+    fn shadow(self: &Arc<Self>, route: &Route, class: Class, deadline: Instant) -> Admission {
+        let lane = route.0.clone();
+        let pacer = self.clone();
+        let stand_in = lane.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let name = [&*stand_in.name];
+            let waited = async {
+                pacer.open(&stand_in).await?;
+                let _admitting = stand_in.admitting();
+                pacer.slot(&stand_in, class, started, deadline).await
+            };
+            match waited.await {
+                Ok(_) => pacer
+                    .metrics
+                    .shadow_wait
+                    .with_label_values(&name)
+                    .observe(started.elapsed().as_secs_f64()),
+                Err(PaceError::ShuttingDown) => {}
+                Err(e) => {
+                    let reason = match e {
+                        PaceError::Locked { .. } => "locked",
+                        PaceError::Deadline { .. } => "max_wait",
+                        _ => "store",
+                    };
+                    pacer
+                        .metrics
+                        .shadow_refusals
+                        .with_label_values(&[name[0], reason])
+                        .inc();
+                }
+            }
+        });
+        // A throttle widens once per generation: the request counts as reserved under the
+        // generation last seen.
+        let granted = lane::Grant {
+            generation: lane.seen.lock().generation,
+            class,
+        };
+        self.sent(&lane, granted, Duration::ZERO, None)
+    }
+
+    /// Refuses at once while pacegate stops or the destination is locked.
+    async fn open(&self, lane: &Lane) -> Result<(), PaceError> {
+        if self.stop.is_cancelled() {
+            return Err(PaceError::ShuttingDown);
+        }
+        if lane.locked.borrow().is_some() {
+            // Confirm with the store: another instance may have unlocked it.
+            if let Ok(view) = self.store.view(&lane.name).await {
+                lane.note(view);
+            }
+            if let Some(lock) = lane.locked.borrow().clone() {
+                return Err(lane.locked_error(lock));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits in `lane`'s queue for a slot, up to `deadline`.
+    async fn slot(
+        &self,
+        lane: &Lane,
+        class: Class,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<lane::Grant, PaceError> {
+        let (_seat, rx) = lane.enqueue(class, started, deadline);
+        tokio::select! {
+            g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
+            () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
+        }
+    }
+
+    /// Counts a request sent now on `granted` and makes its admission.
+    fn sent(
+        &self,
+        lane: &Arc<Lane>,
+        granted: lane::Grant,
+        waited: Duration,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Admission {
+        let now = Instant::now();
+        lane.sends.lock().record(now);
+        if let Some(log) = lane.granted.lock().get_mut(usize::from(granted.class.0)) {
+            log.record(now);
+        }
+        self.metrics
+            .granted
+            .with_label_values(&[&lane.name, self.classes.name(granted.class)])
+            .inc();
+        lane.in_flight.fetch_add(1, Ordering::Relaxed);
+        Admission {
+            lane: lane.clone(),
+            class: granted.class,
+            generation: granted.generation,
+            waited,
+            _permit: permit,
+        }
+    }
+}
