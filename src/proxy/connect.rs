@@ -114,8 +114,10 @@ impl Proxy {
         let limit = self.inner.limits.handshake_timeout;
         let peeked = match tokio::time::timeout(limit, Peeked::read(TokioIo::new(upgraded))).await {
             Ok(Ok(p)) => p,
+            // A client that never starts its handshake is the usual case of this.
             _ => {
-                tracing::debug!(target = %target.authority(), "client sent nothing in the tunnel");
+                metrics.tls_handshake_failures.inc();
+                tracing::info!(target = %target.authority(), "client sent nothing in the tunnel in time, not even a TLS handshake");
                 return;
             }
         };
