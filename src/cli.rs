@@ -10,6 +10,8 @@ use crate::config::{Config, ConfigError, LogFormat};
 use crate::status::{self, BudgetStatus};
 use crate::tls;
 
+pub mod log;
+
 /// Exit code for bad config or usage (EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;
 /// Exit code for a runtime failure.
@@ -379,18 +381,22 @@ pub fn fail(e: &dyn std::error::Error) -> ExitCode {
     ExitCode::from(EXIT_FAILURE)
 }
 
-/// Logs to stderr in `format`, filtered by `PACEGATE_LOG`, else at `level` and above.
-pub fn init_tracing(format: LogFormat, level: &str) {
+/// Logs to stderr in `format`, filtered by `PACEGATE_LOG`, else at `level` and above, through
+/// a buffer written every 100 ms ([`log`]). Hold the guard until the process ends: dropping
+/// it writes what is left.
+pub fn init_tracing(format: LogFormat, level: &str) -> log::Flushing {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new(level));
+    let (writer, guard) = log::buffered(std::io::stderr());
     // Colour codes only for a person at a terminal: in a log file they are noise.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+    guard
 }

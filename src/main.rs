@@ -148,7 +148,8 @@ fn main() -> ExitCode {
     } else {
         "info"
     };
-    cli::init_tracing(cli.log_format, level);
+    // Dropped when main returns, after the command: the last lines are written then.
+    let _log = cli::init_tracing(cli.log_format, level);
     match cli.command {
         Command::Serve { config } => cli::serve(&config),
         Command::CheckConfig { config, admin } => cli::check_config(&config, admin),

@@ -55,6 +55,14 @@ async fn reloaded(instance: &Instance, at_least: f64) -> serde_json::Value {
     .await
 }
 
+/// Waits for a log line of `instance` that `matches` (lines are written every 100 ms).
+async fn logged(instance: &Instance, matches: impl Fn(&serde_json::Value) -> bool) {
+    eventually(Duration::from_secs(5), "the log line", || async {
+        instance.logs.json().iter().any(&matches).then_some(())
+    })
+    .await;
+}
+
 async fn status_of_local(instance: &Instance) -> serde_json::Value {
     let all: serde_json::Value =
         serde_json::from_str(&instance.admin_get("/status").await).unwrap();
@@ -222,13 +230,14 @@ async fn an_invalid_file_changes_nothing_and_says_why() {
         metric_value(&metrics, "pacegate_config_last_reload_successful"),
         0.0
     );
-    assert!(
-        instance.logs.json().iter().any(|v| v["level"] == "ERROR"
+    // An ERROR line per problem, with its key.
+    logged(&instance, |v| {
+        v["level"] == "ERROR"
             && v["problem"]
                 .as_str()
-                .is_some_and(|p| p.starts_with("destinations.local.rate"))),
-        "an ERROR line per problem, with its key"
-    );
+                .is_some_and(|p| p.starts_with("destinations.local.rate"))
+    })
+    .await;
     // `status` reads a config for the admin token: the file being edited is invalid now.
     let readable = dir.path().join("status.toml");
     std::fs::write(&readable, "[tls]\ngenerate_ca = true\n").unwrap();
@@ -297,11 +306,10 @@ async fn destinations_come_and_go_and_what_needs_a_restart_is_kept_and_named() {
         200,
         "served on the old port"
     );
-    assert!(instance
-        .logs
-        .json()
-        .iter()
-        .any(|v| v["level"] == "WARN" && v["key"] == "proxy.listen"));
+    logged(&instance, |v| {
+        v["level"] == "WARN" && v["key"] == "proxy.listen"
+    })
+    .await;
 
     // Remove `local`: its hosts are refused from now on.
     std::fs::write(
