@@ -270,11 +270,13 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
 /// Starts pacegate and runs it until SIGINT or SIGTERM, then shuts down gracefully; SIGHUP
 /// reloads the config file meanwhile.
 pub async fn run(config: Config) -> Result<(), StartError> {
+    // Before "listening" is logged: a SIGHUP that follows it must not meet the default
+    // action, which ends the process.
+    let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|source| StartError::Signal { source })?;
     let running = start(config).await?;
     let stop = shutdown::signal();
     tokio::pin!(stop);
-    let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .map_err(|source| StartError::Signal { source })?;
     loop {
         tokio::select! {
             () = &mut stop => break,
