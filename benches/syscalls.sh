@@ -28,6 +28,7 @@ python3 - "$upstream_port" <<'PY' &
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes
     def do_GET(self):
         body = b"x" * 1024
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
