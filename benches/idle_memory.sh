@@ -1,47 +1,19 @@
 #!/usr/bin/env bash
 # Memory of one pacegate process: its RSS idle after start, then with N idle keep-alive client
 # connections open (each has sent one plain-http GET through pacegate and waits). Prints
-# the RSS at each step and the bytes per connection. Loopback only. Needs python3; raises
-# the file-descriptor limit for itself.
+# the RSS at each step and the bytes per connection. Loopback only. Needs python3, and
+# N + 1000 open files per process.
 #
 #   benches/idle_memory.sh [CONNECTIONS] [BINARY]   (default 10000, target/release/pacegate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-10000}
 bin=${2:-target/release/pacegate}
-[ -x "$bin" ] || cargo build --release --quiet
 need=$((n + 1000))
 [ "$(ulimit -n)" -ge "$need" ] || ulimit -n "$need" || { echo "needs $need open files: raise the hard limit (ulimit -Hn)" >&2; exit 1; }
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-upstream_port=$(free_port)
-proxy_port=$(free_port)
-cat > "$work/pacegate.toml" <<TOML
-[proxy]
-listen = "127.0.0.1:$proxy_port"
-allow_private_upstreams = true
-[proxy.limits]
-max_connections = $((n + 100))
-[admin]
-listen = "127.0.0.1:0"
-[tls]
-generate_ca = true
-[destinations.local]
-hosts = ["localhost"]
-rate = 1000000
-TOML
-python3 - "$upstream_port" <<'PY' &
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body are two writes
-    def do_GET(self):
-        body = b"x" * 1024
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
-    def log_message(self, *a): pass
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-PY
+proxy_limits="max_connections = $((n + 100))"
+# shellcheck source=benches/local-setup.sh
+. benches/local-setup.sh
 rss() { awk '/^VmRSS/ { print $2 }' "/proc/$1/status"; }
 "$bin" serve --config "$work/pacegate.toml" 2>"$work/log" &
 pacegate=$!

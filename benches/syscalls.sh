@@ -7,34 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/pacegate}
-[ -x "$bin" ] || cargo build --release --quiet
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
-upstream_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-proxy_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-cat > "$work/pacegate.toml" <<TOML
-[proxy]
-listen = "127.0.0.1:$proxy_port"
-allow_private_upstreams = true
-[admin]
-listen = "127.0.0.1:0"
-[tls]
-generate_ca = true
-[destinations.local]
-hosts = ["localhost"]
-rate = 1000000
-TOML
-python3 - "$upstream_port" <<'PY' &
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body are two writes
-    def do_GET(self):
-        body = b"x" * 1024
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
-    def log_message(self, *a): pass
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-PY
+# shellcheck source=benches/local-setup.sh
+. benches/local-setup.sh
 cat > "$work/load.py" <<'PY'
 import http.client, sys, threading
 total, clients, proxy, upstream = (int(a) for a in sys.argv[1:])

@@ -43,7 +43,7 @@ fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
 }
 
 /// The status page: one self-contained HTML document, its script and style inline, that
-/// reads `/status`, `/history`, `/instances` and `/metrics` from this listener.
+/// reads `/status`, `/history`, `/instances`, `/store` and `/reload` from this listener.
 fn page() -> Response<Full<Bytes>> {
     Response::builder()
         .header(header::CONTENT_TYPE, "text/html; charset=utf-8")
@@ -119,6 +119,14 @@ impl Admin {
             }
             (&Method::GET, "/") => page(),
             (&Method::GET, "/history") => json(StatusCode::OK, &self.history.samples()),
+            // The store's health as the supervisor last set it: no store round trip.
+            (&Method::GET, "/store") => json(
+                StatusCode::OK,
+                &serde_json::json!({
+                    "degraded": self.metrics.store_degraded.get() == 1,
+                    "instances": self.metrics.store_instances.get(),
+                }),
+            ),
             (&Method::GET, "/status") => json(StatusCode::OK, &self.pacer.status().await),
             (&Method::GET, "/instances") => match self.pacer.instances().await {
                 Ok(list) => json(StatusCode::OK, &list),
@@ -154,12 +162,12 @@ impl Admin {
                 let name = unlock_target(p).unwrap_or_default();
                 self.unlock(name).await
             }
-            (_, "/" | "/history" | "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz" | "/config") => {
+            (_, "/" | "/history" | "/store" | "/metrics" | "/status" | "/instances" | "/healthz" | "/readyz" | "/config") => {
                 text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "endpoints: GET / (the status page) /metrics /status /history /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock\n",
+                "endpoints: GET / (the status page) /metrics /status /history /store /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock\n",
             ),
         }
     }

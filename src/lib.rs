@@ -35,7 +35,7 @@
 //! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can
 //!   change in place applied, the rest kept and named.
 //! - [`admin`]: the admin listener (the status page, `/metrics`, `/status`, `/history`,
-//!   `/healthz`, `/readyz`, `/config`, reload, unlock) and the client the `status` and
+//!   `/store`, `/healthz`, `/readyz`, `/config`, reload, unlock) and the client the `status` and
 //!   `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
 //! - [`demo`]: `pacegate demo`: a local vendor, three instances on one budget and a load past

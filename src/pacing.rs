@@ -397,6 +397,24 @@ impl Pacer {
         self.store.instances().await
     }
 
+    /// Each destination's effective rate and achieved rate (last 10 s) as this instance last
+    /// saw them, without asking the store: cheap enough to sample on a timer.
+    pub fn paces(&self) -> Vec<(String, f64, f64)> {
+        let now = Instant::now();
+        self.lanes()
+            .iter()
+            .map(|lane| {
+                let backoff = lane.seen.lock().backoff;
+                let achieved = lane.sends.lock().rate(now, 10);
+                (
+                    lane.name.to_string(),
+                    lane.keys().pace.rate / backoff,
+                    achieved,
+                )
+            })
+            .collect()
+    }
+
     /// Every destination's status, refreshing the per-destination gauges on the way.
     pub async fn status(&self) -> Vec<DestinationStatus> {
         let mut out = Vec::new();

@@ -42,13 +42,14 @@ impl History {
             let at = SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
-            let rows = pacer.status().await;
+            // What this instance already knows: no store round trip every ten seconds.
+            let paces = pacer.paces();
             let mut kept = self.0.lock();
             // A destination a reload removed has no line to draw.
-            kept.retain(|name, _| rows.iter().any(|r| r.destination == *name));
-            for r in rows {
-                let line = kept.entry(r.destination).or_default();
-                line.push_back((at, r.effective_rate, r.achieved_rate_10s));
+            kept.retain(|name, _| paces.iter().any(|(d, ..)| d == name));
+            for (destination, effective, achieved) in paces {
+                let line = kept.entry(destination).or_default();
+                line.push_back((at, effective, achieved));
                 if line.len() > KEPT {
                     line.pop_front();
                 }
