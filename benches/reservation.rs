@@ -42,6 +42,7 @@ fn ask(queues: &[ClassQueue]) -> Ask<'_> {
     Ask {
         queues,
         not_after: None,
+        most: 1,
     }
 }
 

@@ -44,6 +44,7 @@ async fn reserve(store: &PostgresStore, destination: &str, rule: &Rule) {
     let ask = Ask {
         queues: &queues,
         not_after: None,
+        most: 1,
     };
     store.reserve(destination, rule, ask).await.unwrap();
 }
@@ -114,6 +115,7 @@ async fn latency_among_waiters(
         let ask = Ask {
             queues: &list,
             not_after: None,
+            most: 1,
         };
         let grant = store.reserve(&destination, &rule, ask).await.unwrap();
         served += 1;

@@ -84,6 +84,11 @@ pub struct ClassQueue {
     pub next: Option<Instant>,
 }
 
+/// The longest span of one batch of slots (see [`Ask::most`]): it bounds how long another
+/// instance's request of the same class may wait behind a batch, and how far ahead of the
+/// store's latest word (a throttle, a pause taken elsewhere) an instance's slots may reach.
+pub const BATCH_HORIZON: Duration = Duration::from_millis(50);
+
 /// A reservation request: this instance's waiting requests, every class that has any, most
 /// urgent first. The store gives the next slot to the oldest waiting request of the class
 /// that deserves it (the most urgent, unless a class with a share is owed one) over every
@@ -96,18 +101,28 @@ pub struct Ask<'a> {
     pub queues: &'a [ClassQueue],
     /// Take no slot later than this.
     pub not_after: Option<Instant>,
+    /// How many slots one answer may grant (at least 1): when this instance's oldest request
+    /// deserves the next slot, its next requests of the same class may take the slots after
+    /// it, as long as no other class is owed or more urgent anywhere, each slot still within
+    /// every rule (beat, pause, quota windows, the vendor's budget, `not_after`), and the
+    /// last at most [`BATCH_HORIZON`] after the first. One store round trip then serves a
+    /// batch rather than one request.
+    pub most: u32,
 }
 
 /// Requests of one class waiting over every instance: `(class, count, oldest wait)`.
 pub type ClassWaiting = (Class, u32, Duration);
 
-/// A slot granted to one of this instance's waiting requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Slots granted to this instance's waiting requests of one class, oldest request first.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
-    /// The slot.
+    /// The first slot.
     pub slot: Reservation,
-    /// The class whose oldest request it is for.
+    /// The class whose oldest requests they are for.
     pub class: Class,
+    /// The batch's later slots, in order, under the same generation (empty for one slot):
+    /// `slot.at` and these, converted alike, for the class's next requests.
+    pub more: Vec<Instant>,
 }
 
 /// A lockout: what halted a destination.

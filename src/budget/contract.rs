@@ -18,6 +18,7 @@ use super::{Ask, ClassQueue, Event, Lockout, Pause, Reservation, ReserveError, R
 use crate::class::Class;
 use crate::destination::Quota;
 
+mod batch;
 mod vendor;
 
 /// A rule at `rate` per second: burst 1, factor 2, max 8, decay after 3, Retry-After cap 60 s.
@@ -36,7 +37,7 @@ pub(crate) fn rule(rate: f64) -> Rule {
     }
 }
 
-const INTERACTIVE: Class = Class(0);
+pub(crate) const INTERACTIVE: Class = Class(0);
 pub(crate) const BACKFILL: Class = Class(2);
 
 /// `count` requests of `class`, the oldest waiting for `oldest_ms` and the next for half that.
@@ -61,6 +62,7 @@ pub(crate) async fn take(
     let ask = Ask {
         queues: &queues,
         not_after,
+        most: 1,
     };
     store
         .reserve(destination, rule, ask)
@@ -77,6 +79,7 @@ pub(crate) async fn ask(
     let ask = Ask {
         queues,
         not_after: None,
+        most: 1,
     };
     store.reserve("d", rule, ask).await.map(|g| g.class)
 }
@@ -169,6 +172,8 @@ where
     vendor::at_the_reserve_the_destination_pauses_until_the_reset(&fresh().await).await;
     vendor::blocks_escalate_and_one_success_ends_them(&fresh().await).await;
     vendor::a_date_is_read_on_the_store_clock(&fresh().await).await;
+    batch::a_batch_keeps_the_beat_within_the_horizon(&fresh().await, tol).await;
+    batch::a_batch_keeps_quota_windows_limits_and_pauses(&fresh().await, tol).await;
 }
 
 /// The checks that need two instances on one store; `pair` opens two handles on one fresh
@@ -182,6 +187,7 @@ where
     the_most_urgent_request_anywhere_goes_first(pair().await).await;
     first_come_first_served_within_a_class_anywhere(pair().await).await;
     waiting_counts_every_instance(pair().await).await;
+    batch::a_batch_stops_for_a_more_urgent_class_or_an_owed_share(pair().await).await;
 }
 
 async fn the_most_urgent_request_anywhere_goes_first<S: Store>((a, b): (S, S)) {

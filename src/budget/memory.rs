@@ -383,18 +383,19 @@ impl Store for MemoryStore {
             };
             let mut budgets = self.budgets.lock();
             let budget = budgets.entry(destination.to_owned()).or_default();
-            match budget.reserve_for(rule, now, &self.instance, list, limit) {
-                Ok((slot, generation, class)) => {
+            match budget.reserve_for(rule, now, &self.instance, list, limit, ask.most) {
+                Ok(granted) => {
                     if !rule.quota.is_empty() {
                         self.sends_changed.store(true, Ordering::Relaxed);
                     }
                     Ok(Grant {
                         slot: Reservation {
-                            at: self.instant(slot),
-                            generation,
+                            at: self.instant(granted.slot),
+                            generation: granted.generation,
                             excess_delay: Duration::ZERO,
                         },
-                        class,
+                        class: granted.class,
+                        more: granted.more.iter().map(|t| self.instant(*t)).collect(),
                     })
                 }
                 Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),

@@ -31,7 +31,7 @@ use sql::*;
 use super::fleet::{Instance, WAITER_LEASE};
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
-    ReserveError, Rule, Store, StoreError, StoreFuture,
+    ReserveError, Rule, Store, StoreError, StoreFuture, BATCH_HORIZON,
 };
 use crate::class::Class;
 
@@ -191,6 +191,7 @@ impl Store for PostgresStore {
                                 excess_delay: self.excess(transit),
                             },
                             class: only.class,
+                            more: Vec::new(),
                         });
                     }
                 }
@@ -200,7 +201,8 @@ impl Store for PostgresStore {
             let (classes, counts, oldest, next) = columns(ask.queues);
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
-            let statement = client.prepare_cached(SQL_RESERVE_FOR).await.map_err(db)?;
+            let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
+            let statement = client.prepare_cached(SQL_RESERVE_MANY).await.map_err(db)?;
             let row = client
                 .query_one(
                     &statement,
@@ -221,6 +223,8 @@ impl Store for PostgresStore {
                         &next,
                         &tell,
                         &i64::from(rule.reserve),
+                        &most,
+                        &BATCH_HORIZON.as_secs_f64(),
                     ],
                 )
                 .await
@@ -234,13 +238,20 @@ impl Store for PostgresStore {
             let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
             let at = |slot: Option<SystemTime>| {
                 slot.map(|s| arrived + after(s, db_now)).ok_or_else(|| {
-                    StoreError::Refused("pacegate_reserve_for returned no slot".into())
+                    StoreError::Refused("pacegate_reserve_many returned no slot".into())
                 })
             };
             match outcome {
                 "granted" => {
                     let class = Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0));
-                    self.wrote(destination, after_grant(ask.queues, class));
+                    let more: Vec<Instant> = row
+                        .get::<_, Option<Vec<SystemTime>>>(10)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|s| arrived + after(s, db_now))
+                        .collect();
+                    let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
+                    self.wrote(destination, after_grant(ask.queues, class, n));
                     Ok(Grant {
                         slot: Reservation {
                             at: at(slot)?,
@@ -248,6 +259,7 @@ impl Store for PostgresStore {
                             excess_delay: self.excess(arrived - sent),
                         },
                         class,
+                        more,
                     })
                 }
                 // Another instance's request goes first: tell the list again next time, in
@@ -272,7 +284,7 @@ impl Store for PostgresStore {
                     )
                 }
                 other => Err(ReserveError::Store(StoreError::Refused(format!(
-                    "pacegate_reserve_for answered `{other}`"
+                    "pacegate_reserve_many answered `{other}`"
                 )))),
             }
         })

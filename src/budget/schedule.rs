@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
-use super::{Event, Lockout, Observation, PauseCause, Rule};
+use super::{Event, Lockout, Observation, PauseCause, Rule, BATCH_HORIZON};
 use crate::class::Class;
 use crate::signals::Family;
 
@@ -92,6 +92,19 @@ impl Default for Budget {
             waiting: BTreeMap::new(),
         }
     }
+}
+
+/// Slots reserved by [`Budget::reserve_for`], on the store's timeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Granted {
+    /// The first slot.
+    pub slot: Duration,
+    /// The batch's later slots, in order (see [`Budget::reserve_for`]).
+    pub more: Vec<Duration>,
+    /// The generation they were reserved under.
+    pub generation: u64,
+    /// The class they are for.
+    pub class: Class,
 }
 
 /// Why a slot was not reserved.
@@ -314,6 +327,12 @@ impl Budget {
     /// of that class, instance ids breaking ties, gets it). When that request is `instance`'s,
     /// the slot is taken and its class returned; otherwise [`NoSlot::Yield`] and nothing
     /// is taken.
+    ///
+    /// Up to `most` slots are taken at once (see [`crate::budget::Ask::most`]): after the
+    /// first, each next slot goes to `instance`'s next request of the same class while it has
+    /// one, [`choose`] still picks that class, the slot is within `not_after` and at most
+    /// [`BATCH_HORIZON`] after the first. Each is reserved exactly as a slot of its own would
+    /// be, so the beat, pauses, quota windows and the vendor's budget hold slot by slot.
     pub fn reserve_for(
         &mut self,
         rule: &Rule,
@@ -321,7 +340,8 @@ impl Budget {
         instance: &str,
         list: &[Waiting],
         not_after: Option<Duration>,
-    ) -> Result<(Duration, u64, Class), NoSlot> {
+        most: u32,
+    ) -> Result<Granted, NoSlot> {
         // The common case in one step: a lone request, nothing waiting anywhere else and no
         // share owed, deserves the slot; there is no list to keep.
         if let [only] = list {
@@ -331,7 +351,12 @@ impl Budget {
             if alone {
                 if let Ok((slot, generation)) = self.reserve(rule, now, not_after) {
                     self.waiting.remove(instance);
-                    return Ok((slot, generation, only.class));
+                    return Ok(Granted {
+                        slot,
+                        more: Vec::new(),
+                        generation,
+                        class: only.class,
+                    });
                 }
             }
         }
@@ -355,19 +380,50 @@ impl Budget {
         }
         let (slot, generation) = self.reserve(rule, now, not_after)?;
         self.credits = credits;
-        // The request served leaves the list; the next oldest of its class is the oldest.
-        if let Some(list) = self.waiting.get_mut(instance) {
-            if let Some(w) = list.iter_mut().find(|w| w.class == class) {
-                w.count -= 1;
-                w.since = w.next_since.unwrap_or(w.since);
-                w.next_since = None;
-            }
-            list.retain(|w| w.count > 0);
-            if list.is_empty() {
-                self.waiting.remove(instance);
+        let mut left = self.served(instance, class);
+        let mut more = Vec::new();
+        let until = not_after.map_or(slot + BATCH_HORIZON, |n| n.min(slot + BATCH_HORIZON));
+        while left > 0 && more.len() + 1 < most as usize {
+            // Only this instance's list changed, and it still has the class: the classes
+            // waiting are the same, and the credits decide whether another is owed.
+            match choose(&self.credits, &rule.shares, &classes) {
+                Some((c, credits)) if c == class => match self.reserve(rule, now, Some(until)) {
+                    Ok((next, _)) => {
+                        more.push(next);
+                        self.credits = credits;
+                        left = self.served(instance, class);
+                    }
+                    Err(_) => break,
+                },
+                _ => break,
             }
         }
-        Ok((slot, generation, class))
+        Ok(Granted {
+            slot,
+            more,
+            generation,
+            class,
+        })
+    }
+
+    /// The request of `instance` and `class` that a slot was granted to leaves the list; the
+    /// next oldest of its class is the oldest. Returns how many of the class are left.
+    fn served(&mut self, instance: &str, class: Class) -> u32 {
+        let Some(list) = self.waiting.get_mut(instance) else {
+            return 0;
+        };
+        let mut left = 0;
+        if let Some(w) = list.iter_mut().find(|w| w.class == class) {
+            w.count -= 1;
+            w.since = w.next_since.unwrap_or(w.since);
+            w.next_since = None;
+            left = w.count;
+        }
+        list.retain(|w| w.count > 0);
+        if list.is_empty() {
+            self.waiting.remove(instance);
+        }
+        left
     }
 
     /// Applies a verdict observed at `now` (`wall`: the store's wall clock then, which a

@@ -9,6 +9,7 @@
 //! [`Dispatcher::sleep_to_slot`] and [`Dispatcher::settle`] (or [`Dispatcher::refused`] when
 //! the store granted nothing).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::lane::Lane;
 use super::PaceError;
-use crate::budget::{Ask, Grant, Lockout, Reservation, ReserveError, Store};
+use crate::budget::{Ask, ClassQueue, Grant, Lockout, Reservation, ReserveError, Store};
+use crate::class::Class;
 use crate::metrics::Metrics;
 
 /// One tick of tokio's timer wheel.
@@ -34,6 +36,8 @@ const SPIN_FROM: Duration = Duration::from_millis(20);
 const LOCK_POLL: Duration = Duration::from_millis(500);
 /// How long a dispatcher whose store failed waits before asking again.
 const AFTER_FAILURE: Duration = Duration::from_millis(100);
+/// The most slots one reservation asks for (see [`crate::budget::Ask::most`]).
+const MAX_BATCH: usize = 4096;
 
 /// Runs one destination's dispatcher until `stop`.
 pub(super) async fn dispatch(
@@ -54,10 +58,14 @@ pub(super) async fn dispatch(
     };
     while let Some(latest) = d.wait_for_waiters().await {
         let started = Instant::now();
-        let wait_list = d.lane.queue.lock().wait_list();
+        let (wait_list, waiting) = {
+            let queue = d.lane.queue.lock();
+            (queue.wait_list(), queue.len())
+        };
         let ask = Ask {
             queues: &wait_list,
             not_after: Some(latest),
+            most: u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1),
         };
         let reserved = d
             .store
@@ -66,17 +74,7 @@ pub(super) async fn dispatch(
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
         let carry_on = match reserved {
-            Ok(grant) => match d.sleep_to_slot(grant.slot).await {
-                Some(Slept::OnTime) => {
-                    d.settle(grant);
-                    true
-                }
-                Some(Slept::Locked(lock)) => {
-                    d.lane.refuse_all(&d.lane.locked_error(lock));
-                    true
-                }
-                None => false,
-            },
+            Ok(grant) => d.serve(grant).await,
             Err(no) => d.refused(no).await,
         };
         if !carry_on {
@@ -103,6 +101,34 @@ struct Dispatcher {
 }
 
 impl Dispatcher {
+    /// Hands out a grant's slots, each when it comes, to the oldest waiters of its class.
+    /// The rest of a batch is dropped (never sent late, never past what the budget learnt
+    /// since) when the destination is locked, or the budget seen here turns stricter (a
+    /// throttle widened it, a pause began). Returns false when pacegate stops.
+    async fn serve(&mut self, grant: Grant) -> bool {
+        let turns = self.lane.turns.load(Ordering::Relaxed);
+        let count = grant.more.len() + 1;
+        let slots = std::iter::once(grant.slot.at).chain(grant.more.iter().copied());
+        for (i, at) in slots.enumerate() {
+            if i > 0 && self.lane.turns.load(Ordering::Relaxed) != turns {
+                let left = count - i;
+                self.slots_dropped.inc_by(left as u64);
+                tracing::debug!(destination = %self.lane.name, left, "the budget turned stricter; the rest of the batch is dropped");
+                return true;
+            }
+            let slot = Reservation { at, ..grant.slot };
+            match self.sleep_to_slot(slot, grant.class, count - i).await {
+                Some(Slept::OnTime) => self.settle(slot, grant.class),
+                Some(Slept::Locked(lock)) => {
+                    self.lane.refuse_all(&self.lane.locked_error(lock));
+                    return true;
+                }
+                None => return false,
+            }
+        }
+        true
+    }
+
     /// Waits until a request waits; returns the latest deadline among the waiters, or `None`
     /// when pacegate stops or the lane is retired and empty. A dispatcher with nothing left to wait for tells the store so.
     async fn wait_for_waiters(&mut self) -> Option<Instant> {
@@ -132,11 +158,19 @@ impl Dispatcher {
     /// Sleeps until `slot`, holding no lock and no store connection. Another instance may
     /// lock the destination meanwhile (a shared store), so a long wait looks at the budget
     /// every [`LOCK_POLL`]: waiters are refused promptly, and the slot is never used.
-    /// Requests that arrive or leave meanwhile are told to the store at once, so that other
-    /// instances grant their slots knowing them.
-    async fn sleep_to_slot(&mut self, slot: Reservation) -> Option<Slept> {
+    /// A change to the wait list that other instances decide by (a class that starts or
+    /// stops waiting here, a new oldest request) is told to the store at once, less the
+    /// `promised` oldest requests of `class` that this slot and the rest of its batch are for;
+    /// a mere count rides with the next reservation.
+    async fn sleep_to_slot(
+        &mut self,
+        slot: Reservation,
+        class: Class,
+        promised: usize,
+    ) -> Option<Slept> {
         let lane = &self.lane;
         self.locked.borrow_and_update();
+        let mut told = lane.queue.lock().wait_list_less(class, promised);
         let spin = lane.interval() >= SPIN_FROM;
         let mut poll_at = Instant::now() + LOCK_POLL;
         loop {
@@ -151,9 +185,13 @@ impl Dispatcher {
                 () = tokio::time::sleep_until(wake) => {}
                 _ = self.locked.changed() => {}
                 () = lane.work.notified() => {
-                    let wait_list = lane.queue.lock().wait_list();
-                    if let Err(e) = self.store.wait_list(&lane.name, &wait_list).await {
-                        tracing::debug!(destination = %lane.name, "cannot tell the wait list: {e}");
+                    let wait_list = lane.queue.lock().wait_list_less(class, promised);
+                    let heads = |l: &[ClassQueue]| l.iter().map(|q| (q.class, q.oldest)).collect::<Vec<_>>();
+                    if heads(&wait_list) != heads(&told) {
+                        if let Err(e) = self.store.wait_list(&lane.name, &wait_list).await {
+                            tracing::debug!(destination = %lane.name, "cannot tell the wait list: {e}");
+                        }
+                        told = wait_list;
                     }
                     continue;
                 }
@@ -184,11 +222,10 @@ impl Dispatcher {
         }
     }
 
-    /// Hands the slot that has come to the request it was granted for, unless it came too
-    /// late to use.
-    fn settle(&self, grant: Grant) {
+    /// Hands the slot that has come to the request of `class` it was granted for, unless it
+    /// came too late to use.
+    fn settle(&self, slot: Reservation, class: Class) {
         let lane = &self.lane;
-        let slot = grant.slot;
         // A slot is an instant, not a licence: a request sent well after it (this process was
         // descheduled, or the store's answer was delayed) would bunch with the next ones. Such
         // a slot is dropped, which can only slow the destination.
@@ -198,7 +235,7 @@ impl Dispatcher {
             tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
             return;
         }
-        if !lane.hand_out(grant.class, slot.at, slot.generation) {
+        if !lane.hand_out(class, slot.at, slot.generation) {
             tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");
         }
     }

@@ -2,7 +2,7 @@
 //! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -90,15 +90,25 @@ impl Queue {
     /// The wait list as the store takes it: per class with waiters, how many and since when
     /// the oldest two wait.
     pub(super) fn wait_list(&self) -> Vec<ClassQueue> {
+        self.wait_list_less(Class(0), 0)
+    }
+
+    /// The wait list less the `promised` oldest requests of `class`: those a batch's slots
+    /// still to come are for, which the store has already taken off the list.
+    pub(super) fn wait_list_less(&self, class: Class, promised: usize) -> Vec<ClassQueue> {
+        let promised_rank = usize::from(class.0).min(self.classes.len() - 1);
         self.classes
             .iter()
             .enumerate()
-            .filter(|(_, q)| !q.is_empty())
-            .map(|(i, q)| ClassQueue {
-                class: Class(u16::try_from(i).unwrap_or(u16::MAX)),
-                count: u32::try_from(q.len()).unwrap_or(u32::MAX),
-                oldest: q[0].since,
-                next: q.get(1).map(|w| w.since),
+            .filter_map(|(i, q)| {
+                let skip = if i == promised_rank { promised } else { 0 };
+                let count = q.len().checked_sub(skip).filter(|n| *n > 0)?;
+                Some(ClassQueue {
+                    class: Class(u16::try_from(i).unwrap_or(u16::MAX)),
+                    count: u32::try_from(count).unwrap_or(u32::MAX),
+                    oldest: q[skip].since,
+                    next: q.get(skip + 1).map(|w| w.since),
+                })
             })
             .collect()
     }
@@ -119,6 +129,9 @@ pub(crate) struct Lane {
     pub(super) locked: watch::Sender<Option<Lockout>>,
     /// The budget as last seen, for status and metrics between store reads.
     pub(super) seen: Mutex<BudgetView>,
+    /// Bumped whenever the budget seen turns stricter (a widening, a pause): the rest of a
+    /// batch reserved before it is not used.
+    pub(super) turns: AtomicU64,
     /// Requests between admission and the end of their exchange.
     pub(super) in_flight: AtomicUsize,
     /// Requests in `admit`: waiting for a concurrency permit or a slot.
@@ -163,6 +176,7 @@ impl Lane {
             work: Notify::new(),
             locked: watch::channel(None).0,
             seen: Mutex::new(BudgetView::default()),
+            turns: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             admitting: AtomicUsize::new(0),
             sends: Mutex::new(SendLog::new()),
@@ -238,9 +252,17 @@ impl Lane {
     }
 
     /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.
+    /// A widening or a pause seen here counts as a turn (see [`Lane::turns`]).
     pub(super) fn note(&self, view: BudgetView) {
         let lock_now = view.lock.clone();
-        *self.seen.lock() = view;
+        {
+            let mut seen = self.seen.lock();
+            let paused = |v: &BudgetView| !v.paused_for.is_zero();
+            if view.generation != seen.generation || (paused(&view) && !paused(&seen)) {
+                self.turns.fetch_add(1, Ordering::Relaxed);
+            }
+            *seen = view;
+        }
         self.locked.send_if_modified(|current| {
             let changed = *current != lock_now;
             *current = lock_now;

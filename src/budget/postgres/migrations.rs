@@ -43,6 +43,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "rules",
         include_str!("../../../migrations/0007_rules.sql"),
     ),
+    (
+        8,
+        "batches",
+        include_str!("../../../migrations/0008_batches.sql"),
+    ),
 ];
 
 /// Serialises migrations of every instance that starts at once (`pg_advisory_xact_lock` key).

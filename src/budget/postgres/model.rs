@@ -31,12 +31,14 @@ const START: Duration = Duration::from_secs(1_000);
 enum Op {
     /// The clock moves on by this many µs.
     Advance(u64),
-    /// A reservation; `busy` tells a wait list of two (the general function), else one
-    /// request alone (the one-statement path). `limit`: whether to set a limit, and on
-    /// which side of the model's slot (then it is 5 to 50 ms off it).
+    /// A reservation; `busy` tells a wait list of `most + 1` (the general function), asking
+    /// for a batch of up to `most` slots, else one request alone (the one-statement path).
+    /// `limit`: whether to set a limit, and on which side of the model's slot (then it is 5
+    /// to 50 ms off it).
     Reserve {
         busy: bool,
         limit: Option<(bool, u64)>,
+        most: u32,
     },
     /// A clean response, reserved under the current generation (`stale`: the one before).
     Clean {
@@ -71,8 +73,12 @@ fn spread() -> impl Strategy<Value = f64> {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u64..400_000).prop_map(Op::Advance),
-        5 => (any::<bool>(), proptest::option::of((any::<bool>(), 5_000u64..50_000)))
-            .prop_map(|(busy, limit)| Op::Reserve { busy, limit }),
+        5 => (
+            any::<bool>(),
+            proptest::option::of((any::<bool>(), 5_000u64..50_000)),
+            1u32..6,
+        )
+            .prop_map(|(busy, limit, most)| Op::Reserve { busy, limit, most }),
         3 => (any::<bool>(), proptest::bool::weighted(0.2))
             .prop_map(|(success, stale)| Op::Clean { success, stale }),
         2 => (
@@ -291,8 +297,8 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
                 now += Duration::from_micros(*us);
                 db.set_now(now).await;
             }
-            Op::Reserve { busy, limit } => {
-                let count = if *busy { 2 } else { 1 };
+            Op::Reserve { busy, limit, most } => {
+                let (count, most) = if *busy { (*most + 1, *most) } else { (1, 1) };
                 let list = [Waiting {
                     class: Class(0),
                     count,
@@ -304,8 +310,8 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
                 let not_after = limit.map(|(after, off_us)| {
                     let mut probe = model.clone();
                     let slot = probe
-                        .reserve_for(rule, now, "model", &list, None)
-                        .map_or(now, |s| s.0);
+                        .reserve_for(rule, now, "model", &list, None, 1)
+                        .map_or(now, |s| s.slot);
                     let off = Duration::from_micros(off_us);
                     if after {
                         slot + off
@@ -313,7 +319,7 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
                         slot.saturating_sub(off).max(now)
                     }
                 });
-                let expected = model.reserve_for(rule, now, "model", &list, not_after);
+                let expected = model.reserve_for(rule, now, "model", &list, not_after, most);
                 let real_now = Instant::now();
                 let queues = [ClassQueue {
                     class: Class(0),
@@ -324,18 +330,24 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
                 let ask = Ask {
                     queues: &queues,
                     not_after: not_after.map(|n| real_now + (n - now)),
+                    most,
                 };
                 let got = db.store.reserve(d, rule, ask).await;
                 match (&expected, &got) {
-                    (Ok((_, generation, _)), Ok(grant)) => {
-                        check(grant.slot.generation == *generation, || {
+                    (Ok(model), Ok(grant)) => check(
+                        grant.slot.generation == model.generation
+                            && grant.more.len() == model.more.len(),
+                        || {
                             format!(
-                                "{}: generation {} vs model {generation}",
+                                "{}: generation {} and {} more vs model {} and {:?}",
                                 at(),
-                                grant.slot.generation
+                                grant.slot.generation,
+                                grant.more.len(),
+                                model.generation,
+                                model.more,
                             )
-                        })?
-                    }
+                        },
+                    )?,
                     (Err(NoSlot::TooLate { .. }), Err(ReserveError::TooLate { .. }))
                     | (Err(NoSlot::Locked(_)), Err(ReserveError::Locked(_))) => {}
                     _ => check(false, || format!("{}: {got:?} vs model {expected:?}", at()))?,

@@ -78,9 +78,10 @@ pub(super) fn rows_of(queues: &[ClassQueue]) -> Vec<Row> {
         .collect()
 }
 
-/// What this instance's rows hold after `pacegate_reserve_for` granted a slot to the oldest
-/// request of `class` from `queues`: that request gone, the second oldest the oldest.
-pub(super) fn after_grant(queues: &[ClassQueue], class: Class) -> Vec<Row> {
+/// What this instance's rows hold after `pacegate_reserve_many` granted `n` slots to the
+/// oldest requests of `class` from `queues`: those requests gone, the second oldest the
+/// oldest (the rows know no later one).
+pub(super) fn after_grant(queues: &[ClassQueue], class: Class, n: u32) -> Vec<Row> {
     queues
         .iter()
         .filter_map(|q| {
@@ -91,10 +92,11 @@ pub(super) fn after_grant(queues: &[ClassQueue], class: Class) -> Vec<Row> {
                     oldest: q.oldest,
                 });
             }
+            let count = q.count.checked_sub(n).filter(|c| *c > 0)?;
             Some(Row {
                 class,
-                count: q.count - 1,
-                oldest: q.next?,
+                count,
+                oldest: q.next.unwrap_or(q.oldest),
             })
         })
         .collect()

@@ -26,9 +26,11 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
                <= c.now + make_interval(secs => $4::float8))
     RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
         clock_timestamp(), b.generation, c.now";
-pub(super) const SQL_RESERVE_FOR: &str =
-    "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance
-    FROM pacegate_reserve_for($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
+/// A reservation on the wait list, granting a batch of up to `$17` slots over at most `$18`
+/// seconds (see `budget::Ask::most`).
+pub(super) const SQL_RESERVE_MANY: &str =
+    "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
+    FROM pacegate_reserve_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Every live instance's waiting requests of a destination, by class.
 pub(super) const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,

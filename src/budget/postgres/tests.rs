@@ -6,7 +6,7 @@ use crate::budget::fleet::{Fleet, Report};
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6, 7, 8]);
     store
 }
 
@@ -157,6 +157,7 @@ async fn waiters_count_only_while_their_instance_heartbeats() {
     let ask = |queues| Ask {
         queues,
         not_after: None,
+        most: 1,
     };
     a.wait_list("d", &interactive).await.unwrap();
     assert!(matches!(

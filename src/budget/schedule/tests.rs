@@ -97,28 +97,190 @@ fn the_oldest_request_of_the_class_wins_over_every_instance() {
     let ask_b = [queue(INTERACTIVE, 1, 1, None)];
     b.tell("b", &ask_b);
     assert_eq!(
-        b.reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None),
+        b.reserve_for(
+            &r,
+            now,
+            "a",
+            &[queue(BACKFILL, 50, 5000, Some(4000))],
+            None,
+            1
+        ),
         Err(NoSlot::Yield)
     );
-    let (_, _, class) = b.reserve_for(&r, now, "b", &ask_b, None).unwrap();
+    let class = b.reserve_for(&r, now, "b", &ask_b, None, 1).unwrap().class;
     assert_eq!(class, INTERACTIVE);
     // b's request was served and left the list; a goes next.
     assert!(!b.waiting.contains_key("b"));
-    let (_, _, class) = b
-        .reserve_for(&r, now, "a", &[queue(BACKFILL, 50, 5000, Some(4000))], None)
-        .unwrap();
+    let class = b
+        .reserve_for(
+            &r,
+            now,
+            "a",
+            &[queue(BACKFILL, 50, 5000, Some(4000))],
+            None,
+            1,
+        )
+        .unwrap()
+        .class;
     assert_eq!(class, BACKFILL);
     assert_eq!(b.waiting["a"][0].count, 49);
     assert_eq!(b.waiting_at(now)[0], (BACKFILL, 49, Duration::from_secs(4)));
     // Within a class, the older head wins, whichever instance asks.
     b.tell("c", &[queue(BACKFILL, 1, 4500, None)]);
     assert_eq!(
-        b.reserve_for(&r, now, "a", &[queue(BACKFILL, 49, 4000, None)], None),
+        b.reserve_for(&r, now, "a", &[queue(BACKFILL, 49, 4000, None)], None, 1),
         Err(NoSlot::Yield)
     );
     assert!(b
-        .reserve_for(&r, now, "c", &[queue(BACKFILL, 1, 4500, None)], None)
+        .reserve_for(&r, now, "c", &[queue(BACKFILL, 1, 4500, None)], None, 1)
         .is_ok());
+}
+
+/// Takes `n` slots for `instance` one answer at a time, as `n` asks of one slot each would.
+fn one_by_one(b: &mut Budget, r: &Rule, now: Duration, list: Waiting, n: usize) -> Vec<Duration> {
+    let mut list = list;
+    (0..n)
+        .map_while(|_| {
+            let g = b.reserve_for(r, now, "a", &[list], None, 1).ok()?;
+            list.count -= 1;
+            list.since = list.next_since.unwrap_or(list.since);
+            list.next_since = None;
+            Some(g.slot)
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_is_the_slots_one_by_one_would_take_within_the_horizon() {
+    let mut r = rule(1000.0, 1);
+    let many = queue(BACKFILL, 100, 30, Some(20));
+    let mut b = Budget::default();
+    let g = b.reserve_for(&r, NOW, "a", &[many], None, 100).unwrap();
+    let all: Vec<Duration> = std::iter::once(g.slot).chain(g.more.clone()).collect();
+    // 1 ms apart, from now to the horizon.
+    assert_eq!(all.len(), 51, "{all:?}");
+    assert_eq!(all[0], NOW);
+    assert_eq!(*all.last().unwrap(), NOW + BATCH_HORIZON);
+    assert!(all.windows(2).all(|w| w[1] - w[0] == ms(1)));
+    assert_eq!(
+        b.waiting["a"][0].count, 49,
+        "the batch's requests left the list"
+    );
+    // The same slots, and the same budget after them, as 51 answers of one slot each.
+    let mut single = Budget::default();
+    assert_eq!(one_by_one(&mut single, &r, NOW, many, 51), all);
+    assert_eq!(single.next_at, b.next_at);
+    // With quota windows and a vendor's budget, slot by slot too.
+    r.quota = vec![crate::destination::Quota {
+        limit: 7,
+        per: Duration::from_millis(20),
+    }];
+    let vendor = Vendor {
+        family: crate::signals::Family::Ietf,
+        remaining: 30,
+        limit: Some(30),
+        observed: NOW,
+        reset: NOW + ms(60),
+        taken: 0,
+    };
+    let mut b = Budget {
+        vendor: Some(vendor),
+        ..Budget::default()
+    };
+    let mut single = b.clone();
+    let g = b.reserve_for(&r, NOW, "a", &[many], None, 100).unwrap();
+    let all: Vec<Duration> = std::iter::once(g.slot).chain(g.more).collect();
+    assert!(all.len() > 1 && all.len() < 51, "{all:?}");
+    assert!(*all.last().unwrap() <= all[0] + BATCH_HORIZON);
+    assert_eq!(one_by_one(&mut single, &r, NOW, many, all.len()), all);
+    assert_eq!((single.next_at, &single.sends), (b.next_at, &b.sends));
+    assert_eq!(single.vendor, b.vendor);
+    // No 20 ms window holds more than 7.
+    for (i, s) in all.iter().enumerate() {
+        assert!(all[i..].iter().filter(|t| **t < *s + ms(20)).count() <= 7);
+    }
+}
+
+#[test]
+fn a_batch_keeps_to_pauses_limits_and_lockouts() {
+    let r = rule(1000.0, 1);
+    let many = queue(BACKFILL, 100, 30, Some(20));
+    // Paused for 20 ms: the batch starts after the pause.
+    let mut b = Budget {
+        paused_until: NOW + ms(20),
+        ..Budget::default()
+    };
+    let g = b.reserve_for(&r, NOW, "a", &[many], None, 100).unwrap();
+    assert_eq!(g.slot, NOW + ms(20));
+    assert_eq!(g.more.len(), 50);
+    // `not_after` bounds every slot of it: the waiters' deadlines.
+    let mut b = Budget::default();
+    let g = b
+        .reserve_for(&r, NOW, "a", &[many], Some(NOW + ms(10)), 100)
+        .unwrap();
+    assert_eq!(g.more.last(), Some(&(NOW + ms(10))));
+    assert_eq!(b.next_at, NOW + ms(11), "nothing taken past the limit");
+    // No more than the requests waiting, nor than asked.
+    let mut b = Budget::default();
+    let few = queue(BACKFILL, 3, 30, Some(20));
+    assert_eq!(
+        b.reserve_for(&r, NOW, "a", &[few], None, 100)
+            .unwrap()
+            .more
+            .len(),
+        2
+    );
+    assert!(!b.waiting.contains_key("a"));
+    let g = Budget::default().reserve_for(&r, NOW, "a", &[many], None, 4);
+    assert_eq!(g.unwrap().more.len(), 3);
+    // A lockout grants nothing.
+    let mut b = Budget {
+        lock: Some(Lockout::new(403, "GET /".into(), "b".into())),
+        ..Budget::default()
+    };
+    assert!(matches!(
+        b.reserve_for(&r, NOW, "a", &[many], None, 100),
+        Err(NoSlot::Locked(_))
+    ));
+}
+
+#[test]
+fn a_batch_stops_where_another_class_is_owed_or_more_urgent() {
+    let mut r = rule(1000.0, 1);
+    r.shares = std::sync::Arc::from(vec![0.0, 0.0, 0.2]);
+    // b's backfill has a 20% share: it is owed the fifth slot, so a's batch of interactive
+    // requests ends at four, and b's request goes next.
+    let mut b = Budget::default();
+    b.tell("b", &[queue(BACKFILL, 1, 1, None)]);
+    let interactive = queue(INTERACTIVE, 100, 30, Some(20));
+    let g = b
+        .reserve_for(&r, NOW, "a", &[interactive], None, 100)
+        .unwrap();
+    assert_eq!((g.class, g.more.len()), (INTERACTIVE, 3));
+    let after = queue(INTERACTIVE, 96, 20, None);
+    assert_eq!(
+        b.reserve_for(&r, NOW, "a", &[after], None, 100),
+        Err(NoSlot::Yield)
+    );
+    let g = b
+        .reserve_for(&r, NOW, "b", &[queue(BACKFILL, 1, 1, None)], None, 100)
+        .unwrap();
+    assert_eq!((g.class, g.more.len()), (BACKFILL, 0));
+    // A more urgent class waiting anywhere takes the next slot: no batch of a less urgent
+    // one starts.
+    let mut b = Budget::default();
+    b.tell("b", &[queue(INTERACTIVE, 1, 1, None)]);
+    assert_eq!(
+        b.reserve_for(
+            &r,
+            NOW,
+            "a",
+            &[queue(BACKFILL, 100, 30, Some(20))],
+            None,
+            100
+        ),
+        Err(NoSlot::Yield)
+    );
 }
 
 #[test]
