@@ -1,6 +1,8 @@
 //! The postgres store: one reservation's latency (p50/p95/p99 over 2,000 calls); the same with
 //! 0, 10 and 1,000 requests waiting on other instances; reservations per second on one
-//! destination with 1, 4 and 16 concurrent reservers, and over 64 destinations; then the
+//! destination with 1, 4 and 16 concurrent reservers, and over 64 destinations; batched pacing
+//! at rate 50,000 on one destination through 1, 2 and 4 pacers (slots/s, statements per slot);
+//! then the
 //! Python reference design on the same database for comparison.
 //!
 //! Run: `cargo bench --bench store_postgres`. It uses `PACEGATE_TEST_DATABASE_URL` when set,
@@ -15,7 +17,10 @@ use std::time::{Duration, Instant};
 
 use pacegate::budget::postgres::PostgresStore;
 use pacegate::budget::{Ask, ClassQueue, Rule, Store};
-use pacegate::class::Class;
+use pacegate::class::{Class, Classes};
+use pacegate::destination::{Destination, Pace};
+use pacegate::metrics::Metrics;
+use pacegate::pacing::Pacer;
 
 fn rule() -> Rule {
     // Far faster than any reservation: the slot is always "now", nobody waits.
@@ -170,6 +175,111 @@ async fn throughput(url: &str, reservers: usize, destinations: usize, run: Durat
     total as f64 / run.as_secs_f64()
 }
 
+/// What [`paced`] measured.
+struct Paced {
+    slots_per_second: f64,
+    statements_per_slot: f64,
+    /// The most slots handed out in any 100 ms, against the rate's 100 ms worth.
+    busiest_100ms: usize,
+}
+
+/// `instances` pacers, each on its own store handle reporting as its own live instance, share
+/// one destination at `rate`; `per_instance` tasks on each take slots back to back for `run`.
+/// Counts the slots handed out, the database round trips they cost (heartbeats aside: the
+/// pacers here run none), and the busiest 100 ms.
+async fn paced(
+    url: &str,
+    instances: usize,
+    per_instance: usize,
+    rate: f64,
+    run: Duration,
+) -> Paced {
+    let destination = format!("paced-{instances}");
+    let (raw, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    raw.execute(
+        "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
+         SELECT $1 || g, 'bench', 0, '0', now(), now() + interval '1 hour'
+         FROM generate_series(1, $2::int) AS g",
+        &[&destination, &(instances as i32)],
+    )
+    .await
+    .unwrap();
+    let mut stores = Vec::new();
+    let mut pacers = Vec::new();
+    for i in 1..=instances {
+        let store = Arc::new(
+            PostgresStore::new(url, 4)
+                .unwrap()
+                .with_instance(&format!("{destination}{i}")),
+        );
+        let d = Destination {
+            name: destination.clone(),
+            hosts: vec![],
+            pace: Pace::new(rate),
+            ports: vec![],
+        };
+        let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
+        let pacer = Arc::new(Pacer::new(
+            &[d],
+            Classes::default(),
+            store.clone(),
+            metrics,
+            format!("{destination}{i}"),
+        ));
+        pacer.start().await.unwrap();
+        stores.push(store);
+        pacers.push(pacer);
+    }
+    let before: u64 = stores.iter().map(|s| s.statements()).sum();
+    let started = tokio::time::Instant::now();
+    let stop_at = started + run;
+    let mut tasks = Vec::new();
+    for pacer in &pacers {
+        for _ in 0..per_instance {
+            let pacer = pacer.clone();
+            let name = destination.clone();
+            tasks.push(tokio::spawn(async move {
+                let route = pacer.destination(&name).unwrap();
+                let mut times = Vec::new();
+                while tokio::time::Instant::now() < stop_at {
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                    if pacer.admit(&route, Class(0), deadline).await.is_ok() {
+                        times.push(tokio::time::Instant::now() - started);
+                    }
+                }
+                times
+            }));
+        }
+    }
+    let mut times = Vec::new();
+    for t in tasks {
+        times.extend(t.await.unwrap());
+    }
+    let elapsed = started.elapsed();
+    let after: u64 = stores.iter().map(|s| s.statements()).sum();
+    for pacer in &pacers {
+        pacer.stop();
+    }
+    times.sort();
+    let window = Duration::from_millis(100);
+    let mut busiest = 0;
+    let mut lo = 0;
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= window {
+            lo += 1;
+        }
+        busiest = busiest.max(hi - lo + 1);
+    }
+    Paced {
+        slots_per_second: times.len() as f64 / elapsed.as_secs_f64(),
+        statements_per_slot: (after - before) as f64 / times.len().max(1) as f64,
+        busiest_100ms: busiest,
+    }
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -213,6 +323,17 @@ fn main() {
         }
         let rate = throughput(&url, 16, 64, run).await;
         println!("store_postgres: 64 destinations, 16 reservers: {rate:.0} reservations/s");
+        let rate = 50_000.0;
+        for instances in [1, 2, 4] {
+            let p = paced(&url, instances, 256, rate, run).await;
+            println!(
+                "store_postgres: paced at rate {rate}, {instances} instances x 256 takers, batched: {:.0} slots/s, {:.3} statements per slot, busiest 100 ms {} (the rate allows {})",
+                p.slots_per_second,
+                p.statements_per_slot,
+                p.busiest_100ms,
+                rate / 10.0
+            );
+        }
         if full {
             let out = std::process::Command::new("python3")
                 .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/reference_reserve.py"))

@@ -130,8 +130,11 @@ BEGIN
                     ORDER BY w.since, w.instance
                     LIMIT 1;
             END IF;
+            -- A yield says when the next slot is free by the beat and a pause: the caller
+            -- need not ask again before then (another instance may hold a batch until then).
             IF first_instance IS DISTINCT FROM p_instance THEN
-                RETURN QUERY SELECT 'yield'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
+                RETURN QUERY SELECT 'yield'::text,
+                    GREATEST(now_ts, b.next_at - t * (p_burst - 1), b.paused_until), now_ts, b.generation, NULL::integer,
                     b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text, NULL::timestamptz[];
                 RETURN;
             END IF;

@@ -64,9 +64,12 @@ impl Rule {
         (self.interval / 2).max(Duration::from_millis(2))
     }
 
-    /// How long an instance whose waiter deserves no slot waits before asking again.
-    pub fn yield_for(&self, backoff: f64) -> Duration {
+    /// How long an instance whose waiter deserves no slot waits before asking again, when
+    /// the next slot is free in `free_in`: until just before then (another instance may hold
+    /// a batch of the slots before it), and at least half an interval, within 5 to 250 ms.
+    pub fn yield_for(&self, backoff: f64, free_in: Duration) -> Duration {
         (self.interval.mul_f64(backoff) / 2)
+            .max(free_in.saturating_sub(YIELD_MARGIN))
             .clamp(Duration::from_millis(5), Duration::from_millis(250))
     }
 }
@@ -83,6 +86,10 @@ pub struct ClassQueue {
     /// When the second oldest started waiting: it is the oldest once the oldest is served.
     pub next: Option<Instant>,
 }
+
+/// How long before the next free slot an instance that yielded asks again: room for the round
+/// trip, so that a slot it deserves is granted on the beat, not late.
+const YIELD_MARGIN: Duration = Duration::from_millis(3);
 
 /// The longest span of one batch of slots (see [`Ask::most`]): it bounds how long another
 /// instance's request of the same class may wait behind a batch, and how far ahead of the

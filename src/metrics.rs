@@ -61,7 +61,8 @@ pub struct Metrics {
     /// `pacegate_shadow_refusals_total{destination,reason}`: in shadow mode, requests that
     /// would have been refused (`locked`, `max_wait`, `store`), and were forwarded.
     pub shadow_refusals: IntCounterVec,
-    /// `pacegate_reservation_seconds{store}`: time one slot reservation takes in the store.
+    /// `pacegate_reservation_seconds{store}`: time one reservation takes in the store (one round
+    /// trip, which may grant a batch of slots; `_count` is the round trips).
     pub reservation_seconds: HistogramVec,
     /// `pacegate_backoff_multiplier{destination}`.
     pub backoff: GaugeVec,
@@ -238,7 +239,7 @@ impl Metrics {
         let reservation_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "pacegate_reservation_seconds",
-                "Time one slot reservation takes, by store",
+                "Time one reservation (one store round trip, for a slot or a batch of them) takes, by store",
             )
             .buckets(vec![
                 0.00001, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5,

@@ -402,7 +402,10 @@ impl Store for MemoryStore {
                 Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate {
                     slot: self.instant(slot),
                 }),
-                Err(NoSlot::Yield) => Err(ReserveError::Yield(rule.yield_for(budget.backoff))),
+                Err(NoSlot::Yield) => {
+                    let free_in = budget.free_at(rule, now).saturating_sub(now);
+                    Err(ReserveError::Yield(rule.yield_for(budget.backoff, free_in)))
+                }
             }
         };
         Box::pin(std::future::ready(result))

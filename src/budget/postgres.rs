@@ -48,6 +48,9 @@ pub struct PostgresStore {
     /// (`None`) from before a statement is sent until its answer arrives, and after a yield,
     /// so that an answer that never came, or rows another instance expired, are written again.
     written: Mutex<HashMap<String, Option<Vec<Row>>>>,
+    /// Round trips sent to the database, for benches and tests that count what a request
+    /// costs it (one per operation, two when a reservation leaves the one-statement path).
+    statements: AtomicU64,
 }
 
 impl PostgresStore {
@@ -95,6 +98,7 @@ impl PostgresStore {
             usual_rtt_us: AtomicU64::new(u64::MAX),
             instance: Instance::this().id.clone(),
             written: Mutex::new(HashMap::new()),
+            statements: AtomicU64::new(0),
         })
     }
 
@@ -133,7 +137,14 @@ impl PostgresStore {
         }
     }
 
+    /// Round trips sent to the database so far: one per operation, two when a reservation
+    /// leaves the one-statement path.
+    pub fn statements(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
+    }
+
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.statements.fetch_add(1, Ordering::Relaxed);
         self.pool.get().await.map_err(|e| match e {
             PoolError::Backend(e) => db(e),
             other => StoreError::Unreachable(format!("postgres pool: {other}")),
@@ -195,6 +206,10 @@ impl Store for PostgresStore {
                         });
                     }
                 }
+            }
+            if matches!(ask.queues, [only] if only.count == 1) && rule.quota.is_empty() {
+                // The one-statement path answered nothing: a second statement follows.
+                self.statements.fetch_add(1, Ordering::Relaxed);
             }
             let rows = rows_of(ask.queues);
             let tell = !self.unchanged(destination, &rows);
@@ -265,7 +280,10 @@ impl Store for PostgresStore {
                 // Another instance's request goes first: tell the list again next time, in
                 // case the store dropped these rows (a lease that ran out while this process
                 // stalled), or this instance would yield for ever.
-                "yield" => Err(ReserveError::Yield(rule.yield_for(row.get(5)))),
+                "yield" => {
+                    let free_in = slot.map_or(Duration::ZERO, |s| after(s, db_now));
+                    Err(ReserveError::Yield(rule.yield_for(row.get(5), free_in)))
+                }
                 "too_late" => {
                     self.wrote(destination, rows);
                     Err(ReserveError::TooLate { slot: at(slot)? })

@@ -221,6 +221,14 @@ impl Budget {
         Ok((slot, self.generation))
     }
 
+    /// When the next slot is free by the beat and a pause (quota windows and the vendor's
+    /// view aside): how long an instance that yields may wait before asking again.
+    pub fn free_at(&self, rule: &Rule, now: Duration) -> Duration {
+        let t = self.interval(rule);
+        now.max(self.next_at.saturating_sub(t * (rule.burst - 1)))
+            .max(self.paused_until)
+    }
+
     /// The earliest the next slot may be by the vendor's view (see [`Budget::reserve`]).
     fn vendor_floor(&self, rule: &Rule) -> Option<Duration> {
         let v = self.vendor.as_ref()?;

@@ -74,13 +74,35 @@ pub(super) async fn dispatch(
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
         let carry_on = match reserved {
-            Ok(grant) => d.serve(grant).await,
-            Err(no) => d.refused(no).await,
+            Ok(grant) => d.serve(grant, &wait_list).await,
+            Err(no) => d.refused(no, &wait_list).await,
         };
         if !carry_on {
             return;
         }
     }
+}
+
+/// The classes waiting and their oldest requests: what other instances' reservations are
+/// decided by.
+fn heads(list: &[ClassQueue]) -> Vec<(Class, Instant)> {
+    list.iter().map(|q| (q.class, q.oldest)).collect()
+}
+
+/// The classes waiting and their oldest requests as the store holds them once it granted `n`
+/// slots to `class` on the wait list `asked`: those requests gone, the second oldest the
+/// oldest (the store knows no later one).
+fn heads_after(asked: &[ClassQueue], class: Class, n: usize) -> Vec<(Class, Instant)> {
+    asked
+        .iter()
+        .filter_map(|q| {
+            if q.class != class {
+                return Some((q.class, q.oldest));
+            }
+            let left = (q.count as usize).saturating_sub(n);
+            (left > 0).then(|| (class, q.next.unwrap_or(q.oldest)))
+        })
+        .collect()
 }
 
 /// How a sleep to a slot ended (`None`: pacegate is stopping).
@@ -104,10 +126,12 @@ impl Dispatcher {
     /// Hands out a grant's slots, each when it comes, to the oldest waiters of its class.
     /// The rest of a batch is dropped (never sent late, never past what the budget learnt
     /// since) when the destination is locked, or the budget seen here turns stricter (a
-    /// throttle widened it, a pause began). Returns false when pacegate stops.
-    async fn serve(&mut self, grant: Grant) -> bool {
+    /// throttle widened it, a pause began). `asked` is the wait list the grant answered.
+    /// Returns false when pacegate stops.
+    async fn serve(&mut self, grant: Grant, asked: &[ClassQueue]) -> bool {
         let turns = self.lane.turns.load(Ordering::Relaxed);
         let count = grant.more.len() + 1;
+        let mut told = heads_after(asked, grant.class, count);
         let slots = std::iter::once(grant.slot.at).chain(grant.more.iter().copied());
         for (i, at) in slots.enumerate() {
             if i > 0 && self.lane.turns.load(Ordering::Relaxed) != turns {
@@ -117,7 +141,10 @@ impl Dispatcher {
                 return true;
             }
             let slot = Reservation { at, ..grant.slot };
-            match self.sleep_to_slot(slot, grant.class, count - i).await {
+            match self
+                .sleep_to_slot(slot, grant.class, count - i, &mut told)
+                .await
+            {
                 Some(Slept::OnTime) => self.settle(slot, grant.class),
                 Some(Slept::Locked(lock)) => {
                     self.lane.refuse_all(&self.lane.locked_error(lock));
@@ -158,19 +185,19 @@ impl Dispatcher {
     /// Sleeps until `slot`, holding no lock and no store connection. Another instance may
     /// lock the destination meanwhile (a shared store), so a long wait looks at the budget
     /// every [`LOCK_POLL`]: waiters are refused promptly, and the slot is never used.
-    /// A change to the wait list that other instances decide by (a class that starts or
-    /// stops waiting here, a new oldest request) is told to the store at once, less the
-    /// `promised` oldest requests of `class` that this slot and the rest of its batch are for;
-    /// a mere count rides with the next reservation.
+    /// When the wait list changes in what other instances decide by (`told`: the classes
+    /// waiting here and their oldest requests, as the store holds them), it is told to the
+    /// store at once, less the `promised` oldest requests of `class` that this slot and the
+    /// rest of its batch are for; a mere count rides with the next reservation.
     async fn sleep_to_slot(
         &mut self,
         slot: Reservation,
         class: Class,
         promised: usize,
+        told: &mut Vec<(Class, Instant)>,
     ) -> Option<Slept> {
         let lane = &self.lane;
         self.locked.borrow_and_update();
-        let mut told = lane.queue.lock().wait_list_less(class, promised);
         let spin = lane.interval() >= SPIN_FROM;
         let mut poll_at = Instant::now() + LOCK_POLL;
         loop {
@@ -186,12 +213,12 @@ impl Dispatcher {
                 _ = self.locked.changed() => {}
                 () = lane.work.notified() => {
                     let wait_list = lane.queue.lock().wait_list_less(class, promised);
-                    let heads = |l: &[ClassQueue]| l.iter().map(|q| (q.class, q.oldest)).collect::<Vec<_>>();
-                    if heads(&wait_list) != heads(&told) {
+                    let now = heads(&wait_list);
+                    if now != *told {
                         if let Err(e) = self.store.wait_list(&lane.name, &wait_list).await {
                             tracing::debug!(destination = %lane.name, "cannot tell the wait list: {e}");
                         }
-                        told = wait_list;
+                        *told = now;
                     }
                     continue;
                 }
@@ -240,22 +267,33 @@ impl Dispatcher {
         }
     }
 
-    /// Acts on a reservation that granted nothing; returns false when pacegate stops.
-    async fn refused(&mut self, no: ReserveError) -> bool {
+    /// Acts on a reservation of the wait list `asked` that granted nothing; returns false
+    /// when pacegate stops.
+    async fn refused(&mut self, no: ReserveError, asked: &[ClassQueue]) -> bool {
         let lane = &self.lane;
         match no {
             ReserveError::Yield(after) => {
-                // A request on another instance goes first. Ask again shortly, or at once if
-                // a request arrives or leaves here.
-                tokio::select! {
-                    () = tokio::time::sleep(after) => {}
-                    () = lane.work.notified() => {}
-                    _ = self.locked.changed() => {
-                        if let Some(lock) = self.locked.borrow_and_update().clone() {
-                            lane.refuse_all(&lane.locked_error(lock));
+                // A request on another instance goes first. Ask again once the next slot is
+                // near, or at once if what the store decides by changes here (a class starts
+                // or stops waiting, the oldest request leaves): a new request of a class
+                // already waiting changes nothing there.
+                let until = Instant::now() + after;
+                loop {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(until) => break,
+                        () = lane.work.notified() => {
+                            if heads(&lane.queue.lock().wait_list()) != heads(asked) {
+                                break;
+                            }
                         }
+                        _ = self.locked.changed() => {
+                            if let Some(lock) = self.locked.borrow_and_update().clone() {
+                                lane.refuse_all(&lane.locked_error(lock));
+                            }
+                            break;
+                        }
+                        () = self.stop.cancelled() => return false,
                     }
-                    () = self.stop.cancelled() => return false,
                 }
             }
             ReserveError::Locked(lock) => {
