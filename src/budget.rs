@@ -64,13 +64,25 @@ impl Rule {
         (self.interval / 2).max(Duration::from_millis(2))
     }
 
-    /// How long an instance whose waiter deserves no slot waits before asking again, when
-    /// the next slot is free in `free_in`: until just before then (another instance may hold
-    /// a batch of the slots before it), and at least half an interval, within 5 to 250 ms.
+    /// Whether slots are reserved in batches at `backoff` (see [`Ask::most`]): only where
+    /// the interval is shorter than [`BATCH_BELOW`]. Slower, a reservation per slot costs the
+    /// store little, and each slot keeps a clock conversion of its own: one answer delayed in
+    /// transit makes one slot late, not a batch of them.
+    pub fn batches(&self, backoff: f64) -> bool {
+        self.interval.mul_f64(backoff) < BATCH_BELOW
+    }
+
+    /// How long an instance whose waiter deserves no slot waits before asking again: half an
+    /// interval, within 5 to 250 ms. Where slots go in batches, until just before the next
+    /// slot is free (in `free_in`), since another instance may hold a batch until then.
     pub fn yield_for(&self, backoff: f64, free_in: Duration) -> Duration {
-        (self.interval.mul_f64(backoff) / 2)
-            .max(free_in.saturating_sub(YIELD_MARGIN))
-            .clamp(Duration::from_millis(5), Duration::from_millis(250))
+        let half = self.interval.mul_f64(backoff) / 2;
+        let wait = if self.batches(backoff) {
+            half.max(free_in.saturating_sub(YIELD_MARGIN))
+        } else {
+            half
+        };
+        wait.clamp(Duration::from_millis(5), Duration::from_millis(250))
     }
 }
 
@@ -89,7 +101,11 @@ pub struct ClassQueue {
 
 /// How long before the next free slot an instance that yielded asks again: room for the round
 /// trip, so that a slot it deserves is granted on the beat, not late.
-const YIELD_MARGIN: Duration = Duration::from_millis(3);
+const YIELD_MARGIN: Duration = Duration::from_millis(10);
+
+/// Slots go in batches where the interval is shorter than this (200 requests/s and faster at
+/// backoff 1); see [`Rule::batches`].
+pub const BATCH_BELOW: Duration = Duration::from_millis(5);
 
 /// The longest span of one batch of slots (see [`Ask::most`]): it bounds how long another
 /// instance's request of the same class may wait behind a batch, and how far ahead of the

@@ -62,15 +62,18 @@ pub(super) async fn dispatch(
             let queue = d.lane.queue.lock();
             (queue.wait_list(), queue.len())
         };
+        let keys = d.lane.keys();
+        let most = if keys.rule.batches(d.lane.seen.lock().backoff) {
+            u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1)
+        } else {
+            1
+        };
         let ask = Ask {
             queues: &wait_list,
             not_after: Some(latest),
-            most: u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1),
+            most,
         };
-        let reserved = d
-            .store
-            .reserve(&d.lane.name, &d.lane.keys().rule, ask)
-            .await;
+        let reserved = d.store.reserve(&d.lane.name, &keys.rule, ask).await;
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
         let carry_on = match reserved {
@@ -134,17 +137,21 @@ impl Dispatcher {
         let mut told = heads_after(asked, grant.class, count);
         let slots = std::iter::once(grant.slot.at).chain(grant.more.iter().copied());
         for (i, at) in slots.enumerate() {
-            if i > 0 && self.lane.turns.load(Ordering::Relaxed) != turns {
-                let left = count - i;
-                self.slots_dropped.inc_by(left as u64);
-                tracing::debug!(destination = %self.lane.name, left, "the budget turned stricter; the rest of the batch is dropped");
-                return true;
-            }
             let slot = Reservation { at, ..grant.slot };
             match self
                 .sleep_to_slot(slot, grant.class, count - i, &mut told)
                 .await
             {
+                // The budget turned stricter after the batch was granted (the first slot
+                // was granted knowing it all).
+                Some(Slept::OnTime)
+                    if i > 0 && self.lane.turns.load(Ordering::Relaxed) != turns =>
+                {
+                    let left = count - i;
+                    self.slots_dropped.inc_by(left as u64);
+                    tracing::debug!(destination = %self.lane.name, left, "the budget turned stricter; the rest of the batch is dropped");
+                    return true;
+                }
                 Some(Slept::OnTime) => self.settle(slot, grant.class),
                 Some(Slept::Locked(lock)) => {
                     self.lane.refuse_all(&self.lane.locked_error(lock));

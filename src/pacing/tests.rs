@@ -266,6 +266,60 @@ async fn retry_after_pauses_every_request() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn slots_go_in_batches_only_where_the_interval_is_short() {
+    // 200/s and faster: ten waiters take one reservation or a few, slot times unchanged.
+    let p = pacer(pace(1000.0)).await;
+    let times = grant_times(&p, 10).await;
+    assert_eq!(times, (0..10).map(ms).collect::<Vec<_>>());
+    let trips = p
+        .metrics
+        .reservation_seconds
+        .with_label_values(&["memory"])
+        .get_sample_count();
+    assert!(trips <= 3, "{trips} reservations for 10 slots");
+    // Slower, one reservation per slot: each slot keeps a clock conversion of its own.
+    let p = pacer(pace(100.0)).await;
+    let times = grant_times(&p, 10).await;
+    assert_eq!(times, (0..10).map(|n| ms(10 * n)).collect::<Vec<_>>());
+    let trips = p
+        .metrics
+        .reservation_seconds
+        .with_label_values(&["memory"])
+        .get_sample_count();
+    assert_eq!(trips, 10);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_throttle_drops_the_rest_of_a_batch() {
+    let p = pacer(pace(1000.0)).await;
+    let start = Instant::now();
+    // Ten requests wait at once: reservations grant them batches of slots 1 ms apart.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..10 {
+        let (p, tx) = (p.clone(), tx.clone());
+        tokio::spawn(async move {
+            let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+            tx.send(a).unwrap();
+        });
+    }
+    let first = rx.recv().await.unwrap();
+    // A 429 with Retry-After: the slots the batch still holds must not be used.
+    p.answer(&first, 429, &headers(&[("retry-after", "1")]), "GET /")
+        .await;
+    let mut later = Vec::new();
+    for _ in 0..9 {
+        rx.recv().await.unwrap();
+        later.push(Instant::now() - start);
+    }
+    assert!(
+        later.iter().all(|t| *t >= Duration::from_secs(1)),
+        "admitted during the pause: {later:?}"
+    );
+    let dropped = p.metrics.slots_dropped.with_label_values(&["d"]).get();
+    assert!(dropped >= 4, "the batch held {dropped} more slots");
+}
+
+#[tokio::test(start_paused = true)]
 async fn decay_restores_the_rate_after_a_clean_streak() {
     let p = pacer(Pace {
         decay_after: 3,
