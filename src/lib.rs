@@ -29,7 +29,8 @@
 //!   refuse, lockout write-back), `budget::drift` instances whose rules differ (fingerprints,
 //!   the stricter rule, and the `Agreement` that decides which rule governs).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
-//! - [`upstream`]: the guarded connector (address policy) and the pooled HTTP/1.1 + h2 client.
+//! - [`upstream`]: the guarded connector (address policy), connections opened while a request
+//!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
 //! - [`metrics`]: every metric family in one struct.
 //! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
 //! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can

@@ -16,7 +16,6 @@ use bytes::Bytes;
 use http::{Request, Response, Uri};
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
@@ -25,6 +24,9 @@ use crate::config::{ParentProxy, UpstreamConfig};
 use crate::destination::HostPattern;
 
 mod parent;
+mod warm;
+
+pub use warm::{Busy, Expecting, Warm};
 
 /// Errors of bodies flowing through pacegate.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -274,7 +276,8 @@ pub enum UpstreamError {
 /// The pooled outbound HTTP client.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpsConnector<Connector>, ProxyBody>,
+    client: Client<Warm, ProxyBody>,
+    warm: Warm,
     connector: Connector,
     response_timeout: Duration,
 }
@@ -291,15 +294,17 @@ impl Upstream {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(connector.clone());
+        let warm = Warm::new(https);
         let client = Client::builder(TokioExecutor::new())
             // Idle pooled connections only expire when a timer is set too.
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(cfg.pool_idle_timeout)
             .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
             .timer(TokioTimer::new())
-            .build(https);
+            .build(warm.clone());
         Self {
             client,
+            warm,
             connector,
             response_timeout: cfg.response_timeout,
         }
@@ -310,8 +315,20 @@ impl Upstream {
         &self.connector
     }
 
+    /// A request to `uri` starts waiting for its slot: a connection is opened ahead for it
+    /// if those open do not cover it (see [`Warm`]). Drop the guard once it is sent.
+    pub fn expect(&self, uri: &Uri) -> Expecting {
+        self.warm.expect(uri)
+    }
+
+    /// Connections opened ahead of their request so far.
+    pub fn opened_ahead(&self) -> u64 {
+        self.warm.opened_ahead()
+    }
+
     /// Sends a request (absolute URI, HTTP/1.1 version) and waits for the response head.
     pub async fn send(&self, req: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
+        let _busy = self.warm.sending(req.uri());
         match tokio::time::timeout(self.response_timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
             Ok(Ok(resp)) => Ok(resp),

@@ -547,3 +547,54 @@ async fn status_command_prints_a_table() {
         "local was not locked"
     );
 }
+
+/// Four requests at once to an upstream whose new connections take 60 ms to be served, with
+/// answers slow enough (300 ms) that each request needs a connection of its own. A request
+/// first opens one connection (and, for https, mints the certificate), so that the first of
+/// the four goes on its slot. Returns each arrival after the first of the four, in order.
+async fn arrivals_on_slow_connections(
+    proxy: &TestProxy,
+    upstream: &FakeUpstream,
+    base: &str,
+) -> Vec<Duration> {
+    let warm = burst_of(proxy, vec![format!("{base}/")]).await;
+    assert_eq!(warm, [200]);
+    upstream.slow_start(Duration::from_millis(60));
+    let urls = (0..4).map(|i| format!("{base}/sleep/300?{i}")).collect();
+    let statuses = burst_of(proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let mut at: Vec<Instant> = upstream
+        .recorded()
+        .iter()
+        .filter(|r| r.path.starts_with("/sleep/"))
+        .map(|r| r.at)
+        .collect();
+    at.sort();
+    at.iter().map(|t| *t - at[0]).collect()
+}
+
+#[tokio::test]
+async fn a_request_that_waits_for_its_slot_gets_its_connection_meanwhile() {
+    for scheme in ["http", "https"] {
+        let upstream = FakeUpstream::start().await;
+        // 100 ms apart, and no burst after the warm-up's slot.
+        let proxy = start(&upstream, "rate = 10").await;
+        let base = if scheme == "http" {
+            upstream.http_url("localhost")
+        } else {
+            upstream.https_url("localhost")
+        };
+        let at = arrivals_on_slow_connections(&proxy, &upstream, &base).await;
+        assert_eq!(at.len(), 4, "{at:?}");
+        // The first takes the pooled connection. The others wait 100, 200 and 300 ms for
+        // their slots, and each needs a new connection (the ones before are busy): opened
+        // while they wait, they reach the upstream on their slots, not 60 ms after.
+        for (k, t) in at.iter().enumerate().skip(1) {
+            let slot = Duration::from_millis(100 * k as u64);
+            assert!(
+                *t + Duration::from_millis(10) >= slot && *t < slot + Duration::from_millis(40),
+                "{scheme}: request {k} arrived {t:?} after the first, its slot {slot:?} after: {at:?}"
+            );
+        }
+    }
+}

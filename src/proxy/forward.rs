@@ -189,6 +189,8 @@ impl Proxy {
         // pacegate, while the pacer counts what it would have done.
         let shadow = pace.mode == Mode::Shadow;
         loop {
+            // The connection is opened while the request waits, not after its slot.
+            let expecting = self.inner.upstream.expect(&outgoing.parts.uri);
             let admission = match pacer.enter(route, class, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.
@@ -197,6 +199,7 @@ impl Proxy {
                 }
                 Err(e) => return Err(ProxyError::Paced(e)),
             };
+            drop(expecting);
             *note.waited.get_or_insert_default() += admission.waited;
             let req = if retryable {
                 outgoing.copy()

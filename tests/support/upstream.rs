@@ -122,6 +122,18 @@ struct State {
     window: Mutex<Option<(Instant, u64)>>,
     received_bytes: AtomicU64,
     gate: Notify,
+    /// How long a new connection waits before it is served (its TLS handshake too): a slow
+    /// upstream or a long way to it.
+    slow_start_ms: AtomicU64,
+}
+
+impl State {
+    async fn slow_start(&self) {
+        let ms = self.slow_start_ms.load(Ordering::Relaxed);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
 }
 
 /// The fake upstream.
@@ -148,6 +160,7 @@ impl FakeUpstream {
             window: Mutex::new(None),
             received_bytes: AtomicU64::new(0),
             gate: Notify::new(),
+            slow_start_ms: AtomicU64::new(0),
         });
         let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let https_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -159,7 +172,10 @@ impl FakeUpstream {
             while let Ok((stream, _)) = http_listener.accept().await {
                 let _ = stream.set_nodelay(true);
                 let s = s.clone();
-                tokio::spawn(serve(TokioIo::new(stream), s, false));
+                tokio::spawn(async move {
+                    s.slow_start().await;
+                    serve(TokioIo::new(stream), s, false).await;
+                });
             }
         });
         let s = state.clone();
@@ -169,6 +185,7 @@ impl FakeUpstream {
                 let s = s.clone();
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
+                    s.slow_start().await;
                     if let Ok(tls) = acceptor.accept(stream).await {
                         serve(TokioIo::new(tls), s, true).await;
                     }
@@ -181,6 +198,13 @@ impl FakeUpstream {
             https,
             state,
         }
+    }
+
+    /// Every new connection waits this long before it is served (TLS handshake included).
+    pub fn slow_start(&self, delay: Duration) {
+        self.state
+            .slow_start_ms
+            .store(delay.as_millis() as u64, Ordering::Relaxed);
     }
 
     /// `http://127.0.0.1:PORT`.

@@ -1,0 +1,439 @@
+//! Connections opened ahead of their request. A paced request waits for its slot; if it then
+//! had to open a connection (TCP, then TLS), it would reach the upstream that much after its
+//! slot, and bunch with the next one. So a request that starts waiting says so
+//! ([`Warm::expect`]), and when the upstream's connections do not cover those in use and those
+//! waiting (a few at most), one is opened at once into a small stash. The pooled client asks
+//! the connector only when it has no idle connection; the connector then hands out a stashed
+//! one, already through its handshakes, and tops the stash up for whoever still waits.
+//!
+//! Connections are counted from the handshake to their drop (pooled, in use or stashed), per
+//! scheme, host and port. An upstream that speaks h2 multiplexes one connection: none is opened
+//! ahead for it. A stashed connection is used within [`STASH_TTL`] or dropped, and one the
+//! upstream has closed meanwhile is dropped rather than handed out.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use http::Uri;
+use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use tokio::net::TcpStream;
+use tower_service::Service;
+
+use super::Connector;
+use crate::upstream::BoxError;
+
+/// The most connections opened ahead for requests waiting on one upstream.
+const AHEAD: usize = 4;
+/// How long a stashed connection may wait for its request.
+const STASH_TTL: Duration = Duration::from_secs(10);
+
+type Stream = MaybeHttpsStream<TokioIo<TcpStream>>;
+
+/// Scheme, host and port.
+type Key = (bool, String, u16);
+
+fn key_of(uri: &Uri) -> Option<Key> {
+    let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+    let host = uri.host()?.to_ascii_lowercase();
+    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+    Some((https, host, port))
+}
+
+/// One upstream's connections.
+#[derive(Default)]
+struct Host {
+    /// Open: pooled, in use or stashed.
+    alive: usize,
+    /// Being opened ahead.
+    opening: usize,
+    /// Requests being sent (from the send to the response head).
+    busy: usize,
+    /// Requests waiting for a slot.
+    waiting: usize,
+    /// The upstream spoke h2: one connection serves every request.
+    h2: bool,
+    stash: Vec<(Instant, Counted)>,
+    /// Told when a connection opened ahead lands in the stash, or fails.
+    landed: Arc<tokio::sync::Notify>,
+}
+
+impl Host {
+    /// Nothing open, opening, sent or waiting: the entry can go (a wildcard destination meets
+    /// hosts without end).
+    fn is_idle(&self) -> bool {
+        self.alive == 0
+            && self.opening == 0
+            && self.busy == 0
+            && self.waiting == 0
+            && self.stash.is_empty()
+    }
+
+    /// Connections to open now for the requests in use and waiting.
+    fn short(&self) -> usize {
+        if self.h2 {
+            return 0;
+        }
+        let want = self.busy + self.waiting.min(AHEAD);
+        want.saturating_sub(self.alive + self.opening)
+    }
+}
+
+type Hosts = Arc<Mutex<HashMap<Key, Host>>>;
+
+/// Applies `change` to `key`'s counts, and forgets the host once nothing is left of it.
+fn release(hosts: &Hosts, key: &Key, change: impl FnOnce(&mut Host)) {
+    let mut all = hosts.lock();
+    if let Some(host) = all.get_mut(key) {
+        change(host);
+        if host.is_idle() {
+            all.remove(key);
+        }
+    }
+}
+
+/// The connector with a stash of connections opened ahead.
+#[derive(Clone)]
+pub struct Warm {
+    inner: HttpsConnector<Connector>,
+    hosts: Hosts,
+    /// Connections opened ahead, counted for the metric.
+    opened_ahead: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Warm {
+    pub fn new(inner: HttpsConnector<Connector>) -> Self {
+        Self {
+            inner,
+            hosts: Arc::default(),
+            opened_ahead: Arc::default(),
+        }
+    }
+
+    /// Connections opened ahead so far.
+    pub fn opened_ahead(&self) -> u64 {
+        self.opened_ahead.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A request to `uri` starts waiting for its slot: opens a connection ahead if those open
+    /// do not cover it. The returned guard counts it until it is sent or gives up.
+    pub fn expect(&self, uri: &Uri) -> Expecting {
+        let key = key_of(uri);
+        if let Some(key) = &key {
+            self.hosts.lock().entry(key.clone()).or_default().waiting += 1;
+            self.top_up(key, uri);
+        }
+        Expecting {
+            hosts: self.hosts.clone(),
+            key,
+        }
+    }
+
+    /// A request to `uri` is being sent: counted as busy until the guard drops.
+    pub fn sending(&self, uri: &Uri) -> Busy {
+        let key = key_of(uri);
+        if let Some(key) = &key {
+            self.hosts.lock().entry(key.clone()).or_default().busy += 1;
+        }
+        Busy {
+            hosts: self.hosts.clone(),
+            key,
+        }
+    }
+
+    /// Opens as many connections into the stash as `key` is short of.
+    fn top_up(&self, key: &Key, uri: &Uri) {
+        let short = {
+            let mut hosts = self.hosts.lock();
+            let host = hosts.entry(key.clone()).or_default();
+            let short = host.short();
+            host.opening += short;
+            short
+        };
+        for _ in 0..short {
+            let (mut inner, hosts, key, uri) = (
+                self.inner.clone(),
+                self.hosts.clone(),
+                key.clone(),
+                uri.clone(),
+            );
+            self.opened_ahead
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::spawn(async move {
+                let opened = inner.call(uri).await;
+                let mut all = hosts.lock();
+                let host = all.entry(key.clone()).or_default();
+                host.opening -= 1;
+                match opened {
+                    Ok(stream) => {
+                        let counted = Counted::new(stream, &hosts, key.clone(), host);
+                        host.stash.push((Instant::now(), counted));
+                    }
+                    Err(e) => tracing::debug!("opening a connection ahead failed: {e}"),
+                }
+                host.landed.notify_waiters();
+                if host.is_idle() {
+                    all.remove(&key);
+                }
+            });
+        }
+    }
+
+    /// A stashed connection to `key` that is young and still open, if any.
+    fn take(&self, key: &Key) -> Option<Counted> {
+        // A connection's drop takes the lock: the stale ones are dropped after it.
+        let mut stale = Vec::new();
+        let found = {
+            let mut hosts = self.hosts.lock();
+            let host = hosts.get_mut(key)?;
+            let now = Instant::now();
+            let mut found = None;
+            while let Some((at, conn)) = host.stash.pop() {
+                if now - at < STASH_TTL && conn.is_open() {
+                    found = Some(conn);
+                    break;
+                }
+                stale.push(conn);
+            }
+            found
+        };
+        drop(stale);
+        found
+    }
+}
+
+impl Service<Uri> for Warm {
+    type Response = Counted;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Counted, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let Some(key) = key_of(&uri) else {
+                let stream = this.inner.clone().call(uri).await?;
+                return Ok(Counted {
+                    stream,
+                    hosts: None,
+                });
+            };
+            // A connection opened ahead, or one on its way: a request that did not wait for
+            // its slot takes the one opened for it rather than open a second.
+            loop {
+                let landed = {
+                    let hosts = this.hosts.lock();
+                    let host = hosts.get(&key);
+                    match host {
+                        Some(h) if h.opening > 0 || !h.stash.is_empty() => Some(h.landed.clone()),
+                        _ => None,
+                    }
+                };
+                let Some(landed) = landed else { break };
+                let notified = landed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if let Some(conn) = this.take(&key) {
+                    // Whoever still waits gets the next one opened now.
+                    this.top_up(&key, &uri);
+                    return Ok(conn);
+                }
+                if this.hosts.lock().get(&key).is_none_or(|h| h.opening == 0) {
+                    break;
+                }
+                notified.await;
+            }
+            let stream = this.inner.clone().call(uri).await?;
+            let mut all = this.hosts.lock();
+            let host = all.entry(key.clone()).or_default();
+            Ok(Counted::new(stream, &this.hosts, key, host))
+        })
+    }
+}
+
+/// Counts a request waiting for its slot (see [`Warm::expect`]).
+pub struct Expecting {
+    hosts: Hosts,
+    key: Option<Key>,
+}
+
+impl Drop for Expecting {
+    fn drop(&mut self) {
+        if let Some(key) = &self.key {
+            release(&self.hosts, key, |h| h.waiting -= 1);
+        }
+    }
+}
+
+/// Counts a request being sent (see [`Warm::sending`]).
+pub struct Busy {
+    hosts: Hosts,
+    key: Option<Key>,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Some(key) = &self.key {
+            release(&self.hosts, key, |h| h.busy -= 1);
+        }
+    }
+}
+
+/// A connection, counted as alive until it drops.
+pub struct Counted {
+    stream: Stream,
+    hosts: Option<(Hosts, Key)>,
+}
+
+impl Counted {
+    fn new(stream: Stream, hosts: &Hosts, key: Key, host: &mut Host) -> Self {
+        host.alive += 1;
+        host.h2 |= stream.connected().is_negotiated_h2();
+        Self {
+            stream,
+            hosts: Some((hosts.clone(), key)),
+        }
+    }
+
+    /// Whether the upstream has not closed it: no end of stream waiting to be read.
+    fn is_open(&self) -> bool {
+        let tcp = match &self.stream {
+            MaybeHttpsStream::Http(io) => io.inner(),
+            MaybeHttpsStream::Https(tls) => tls.inner().get_ref().0.inner().inner(),
+        };
+        let mut byte = [0u8; 1];
+        let mut buf = tokio::io::ReadBuf::new(&mut byte);
+        let mut cx = Context::from_waker(Waker::noop());
+        !matches!(
+            tcp.poll_peek(&mut cx, &mut buf),
+            Poll::Ready(Ok(0) | Err(_))
+        )
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some((hosts, key)) = &self.hosts {
+            release(hosts, key, |h| h.alive -= 1);
+        }
+    }
+}
+
+impl Connection for Counted {
+    fn connected(&self) -> Connected {
+        self.stream.connected()
+    }
+}
+
+impl Read for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl Write for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warm() -> Warm {
+        let tls = crate::tls::upstream_client_config(rustls::RootCertStore::empty()).unwrap();
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(Connector::new(true, Duration::from_secs(5)));
+        Warm::new(https)
+    }
+
+    fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
+        let hosts = w.hosts.lock();
+        let h = hosts.get(&key_of(uri).unwrap())?;
+        Some((h.alive, h.opening, h.waiting, h.stash.len()))
+    }
+
+    async fn settled(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
+        for _ in 0..500 {
+            if counts(w, uri).is_none_or(|c| c.1 == 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        counts(w, uri)
+    }
+
+    #[tokio::test]
+    async fn waiting_requests_get_connections_ahead_and_the_host_is_forgotten_after() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                kept.push(s);
+            }
+        });
+        let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
+        let mut w = warm();
+        // Two requests wait: two connections are opened ahead, no more.
+        let a = w.expect(&uri);
+        let b = w.expect(&uri);
+        assert_eq!(settled(&w, &uri).await, Some((2, 0, 2, 2)));
+        // The client asks the connector: a stashed one, and nothing new opened for `b`,
+        // whose connection is already there.
+        let first = w.call(uri.clone()).await.unwrap();
+        drop(a);
+        assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 1)));
+        // A request that waits alone beside an open connection opens nothing.
+        drop(b);
+        let second = w.call(uri.clone()).await.unwrap();
+        let c = w.expect(&uri);
+        assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 0)));
+        drop((c, first, second));
+        assert_eq!(counts(&w, &uri), None, "an idle host is forgotten");
+        assert_eq!(w.opened_ahead(), 2);
+        accepted.abort();
+    }
+}
