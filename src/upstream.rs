@@ -294,7 +294,7 @@ impl Upstream {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(connector.clone());
-        let warm = Warm::new(https);
+        let warm = Warm::new(https, cfg.pool_idle_timeout);
         let client = Client::builder(TokioExecutor::new())
             // Idle pooled connections only expire when a timer is set too.
             .pool_timer(TokioTimer::new())

@@ -411,6 +411,24 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(result))
     }
 
+    fn take_now(&self, destination: &str, rule: &Rule) -> Option<Reservation> {
+        let now = self.now();
+        let mut budgets = self.budgets.lock();
+        let budget = budgets.get_mut(destination)?;
+        if !budget.waiting.is_empty() || budget.credits.iter().any(|c| *c != 0.0) {
+            return None;
+        }
+        let (slot, generation) = budget.reserve(rule, now, Some(now)).ok()?;
+        if !rule.quota.is_empty() {
+            self.sends_changed.store(true, Ordering::Relaxed);
+        }
+        Some(Reservation {
+            at: self.instant(slot),
+            generation,
+            excess_delay: Duration::ZERO,
+        })
+    }
+
     fn wait_list<'a>(
         &'a self,
         destination: &'a str,

@@ -195,7 +195,7 @@ impl Validator<'_> {
                 raw.pool_idle_timeout,
                 Duration::from_secs(4),
             ),
-            pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(32),
+            pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(256),
             proxy: raw.proxy.as_deref().and_then(|url| self.parent_proxy(url)),
             no_proxy: self.no_proxy(raw.proxy.is_some(), raw.no_proxy.unwrap_or_default()),
         }

@@ -120,7 +120,9 @@ impl Pacer {
         Ok(())
     }
 
-    /// Waits in `lane`'s queue for a slot, up to `deadline`.
+    /// Waits in `lane`'s queue for a slot, up to `deadline`. When nobody waits here and the
+    /// store can hand out a slot that is due now ([`crate::budget::Store::take_now`]), the
+    /// request takes it at once: no wake-up of the dispatcher and back.
     async fn slot(
         &self,
         lane: &Lane,
@@ -128,6 +130,19 @@ impl Pacer {
         started: Instant,
         deadline: Instant,
     ) -> Result<lane::Grant, PaceError> {
+        {
+            // Held while the store is asked, so that no request queues meanwhile: one that
+            // waits here goes first.
+            let queue = lane.queue.lock();
+            if queue.len() == 0 && !lane.is_retired() {
+                if let Some(slot) = self.store.take_now(&lane.name, &lane.keys().rule) {
+                    return Ok(lane::Grant {
+                        generation: slot.generation,
+                        class,
+                    });
+                }
+            }
+        }
         let (_seat, rx) = lane.enqueue(class, started, deadline);
         tokio::select! {
             g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),

@@ -1,13 +1,14 @@
 //! One destination's dispatcher: whenever someone waits, it hands the store this instance's
 //! wait list and asks for the next slot. The store grants it to the request that deserves it
 //! over every instance (by class, then age); when that request is one of ours the dispatcher
-//! sleeps until the slot and hands it out, otherwise it yields and asks again shortly. The
-//! dispatcher is the only writer of this instance's wait list in the store, so its updates
-//! arrive in order.
+//! sleeps until the slot and hands it out, otherwise it yields and asks again shortly. Where
+//! the interval is short ([`crate::budget::Rule::batches`]) it asks for as many slots as it
+//! has requests waiting, and one answer may grant a batch of them. The dispatcher is the only
+//! writer of this instance's wait list in the store, so its updates arrive in order.
 //!
-//! Each turn of the loop is three named steps: [`Dispatcher::wait_for_waiters`],
-//! [`Dispatcher::sleep_to_slot`] and [`Dispatcher::settle`] (or [`Dispatcher::refused`] when
-//! the store granted nothing).
+//! Each turn of the loop is named steps: [`Dispatcher::wait_for_waiters`], then
+//! [`Dispatcher::serve`], which for each slot granted runs [`Dispatcher::sleep_to_slot`] and
+//! [`Dispatcher::settle`] (or [`Dispatcher::refused`] when the store granted nothing).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -266,6 +266,26 @@ async fn retry_after_pauses_every_request() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_below_the_rate_takes_its_slot_without_the_dispatcher() {
+    let p = pacer(pace(100.0)).await;
+    let trips = || {
+        p.metrics
+            .reservation_seconds
+            .with_label_values(&["memory"])
+            .get_sample_count()
+    };
+    for _ in 0..3 {
+        p.admit(&d(&p), ONE, far()).await.unwrap();
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert_eq!(trips(), 1, "only the first, which made the budget, queued");
+    // Faster than the rate, the slot is not due: they queue, on the beat.
+    let times = grant_times(&p, 4).await;
+    assert_eq!(times, [ms(0), ms(10), ms(20), ms(30)]);
+    assert!(trips() >= 4);
+}
+
+#[tokio::test(start_paused = true)]
 async fn slots_go_in_batches_only_where_the_interval_is_short() {
     // 200/s and faster: ten waiters take one reservation or a few, slot times unchanged.
     let p = pacer(pace(1000.0)).await;

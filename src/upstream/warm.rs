@@ -8,7 +8,7 @@
 //!
 //! Connections are counted from the handshake to their drop (pooled, in use or stashed), per
 //! scheme, host and port. An upstream that speaks h2 multiplexes one connection: none is opened
-//! ahead for it. A stashed connection is used within [`STASH_TTL`] or dropped, and one the
+//! ahead for it. A stashed connection is used within `pool_idle_timeout` or dropped, and one the
 //! upstream has closed meanwhile is dropped rather than handed out.
 
 use std::collections::HashMap;
@@ -32,8 +32,6 @@ use crate::upstream::BoxError;
 
 /// The most connections opened ahead for requests waiting on one upstream.
 const AHEAD: usize = 4;
-/// How long a stashed connection may wait for its request.
-const STASH_TTL: Duration = Duration::from_secs(10);
 
 type Stream = MaybeHttpsStream<TokioIo<TcpStream>>;
 
@@ -104,15 +102,19 @@ fn release(hosts: &Hosts, key: &Key, change: impl FnOnce(&mut Host)) {
 pub struct Warm {
     inner: HttpsConnector<Connector>,
     hosts: Hosts,
+    /// How long a stashed connection may wait for its request: as long as an idle pooled
+    /// one (`pool_idle_timeout`), below the usual upstream keep-alive.
+    ttl: Duration,
     /// Connections opened ahead, counted for the metric.
     opened_ahead: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Warm {
-    pub fn new(inner: HttpsConnector<Connector>) -> Self {
+    pub fn new(inner: HttpsConnector<Connector>, ttl: Duration) -> Self {
         Self {
             inner,
             hosts: Arc::default(),
+            ttl,
             opened_ahead: Arc::default(),
         }
     }
@@ -196,7 +198,7 @@ impl Warm {
             let now = Instant::now();
             let mut found = None;
             while let Some((at, conn)) = host.stash.pop() {
-                if now - at < STASH_TTL && conn.is_open() {
+                if now - at < self.ttl && conn.is_open() {
                     found = Some(conn);
                     break;
                 }
@@ -386,7 +388,7 @@ mod tests {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(Connector::new(true, Duration::from_secs(5)));
-        Warm::new(https)
+        Warm::new(https, Duration::from_secs(4))
     }
 
     fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {

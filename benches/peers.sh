@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# pacegate beside its peers, in one run on one machine: the same nginx upstream (1 KiB) reached
+# directly, through nginx as a reverse proxy (one worker, keepalive to the upstream), through
+# squid as a forward proxy (no cache, no access log, one worker) and through pacegate (as
+# shipped: request log on, a destination at rate = 1000000). wrk drives each in turn, at
+# c=1, 32 and 256 (CONCURRENCY), alternating, ROUNDS times; for each it prints req/s, p50 and p99 latency,
+# and the CPU the proxy spent per request (user + system, from /proc; for "direct", the
+# upstream's own). With STRACE=1 it also counts system calls per request of each proxy
+# (strace -c -f over a short load at c=32; strace slows what it traces).
+#
+#   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default
+#
+# Installs nginx-light, wrk and squid-openssl when run as root on Debian, else says what it
+# needs. Loopback only. https (CONNECT, interception) is not measured here: wrk cannot send
+# CONNECT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${ROUNDS:-2}
+SECONDS_EACH=${SECONDS_EACH:-5}
+CONCURRENCY=${CONCURRENCY:-1 32 256}
+bin=target/release/pacegate
+
+need=()
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+command -v wrk >/dev/null 2>&1 || need+=(wrk)
+[ -x /usr/sbin/squid ] || need+=(squid-openssl)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "benches/peers.sh needs: ${need[*]} (Debian: sudo apt-get install ${need[*]})" >&2
+    exit 1
+  fi
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+[ -x "$bin" ] || cargo build --release --quiet
+
+work=$(mktemp -d)
+chmod 755 "$work"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port)
+
+mkdir -p "$work/www" "$work/up" "$work/rp" "$work/squid"
+head -c 1024 /dev/zero | tr '\0' x > "$work/www/1k"
+nginx_conf() { # prefix, server block
+  cat <<CONF
+daemon off;
+master_process on;
+worker_processes 1;
+user root;
+pid $1/nginx.pid;
+error_log $1/error.log;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 10000000;
+  client_body_temp_path $1/cb; proxy_temp_path $1/pt; fastcgi_temp_path $1/ft;
+  uwsgi_temp_path $1/ut; scgi_temp_path $1/st;
+  $2
+}
+CONF
+}
+nginx_conf "$work/up" "server { listen 127.0.0.1:$up; root $work/www; }" > "$work/up/nginx.conf"
+nginx_conf "$work/rp" "upstream up { server 127.0.0.1:$up; keepalive 512; }
+  server { listen 127.0.0.1:$rp; location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }" > "$work/rp/nginx.conf"
+"$NGINX" -p "$work/up" -c "$work/up/nginx.conf" & pids+=($!)
+"$NGINX" -p "$work/rp" -c "$work/rp/nginx.conf" & pids+=($!)
+
+chmod 777 "$work/squid"
+cat > "$work/squid/squid.conf" <<CONF
+http_port 127.0.0.1:$sq
+http_access allow all
+cache deny all
+cache_mem 0 MB
+access_log none
+cache_log $work/squid/cache.log
+pid_filename $work/squid/squid.pid
+coredump_dir $work/squid
+workers 1
+shutdown_lifetime 0 seconds
+CONF
+/usr/sbin/squid -N -f "$work/squid/squid.conf" & pids+=($!)
+
+cat > "$work/pacegate.toml" <<TOML
+[proxy]
+listen = "127.0.0.1:$pg"
+allow_private_upstreams = true
+[proxy.limits]
+max_connections = 20000
+[admin]
+listen = "127.0.0.1:0"
+[tls]
+generate_ca = true
+ca_cert = "$work/ca.pem"
+ca_key = "$work/ca-key.pem"
+[destinations.local]
+hosts = ["localhost"]
+rate = 1000000
+TOML
+"$bin" serve --config "$work/pacegate.toml" 2> "$work/pacegate.log" & pids+=($!)
+pacegate_pid=$!
+
+# The request line in absolute form, as a forward proxy receives it.
+cat > "$work/proxied.lua" <<LUA
+wrk.path = "http://localhost:$up/1k"
+wrk.headers["Host"] = "localhost:$up"
+LUA
+
+for port in $up $rp $sq $pg; do
+  for _ in $(seq 100); do
+    (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
+    sleep 0.1
+  done
+done
+
+# CPU seconds of a process and its children, from /proc (user + system).
+tree() { echo "$1"; for c in $(pgrep -P "$1" || true); do tree "$c"; done; }
+cpu() {
+  local total=0 tck; tck=$(getconf CLK_TCK)
+  for p in $(tree "$1"); do
+    [ -r "/proc/$p/stat" ] || continue
+    local t; t=$(awk '{print $14 + $15}' "/proc/$p/stat")
+    total=$((total + t))
+  done
+  echo "$total $tck" | awk '{printf "%.4f", $1 / $2}'
+}
+# The pids of each target's process tree root.
+up_pid=${pids[0]}; rp_pid=${pids[1]}; sq_pid=${pids[2]}
+
+run() { # name, pid whose CPU counts, concurrency, wrk target args...
+  local name=$1 pid=$2 c=$3; shift 3
+  local t=$((c < 2 ? 1 : 2))
+  local before after out
+  before=$(cpu "$pid")
+  out=$(wrk -t "$t" -c "$c" -d "${SECONDS_EACH}s" --latency "$@" 2>&1)
+  after=$(cpu "$pid")
+  local reqs rps p50 p99
+  reqs=$(echo "$out" | awk '/requests in/ {print $1}')
+  rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+  p50=$(echo "$out" | awk '$1 == "50%" {print $2}')
+  p99=$(echo "$out" | awk '$1 == "99%" {print $2}')
+  local us; us=$(echo "$before $after $reqs" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
+  printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request\n" "$name" "$c" "$rps" "$p50" "$p99" "$us"
+}
+
+echo "peers: nginx upstream 1 KiB on 127.0.0.1:$up; ${SECONDS_EACH}s per run, $ROUNDS rounds; $(nproc) cores"
+for round in $(seq "$ROUNDS"); do
+  for c in $CONCURRENCY; do
+    run direct "$up_pid" "$c" "http://localhost:$up/1k"
+    run nginx "$rp_pid" "$c" "http://127.0.0.1:$rp/1k"
+    run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
+    run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
+  done
+done
+
+if [ "${STRACE:-0}" = 1 ]; then
+  command -v strace >/dev/null 2>&1 || { echo "STRACE=1 needs strace" >&2; exit 1; }
+  for target in "nginx $rp_pid http://127.0.0.1:$rp/1k" "squid $sq_pid -s $work/proxied.lua http://127.0.0.1:$sq" "pacegate $pacegate_pid -s $work/proxied.lua http://127.0.0.1:$pg"; do
+    set -- $target
+    name=$1; pid=$2; shift 2
+    attach=()
+    for p in $(tree "$pid"); do attach+=(-p "$p"); done
+    strace -c -f "${attach[@]}" -o "$work/strace-$name" &
+    tracer=$!
+    sleep 0.5
+    reqs=$(wrk -t 2 -c 32 -d 3s "$@" | awk '/requests in/ {print $1}')
+    kill -INT "$tracer"; wait "$tracer" 2>/dev/null || true
+    calls=$(awk '$NF == "total" {print $4}' "$work/strace-$name")
+    echo "$calls $reqs" | awk -v n="$name" '{printf "%-9s %.2f system calls per request (%d over %d requests, traced)\n", n, $1 / $2, $1, $2}'
+    awk '$4 ~ /^[0-9]+$/ && $NF != "total"' "$work/strace-$name" | sort -k4 -n -r |
+      awk -v r="$reqs" '{printf "          %-14s %.2f\n", $NF, $4 / r}' | head -6
+  done
+fi
