@@ -38,6 +38,24 @@ fn rule() -> Rule {
     }
 }
 
+/// Registers `n` instances `{prefix}1` to `{prefix}n`, live for the whole run (their last
+/// heartbeat is an hour ahead); returns the connection that did it.
+async fn live_instances(url: &str, prefix: &str, n: usize) -> tokio_postgres::Client {
+    let (raw, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    raw.execute(
+        "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
+         SELECT $1 || g, 'bench', 0, '0', now(), now() + interval '1 hour'
+         FROM generate_series(1, $2::int) AS g",
+        &[&prefix, &(n as i32)],
+    )
+    .await
+    .unwrap();
+    raw
+}
+
 /// One reservation for one request waiting alone: the common case.
 async fn reserve(store: &PostgresStore, destination: &str, rule: &Rule) {
     let queues = [ClassQueue {
@@ -80,19 +98,7 @@ async fn latency_among_waiters(
     calls: usize,
 ) -> (Vec<f64>, Vec<f64>) {
     let destination = format!("crowd-{instances}-{per_instance}");
-    let (raw, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    // Live for the whole run: their last heartbeat is in the future.
-    raw.execute(
-        "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
-         SELECT $1 || g, 'bench', 0, '0', now(), now() + interval '1 hour'
-         FROM generate_series(1, $2::int) AS g",
-        &[&destination, &(instances as i32)],
-    )
-    .await
-    .unwrap();
+    let raw = live_instances(url, &destination, instances).await;
     raw.execute(
         "INSERT INTO pacegate_waiting (destination, instance, class, count, since)
          SELECT $1, $1 || g, 2, $3::int, now() FROM generate_series(1, $2::int) AS g",
@@ -195,18 +201,7 @@ async fn paced(
     run: Duration,
 ) -> Paced {
     let destination = format!("paced-{instances}");
-    let (raw, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    raw.execute(
-        "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen)
-         SELECT $1 || g, 'bench', 0, '0', now(), now() + interval '1 hour'
-         FROM generate_series(1, $2::int) AS g",
-        &[&destination, &(instances as i32)],
-    )
-    .await
-    .unwrap();
+    let _raw = live_instances(url, &destination, instances).await;
     let mut stores = Vec::new();
     let mut pacers = Vec::new();
     for i in 1..=instances {

@@ -136,6 +136,8 @@ pub struct Admission {
     /// The class the slot was granted to.
     pub class: Class,
     generation: u64,
+    /// The slot it was granted.
+    slot: Instant,
     /// How long the request waited for its slot.
     pub waited: Duration,
     _permit: Option<OwnedSemaphorePermit>,

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::fleet::{postgres_store, Fleet, INSTANCES};
+use support::fleet::{arrivals_of, postgres_store, queue_up, Fleet, CLASSES, INSTANCES};
 use support::{busiest, eventually, FakeUpstream};
 
 /// 2.5 ms a slot: a 50 ms batch holds up to 21.
@@ -14,37 +14,6 @@ const RATE: f64 = 400.0;
 
 /// Timing across processes on a 2-core machine: one scenario at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-const CLASSES: &str = r#"
-[classes]
-order = ["interactive", "scheduled", "backfill"]
-default = "scheduled"
-"#;
-
-/// One request through each instance, so that each has an upstream connection, then
-/// `per_instance` at once through every instance; returns every arrival, the warm-ups
-/// included, once every request was answered 200.
-async fn load(fleet: &Fleet, upstream: &FakeUpstream, per_instance: usize) -> Vec<Instant> {
-    for i in 0..INSTANCES {
-        let url = format!("{}/warm-up", upstream.http_url("localhost"));
-        assert_eq!(fleet.client(i).get(url).send().await.unwrap().status(), 200);
-    }
-    let mut tasks = Vec::new();
-    for i in 0..INSTANCES {
-        let via = fleet.client(i);
-        for n in 0..per_instance {
-            let via = via.clone();
-            let url = format!("{}/?i={i}&n={n}", upstream.http_url("localhost"));
-            tasks.push(tokio::spawn(async move {
-                via.get(url).send().await.unwrap().status()
-            }));
-        }
-    }
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
-    }
-    upstream.arrivals()
-}
 
 /// Slots reserved (granted to a request, or dropped as too late to use) per round trip to the
 /// store, over every instance.
@@ -72,7 +41,7 @@ async fn batches_keep_one_ceiling_over_three_processes() {
     let upstream = FakeUpstream::start().await;
     let fleet = Fleet::start(&postgres_store().await, &format!("rate = {RATE}")).await;
     // 600 requests at once, 200 through each instance: 1.5 s of slots.
-    let at = load(&fleet, &upstream, 200).await;
+    let at = fleet.load(&upstream, 200).await;
     assert_eq!(
         at.len(),
         INSTANCES + 600,
@@ -113,7 +82,7 @@ async fn batches_never_crowd_a_quota_window() {
     )
     .await;
     // The warm-ups and 60 through each instance: 183, nearly two windows' worth.
-    let at = load(&fleet, &upstream, 60).await;
+    let at = fleet.load(&upstream, 60).await;
     assert_eq!(at.len(), INSTANCES + 180);
     let most = busiest(&at, Duration::from_secs(1));
     assert!(
@@ -125,34 +94,6 @@ async fn batches_never_crowd_a_quota_window() {
     assert!(at[182] - at[0] >= Duration::from_secs(1));
     let batched = slots_per_reservation(&fleet).await;
     assert!(batched >= 1.5, "{batched:.2} slots per store round trip");
-}
-
-/// Sends `n` requests of `class` through instance `i` in the background; each path is
-/// `/{class}/{k}`.
-fn queue_up(fleet: &Fleet, upstream: &FakeUpstream, i: usize, class: &'static str, n: usize) {
-    let via = fleet.client(i);
-    for k in 0..n {
-        let (via, url) = (
-            via.clone(),
-            format!("{}/{class}/{k}", upstream.http_url("localhost")),
-        );
-        tokio::spawn(async move {
-            let _ = via.get(url).header("Pacegate-Class", class).send().await;
-        });
-    }
-}
-
-/// Arrivals at the upstream of requests whose path starts with `/{class}/`.
-fn arrivals_of(upstream: &FakeUpstream, class: &str) -> Vec<Instant> {
-    let prefix = format!("/{class}/");
-    let mut at: Vec<Instant> = upstream
-        .recorded()
-        .iter()
-        .filter(|r| r.path.starts_with(&prefix))
-        .map(|r| r.at)
-        .collect();
-    at.sort();
-    at
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

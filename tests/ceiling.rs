@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::fleet::{postgres_store, Fleet, INSTANCES};
+use support::fleet::{arrivals_of, postgres_store, queue_up, Fleet, CLASSES, INSTANCES};
 use support::pg::Cluster;
 use support::testdb;
 use support::{admin_client, busiest, eventually, status_of, FakeUpstream};
@@ -18,33 +18,6 @@ const RATE: f64 = 20.0;
 /// that they do not measure each other.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Sends `per_instance` requests through every instance at once; returns every arrival,
-/// the warm-ups included.
-///
-/// One request per instance goes first, so that each has an upstream connection when the
-/// burst comes (the scenarios of `tests/faults.rs` start from cold connections).
-async fn load(fleet: &Fleet, upstream: &FakeUpstream, per_instance: usize) -> Vec<Instant> {
-    for i in 0..INSTANCES {
-        let url = format!("{}/warm-up", upstream.http_url("localhost"));
-        assert_eq!(fleet.client(i).get(url).send().await.unwrap().status(), 200);
-    }
-    let mut tasks = Vec::new();
-    for i in 0..INSTANCES {
-        let via = fleet.client(i);
-        for n in 0..per_instance {
-            let via = via.clone();
-            let url = format!("{}/?i={i}&n={n}", upstream.http_url("localhost"));
-            tasks.push(tokio::spawn(async move {
-                via.get(url).send().await.unwrap().status()
-            }));
-        }
-    }
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
-    }
-    upstream.arrivals()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_processes_on_one_postgres_keep_one_ceiling() {
     let _alone = ONE_AT_A_TIME.lock().await;
@@ -53,7 +26,7 @@ async fn three_processes_on_one_postgres_keep_one_ceiling() {
     // 150 requests at once: far more than three times the ceiling, and a run long enough
     // (7.5 s) that one scheduling hiccup of a loaded machine, which costs the slots it made
     // too late to use, does not decide the achieved rate.
-    let at = load(&fleet, &upstream, 50).await;
+    let at = fleet.load(&upstream, 50).await;
     let most = busiest(&at, Duration::from_secs(1));
     assert!(
         most <= 21,
@@ -88,7 +61,7 @@ async fn instances_whose_configs_differ_keep_the_stricter_rule_and_say_so() {
         })
         .await;
     }
-    let at = load(&fleet, &upstream, 30).await;
+    let at = fleet.load(&upstream, 30).await;
     let most = busiest(&at, Duration::from_secs(1));
     assert!(
         most <= 21,
@@ -117,7 +90,7 @@ async fn control_one_memory_store_per_process_exceeds_the_ceiling() {
     let _alone = ONE_AT_A_TIME.lock().await;
     let upstream = FakeUpstream::start().await;
     let fleet = Fleet::start("", &format!("rate = {RATE}")).await;
-    let at = load(&fleet, &upstream, 30).await;
+    let at = fleet.load(&upstream, 30).await;
     let most = busiest(&at, Duration::from_secs(1));
     assert!(
         most > 40,
@@ -544,40 +517,6 @@ async fn waiters_on_other_instances_are_refused_within_a_second_of_a_lockout() {
     );
 }
 
-const CLASSES: &str = r#"
-[classes]
-order = ["interactive", "scheduled", "backfill"]
-default = "scheduled"
-"#;
-
-/// Sends `n` requests of `class` through instance `i` in the background; each path is
-/// `/{class}/{k}`. Their outcomes are not awaited.
-fn queue_up(fleet: &Fleet, upstream: &FakeUpstream, i: usize, class: &'static str, n: usize) {
-    let via = fleet.client(i);
-    for k in 0..n {
-        let (via, url) = (
-            via.clone(),
-            format!("{}/{class}/{k}", upstream.http_url("localhost")),
-        );
-        tokio::spawn(async move {
-            let _ = via.get(url).header("Pacegate-Class", class).send().await;
-        });
-    }
-}
-
-/// Arrivals at the upstream of requests whose path starts with `/{class}/`.
-fn arrivals_of(upstream: &FakeUpstream, class: &str) -> Vec<Instant> {
-    let prefix = format!("/{class}/");
-    let mut at: Vec<Instant> = upstream
-        .recorded()
-        .iter()
-        .filter(|r| r.path.starts_with(&prefix))
-        .map(|r| r.at)
-        .collect();
-    at.sort();
-    at
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interactive_request_goes_before_backfill_queued_on_another_instance() {
     let _alone = ONE_AT_A_TIME.lock().await;
@@ -652,7 +591,7 @@ async fn a_quota_window_holds_over_every_instance() {
     )
     .await;
     // A warm-up and 19 through each of three instances: two full windows' worth.
-    let at = load(&fleet, &upstream, 19).await;
+    let at = fleet.load(&upstream, 19).await;
     assert_eq!(at.len(), 60);
     let most = busiest(&at, Duration::from_secs(10));
     assert!(

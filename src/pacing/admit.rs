@@ -99,8 +99,28 @@ impl Pacer {
         let granted = lane::Grant {
             generation: lane.seen.lock().generation,
             class,
+            at: Instant::now(),
         };
         self.sent(&lane, granted, Duration::ZERO, None)
+    }
+
+    /// Whether `admission`'s slot is too late to send on now: the request was held up after
+    /// its slot was handed out (this process descheduled, an upstream connection slow to
+    /// come), and sent now it would bunch with the next slots, and could crowd a quota
+    /// window, which allows a slot used up to [`crate::budget::Rule::max_late`] late and no
+    /// more. Counted as a slot dropped; the caller waits for another.
+    pub fn too_late(&self, admission: &Admission) -> bool {
+        let lane = &admission.lane;
+        let late = Instant::now().saturating_duration_since(admission.slot);
+        if late <= lane.keys().rule.max_late() {
+            return false;
+        }
+        self.metrics
+            .slots_dropped
+            .with_label_values(&[&lane.name])
+            .inc();
+        tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "a request held up past its slot waits for another");
+        true
     }
 
     /// Refuses at once while pacegate stops or the destination is locked.
@@ -139,6 +159,7 @@ impl Pacer {
                     return Ok(lane::Grant {
                         generation: slot.generation,
                         class,
+                        at: slot.at,
                     });
                 }
             }
@@ -172,6 +193,7 @@ impl Pacer {
             lane: lane.clone(),
             class: granted.class,
             generation: granted.generation,
+            slot: granted.at,
             waited,
             _permit: permit,
         }

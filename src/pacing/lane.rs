@@ -21,6 +21,8 @@ use crate::destination::{Destination, Pace};
 pub(super) struct Grant {
     pub(super) generation: u64,
     pub(super) class: Class,
+    /// The slot: the request goes no earlier, and not much later.
+    pub(super) at: Instant,
 }
 
 /// One request waiting for a slot.
@@ -331,7 +333,14 @@ impl Lane {
                     w.refuse(self.deadline_error(class, self.keys.load().rule.interval));
                     continue;
                 }
-                if w.tx.send(Ok(Grant { generation, class })).is_ok() {
+                if w.tx
+                    .send(Ok(Grant {
+                        generation,
+                        class,
+                        at,
+                    }))
+                    .is_ok()
+                {
                     return true;
                 }
             }

@@ -266,6 +266,23 @@ async fn retry_after_pauses_every_request() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_held_up_past_its_slot_is_not_sent_on_it() {
+    // 10/s: a slot may be used up to 50 ms late.
+    let p = pacer(pace(10.0)).await;
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert!(!p.too_late(&a));
+    tokio::time::sleep(ms(50)).await;
+    assert!(!p.too_late(&a), "50 ms late is still on time");
+    tokio::time::sleep(ms(1)).await;
+    assert!(p.too_late(&a), "51 ms late bunches with the next slot");
+    assert_eq!(p.metrics.slots_dropped.with_label_values(&["d"]).get(), 1);
+    // The next request waits for a slot of its own, on the beat.
+    let started = Instant::now();
+    p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert_eq!(started.elapsed(), ms(49));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_below_the_rate_takes_its_slot_without_the_dispatcher() {
     let p = pacer(pace(100.0)).await;
     let trips = || {

@@ -201,6 +201,9 @@ impl Proxy {
             };
             drop(expecting);
             *note.waited.get_or_insert_default() += admission.waited;
+            if !shadow && pacer.too_late(&admission) {
+                continue;
+            }
             let req = if retryable {
                 outgoing.copy()
             } else {

@@ -139,6 +139,34 @@ impl Fleet {
         )
     }
 
+    /// Sends `per_instance` requests through every instance at once; returns every arrival,
+    /// the warm-ups included, once every request was answered 200.
+    ///
+    /// One request per instance goes first, so that each has an upstream connection when the
+    /// burst comes (the scenarios of `tests/faults.rs` start from cold connections).
+    pub async fn load(&self, upstream: &FakeUpstream, per_instance: usize) -> Vec<Instant> {
+        let n = self.instances.len();
+        for i in 0..n {
+            let url = format!("{}/warm-up", upstream.http_url("localhost"));
+            assert_eq!(self.client(i).get(url).send().await.unwrap().status(), 200);
+        }
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let via = self.client(i);
+            for k in 0..per_instance {
+                let via = via.clone();
+                let url = format!("{}/?i={i}&n={k}", upstream.http_url("localhost"));
+                tasks.push(tokio::spawn(async move {
+                    via.get(url).send().await.unwrap().status()
+                }));
+            }
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), 200);
+        }
+        upstream.arrivals()
+    }
+
     pub async fn metric(&self, i: usize, series: &str) -> f64 {
         let text = admin_client()
             .get(format!("http://{}/metrics", self.instances[i].admin))
@@ -214,6 +242,41 @@ impl Fleet {
             .unwrap();
         serde_json::from_str::<serde_json::Value>(&text).unwrap()[0].clone()
     }
+}
+
+/// Three classes, most urgent first; requests that name none are `scheduled`.
+pub const CLASSES: &str = r#"
+[classes]
+order = ["interactive", "scheduled", "backfill"]
+default = "scheduled"
+"#;
+
+/// Sends `n` requests of `class` through instance `i` in the background; each path is
+/// `/{class}/{k}`. Their outcomes are not awaited.
+pub fn queue_up(fleet: &Fleet, upstream: &FakeUpstream, i: usize, class: &'static str, n: usize) {
+    let via = fleet.client(i);
+    for k in 0..n {
+        let (via, url) = (
+            via.clone(),
+            format!("{}/{class}/{k}", upstream.http_url("localhost")),
+        );
+        tokio::spawn(async move {
+            let _ = via.get(url).header("Pacegate-Class", class).send().await;
+        });
+    }
+}
+
+/// Arrivals at the upstream of requests whose path starts with `/{class}/`, in order.
+pub fn arrivals_of(upstream: &FakeUpstream, class: &str) -> Vec<Instant> {
+    let prefix = format!("/{class}/");
+    let mut at: Vec<Instant> = upstream
+        .recorded()
+        .iter()
+        .filter(|r| r.path.starts_with(&prefix))
+        .map(|r| r.at)
+        .collect();
+    at.sort();
+    at
 }
 
 /// A `[store]` section on a fresh database.
