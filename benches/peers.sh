@@ -8,7 +8,7 @@
 # upstream's own). With STRACE=1 it also counts system calls per request of each proxy
 # (strace -c -f over a short load at c=32; strace slows what it traces).
 #
-#   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default
+#   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default; PACEGATE_BIN=path
 #
 # Installs nginx-light, wrk and squid-openssl when run as root on Debian, else says what it
 # needs. Loopback only. https (CONNECT, interception) is not measured here: wrk cannot send
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-2}
 SECONDS_EACH=${SECONDS_EACH:-5}
 CONCURRENCY=${CONCURRENCY:-1 32 256}
-bin=target/release/pacegate
+bin=${PACEGATE_BIN:-target/release/pacegate}
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
