@@ -74,13 +74,25 @@ impl Host {
             && self.stash.is_empty()
     }
 
-    /// Connections to open now for the requests in use and waiting.
-    fn short(&self) -> usize {
+    /// Connections to open now for the requests in use and waiting, once `gone` of those
+    /// open are dropped.
+    fn short_after(&self, gone: usize) -> usize {
         if self.h2 {
             return 0;
         }
         let want = self.busy + self.waiting.min(AHEAD);
-        want.saturating_sub(self.alive + self.opening)
+        want.saturating_sub(self.alive.saturating_sub(gone) + self.opening)
+    }
+
+    /// Takes the stashed connections too old to use, or closed by the upstream, out of the
+    /// stash; the caller drops them once the lock is released.
+    fn drain_stale(&mut self, ttl: Duration) -> Vec<Counted> {
+        let now = Instant::now();
+        let (fresh, stale): (Vec<_>, Vec<_>) = std::mem::take(&mut self.stash)
+            .into_iter()
+            .partition(|(at, conn)| now - *at < ttl && conn.is_open());
+        self.stash = fresh;
+        stale.into_iter().map(|(_, conn)| conn).collect()
     }
 }
 
@@ -105,7 +117,7 @@ pub struct Warm {
     /// How long a stashed connection may wait for its request: as long as an idle pooled
     /// one (`pool_idle_timeout`), below the usual upstream keep-alive.
     ttl: Duration,
-    /// Connections opened ahead, counted for the metric.
+    /// Connections opened ahead, for tests and benches.
     opened_ahead: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -150,15 +162,19 @@ impl Warm {
         }
     }
 
-    /// Opens as many connections into the stash as `key` is short of.
+    /// Opens as many connections into the stash as `key` is short of. Stashed connections
+    /// too old to use, or closed by the upstream, count for nothing: they are dropped first.
     fn top_up(&self, key: &Key, uri: &Uri) {
-        let short = {
+        let (stale, short) = {
             let mut hosts = self.hosts.lock();
             let host = hosts.entry(key.clone()).or_default();
-            let short = host.short();
+            let stale = host.drain_stale(self.ttl);
+            // They still count as alive until they are dropped, after the lock.
+            let short = host.short_after(stale.len());
             host.opening += short;
-            short
+            (stale, short)
         };
+        drop(stale);
         for _ in 0..short {
             let (mut inner, hosts, key, uri) = (
                 self.inner.clone(),
@@ -382,13 +398,17 @@ mod tests {
     use super::*;
 
     fn warm() -> Warm {
+        warm_for(Duration::from_secs(4))
+    }
+
+    fn warm_for(ttl: Duration) -> Warm {
         let tls = crate::tls::upstream_client_config(rustls::RootCertStore::empty()).unwrap();
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(Connector::new(true, Duration::from_secs(5)));
-        Warm::new(https, Duration::from_secs(4))
+        Warm::new(https, ttl)
     }
 
     fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
@@ -436,6 +456,30 @@ mod tests {
         drop((c, first, second));
         assert_eq!(counts(&w, &uri), None, "an idle host is forgotten");
         assert_eq!(w.opened_ahead(), 2);
+        accepted.abort();
+    }
+
+    #[tokio::test]
+    async fn a_stashed_connection_too_old_to_use_counts_for_nothing() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                kept.push(s);
+            }
+        });
+        let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
+        let w = warm_for(Duration::from_millis(20));
+        let a = w.expect(&uri);
+        assert_eq!(settled(&w, &uri).await, Some((1, 0, 1, 1)));
+        drop(a);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        // The stashed one is too old for the next request: a fresh one is opened for it.
+        let b = w.expect(&uri);
+        assert_eq!(settled(&w, &uri).await, Some((1, 0, 1, 1)));
+        assert_eq!(w.opened_ahead(), 2);
+        drop(b);
         accepted.abort();
     }
 }
