@@ -133,6 +133,27 @@ pub struct Ask<'a> {
     pub most: u32,
 }
 
+/// The wait list `queues` as a store holds it once it granted `n` slots to the oldest
+/// requests of `class`: those requests gone, the second oldest the oldest (the store knows
+/// no later one), a class with none left gone.
+pub fn after_grant(queues: &[ClassQueue], class: Class, n: u32) -> Vec<ClassQueue> {
+    queues
+        .iter()
+        .filter_map(|q| {
+            if q.class != class {
+                return Some(*q);
+            }
+            let count = q.count.checked_sub(n).filter(|c| *c > 0)?;
+            Some(ClassQueue {
+                class,
+                count,
+                oldest: q.next.unwrap_or(q.oldest),
+                next: None,
+            })
+        })
+        .collect()
+}
+
 /// Requests of one class waiting over every instance: `(class, count, oldest wait)`.
 pub type ClassWaiting = (Class, u32, Duration);
 

@@ -321,11 +321,6 @@ impl Upstream {
         self.warm.expect(uri)
     }
 
-    /// Connections opened ahead of their request so far.
-    pub fn opened_ahead(&self) -> u64 {
-        self.warm.opened_ahead()
-    }
-
     /// Sends a request (absolute URI, HTTP/1.1 version) and waits for the response head.
     pub async fn send(&self, req: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
         let _busy = self.warm.sending(req.uri());

@@ -25,9 +25,10 @@ mod rows;
 mod sql;
 
 pub use migrations::MIGRATIONS;
-use rows::{after, after_grant, columns, db, lockout, pause_args, rows_of, view_of, Row};
+use rows::{after, columns, db, lockout, pause_args, rows_of, view_of, Row};
 use sql::*;
 
+use super::after_grant;
 use super::fleet::{Instance, WAITER_LEASE};
 use super::{
     Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
@@ -266,7 +267,7 @@ impl Store for PostgresStore {
                         .map(|s| arrived + after(s, db_now))
                         .collect();
                     let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
-                    self.wrote(destination, after_grant(ask.queues, class, n));
+                    self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
                     Ok(Grant {
                         slot: Reservation {
                             at: at(slot)?,

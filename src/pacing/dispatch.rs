@@ -21,7 +21,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::lane::Lane;
 use super::PaceError;
-use crate::budget::{Ask, ClassQueue, Grant, Lockout, Reservation, ReserveError, Store};
+use crate::budget::{
+    after_grant, Ask, ClassQueue, Grant, Lockout, Reservation, ReserveError, Store,
+};
 use crate::class::Class;
 use crate::metrics::Metrics;
 
@@ -93,22 +95,6 @@ fn heads(list: &[ClassQueue]) -> Vec<(Class, Instant)> {
     list.iter().map(|q| (q.class, q.oldest)).collect()
 }
 
-/// The classes waiting and their oldest requests as the store holds them once it granted `n`
-/// slots to `class` on the wait list `asked`: those requests gone, the second oldest the
-/// oldest (the store knows no later one).
-fn heads_after(asked: &[ClassQueue], class: Class, n: usize) -> Vec<(Class, Instant)> {
-    asked
-        .iter()
-        .filter_map(|q| {
-            if q.class != class {
-                return Some((q.class, q.oldest));
-            }
-            let left = (q.count as usize).saturating_sub(n);
-            (left > 0).then(|| (class, q.next.unwrap_or(q.oldest)))
-        })
-        .collect()
-}
-
 /// How a sleep to a slot ended (`None`: pacegate is stopping).
 enum Slept {
     /// The slot has come.
@@ -135,7 +121,8 @@ impl Dispatcher {
     async fn serve(&mut self, grant: Grant, asked: &[ClassQueue]) -> bool {
         let turns = self.lane.turns.load(Ordering::Relaxed);
         let count = grant.more.len() + 1;
-        let mut told = heads_after(asked, grant.class, count);
+        let granted = u32::try_from(count).unwrap_or(u32::MAX);
+        let mut told = heads(&after_grant(asked, grant.class, granted));
         let slots = std::iter::once(grant.slot.at).chain(grant.more.iter().copied());
         for (i, at) in slots.enumerate() {
             let slot = Reservation { at, ..grant.slot };
@@ -286,11 +273,12 @@ impl Dispatcher {
                 // or stops waiting, the oldest request leaves): a new request of a class
                 // already waiting changes nothing there.
                 let until = Instant::now() + after;
+                let asked = heads(asked);
                 loop {
                     tokio::select! {
                         () = tokio::time::sleep_until(until) => break,
                         () = lane.work.notified() => {
-                            if heads(&lane.queue.lock().wait_list()) != heads(asked) {
+                            if heads(&lane.queue.lock().wait_list()) != asked {
                                 break;
                             }
                         }

@@ -282,15 +282,18 @@ async fn a_request_held_up_past_its_slot_is_not_sent_on_it() {
     assert_eq!(started.elapsed(), ms(49));
 }
 
+/// Reservations the dispatcher has asked the store for.
+fn reservations(p: &Pacer) -> u64 {
+    p.metrics
+        .reservation_seconds
+        .with_label_values(&["memory"])
+        .get_sample_count()
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_request_below_the_rate_takes_its_slot_without_the_dispatcher() {
     let p = pacer(pace(100.0)).await;
-    let trips = || {
-        p.metrics
-            .reservation_seconds
-            .with_label_values(&["memory"])
-            .get_sample_count()
-    };
+    let trips = || reservations(&p);
     for _ in 0..3 {
         p.admit(&d(&p), ONE, far()).await.unwrap();
         tokio::time::sleep(ms(10)).await;
@@ -308,22 +311,13 @@ async fn slots_go_in_batches_only_where_the_interval_is_short() {
     let p = pacer(pace(1000.0)).await;
     let times = grant_times(&p, 10).await;
     assert_eq!(times, (0..10).map(ms).collect::<Vec<_>>());
-    let trips = p
-        .metrics
-        .reservation_seconds
-        .with_label_values(&["memory"])
-        .get_sample_count();
+    let trips = reservations(&p);
     assert!(trips <= 3, "{trips} reservations for 10 slots");
     // Slower, one reservation per slot: each slot keeps a clock conversion of its own.
     let p = pacer(pace(100.0)).await;
     let times = grant_times(&p, 10).await;
     assert_eq!(times, (0..10).map(|n| ms(10 * n)).collect::<Vec<_>>());
-    let trips = p
-        .metrics
-        .reservation_seconds
-        .with_label_values(&["memory"])
-        .get_sample_count();
-    assert_eq!(trips, 10);
+    assert_eq!(reservations(&p), 10);
 }
 
 #[tokio::test(start_paused = true)]

@@ -84,16 +84,29 @@ impl Host {
         want.saturating_sub(self.alive.saturating_sub(gone) + self.opening)
     }
 
-    /// Takes the stashed connections too old to use, or closed by the upstream, out of the
-    /// stash; the caller drops them once the lock is released.
+    /// Takes the stashed connections too old to use out of the stash; the caller drops them
+    /// once the lock is released. By age alone: this runs for every paced request, and one
+    /// the upstream closed is found, and dropped, when it is taken.
     fn drain_stale(&mut self, ttl: Duration) -> Vec<Counted> {
         let now = Instant::now();
-        let (fresh, stale): (Vec<_>, Vec<_>) = std::mem::take(&mut self.stash)
+        let fresh = |at: &Instant| now - *at < ttl;
+        if self.stash.iter().all(|(at, _)| fresh(at)) {
+            return Vec::new();
+        }
+        let (keep, stale): (Vec<_>, Vec<_>) = std::mem::take(&mut self.stash)
             .into_iter()
-            .partition(|(at, conn)| now - *at < ttl && conn.is_open());
-        self.stash = fresh;
+            .partition(|(at, _)| fresh(at));
+        self.stash = keep;
         stale.into_iter().map(|(_, conn)| conn).collect()
     }
+}
+
+/// `key`'s entry, made if it is new (the key is copied only then).
+fn host_of<'a>(all: &'a mut HashMap<Key, Host>, key: &Key) -> &'a mut Host {
+    if !all.contains_key(key) {
+        all.insert(key.clone(), Host::default());
+    }
+    all.get_mut(key).expect("inserted above")
 }
 
 type Hosts = Arc<Mutex<HashMap<Key, Host>>>;
@@ -141,8 +154,7 @@ impl Warm {
     pub fn expect(&self, uri: &Uri) -> Expecting {
         let key = key_of(uri);
         if let Some(key) = &key {
-            self.hosts.lock().entry(key.clone()).or_default().waiting += 1;
-            self.top_up(key, uri);
+            self.top_up(key, uri, |host| host.waiting += 1);
         }
         Expecting {
             hosts: self.hosts.clone(),
@@ -154,7 +166,7 @@ impl Warm {
     pub fn sending(&self, uri: &Uri) -> Busy {
         let key = key_of(uri);
         if let Some(key) = &key {
-            self.hosts.lock().entry(key.clone()).or_default().busy += 1;
+            host_of(&mut self.hosts.lock(), key).busy += 1;
         }
         Busy {
             hosts: self.hosts.clone(),
@@ -162,12 +174,14 @@ impl Warm {
         }
     }
 
-    /// Opens as many connections into the stash as `key` is short of. Stashed connections
-    /// too old to use, or closed by the upstream, count for nothing: they are dropped first.
-    fn top_up(&self, key: &Key, uri: &Uri) {
+    /// Applies `change` to `key`'s counts, then opens as many connections into the stash as
+    /// it is short of, under one lock. Stashed connections too old to use count for nothing:
+    /// they are dropped first.
+    fn top_up(&self, key: &Key, uri: &Uri, change: impl FnOnce(&mut Host)) {
         let (stale, short) = {
             let mut hosts = self.hosts.lock();
-            let host = hosts.entry(key.clone()).or_default();
+            let host = host_of(&mut hosts, key);
+            change(host);
             let stale = host.drain_stale(self.ttl);
             // They still count as alive until they are dropped, after the lock.
             let short = host.short_after(stale.len());
@@ -187,7 +201,7 @@ impl Warm {
             tokio::spawn(async move {
                 let opened = inner.call(uri).await;
                 let mut all = hosts.lock();
-                let host = all.entry(key.clone()).or_default();
+                let host = host_of(&mut all, &key);
                 host.opening -= 1;
                 match opened {
                     Ok(stream) => {
@@ -263,7 +277,7 @@ impl Service<Uri> for Warm {
                 notified.as_mut().enable();
                 if let Some(conn) = this.take(&key) {
                     // Whoever still waits gets the next one opened now.
-                    this.top_up(&key, &uri);
+                    this.top_up(&key, &uri, |_| {});
                     return Ok(conn);
                 }
                 if this.hosts.lock().get(&key).is_none_or(|h| h.opening == 0) {
@@ -273,7 +287,7 @@ impl Service<Uri> for Warm {
             }
             let stream = this.inner.clone().call(uri).await?;
             let mut all = this.hosts.lock();
-            let host = all.entry(key.clone()).or_default();
+            let host = host_of(&mut all, &key);
             Ok(Counted::new(stream, &this.hosts, key, host))
         })
     }

@@ -78,30 +78,6 @@ pub(super) fn rows_of(queues: &[ClassQueue]) -> Vec<Row> {
         .collect()
 }
 
-/// What this instance's rows hold after `pacegate_reserve_many` granted `n` slots to the
-/// oldest requests of `class` from `queues`: those requests gone, the second oldest the
-/// oldest (the rows know no later one).
-pub(super) fn after_grant(queues: &[ClassQueue], class: Class, n: u32) -> Vec<Row> {
-    queues
-        .iter()
-        .filter_map(|q| {
-            if q.class != class {
-                return Some(Row {
-                    class: q.class,
-                    count: q.count,
-                    oldest: q.oldest,
-                });
-            }
-            let count = q.count.checked_sub(n).filter(|c| *c > 0)?;
-            Some(Row {
-                class,
-                count,
-                oldest: q.next.unwrap_or(q.oldest),
-            })
-        })
-        .collect()
-}
-
 pub(super) fn lockout(
     since: Option<SystemTime>,
     status: Option<i32>,
