@@ -2,28 +2,45 @@
 # pacegate beside its peers, in one run on one machine: the same nginx upstream (1 KiB) reached
 # directly, through nginx as a reverse proxy (one worker, keepalive to the upstream), through
 # squid as a forward proxy (no cache, no access log, one worker) and through pacegate (as
-# shipped: request log on, a destination at rate = 1000000). wrk drives each in turn, at
-# c=1, 32 and 256 (CONCURRENCY), alternating, ROUNDS times; for each it prints req/s, p50 and p99 latency,
-# and the CPU the proxy spent per request (user + system, from /proc; for "direct", the
-# upstream's own). With STRACE=1 it also counts system calls per request of each proxy
-# (strace -c -f over a short load at c=32; strace slows what it traces).
+# shipped: request log on, a destination at rate = 1000000). Each is driven in turn, at
+# c=1, 32 and 256 (CONCURRENCY), alternating, ROUNDS times; for each it prints req/s, p50 and
+# p99 latency, and the CPU the proxy spent per request (user + system, from /proc, helpers
+# included; for "direct", the upstream's own).
+#
+# PROTOCOLS="http https" by default:
+# - http: wrk, the request line in absolute form as a forward proxy receives it.
+# - https: examples/connect_load.rs (wrk cannot CONNECT), keep-alive connections to an nginx
+#   upstream over TLS (a certificate for localhost from a CA made here). squid bumps the
+#   tunnel (ssl-bump, leaves minted by security_file_certgen from its own local CA), pacegate
+#   intercepts it (leaves minted from its CA); nginx terminates TLS as a reverse proxy and
+#   opens TLS to the upstream, keepalive.
+# With STRACE=1 it also counts system calls per request of each proxy over http (strace -c -f
+# over a short load at c=32; strace slows what it traces).
+#
+# nginx and squid run one worker process each; pacegate runs as shipped, one thread per core
+# (PACEGATE_THREADS=N sets `[proxy] threads = N`).
 #
 #   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default; PACEGATE_BIN=path
 #
-# Installs nginx-light, wrk and squid-openssl when run as root on Debian, else says what it
-# needs. Loopback only. https (CONNECT, interception) is not measured here: wrk cannot send
-# CONNECT.
+# Installs nginx-light, wrk, squid-openssl and openssl when run as root on Debian, else says
+# what it needs. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-2}
 SECONDS_EACH=${SECONDS_EACH:-5}
 CONCURRENCY=${CONCURRENCY:-1 32 256}
+PROTOCOLS=${PROTOCOLS:-http https}
+PACEGATE_THREADS=${PACEGATE_THREADS:-cores}
+threads_key=""
+[ "$PACEGATE_THREADS" = cores ] || threads_key="threads = $PACEGATE_THREADS"
 bin=${PACEGATE_BIN:-target/release/pacegate}
+load=target/release/examples/connect_load
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
 [ -x /usr/sbin/squid ] || need+=(squid-openssl)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -34,6 +51,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$bin" ] || cargo build --release --quiet
+[ -x "$load" ] || cargo build --release --quiet --example connect_load
 
 work=$(mktemp -d)
 chmod 755 "$work"
@@ -46,9 +64,25 @@ cleanup() {
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port)
+ups=$(free_port); rps=$(free_port); sqb=$(free_port)
 
 mkdir -p "$work/www" "$work/up" "$work/rp" "$work/squid"
 head -c 1024 /dev/zero | tr '\0' x > "$work/www/1k"
+# The upstream's CA and its certificate for localhost; squid's own local CA for its leaves.
+openssl_ca() { # name
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    -subj "/CN=peers bench $1" -addext basicConstraints=critical,CA:TRUE \
+    -addext keyUsage=critical,keyCertSign,cRLSign \
+    -keyout "$work/$1-ca-key.pem" -out "$work/$1-ca.pem" 2>/dev/null
+}
+openssl_ca up
+openssl_ca squid
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN=localhost \
+  -keyout "$work/up-key.pem" -out "$work/up.csr" 2>/dev/null
+openssl x509 -req -in "$work/up.csr" -CA "$work/up-ca.pem" -CAkey "$work/up-ca-key.pem" \
+  -CAcreateserial -days 2 -out "$work/up.pem" \
+  -extfile <(printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth') 2>/dev/null
+chmod 644 "$work"/*.pem
 nginx_conf() { # prefix, server block
   cat <<CONF
 daemon off;
@@ -67,15 +101,29 @@ http {
 }
 CONF
 }
-nginx_conf "$work/up" "server { listen 127.0.0.1:$up; root $work/www; }" > "$work/up/nginx.conf"
+tls_keys="ssl_certificate $work/up.pem; ssl_certificate_key $work/up-key.pem;"
+nginx_conf "$work/up" "server { listen 127.0.0.1:$up; root $work/www; }
+  server { listen 127.0.0.1:$ups ssl; $tls_keys root $work/www; }" > "$work/up/nginx.conf"
 nginx_conf "$work/rp" "upstream up { server 127.0.0.1:$up; keepalive 512; }
-  server { listen 127.0.0.1:$rp; location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }" > "$work/rp/nginx.conf"
+  upstream ups { server 127.0.0.1:$ups; keepalive 512; }
+  server { listen 127.0.0.1:$rp; location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }
+  server { listen 127.0.0.1:$rps ssl; $tls_keys location / { proxy_pass https://ups; proxy_http_version 1.1; proxy_set_header Connection \"\";
+    proxy_ssl_session_reuse on; proxy_ssl_verify on; proxy_ssl_trusted_certificate $work/up-ca.pem; proxy_ssl_name localhost; } }" > "$work/rp/nginx.conf"
 "$NGINX" -p "$work/up" -c "$work/up/nginx.conf" & pids+=($!)
 "$NGINX" -p "$work/rp" -c "$work/rp/nginx.conf" & pids+=($!)
 
 chmod 777 "$work/squid"
+/usr/lib/squid/security_file_certgen -c -s "$work/squid/ssl_db" -M 16MB >/dev/null
+chmod -R 777 "$work/squid/ssl_db"
 cat > "$work/squid/squid.conf" <<CONF
 http_port 127.0.0.1:$sq
+http_port 127.0.0.1:$sqb ssl-bump tls-cert=$work/squid-ca.pem tls-key=$work/squid-ca-key.pem generate-host-certificates=on dynamic_cert_mem_cache_size=16MB
+sslcrtd_program /usr/lib/squid/security_file_certgen -s $work/squid/ssl_db -M 16MB
+sslcrtd_children 4 startup=1 idle=1
+acl step1 at_step SslBump1
+ssl_bump peek step1
+ssl_bump bump all
+tls_outgoing_options cafile=$work/up-ca.pem
 http_access allow all
 cache deny all
 cache_mem 0 MB
@@ -92,6 +140,7 @@ cat > "$work/pacegate.toml" <<TOML
 [proxy]
 listen = "127.0.0.1:$pg"
 allow_private_upstreams = true
+$threads_key
 [proxy.limits]
 max_connections = 20000
 [admin]
@@ -100,6 +149,7 @@ listen = "127.0.0.1:0"
 generate_ca = true
 ca_cert = "$work/ca.pem"
 ca_key = "$work/ca-key.pem"
+extra_upstream_roots = ["$work/up-ca.pem"]
 [destinations.local]
 hosts = ["localhost"]
 rate = 1000000
@@ -113,7 +163,7 @@ wrk.path = "http://localhost:$up/1k"
 wrk.headers["Host"] = "localhost:$up"
 LUA
 
-for port in $up $rp $sq $pg; do
+for port in $up $rp $sq $pg $ups $rps $sqb; do
   for _ in $(seq 100); do
     (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
     sleep 0.1
@@ -150,13 +200,35 @@ run() { # name, pid whose CPU counts, concurrency, wrk target args...
   printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request\n" "$name" "$c" "$rps" "$p50" "$p99" "$us"
 }
 
-echo "peers: nginx upstream 1 KiB on 127.0.0.1:$up; ${SECONDS_EACH}s per run, $ROUNDS rounds; $(nproc) cores"
+run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
+  local name=$1 pid=$2 c=$3; shift 3
+  local t=$((c < 2 ? 1 : 2))
+  local before after out
+  before=$(cpu "$pid")
+  out=$("$load" -t "$t" -c "$c" -d "$SECONDS_EACH" --path /1k "$@" 2>&1)
+  after=$(cpu "$pid")
+  local reqs rps p50 p99 errors
+  read -r reqs rps p50 p99 errors < <(echo "$out" | awk '/^requests/ {print $2, $4, $6, $8, $10}')
+  local us; us=$(echo "$before $after ${reqs:-0}" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
+  printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request  %s errors\n" "$name" "$c" "$rps" "$p50" "$p99" "$us" "${errors:-?}"
+  [ "${errors:-1}" = 0 ] || echo "$out" | grep -v '^requests' | head -3
+}
+
+echo "peers: nginx upstream 1 KiB on 127.0.0.1:$up (https :$ups); ${SECONDS_EACH}s per run, $ROUNDS rounds; $(nproc) cores; pacegate threads: $PACEGATE_THREADS"
 for round in $(seq "$ROUNDS"); do
   for c in $CONCURRENCY; do
-    run direct "$up_pid" "$c" "http://localhost:$up/1k"
-    run nginx "$rp_pid" "$c" "http://127.0.0.1:$rp/1k"
-    run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
-    run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
+    if [[ " $PROTOCOLS " == *" http "* ]]; then
+      run direct "$up_pid" "$c" "http://localhost:$up/1k"
+      run nginx "$rp_pid" "$c" "http://127.0.0.1:$rp/1k"
+      run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
+      run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
+    fi
+    if [[ " $PROTOCOLS " == *" https "* ]]; then
+      run_tls direct-s "$up_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$ups"
+      run_tls nginx-s "$rp_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$rps"
+      run_tls squid-s "$sq_pid" "$c" --proxy "127.0.0.1:$sqb" --ca "$work/squid-ca.pem" --target "localhost:$ups"
+      run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
+    fi
   done
 done
 

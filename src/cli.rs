@@ -100,15 +100,17 @@ pub fn ca_init(dir: &Path, constrained_to: Option<&Path>) -> ExitCode {
     }
 }
 
-/// The multi-threaded runtime pacegate serves on.
-fn server_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+/// The multi-threaded runtime pacegate serves on, on `threads` worker threads (by default one
+/// per core).
+fn server_runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, ExitCode> {
     // Every rustls config pacegate builds names ring explicitly; installing it as the process
     // default too keeps any dependency that asks for the default on the same provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| fail(&e))
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        builder.worker_threads(n);
+    }
+    builder.enable_all().build().map_err(|e| fail(&e))
 }
 
 /// A current-thread runtime for one command's few calls.
@@ -303,7 +305,7 @@ pub fn serve(path: &Path) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let runtime = match server_runtime() {
+    let runtime = match server_runtime(Some(config.proxy.threads)) {
         Ok(rt) => rt,
         Err(code) => return code,
     };
@@ -316,7 +318,7 @@ pub fn serve(path: &Path) -> ExitCode {
 /// `pacegate demo`: 0 when the shared run held the ceiling, 1 when it did not or the demo
 /// failed, 130 when interrupted (after cleaning up).
 pub fn demo(options: crate::demo::Options) -> ExitCode {
-    let runtime = match server_runtime() {
+    let runtime = match server_runtime(None) {
         Ok(rt) => rt,
         Err(code) => return code,
     };

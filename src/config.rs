@@ -177,6 +177,9 @@ pub struct ProxyConfig {
     /// Time given to requests and tunnels to finish after SIGINT/SIGTERM. Default 30 s.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// Threads serving requests. Default: one per core. Fewer leaves cores to other work on
+    /// the same host, at the price of a lower peak.
+    pub threads: usize,
     /// `[proxy.auth]`; `None` means no proxy authentication.
     pub auth: Option<AuthConfig>,
     /// `[proxy.limits]`.

@@ -321,3 +321,22 @@ fn every_config_the_compose_file_mounts_is_shipped_and_checked() {
         assert_eq!(out.status.code(), Some(0), "{m}: {}", text(&out.stderr));
     }
 }
+
+/// `[proxy] threads` sets how many threads serve requests.
+#[cfg(target_os = "linux")]
+#[test]
+fn serve_runs_on_as_many_threads_as_configured() {
+    let workers = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter(|t| {
+                let comm = t.as_ref().unwrap().path().join("comm");
+                std::fs::read_to_string(comm).is_ok_and(|c| c.trim() == "tokio-rt-worker")
+            })
+            .count()
+    };
+    for threads in [1, 3] {
+        let served = support::process::Served::start(&format!("threads = {threads}"), None, "");
+        assert_eq!(workers(served.instance.child.id()), threads);
+    }
+}

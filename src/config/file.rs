@@ -73,6 +73,7 @@ pub(super) struct RawProxy {
     pub(super) allow_private_upstreams: Option<bool>,
     #[serde(default, with = "humantime_serde")]
     pub(super) shutdown_grace: Option<Duration>,
+    pub(super) threads: Option<usize>,
     pub(super) auth: Option<RawAuth>,
     pub(super) limits: Option<RawLimits>,
 }

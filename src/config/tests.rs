@@ -21,6 +21,15 @@ fn empty_config_gets_safe_defaults() {
     assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9464");
     assert_eq!(c.proxy.unmatched, Unmatched::Deny);
     assert!(!c.proxy.allow_private_upstreams);
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(c.proxy.threads, cores);
+    assert_eq!(
+        parse(&format!("[proxy]\nthreads = 1\n{MINIMAL}"))
+            .unwrap()
+            .proxy
+            .threads,
+        1
+    );
     assert_eq!(c.tls.ca_key, Path::new("/nonexistent/ca-key.pem"));
 }
 
@@ -31,6 +40,7 @@ fn reports_every_problem_with_its_key_path() {
         [proxy]
         listen = "nowhere"
         colour = "blue"
+        threads = 0
         [proxy.limits]
         header_read_timeout = "0s"
         [upstream]
@@ -52,6 +62,7 @@ fn reports_every_problem_with_its_key_path() {
     for expected in [
         "proxy.colour",
         "proxy.listen",
+        "proxy.threads",
         "proxy.limits.header_read_timeout",
         "upstream.connect_timeout",
         "destinations.img.quota[0].limit",

@@ -83,11 +83,18 @@ impl Validator<'_> {
                 "must be between 8192 and 1048576",
             );
         }
+        let threads = raw.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        if !(1..=1024).contains(&threads) {
+            self.push("proxy.threads", "must be between 1 and 1024");
+        }
         ProxyConfig {
             listen: self.addr("proxy.listen", raw.listen, "127.0.0.1:3128"),
             unmatched: raw.unmatched.unwrap_or_default(),
             allow_private_upstreams: raw.allow_private_upstreams.unwrap_or(false),
             shutdown_grace: raw.shutdown_grace.unwrap_or(Duration::from_secs(30)),
+            threads,
             auth: raw.auth.map(|a| self.auth(a)),
             limits: Limits {
                 max_connections,
