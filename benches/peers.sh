@@ -205,10 +205,10 @@ run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
   local t=$((c < 2 ? 1 : 2))
   local before after out
   before=$(cpu "$pid")
-  out=$("$load" -t "$t" -c "$c" -d "$SECONDS_EACH" --path /1k "$@" 2>&1)
+  out=$("$load" -t "$t" -c "$c" -d "$SECONDS_EACH" --path /1k "$@" 2>&1) || true
   after=$(cpu "$pid")
-  local reqs rps p50 p99 errors
-  read -r reqs rps p50 p99 errors < <(echo "$out" | awk '/^requests/ {print $2, $4, $6, $8, $10}')
+  local reqs="" rps="" p50="" p99="" errors=""
+  read -r reqs rps p50 p99 errors < <(echo "$out" | awk '/^requests/ {print $2, $4, $6, $8, $10}') || true
   local us; us=$(echo "$before $after ${reqs:-0}" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
   printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request  %s errors\n" "$name" "$c" "$rps" "$p50" "$p99" "$us" "${errors:-?}"
   [ "${errors:-1}" = 0 ] || echo "$out" | grep -v '^requests' | head -3
