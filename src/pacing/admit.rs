@@ -111,10 +111,9 @@ impl Pacer {
     /// more. Counted as a slot dropped; the caller waits for another.
     pub fn too_late(&self, admission: &Admission) -> bool {
         let lane = &admission.lane;
-        let late = Instant::now().saturating_duration_since(admission.slot);
-        if late <= lane.keys().rule.max_late() {
+        let Some(late) = lane.too_late(admission.slot) else {
             return false;
-        }
+        };
         self.metrics
             .slots_dropped
             .with_label_values(&[&lane.name])

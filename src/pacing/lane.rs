@@ -190,6 +190,14 @@ impl Lane {
         self.keys.load_full()
     }
 
+    /// How late a request sent now on `slot` would be, where that is later than the rule
+    /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
+    /// used that late it would bunch with the next ones and could crowd a quota window.
+    pub(super) fn too_late(&self, slot: Instant) -> Option<Duration> {
+        let late = Instant::now().saturating_duration_since(slot);
+        (late > self.keys.load().rule.max_late()).then_some(late)
+    }
+
     /// Takes a destination's new keys (a reload): the next slot is reserved by them; the
     /// budget, the queue and the requests in flight are kept. A changed `max_concurrency`
     /// takes a fresh semaphore: requests in flight keep the permits of the old one.

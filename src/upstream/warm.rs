@@ -431,6 +431,21 @@ mod tests {
         Some((h.alive, h.opening, h.waiting, h.stash.len()))
     }
 
+    /// A loopback upstream that accepts and keeps every connection; its URI, and the task
+    /// to abort.
+    async fn upstream() -> (Uri, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                kept.push(s);
+            }
+        });
+        let uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
+        (uri, accepted)
+    }
+
     async fn settled(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
         for _ in 0..500 {
             if counts(w, uri).is_none_or(|c| c.1 == 0) {
@@ -443,15 +458,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiting_requests_get_connections_ahead_and_the_host_is_forgotten_after() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let accepted = tokio::spawn(async move {
-            let mut kept = Vec::new();
-            while let Ok((s, _)) = listener.accept().await {
-                kept.push(s);
-            }
-        });
-        let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
+        let (uri, accepted) = upstream().await;
         let mut w = warm();
         // Two requests wait: two connections are opened ahead, no more.
         let a = w.expect(&uri);
@@ -475,15 +482,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stashed_connection_too_old_to_use_counts_for_nothing() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let accepted = tokio::spawn(async move {
-            let mut kept = Vec::new();
-            while let Ok((s, _)) = listener.accept().await {
-                kept.push(s);
-            }
-        });
-        let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
+        let (uri, accepted) = upstream().await;
         let w = warm_for(Duration::from_millis(20));
         let a = w.expect(&uri);
         assert_eq!(settled(&w, &uri).await, Some((1, 0, 1, 1)));
