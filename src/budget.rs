@@ -319,6 +319,10 @@ pub struct Reservation {
     pub at: Instant,
     /// The backoff generation the slot was reserved under.
     pub generation: u64,
+    /// How much later than usual `at` may be: a store whose clock is converted (postgres)
+    /// measures from when its answer arrived, so an answer delayed beyond the usual round trip
+    /// (a stalled commit, say) makes `at` late by that much. Zero for the memory store.
+    pub excess_delay: Duration,
 }
 
 /// What went wrong with a store. Only [`StoreError::Unreachable`] means the store is gone

@@ -392,6 +392,7 @@ impl Store for MemoryStore {
                         slot: Reservation {
                             at: self.instant(granted.slot),
                             generation: granted.generation,
+                            excess_delay: Duration::ZERO,
                         },
                         class: granted.class,
                         more: granted.more.iter().map(|t| self.instant(*t)).collect(),
@@ -424,6 +425,7 @@ impl Store for MemoryStore {
         Some(Reservation {
             at: self.instant(slot),
             generation,
+            excess_delay: Duration::ZERO,
         })
     }
 

@@ -4,8 +4,9 @@
 //! Each operation is one statement calling a function from `migrations/` (`pacegate_reserve`,
 //! `pacegate_record`), run on an autocommit pooled connection that is returned before the
 //! caller waits for its slot. The database clock is the only clock compared: a reservation
-//! returns the slot and `clock_timestamp()`, and the instance places the slot on its own
-//! monotonic clock by a bound that can only make it later, never earlier ([`clock`]).
+//! returns the slot and `clock_timestamp()`, and the instance turns their difference into a
+//! local monotonic deadline measured from when the answer arrived, which can only make it
+//! later, never earlier.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,7 +19,6 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use tokio_postgres::types::ToSql;
 
-mod clock;
 mod fleet;
 mod migrations;
 mod rows;
@@ -27,8 +27,6 @@ mod sql;
 pub use migrations::MIGRATIONS;
 use rows::{after, columns, db, lockout, pause_args, rows_of, view_of, Row};
 use sql::*;
-
-use clock::DbClock;
 
 use super::after_grant;
 use super::fleet::{Instance, WAITER_LEASE};
@@ -41,8 +39,9 @@ use crate::class::Class;
 /// Budgets in Postgres.
 pub struct PostgresStore {
     pool: Pool,
-    /// The database clock as read here: where its slots fall on the local clock.
-    clock: DbClock,
+    /// The usual reservation round trip in µs: a minimum that drifts slowly upwards, so that
+    /// a store on another host (a long but steady round trip) is not mistaken for a stall.
+    usual_rtt_us: AtomicU64,
     /// The instance whose waiting requests this handle reports (its heartbeat is its lease).
     instance: String,
     /// What this instance's rows in `pacegate_waiting` hold, per destination, where known:
@@ -97,11 +96,24 @@ impl PostgresStore {
             .map_err(|e| StoreError::Settings(format!("store pool: {e}")))?;
         Ok(Self {
             pool,
-            clock: DbClock::new(),
+            usual_rtt_us: AtomicU64::new(u64::MAX),
             instance: Instance::this().id.clone(),
             written: Mutex::new(HashMap::new()),
             statements: AtomicU64::new(0),
         })
+    }
+
+    /// How much longer than usual a reservation's round trip took; updates the usual one.
+    fn excess(&self, rtt: Duration) -> Duration {
+        let rtt_us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX);
+        let usual = self.usual_rtt_us.load(Ordering::Relaxed);
+        let updated = if rtt_us < usual {
+            rtt_us
+        } else {
+            usual + (rtt_us - usual) / 256
+        };
+        self.usual_rtt_us.store(updated, Ordering::Relaxed);
+        Duration::from_micros(rtt_us.saturating_sub(usual.min(rtt_us)))
     }
 
     /// Whether this instance's rows already hold `rows`. Either way they count as unknown
@@ -175,15 +187,20 @@ impl Store for PostgresStore {
                     if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
                         let arrived = Instant::now();
                         drop(client);
-                        let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
-                        let clock = self.clock.read(sent, arrived, db_now);
+                        let (slot, db_now, started): (SystemTime, SystemTime, SystemTime) =
+                            (row.get(0), row.get(1), row.get(3));
+                        // The round trip less the time the statement spent inside the
+                        // database (waiting for the row lock, mostly): what is left delays the
+                        // answer after `db_now`.
+                        let transit = (arrived - sent).saturating_sub(after(db_now, started));
                         // The fast path runs only while no instance has rows for the
                         // destination.
                         self.wrote(destination, Vec::new());
                         return Ok(Grant {
                             slot: Reservation {
-                                at: clock.local(slot),
+                                at: arrived + after(slot, db_now),
                                 generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                                excess_delay: self.excess(transit),
                             },
                             class: only.class,
                             more: Vec::new(),
@@ -228,15 +245,15 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
+            // Measured from the answer's arrival: the conversion can only delay the slot.
             let arrived = Instant::now();
             drop(client);
             let outcome: &str = row.get(0);
             let slot: Option<SystemTime> = row.get(1);
             let db_now: SystemTime = row.get(2);
-            let clock = self.clock.read(sent, arrived, db_now);
             let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
             let at = |slot: Option<SystemTime>| {
-                slot.map(|s| clock.local(s)).ok_or_else(|| {
+                slot.map(|s| arrived + after(s, db_now)).ok_or_else(|| {
                     StoreError::Refused("pacegate_reserve_many returned no slot".into())
                 })
             };
@@ -247,7 +264,7 @@ impl Store for PostgresStore {
                         .get::<_, Option<Vec<SystemTime>>>(10)
                         .unwrap_or_default()
                         .into_iter()
-                        .map(|s| clock.local(s))
+                        .map(|s| arrived + after(s, db_now))
                         .collect();
                     let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
                     self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
@@ -255,6 +272,7 @@ impl Store for PostgresStore {
                         slot: Reservation {
                             at: at(slot)?,
                             generation,
+                            excess_delay: self.excess(arrived - sent),
                         },
                         class,
                         more,
