@@ -319,10 +319,11 @@ pub struct Reservation {
     pub at: Instant,
     /// The backoff generation the slot was reserved under.
     pub generation: u64,
-    /// How much later than usual `at` may be: a store whose clock is converted (postgres)
-    /// measures from when its answer arrived, so an answer delayed beyond the usual round trip
-    /// (a stalled commit, say) makes `at` late by that much. Zero for the memory store.
-    pub excess_delay: Duration,
+    /// How late `at` may already be, unseen: a store whose clock is converted (postgres)
+    /// places the slot by the latest the database's instant may be on the local clock, and
+    /// this is how much earlier it may truly be. Counted as lateness. Zero for the memory
+    /// store.
+    pub unseen_late: Duration,
 }
 
 /// What went wrong with a store. Only [`StoreError::Unreachable`] means the store is gone

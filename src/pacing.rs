@@ -138,6 +138,8 @@ pub struct Admission {
     generation: u64,
     /// The slot it was granted.
     slot: Instant,
+    /// How late `slot` may already be, unseen.
+    unseen_late: Duration,
     /// How long the request waited for its slot.
     pub waited: Duration,
     _permit: Option<OwnedSemaphorePermit>,

@@ -392,7 +392,7 @@ impl Store for MemoryStore {
                         slot: Reservation {
                             at: self.instant(granted.slot),
                             generation: granted.generation,
-                            excess_delay: Duration::ZERO,
+                            unseen_late: Duration::ZERO,
                         },
                         class: granted.class,
                         more: granted.more.iter().map(|t| self.instant(*t)).collect(),
@@ -425,7 +425,7 @@ impl Store for MemoryStore {
         Some(Reservation {
             at: self.instant(slot),
             generation,
-            excess_delay: Duration::ZERO,
+            unseen_late: Duration::ZERO,
         })
     }
 

@@ -4,9 +4,9 @@
 //! Each operation is one statement calling a function from `migrations/` (`pacegate_reserve`,
 //! `pacegate_record`), run on an autocommit pooled connection that is returned before the
 //! caller waits for its slot. The database clock is the only clock compared: a reservation
-//! returns the slot and `clock_timestamp()`, and the instance turns their difference into a
-//! local monotonic deadline measured from when the answer arrived, which can only make it
-//! later, never earlier.
+//! returns the slot and `clock_timestamp()`, and the instance places the slot on its own
+//! monotonic clock by a bound that can only make it later, never earlier, and counts how
+//! much later it may be ([`clock`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +19,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use tokio_postgres::types::ToSql;
 
+mod clock;
 mod fleet;
 mod migrations;
 mod rows;
@@ -27,6 +28,8 @@ mod sql;
 pub use migrations::MIGRATIONS;
 use rows::{after, columns, db, lockout, pause_args, rows_of, view_of, Row};
 use sql::*;
+
+use clock::DbClock;
 
 use super::after_grant;
 use super::fleet::{Instance, WAITER_LEASE};
@@ -39,9 +42,8 @@ use crate::class::Class;
 /// Budgets in Postgres.
 pub struct PostgresStore {
     pool: Pool,
-    /// The usual reservation round trip in µs: a minimum that drifts slowly upwards, so that
-    /// a store on another host (a long but steady round trip) is not mistaken for a stall.
-    usual_rtt_us: AtomicU64,
+    /// The database clock as read here: where its slots fall on the local clock.
+    clock: DbClock,
     /// The instance whose waiting requests this handle reports (its heartbeat is its lease).
     instance: String,
     /// What this instance's rows in `pacegate_waiting` hold, per destination, where known:
@@ -96,24 +98,25 @@ impl PostgresStore {
             .map_err(|e| StoreError::Settings(format!("store pool: {e}")))?;
         Ok(Self {
             pool,
-            usual_rtt_us: AtomicU64::new(u64::MAX),
+            clock: DbClock::new(),
             instance: Instance::this().id.clone(),
             written: Mutex::new(HashMap::new()),
             statements: AtomicU64::new(0),
         })
     }
 
-    /// How much longer than usual a reservation's round trip took; updates the usual one.
-    fn excess(&self, rtt: Duration) -> Duration {
-        let rtt_us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX);
-        let usual = self.usual_rtt_us.load(Ordering::Relaxed);
-        let updated = if rtt_us < usual {
-            rtt_us
-        } else {
-            usual + (rtt_us - usual) / 256
-        };
-        self.usual_rtt_us.store(updated, Ordering::Relaxed);
-        Duration::from_micros(rtt_us.saturating_sub(usual.min(rtt_us)))
+    /// Narrows the database clock's span with a read-only round trip, which has no commit
+    /// to flush, when it has grown too wide to place slots closely (see [`clock`]).
+    async fn probe_clock(&self, client: &deadpool_postgres::Object) -> Result<(), StoreError> {
+        if !self.clock.probe_due(Instant::now()) {
+            return Ok(());
+        }
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        let statement = client.prepare_cached(SQL_NOW).await.map_err(db)?;
+        let sent = Instant::now();
+        let row = client.query_one(&statement, &[]).await.map_err(db)?;
+        self.clock.read(sent, Instant::now(), row.get(0));
+        Ok(())
     }
 
     /// Whether this instance's rows already hold `rows`. Either way they count as unknown
@@ -173,6 +176,7 @@ impl Store for PostgresStore {
     ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
         Box::pin(async move {
             let client = self.client().await?;
+            self.probe_clock(&client).await?;
             let limit = ask
                 .not_after
                 .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
@@ -187,20 +191,16 @@ impl Store for PostgresStore {
                     if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
                         let arrived = Instant::now();
                         drop(client);
-                        let (slot, db_now, started): (SystemTime, SystemTime, SystemTime) =
-                            (row.get(0), row.get(1), row.get(3));
-                        // The round trip less the time the statement spent inside the
-                        // database (waiting for the row lock, mostly): what is left delays the
-                        // answer after `db_now`.
-                        let transit = (arrived - sent).saturating_sub(after(db_now, started));
+                        let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
+                        let clock = self.clock.read(sent, arrived, db_now);
                         // The fast path runs only while no instance has rows for the
                         // destination.
                         self.wrote(destination, Vec::new());
                         return Ok(Grant {
                             slot: Reservation {
-                                at: arrived + after(slot, db_now),
+                                at: clock.local(slot),
                                 generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
-                                excess_delay: self.excess(transit),
+                                unseen_late: clock.unseen_late,
                             },
                             class: only.class,
                             more: Vec::new(),
@@ -245,15 +245,15 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
-            // Measured from the answer's arrival: the conversion can only delay the slot.
             let arrived = Instant::now();
             drop(client);
             let outcome: &str = row.get(0);
             let slot: Option<SystemTime> = row.get(1);
             let db_now: SystemTime = row.get(2);
+            let clock = self.clock.read(sent, arrived, db_now);
             let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
             let at = |slot: Option<SystemTime>| {
-                slot.map(|s| arrived + after(s, db_now)).ok_or_else(|| {
+                slot.map(|s| clock.local(s)).ok_or_else(|| {
                     StoreError::Refused("pacegate_reserve_many returned no slot".into())
                 })
             };
@@ -264,7 +264,7 @@ impl Store for PostgresStore {
                         .get::<_, Option<Vec<SystemTime>>>(10)
                         .unwrap_or_default()
                         .into_iter()
-                        .map(|s| arrived + after(s, db_now))
+                        .map(|s| clock.local(s))
                         .collect();
                     let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
                     self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
@@ -272,7 +272,7 @@ impl Store for PostgresStore {
                         slot: Reservation {
                             at: at(slot)?,
                             generation,
-                            excess_delay: self.excess(arrived - sent),
+                            unseen_late: clock.unseen_late,
                         },
                         class,
                         more,

@@ -100,6 +100,7 @@ impl Pacer {
             generation: lane.seen.lock().generation,
             class,
             at: Instant::now(),
+            unseen_late: Duration::ZERO,
         };
         self.sent(&lane, granted, Duration::ZERO, None)
     }
@@ -111,7 +112,7 @@ impl Pacer {
     /// more. Counted as a slot dropped; the caller waits for another.
     pub fn too_late(&self, admission: &Admission) -> bool {
         let lane = &admission.lane;
-        let Some(late) = lane.too_late(admission.slot) else {
+        let Some(late) = lane.too_late(admission.slot, admission.unseen_late) else {
             return false;
         };
         self.metrics
@@ -159,6 +160,7 @@ impl Pacer {
                         generation: slot.generation,
                         class,
                         at: slot.at,
+                        unseen_late: slot.unseen_late,
                     });
                 }
             }
@@ -193,6 +195,7 @@ impl Pacer {
             class: granted.class,
             generation: granted.generation,
             slot: granted.at,
+            unseen_late: granted.unseen_late,
             waited,
             _permit: permit,
         }

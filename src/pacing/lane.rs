@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::rate::SendLog;
 use super::PaceError;
-use crate::budget::{BudgetView, ClassQueue, Lockout, Rule};
+use crate::budget::{BudgetView, ClassQueue, Lockout, Reservation, Rule};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Pace};
 
@@ -23,6 +23,8 @@ pub(super) struct Grant {
     pub(super) class: Class,
     /// The slot: the request goes no earlier, and not much later.
     pub(super) at: Instant,
+    /// How late `at` may already be, unseen ([`Reservation::unseen_late`]).
+    pub(super) unseen_late: Duration,
 }
 
 /// One request waiting for a slot.
@@ -193,8 +195,8 @@ impl Lane {
     /// How late a request sent now on `slot` would be, where that is later than the rule
     /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
     /// used that late it would bunch with the next ones and could crowd a quota window.
-    pub(super) fn too_late(&self, slot: Instant) -> Option<Duration> {
-        let late = Instant::now().saturating_duration_since(slot);
+    pub(super) fn too_late(&self, slot: Instant, unseen_late: Duration) -> Option<Duration> {
+        let late = Instant::now().saturating_duration_since(slot) + unseen_late;
         (late > self.keys.load().rule.max_late()).then_some(late)
     }
 
@@ -323,11 +325,11 @@ impl Lane {
         (QueueSeat { lane: self, id }, rx)
     }
 
-    /// Hands a slot due at `at` to the oldest waiter of `class` that can still use it, or,
+    /// Hands `slot` to the oldest waiter of `class` that can still use it, or,
     /// if that class has none left, to the oldest of the most urgent class that has one.
     /// Waiters whose deadline falls before the slot are refused; they could not have been
     /// served in time.
-    pub(super) fn hand_out(&self, class: Class, at: Instant, generation: u64) -> bool {
+    pub(super) fn hand_out(&self, class: Class, slot: Reservation) -> bool {
         let mut queue = self.queue.lock();
         let first = usize::from(class.0).min(queue.classes.len() - 1);
         let order = std::iter::once(first).chain((0..queue.classes.len()).filter(|i| *i != first));
@@ -337,15 +339,16 @@ impl Lane {
                     continue;
                 }
                 let class = Class(u16::try_from(i).unwrap_or(u16::MAX));
-                if w.deadline < at {
+                if w.deadline < slot.at {
                     w.refuse(self.deadline_error(class, self.keys.load().rule.interval));
                     continue;
                 }
                 if w.tx
                     .send(Ok(Grant {
-                        generation,
+                        generation: slot.generation,
                         class,
-                        at,
+                        at: slot.at,
+                        unseen_late: slot.unseen_late,
                     }))
                     .is_ok()
                 {

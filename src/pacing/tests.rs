@@ -282,6 +282,22 @@ async fn a_request_held_up_past_its_slot_is_not_sent_on_it() {
     assert_eq!(started.elapsed(), ms(49));
 }
 
+#[tokio::test(start_paused = true)]
+async fn lateness_the_store_could_not_see_counts() {
+    // A slot placed by a span of the database clock 10 ms wide may already be 10 ms late
+    // when it comes: at 10/s it may then be used only 40 ms after it, not 50.
+    let p = pacer(pace(10.0)).await;
+    let mut a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    a.unseen_late = ms(10);
+    tokio::time::sleep(ms(40)).await;
+    assert!(!p.too_late(&a), "40 ms and 10 unseen is still on time");
+    tokio::time::sleep(ms(1)).await;
+    assert!(
+        p.too_late(&a),
+        "41 ms and 10 unseen bunches with the next slot"
+    );
+}
+
 /// Reservations the dispatcher has asked the store for.
 fn reservations(p: &Pacer) -> u64 {
     p.metrics

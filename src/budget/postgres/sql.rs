@@ -25,7 +25,9 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
                <= c.now + make_interval(secs => $4::float8))
     RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
-        clock_timestamp(), b.generation, c.now";
+        clock_timestamp(), b.generation";
+/// The database clock alone: a round trip with nothing to commit (see `clock`).
+pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
 /// A reservation on the wait list, granting a batch of up to `$17` slots over at most `$18`
 /// seconds (see `budget::Ask::most`).
 pub(super) const SQL_RESERVE_MANY: &str =

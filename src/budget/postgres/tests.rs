@@ -331,3 +331,33 @@ async fn a_long_block_streak_stays_at_the_cap() {
     assert!(view.paused_for > Duration::from_secs(7199), "{view:?}");
     assert!(view.paused_for <= Duration::from_secs(7200), "{view:?}");
 }
+
+#[tokio::test]
+async fn slots_are_placed_by_a_probe_of_the_database_clock() {
+    let url = testdb::fresh().await;
+    let rule = contract::rule(1000.0);
+    let first = PostgresStore::new(&url, 1).unwrap();
+    first.migrate().await.unwrap();
+    // The destination's row exists, so that the reservation is one statement.
+    contract::take(&first, "d", &rule, None).await.unwrap();
+    // Past the interval, so that the next slot is "now".
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let store = PostgresStore::new(&url, 1).unwrap();
+    let before = store.statements();
+    let sent = Instant::now();
+    let slot = contract::take(&store, "d", &rule, None).await.unwrap();
+    let round_trip = sent.elapsed();
+    // The clock was unknown: a read-only probe went first, then the one-statement
+    // reservation, whose own span (its round trip, with the commit's log flush) can only
+    // narrow what the probe found.
+    assert_eq!(store.statements() - before, 2);
+    assert!(
+        slot.unseen_late <= round_trip,
+        "{:?} unseen in a {round_trip:?} round trip",
+        slot.unseen_late
+    );
+    // The slot is "now" on the database clock: placed no earlier than the reservation was
+    // sent, and no later than its answer came.
+    assert!(slot.at >= sent);
+    assert!(slot.at <= sent + round_trip);
+}
