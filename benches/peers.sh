@@ -18,7 +18,9 @@
 # over a short load at c=32; strace slows what it traces).
 #
 # nginx and squid run one worker process each; pacegate runs as shipped, one thread per core
-# (PACEGATE_THREADS=N sets `[proxy] threads = N`).
+# (PACEGATE_THREADS=N sets `[proxy] threads = N`). Over http, "hyper" is the floor under
+# pacegate: examples/hyper_floor.rs, a forward proxy of the same hyper server, hyper-util client
+# and tokio runtime that does nothing else; what pacegate spends above it is its own.
 #
 #   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default; PACEGATE_BIN=path
 #
@@ -35,6 +37,7 @@ threads_key=""
 [ "$PACEGATE_THREADS" = cores ] || threads_key="threads = $PACEGATE_THREADS"
 bin=${PACEGATE_BIN:-target/release/pacegate}
 load=target/release/examples/connect_load
+floor=target/release/examples/hyper_floor
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
@@ -52,6 +55,7 @@ fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$bin" ] || cargo build --release --quiet
 [ -x "$load" ] || cargo build --release --quiet --example connect_load
+[ -x "$floor" ] || cargo build --release --quiet --example hyper_floor
 
 work=$(mktemp -d)
 chmod 755 "$work"
@@ -63,7 +67,7 @@ cleanup() {
 }
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port)
+up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port); hf=$(free_port)
 ups=$(free_port); rps=$(free_port); sqb=$(free_port)
 
 mkdir -p "$work/www" "$work/up" "$work/rp" "$work/squid"
@@ -156,6 +160,8 @@ rate = 1000000
 TOML
 "$bin" serve --config "$work/pacegate.toml" 2> "$work/pacegate.log" & pids+=($!)
 pacegate_pid=$!
+"$floor" "127.0.0.1:$hf" & pids+=($!)
+floor_pid=$!
 
 # The request line in absolute form, as a forward proxy receives it.
 cat > "$work/proxied.lua" <<LUA
@@ -163,7 +169,7 @@ wrk.path = "http://localhost:$up/1k"
 wrk.headers["Host"] = "localhost:$up"
 LUA
 
-for port in $up $rp $sq $pg $ups $rps $sqb; do
+for port in $up $rp $sq $pg $hf $ups $rps $sqb; do
   for _ in $(seq 100); do
     (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
     sleep 0.1
@@ -222,6 +228,7 @@ for round in $(seq "$ROUNDS"); do
       run nginx "$rp_pid" "$c" "http://127.0.0.1:$rp/1k"
       run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
       run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
+      run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
     fi
     if [[ " $PROTOCOLS " == *" https "* ]]; then
       run_tls direct-s "$up_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$ups"
