@@ -26,11 +26,12 @@ use tokio::time::Instant;
 /// be slewed, in opposite directions.
 const MAX_DRIFT: f64 = 1000e-6;
 
-/// A span wider than this is worth a probe: it is lateness a slot carries unseen.
+/// A span wider than this is worth a probe: it is lateness a slot carries unseen. A store
+/// whose quickest round trip is slower (on another host, say) is probed only once the span is
+/// twice that wide, since no probe can make it much narrower.
 pub(super) const PROBE_ABOVE: Duration = Duration::from_micros(500);
 
-/// The least time between two probes, so that a store whose every round trip is slower than
-/// [`PROBE_ABOVE`] is not probed without end.
+/// The least time between two probes.
 pub(super) const PROBE_EVERY: Duration = Duration::from_millis(50);
 
 /// The offset between this instance's monotonic clock and the database's, bounded from both
@@ -38,9 +39,16 @@ pub(super) const PROBE_EVERY: Duration = Duration::from_millis(50);
 pub(super) struct DbClock {
     /// What local instants are measured from.
     base: Instant,
-    span: Mutex<Option<Span>>,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    span: Option<Span>,
+    /// The quickest round trip seen: about as narrow as a probe can make the span.
+    quickest: Option<Duration>,
     /// When the last probe was started.
-    probed: Mutex<Option<Instant>>,
+    probed: Option<Instant>,
 }
 
 /// Local nanoseconds since `base` minus database nanoseconds since the epoch, as of `at`.
@@ -81,8 +89,7 @@ impl DbClock {
     pub(super) fn new() -> Self {
         Self {
             base: Instant::now(),
-            span: Mutex::new(None),
-            probed: Mutex::new(None),
+            state: Mutex::new(State::default()),
         }
     }
 
@@ -94,8 +101,10 @@ impl DbClock {
             upper: self.local_nanos(arrived) - db,
             at: arrived,
         };
-        let mut span = self.span.lock();
-        let narrowed = match *span {
+        let mut state = self.state.lock();
+        let trip = arrived.saturating_duration_since(sent);
+        state.quickest = Some(state.quickest.map_or(trip, |q| q.min(trip)));
+        let narrowed = match state.span {
             Some(old) => {
                 let old = old.loosened(arrived);
                 if seen.upper < old.lower || seen.lower > old.upper {
@@ -111,7 +120,7 @@ impl DbClock {
             }
             None => seen,
         };
-        *span = Some(narrowed);
+        state.span = Some(narrowed);
         Reading {
             base: self.base,
             offset: narrowed.upper,
@@ -120,16 +129,15 @@ impl DbClock {
     }
 
     /// Whether a probe should be sent now: the span is unknown or wider than [`PROBE_ABOVE`]
-    /// and no probe was started within [`PROBE_EVERY`]. Counts the probe as started.
+    /// (or twice the quickest round trip, if that is more), and no probe was started within
+    /// [`PROBE_EVERY`]. Counts the probe as started.
     pub(super) fn probe_due(&self, now: Instant) -> bool {
-        let wide = self
-            .span
-            .lock()
-            .is_none_or(|s| s.loosened(now).width() > PROBE_ABOVE);
-        let mut probed = self.probed.lock();
-        let due = wide && probed.is_none_or(|at| now >= at + PROBE_EVERY);
+        let mut state = self.state.lock();
+        let above = PROBE_ABOVE.max(state.quickest.unwrap_or_default() * 2);
+        let wide = state.span.is_none_or(|s| s.loosened(now).width() > above);
+        let due = wide && state.probed.is_none_or(|at| now >= at + PROBE_EVERY);
         if due {
-            *probed = Some(now);
+            state.probed = Some(now);
         }
         due
     }
@@ -199,6 +207,23 @@ mod tests {
         assert!(late(after) <= after.unseen_late);
         // Never early.
         assert!(after.local(slot) >= base + 40 * MS);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_far_away_is_probed_only_when_the_span_has_grown() {
+        let clock = DbClock::new();
+        let base = Instant::now();
+        let wall = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        // Every round trip takes 2 ms, the database reading its clock half way.
+        let probe = |t: Instant| clock.read(t, t + 2 * MS, db_at(base, wall, t + MS));
+        assert!(clock.probe_due(base));
+        assert_eq!(probe(base).unseen_late, 2 * MS);
+        // A second after the answer the span has grown by 2 ms (1000 ppm each way) to 4 ms,
+        // twice the quickest round trip; before that it is not worth a probe, though far
+        // wider than PROBE_ABOVE.
+        let t = base + 2 * MS + Duration::from_secs(1);
+        assert!(!clock.probe_due(t - MS));
+        assert!(clock.probe_due(t + MS));
     }
 
     #[tokio::test(start_paused = true)]
