@@ -23,7 +23,8 @@
 //!   counts the achieved rate, `pacing::verdict` reads a response.
 //! - [`budget`]: the store seam and the budget arithmetic both stores share
 //!   (`budget::schedule`); `budget::memory` is the embedded store, `budget::postgres` the
-//!   shared one (`sql`, `migrations`, `rows` apart), `budget::fleet` this instance among the
+//!   shared one (`sql`, `migrations`, `rows` apart, and `clock`, which places its slots on
+//!   this instance's clock), `budget::fleet` this instance among the
 //!   others (identity, heartbeat, leases, its standing: the share of each rate it may use,
 //!   supervisor), `budget::failover` what happens while a shared store is lost (divide or
 //!   refuse, lockout write-back), `budget::drift` instances whose rules differ (fingerprints,
