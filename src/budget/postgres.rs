@@ -6,7 +6,7 @@
 //! caller waits for its slot. The database clock is the only clock compared: a reservation
 //! returns the slot and `clock_timestamp()`, and the instance places the slot on its own
 //! monotonic clock by a bound that can only make it later, never earlier, and counts how
-//! much later it may be ([`clock`]).
+//! much later it may be (`clock`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
