@@ -30,7 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 use arc_swap::ArcSwap;
 
-use crate::budget::{BudgetView, Event, Lockout, Observation, PauseCause, Rule, Store, StoreError};
+use crate::budget::{
+    BudgetView, Event, Lockout, Observation, PauseCause, Reservation, Rule, Store, StoreError,
+};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Mode, Pace, Routed, Routes};
 use crate::metrics::Metrics;
@@ -135,11 +137,8 @@ pub struct Admission {
     lane: Arc<Lane>,
     /// The class the slot was granted to.
     pub class: Class,
-    generation: u64,
-    /// The slot it was granted.
-    slot: Instant,
-    /// How late `slot` may already be, unseen.
-    unseen_late: Duration,
+    /// The slot it was granted, and the backoff generation it was reserved under.
+    slot: Reservation,
     /// How long the request waited for its slot.
     pub waited: Duration,
     _permit: Option<OwnedSemaphorePermit>,
@@ -326,12 +325,12 @@ impl Pacer {
         let event = match verdict {
             Verdict::Clean => Event::Clean {
                 success: (200..400).contains(&status),
-                generation: admission.generation,
+                generation: admission.slot.generation,
             },
             Verdict::Throttled {
                 retry_after, reset, ..
             } => Event::Throttled {
-                generation: admission.generation,
+                generation: admission.slot.generation,
                 retry_after,
                 reset,
                 spread: rand::random::<f64>() * 2.0 - 1.0,

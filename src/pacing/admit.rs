@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use super::lane::{self, Lane};
 use super::{Admission, PaceError, Pacer, Route};
+use crate::budget::Reservation;
 use crate::class::Class;
 use crate::destination::Mode;
 
@@ -97,10 +98,12 @@ impl Pacer {
         // A throttle widens once per generation: the request counts as reserved under the
         // generation last seen.
         let granted = lane::Grant {
-            generation: lane.seen.lock().generation,
             class,
-            at: Instant::now(),
-            unseen_late: Duration::ZERO,
+            slot: Reservation {
+                at: Instant::now(),
+                generation: lane.seen.lock().generation,
+                unseen_late: Duration::ZERO,
+            },
         };
         self.sent(&lane, granted, Duration::ZERO, None)
     }
@@ -112,7 +115,7 @@ impl Pacer {
     /// more. Counted as a slot dropped; the caller waits for another.
     pub fn too_late(&self, admission: &Admission) -> bool {
         let lane = &admission.lane;
-        let Some(late) = lane.too_late(admission.slot, admission.unseen_late) else {
+        let Some(late) = lane.too_late(&admission.slot) else {
             return false;
         };
         self.metrics
@@ -156,12 +159,7 @@ impl Pacer {
             let queue = lane.queue.lock();
             if queue.len() == 0 && !lane.is_retired() {
                 if let Some(slot) = self.store.take_now(&lane.name, &lane.keys().rule) {
-                    return Ok(lane::Grant {
-                        generation: slot.generation,
-                        class,
-                        at: slot.at,
-                        unseen_late: slot.unseen_late,
-                    });
+                    return Ok(lane::Grant { class, slot });
                 }
             }
         }
@@ -193,9 +191,7 @@ impl Pacer {
         Admission {
             lane: lane.clone(),
             class: granted.class,
-            generation: granted.generation,
-            slot: granted.at,
-            unseen_late: granted.unseen_late,
+            slot: granted.slot,
             waited,
             _permit: permit,
         }

@@ -251,7 +251,7 @@ impl Dispatcher {
         // A slot is an instant, not a licence: a request sent well after it (this process was
         // descheduled, or the store's answer was delayed) would bunch with the next ones. Such
         // a slot is dropped, which can only slow the destination.
-        if let Some(late) = lane.too_late(slot.at, slot.unseen_late) {
+        if let Some(late) = lane.too_late(&slot) {
             self.slots_dropped.inc();
             tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
             return;

@@ -17,14 +17,11 @@ use crate::budget::{BudgetView, ClassQueue, Lockout, Reservation, Rule};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Pace};
 
-/// What a waiter is handed: a slot reserved under `generation`, for `class`.
+/// What a waiter is handed: a slot, for `class`.
 pub(super) struct Grant {
-    pub(super) generation: u64,
     pub(super) class: Class,
-    /// The slot: the request goes no earlier, and not much later.
-    pub(super) at: Instant,
-    /// How late `at` may already be, unseen ([`Reservation::unseen_late`]).
-    pub(super) unseen_late: Duration,
+    /// The request goes no earlier, and not much later.
+    pub(super) slot: Reservation,
 }
 
 /// One request waiting for a slot.
@@ -195,8 +192,8 @@ impl Lane {
     /// How late a request sent now on `slot` would be, where that is later than the rule
     /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
     /// used that late it would bunch with the next ones and could crowd a quota window.
-    pub(super) fn too_late(&self, slot: Instant, unseen_late: Duration) -> Option<Duration> {
-        let late = Instant::now().saturating_duration_since(slot) + unseen_late;
+    pub(super) fn too_late(&self, slot: &Reservation) -> Option<Duration> {
+        let late = Instant::now().saturating_duration_since(slot.at) + slot.unseen_late;
         (late > self.keys.load().rule.max_late()).then_some(late)
     }
 
@@ -343,15 +340,7 @@ impl Lane {
                     w.refuse(self.deadline_error(class, self.keys.load().rule.interval));
                     continue;
                 }
-                if w.tx
-                    .send(Ok(Grant {
-                        generation: slot.generation,
-                        class,
-                        at: slot.at,
-                        unseen_late: slot.unseen_late,
-                    }))
-                    .is_ok()
-                {
+                if w.tx.send(Ok(Grant { class, slot })).is_ok() {
                     return true;
                 }
             }

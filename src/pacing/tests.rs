@@ -288,7 +288,7 @@ async fn lateness_the_store_could_not_see_counts() {
     // when it comes: at 10/s it may then be used only 40 ms after it, not 50.
     let p = pacer(pace(10.0)).await;
     let mut a = p.admit(&d(&p), ONE, far()).await.unwrap();
-    a.unseen_late = ms(10);
+    a.slot.unseen_late = ms(10);
     tokio::time::sleep(ms(40)).await;
     assert!(!p.too_late(&a), "40 ms and 10 unseen is still on time");
     tokio::time::sleep(ms(1)).await;
