@@ -397,7 +397,7 @@ pub fn init_tracing(format: LogFormat, level: &str) -> log::Flushing {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(writer);
     match format {
-        LogFormat::Text => builder.init(),
+        LogFormat::Text => builder.event_format(log::Text::default()).init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
     guard

@@ -301,17 +301,23 @@ impl Pacer {
     }
 
     /// Applies the verdict of a response to an admitted request to the budget. `status` and
-    /// `request` (the request line) are kept with a lockout.
+    /// the request line, which `request` writes only for a lockout, are kept with a lockout.
     pub async fn observe(
         &self,
         admission: &Admission,
         reading: Reading,
         status: u16,
-        request: &str,
+        request: impl FnOnce() -> String,
     ) -> Verdict {
         let lane = &admission.lane;
         let keys = lane.keys();
         let verdict = reading.verdict;
+        // Written only when a lockout keeps it: a clean response costs no formatting.
+        let request = if verdict == Verdict::Lockout {
+            request()
+        } else {
+            String::new()
+        };
         // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
         let vendor = reading.signal.and_then(|(s, reset)| {
             Some(Observation {
@@ -335,11 +341,9 @@ impl Pacer {
                 reset,
                 spread: rand::random::<f64>() * 2.0 - 1.0,
             },
-            Verdict::Lockout => Event::Lockout(Lockout::new(
-                status,
-                request.to_owned(),
-                self.instance.clone(),
-            )),
+            Verdict::Lockout => {
+                Event::Lockout(Lockout::new(status, request.clone(), self.instance.clone()))
+            }
             Verdict::None if vendor.is_none() => return verdict,
             Verdict::None => Event::None,
         };
@@ -359,7 +363,7 @@ impl Pacer {
                     tracing::warn!(
                         destination = %lane.name,
                         status,
-                        request,
+                        request = %request,
                         "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
                         lane.name
                     );
@@ -367,7 +371,7 @@ impl Pacer {
                     tracing::error!(
                         destination = %lane.name,
                         status,
-                        request,
+                        request = %request,
                         "destination locked out: nothing more is sent until `pacegate unlock {}`",
                         lane.name
                     );

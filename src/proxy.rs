@@ -33,6 +33,9 @@ use arc_swap::ArcSwap;
 
 use crate::server::BoxFuture;
 
+/// The target of the request log line, one per request.
+pub const REQUEST_LOG: &str = "pacegate::request";
+
 /// What a reload may change in how the proxy treats clients.
 #[derive(Debug, Clone)]
 pub struct ClientPolicy {
@@ -173,23 +176,25 @@ impl Proxy {
     }
 
     async fn dispatch(&self, req: Request<Incoming>) -> Handled {
-        let target_text = req
-            .uri()
-            .authority()
-            .map(ToString::to_string)
-            .unwrap_or_default();
+        // Written only for a refusal before the target is known.
+        let target_text = || {
+            req.uri()
+                .authority()
+                .map(ToString::to_string)
+                .unwrap_or_default()
+        };
         let policy = self.inner.policy.load_full();
         if let Some(auth) = &policy.auth {
             if !auth::authorized(auth, req.headers()) {
                 let err = ProxyError::AuthRequired {
                     realm: auth.realm.clone(),
                 };
-                return Handled::refused(err, None, target_text);
+                return Handled::refused(err, None, target_text());
             }
         }
         let mut target = match self.target_of(&req) {
             Ok(t) => t,
-            Err(err) => return Handled::refused(err, None, target_text),
+            Err(err) => return Handled::refused(err, None, target_text()),
         };
         // The class named on the proxy connection: header, else the proxy user name.
         let user = auth::user_name(req.headers());
@@ -302,15 +307,15 @@ impl Proxy {
             return handled.response;
         }
         tracing::info!(
-            target: "pacegate::request",
+            target: REQUEST_LOG,
             destination,
             method = %method,
             // Not `target`: that is every event's own key in JSON, and would hide this one.
             host = %handled.target,
             outcome = %handled.outcome,
             status,
-            duration_ms = elapsed.as_secs_f64() * 1000.0,
-            waited_ms = handled.pace.waited.map_or(0.0, |w| w.as_secs_f64() * 1000.0),
+            duration_ms = millis(elapsed),
+            waited_ms = handled.pace.waited.map_or(0.0, millis),
             verdict = handled.pace.verdict.map_or("", |v| v.as_str()),
             verdict_reason = handled.pace.verdict.map_or("", |v| v.reason()),
             retries = handled.pace.retries,
@@ -319,6 +324,11 @@ impl Proxy {
         );
         handled.response
     }
+}
+
+/// Milliseconds to the microsecond, for the log: `0.586`, not `0.5856630000000001`.
+fn millis(d: std::time::Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
 /// The classes `user` may use, when the policy lists them.

@@ -148,7 +148,9 @@ async fn exercise(config: &Config) {
                 break;
             };
             let reading = pacer.read(&a, *status, h);
-            pacer.observe(&a, reading, *status, "GET https://d/").await;
+            pacer
+                .observe(&a, reading, *status, || "GET https://d/".to_owned())
+                .await;
         }
     }
     let _ = pacer.status().await;

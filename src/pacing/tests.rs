@@ -32,7 +32,8 @@ impl Pacer {
     /// for a response whose body needs no look.
     async fn answer(&self, a: &Admission, status: u16, h: &HeaderMap, request: &str) -> Verdict {
         let reading = self.read(a, status, h);
-        self.observe(a, reading, status, request).await
+        self.observe(a, reading, status, || request.to_owned())
+            .await
     }
 }
 

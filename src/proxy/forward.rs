@@ -123,7 +123,7 @@ impl Proxy {
         let destination = target.name();
         let authority = target.authority();
         let mut note = PaceNote::default();
-        let result = match prepare(req, &target) {
+        let result = match prepare(req, &target, &authority) {
             Err(e) => Err(e),
             Ok(mut outgoing) => match &target.destination {
                 Some(route) => self.paced(outgoing, route, target.class, &mut note).await,
@@ -183,7 +183,6 @@ impl Proxy {
         // One deadline for the request and its retries; each retry waits in the same class.
         let deadline = Instant::now() + route.max_wait(class);
         let retryable = outgoing.retryable();
-        let request_line = outgoing.request_line();
         let mut last_throttled: Option<Response<ProxyBody>> = None;
         // Shadow mode sends at once and never retries: clients see what they would without
         // pacegate, while the pacer counts what it would have done.
@@ -220,7 +219,7 @@ impl Proxy {
                 }
             }
             let verdict = pacer
-                .observe(&admission, reading, status, &request_line)
+                .observe(&admission, reading, status, || outgoing.request_line())
                 .await;
             note.verdict = Some(verdict);
             let throttled = matches!(verdict, Verdict::Throttled { .. });
@@ -272,17 +271,26 @@ async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
     Some(Response::from_parts(parts, body))
 }
 
-/// Rewrites a client request for the upstream: URI from the target, HTTP/1.1 version,
-/// hop-by-hop headers removed.
-fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyError> {
+/// Rewrites a client request for the upstream: URI from the target (`authority` is its
+/// [`Target::authority`]), HTTP/1.1 version, hop-by-hop headers removed.
+fn prepare(
+    req: Request<Incoming>,
+    target: &Target,
+    authority: &str,
+) -> Result<Outgoing, ProxyError> {
     let (mut parts, body) = req.into_parts();
     if let Some(protocol) = headers::upgrade_protocol(&parts.headers) {
         return Err(ProxyError::UpgradeUnsupported { protocol });
     }
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    parts.uri = format!("{}://{}{path}", target.scheme, target.authority())
-        .parse::<Uri>()
-        .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
+    // An absolute-form URI that already names the target as it is routed is sent as it came.
+    let as_routed = parts.uri.scheme() == Some(&target.scheme)
+        && parts.uri.authority().map(|a| a.as_str()) == Some(authority);
+    if !as_routed {
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        parts.uri = format!("{}://{authority}{path}", target.scheme)
+            .parse::<Uri>()
+            .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
+    }
     if parts.version == Version::HTTP_2 {
         headers::join_cookies(&mut parts.headers);
     }
