@@ -277,6 +277,8 @@ mod tests {
                 signed = -3i64,
                 ok = true,
                 reason,
+                "a {} line",
+                "request"
             );
         });
         let line = String::from_utf8(sink.0.lock().clone()).unwrap();
@@ -295,7 +297,12 @@ mod tests {
             let fast = request_line(Text::default(), host, reason);
             let default = request_line(Format::<Full, Clock>::default(), host, reason);
             assert_eq!(fast, default);
-            assert!(fast.starts_with("  INFO pacegate::request: destination=\"local\" method=GET"));
+            assert!(
+                fast.starts_with(
+                    "  INFO pacegate::request: a request line destination=\"local\" method=GET"
+                ),
+                "{fast}"
+            );
         }
     }
 }
