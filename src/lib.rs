@@ -3,7 +3,8 @@
 //! The modules, in the order a request meets them:
 //!
 //! - [`cli`]: the binary's commands, one function each (`main` only parses the arguments);
-//!   `cli::log` writes the log off the request path.
+//!   `cli::log` writes the log off the request path, and the request line with little
+//!   formatting.
 //! - [`app`]: wiring: config -> metrics, TLS, store, pacer, upstream client, proxy,
 //!   listeners; run and stop.
 //! - [`config`]: the typed [`config::Config`]; `config::file` is the TOML file model and
