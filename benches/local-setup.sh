@@ -1,7 +1,9 @@
-# Sourced by benches/syscalls.sh and benches/idle_memory.sh: a work dir removed on exit, a
-# local upstream answering 1 KiB to every GET, and a pacegate config with destination
-# `local` (localhost) at `rate = 1000000` and `$proxy_limits` in [proxy.limits]. Sets
-# $work, $upstream_port and $proxy_port. Loopback only.
+# Sourced by benches/syscalls.sh, benches/idle_memory.sh and benches/profile.sh: a work dir
+# removed on exit, a local upstream answering 1 KiB to every GET, and a pacegate config with
+# destination `local` (localhost) at `rate = 1000000` and `$proxy_limits` in [proxy.limits].
+# The upstream is a small Python server, or nginx (one worker) when `$nginx` names its
+# binary: fast enough not to be the limit under load. Sets $work, $upstream_port and
+# $proxy_port. Loopback only.
 [ -x "$bin" ] || cargo build --release --quiet
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
@@ -22,7 +24,19 @@ generate_ca = true
 hosts = ["localhost"]
 rate = 1000000
 TOML
-python3 - "$upstream_port" <<'PY' &
+if [ -n "${nginx:-}" ]; then
+    mkdir -p "$work/www"
+    head -c 1024 /dev/zero | tr '\0' x > "$work/www/index.html"
+    cat > "$work/nginx.conf" <<CONF
+daemon off; worker_processes 1; pid $work/nginx.pid; error_log $work/nginx.err;
+events { worker_connections 4096; }
+http { access_log off; keepalive_requests 10000000; client_body_temp_path $work;
+  proxy_temp_path $work; fastcgi_temp_path $work; uwsgi_temp_path $work; scgi_temp_path $work;
+  server { listen 127.0.0.1:$upstream_port; root $work/www; } }
+CONF
+    "$nginx" -p "$work" -c "$work/nginx.conf" &
+else
+    python3 - "$upstream_port" <<'PY' &
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -34,3 +48,4 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 PY
+fi

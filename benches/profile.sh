@@ -5,16 +5,16 @@
 # first of the categories below found on its stack from the leaf up, so a category holds its
 # own work and what it calls; the figures are microseconds of CPU per request.
 #
-#   benches/profile.sh [BINARY] [ROUNDS]     # target/release/pacegate, 1 round by default
+#   benches/profile.sh [BINARY] [ROUNDS]   # target/release/pacegate (built if missing), 1 round
 #
 # The CPU per request moves by 15% and more from run to run on a busy 2-core machine; a
 # category's share of the samples moves much less, so compare shares, and alternate binaries.
 # Needs perf (linux-perf), wrk, nginx and python3; as root on Debian it installs them.
 # Loopback only.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 bin=${1:-target/release/pacegate}
 rounds=${2:-1}
-[ -x "$bin" ] || { echo "profile: no binary at $bin (cargo build --release)" >&2; exit 1; }
 
 need=()
 command -v perf >/dev/null || need+=(linux-perf)
@@ -29,44 +29,16 @@ if [ ${#need[@]} -gt 0 ]; then
     fi
 fi
 nginx=$(command -v nginx || echo /usr/sbin/nginx)
-
-dir=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; [ -f "$dir/nginx.pid" ] && kill "$(cat "$dir/nginx.pid")" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$dir"' EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-up=$(free_port)
-proxy=$(free_port)
-mkdir -p "$dir/www"
-head -c 1024 /dev/zero | tr '\0' x > "$dir/www/1k"
-cat > "$dir/nginx.conf" <<EOF
-daemon on; worker_processes 1; pid $dir/nginx.pid; error_log $dir/nginx.err;
-events { worker_connections 4096; }
-http { access_log off; keepalive_requests 10000000;
-  client_body_temp_path $dir; proxy_temp_path $dir; fastcgi_temp_path $dir;
-  uwsgi_temp_path $dir; scgi_temp_path $dir;
-  server { listen 127.0.0.1:$up; root $dir/www; } }
-EOF
-"$nginx" -p "$dir" -c "$dir/nginx.conf"
-cat > "$dir/pacegate.toml" <<EOF
-[proxy]
-listen = "127.0.0.1:$proxy"
-allow_private_upstreams = true
-[proxy.limits]
-max_connections = 20000
-[admin]
-listen = "127.0.0.1:0"
-[tls]
-generate_ca = true
-[destinations.local]
-hosts = ["localhost"]
-rate = 1000000
-EOF
-cat > "$dir/proxy.lua" <<EOF
-wrk.path = "http://localhost:$up/1k"
-wrk.headers["Host"] = "localhost:$up"
+proxy_limits="max_connections = 20000"
+# shellcheck source=benches/local-setup.sh
+. benches/local-setup.sh
+cat > "$work/proxy.lua" <<EOF
+wrk.path = "http://localhost:$upstream_port/"
+wrk.headers["Host"] = "localhost:$upstream_port"
 EOF
 
 # Categories, most specific first: pacegate's own steps, then the stack under them.
-cat > "$dir/categories.py" <<'EOF'
+cat > "$work/categories.py" <<'EOF'
 import collections, sys
 CATEGORIES = [
     ("request log", "tracing_core::event::Event::dispatch"),
@@ -116,23 +88,23 @@ print(f"  {us(own):6.2f} us  {100.0 * own / total:5.1f}%  pacegate's own steps (
 EOF
 
 for round in $(seq "$rounds"); do
-    "$bin" serve --config "$dir/pacegate.toml" 2>"$dir/pacegate.log" &
+    "$bin" serve --config "$work/pacegate.toml" 2>"$work/pacegate.log" &
     pid=$!
     ready=
     for _ in $(seq 100); do
-        curl -s -o /dev/null -x "http://127.0.0.1:$proxy" "http://localhost:$up/1k" && ready=1 && break
+        curl -s -o /dev/null -x "http://127.0.0.1:$proxy_port" "http://localhost:$upstream_port/" && ready=1 && break
         sleep 0.1
     done
-    [ -n "$ready" ] || { echo "profile: pacegate did not answer:" >&2; cat "$dir/pacegate.log" >&2; exit 1; }
-    wrk -t 2 -c 32 -d 1s -s "$dir/proxy.lua" "http://127.0.0.1:$proxy" >/dev/null
-    perf record -F 1000 --call-graph dwarf,16384 -p "$pid" -o "$dir/perf.data" -- sleep 3 \
+    [ -n "$ready" ] || { echo "profile: pacegate did not answer:" >&2; cat "$work/pacegate.log" >&2; exit 1; }
+    wrk -t 2 -c 32 -d 1s -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" >/dev/null
+    perf record -F 1000 --call-graph dwarf,16384 -p "$pid" -o "$work/perf.data" -- sleep 3 \
         >/dev/null 2>&1 &
     rec=$!
-    rps=$(wrk -t 2 -c 32 -d 3s -s "$dir/proxy.lua" "http://127.0.0.1:$proxy" |
+    rps=$(wrk -t 2 -c 32 -d 3s -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" |
         awk '/Requests\/sec/ {print $2}')
     wait "$rec" || true
     kill "$pid"; wait "$pid" 2>/dev/null || true
-    perf script -i "$dir/perf.data" -F comm,tid,ip,sym 2>/dev/null > "$dir/samples.txt"
+    perf script -i "$work/perf.data" -F comm,tid,ip,sym 2>/dev/null > "$work/samples.txt"
     echo "round $round: $rps req/s at c=32"
-    python3 "$dir/categories.py" "$dir/samples.txt" "$(python3 -c "print($rps * 3)")"
+    python3 "$work/categories.py" "$work/samples.txt" "$(python3 -c "print($rps * 3)")"
 done
