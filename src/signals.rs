@@ -152,7 +152,7 @@ impl Signal {
 /// second until its reset. `now` places resets given as Unix time; the caller passes the
 /// response's `Date` when it has one.
 pub fn read(headers: &HeaderMap, families: Families, now: SystemTime) -> Option<Signal> {
-    if families.is_none() {
+    if families.is_none() || !may_carry(headers) {
         return None;
     }
     let mut best: Option<(Signal, (bool, f64))> = None;
@@ -169,6 +169,16 @@ pub fn read(headers: &HeaderMap, families: Families, now: SystemTime) -> Option<
         }
     }
     best.map(|(s, _)| s)
+}
+
+/// Whether any header could be a family's: every family's names start with one of these.
+/// One pass over the names, with no lookups, settles it for the many responses that carry
+/// none, before [`read`] looks up each family's names in turn.
+pub fn may_carry(headers: &HeaderMap) -> bool {
+    const PREFIXES: [&str; 4] = ["ratelimit", "x-ratelimit", "x-rate-limit", "x-shopify-"];
+    headers
+        .keys()
+        .any(|name| PREFIXES.iter().any(|p| name.as_str().starts_with(p)))
 }
 
 /// `(spent, seconds per remaining request)`: larger is stricter.

@@ -120,15 +120,33 @@ impl Reading {
 /// vendor remaining of 0 (the body is the caller's: see [`Reading::needs_body`]). Unix-time
 /// resets and HTTP-dates are read against the response's `Date` when it has one.
 pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace) -> Reading {
-    let date = headers
-        .get(DATE)
-        .and_then(|d| d.to_str().ok())
-        .and_then(|d| httpdate::parse_http_date(d.trim()).ok());
-    let signal = signals::read(headers, pace.signals, date.unwrap_or_else(SystemTime::now));
-    let retry_after = retry_after(headers, date);
+    // Read only when a signal or a `Retry-After` needs it: most responses carry neither.
+    let date = std::cell::OnceCell::new();
+    let date = || {
+        *date.get_or_init(|| {
+            headers
+                .get(DATE)
+                .and_then(|d| d.to_str().ok())
+                .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+        })
+    };
+    let signal = if signals::may_carry(headers) {
+        signals::read(
+            headers,
+            pace.signals,
+            date().unwrap_or_else(SystemTime::now),
+        )
+    } else {
+        None
+    };
+    let retry_after = if headers.contains_key(RETRY_AFTER) {
+        retry_after(headers, date())
+    } else {
+        None
+    };
     let reset = signal.and_then(|s| match s.reset? {
         Reset::In(d) => Some(Pause::For(d)),
-        Reset::At(t) => Some(match date {
+        Reset::At(t) => Some(match date() {
             Some(date) => Pause::For(t.duration_since(date).ok()?),
             None => Pause::Until(t),
         }),

@@ -10,39 +10,53 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     HeaderName::from_static("proxy-connection"),
     header::PROXY_AUTHORIZATION,
     header::PROXY_AUTHENTICATE,
-    header::TE,
+    header::TE, // TE_BIT
     header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
 
+/// `TE`'s bit in the set of [`HOP_BY_HOP`] names present.
+const TE_BIT: u16 = 1 << 5;
+
 /// Removes every hop-by-hop header and every header that `Connection` names. A `TE: trailers`
 /// request header is kept, since h2 upstreams (gRPC) rely on it and it is valid end to end.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Every header named by `Connection` is removed with it, so a message without any of
-    // these has nothing to strip: one pass over its names, no lookups, is all most cost.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    // One pass over the names finds which of these are there (bit i for `HOP_BY_HOP[i]`):
+    // none for most requests, only `Connection` for most responses. Only those are removed.
+    let present = headers.keys().fold(0u16, |bits, name| {
+        bits | HOP_BY_HOP
+            .iter()
+            .position(|h| h == name)
+            .map_or(0, |i| 1 << i)
+    });
+    if present == 0 {
+        // Every header that `Connection` names is removed with it: nothing to strip.
         return;
     }
+    // `keep-alive` and `close`, by far the most common, name no other header.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .collect();
-    let te_trailers = headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
-    let present: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| HOP_BY_HOP.contains(name) || named.contains(name))
-        .cloned()
-        .collect();
-    for name in &present {
+    let te_trailers = present & TE_BIT != 0
+        && headers
+            .get_all(header::TE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+    for name in &named {
         headers.remove(name);
     }
     if te_trailers {
