@@ -363,7 +363,7 @@ impl Pacer {
                     tracing::warn!(
                         destination = %lane.name,
                         status,
-                        request = %request,
+                        request = request.as_str(),
                         "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
                         lane.name
                     );
@@ -371,7 +371,7 @@ impl Pacer {
                     tracing::error!(
                         destination = %lane.name,
                         status,
-                        request = %request,
+                        request = request.as_str(),
                         "destination locked out: nothing more is sent until `pacegate unlock {}`",
                         lane.name
                     );
