@@ -14,8 +14,16 @@ pub async fn fresh() -> String {
         )
     });
     static N: AtomicU32 = AtomicU32::new(0);
+    // The process id alone repeats on a server that outlives many runs (its databases are
+    // never dropped): the start time of the process's first database makes the name unique.
+    static STARTED: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+    let started = STARTED.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros())
+    });
     let name = format!(
-        "pacegate_unit_{}_{}",
+        "pacegate_unit_{}_{started}_{}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     );
