@@ -26,7 +26,7 @@ use crate::destination::HostPattern;
 mod parent;
 mod warm;
 
-pub use warm::{Busy, Expecting, Warm};
+pub use warm::{Busy, Expecting, NoConnectionInTime, Warm};
 
 /// Errors of bodies flowing through pacegate.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -271,6 +271,10 @@ pub enum UpstreamError {
     /// The connection broke or the upstream spoke invalid HTTP.
     #[error("upstream exchange failed: {0}")]
     Protocol(String),
+    /// A paced request had no connection by the latest instant its slot allows; nothing was
+    /// sent. It waits for another slot ([`NoConnectionInTime`]).
+    #[error(transparent)]
+    Late(#[from] NoConnectionInTime),
 }
 
 /// The pooled outbound HTTP client.
@@ -294,7 +298,7 @@ impl Upstream {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(connector.clone());
-        let warm = Warm::new(https, cfg.pool_idle_timeout);
+        let warm = Warm::new(https, cfg.pool_idle_timeout, cfg.connect_timeout);
         let client = Client::builder(TokioExecutor::new())
             // Idle pooled connections only expire when a timer is set too.
             .pool_timer(TokioTimer::new())
@@ -310,6 +314,12 @@ impl Upstream {
         }
     }
 
+    /// Waits while a connection to `uri`'s upstream is being opened and none is ready; see
+    /// [`Warm::opened`].
+    pub async fn opened(&self, uri: &Uri) {
+        self.warm.opened(uri).await;
+    }
+
     /// The guarded connector, for blind tunnels.
     pub fn connector(&self) -> &Connector {
         &self.connector
@@ -321,10 +331,21 @@ impl Upstream {
         self.warm.expect(uri)
     }
 
-    /// Sends a request (absolute URI, HTTP/1.1 version) and waits for the response head.
-    pub async fn send(&self, req: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
+    /// Sends a request (absolute URI, HTTP/1.1 version) and waits for the response head. A
+    /// paced request gives `by`, the latest instant its slot allows: without a connection by
+    /// then, nothing is sent ([`UpstreamError::Late`]).
+    pub async fn send(
+        &self,
+        req: Request<ProxyBody>,
+        by: Option<tokio::time::Instant>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
         let _busy = self.warm.sending(req.uri());
-        match tokio::time::timeout(self.response_timeout, self.client.request(req)).await {
+        let exchange = tokio::time::timeout(self.response_timeout, self.client.request(req));
+        let answered = match by {
+            Some(by) => warm::SEND_BY.scope(by, exchange).await,
+            None => exchange.await,
+        };
+        match answered {
             Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) => Err(classify(e)),
@@ -339,6 +360,9 @@ fn classify(err: hyper_util::client::legacy::Error) -> UpstreamError {
     while let Some(e) = source {
         if let Some(c) = e.downcast_ref::<ConnectError>() {
             return UpstreamError::Connect(clone_connect_error(c));
+        }
+        if e.is::<NoConnectionInTime>() {
+            return UpstreamError::Late(NoConnectionInTime);
         }
         // `io::Error::source` skips the error it wraps, so look inside explicitly.
         let inner = e

@@ -598,3 +598,37 @@ async fn a_request_that_waits_for_its_slot_gets_its_connection_meanwhile() {
         }
     }
 }
+
+/// A request whose slot comes before its upstream connection can: a fresh https upstream
+/// whose handshakes take 60 ms, at 10/s, where a slot may be used 50 ms late and no more.
+/// The first request's slot is due at once, its connection comes 60 ms on: it is not sent on
+/// that slot (sent then, it would go 60 ms late and bunch with the next) but on the next one,
+/// 100 ms on, over the connection opened meanwhile. A POST: its body goes whole all the same.
+#[tokio::test]
+async fn a_request_without_a_connection_in_time_for_its_slot_goes_on_the_next() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 10").await;
+    upstream.slow_start(Duration::from_millis(60));
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let body = "a body lent to the first slot and sent on the second".repeat(100);
+    let started = Instant::now();
+    let resp = via
+        .post(format!("{}/echo", upstream.https_url("localhost")))
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), body);
+    let at = upstream.arrivals();
+    assert_eq!(at.len(), 1, "sent once");
+    let after = at[0] - started;
+    assert!(
+        after >= Duration::from_millis(95),
+        "it reached the upstream {after:?} after it was sent, before its second slot"
+    );
+    let dropped = proxy
+        .metric("pacegate_slots_dropped_total{destination=\"local\"}")
+        .await;
+    assert_eq!(dropped, 1.0, "the first slot is dropped");
+}

@@ -197,6 +197,17 @@ impl Lane {
         (late > self.keys.load().rule.max_late()).then_some(late)
     }
 
+    /// The latest instant a request may be sent on `slot`: after it, [`Lane::too_late`].
+    pub(super) fn send_by(&self, slot: &Reservation) -> Instant {
+        slot.at
+            + self
+                .keys
+                .load()
+                .rule
+                .max_late()
+                .saturating_sub(slot.unseen_late)
+    }
+
     /// Takes a destination's new keys (a reload): the next slot is reserved by them; the
     /// budget, the queue and the requests in flight are kept. A changed `max_concurrency`
     /// takes a fresh semaphore: requests in flight keep the permits of the old one.

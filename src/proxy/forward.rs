@@ -12,6 +12,7 @@ use http::{Method, Request, Response, Uri, Version};
 use http_body::Body as _;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::respond::{Outcome, ProxyError};
@@ -21,7 +22,7 @@ use crate::destination::Mode;
 use crate::metrics::UNMATCHED;
 use crate::pacing::verdict::Verdict;
 use crate::pacing::Route;
-use crate::upstream::{BoxError, ProxyBody};
+use crate::upstream::{BoxError, ProxyBody, UpstreamError};
 
 /// A throttled response kept while its request is retried is read into memory up to this size;
 /// a larger one is handed to the client instead of retrying.
@@ -68,6 +69,8 @@ impl Target {
 struct Outgoing {
     parts: Parts,
     body: Option<Incoming>,
+    /// The body lent to the attempt under way ([`Outgoing::lend`]).
+    lent: Option<Arc<Mutex<Option<Incoming>>>>,
 }
 
 impl Outgoing {
@@ -90,6 +93,28 @@ impl Outgoing {
         req
     }
 
+    /// The request, with the original body lent to it: until the upstream connection reads
+    /// from it, it can be taken back ([`Outgoing::take_back`]).
+    fn lend(&mut self) -> Request<ProxyBody> {
+        let mut req = self.copy();
+        if let Some(body) = self.body.take() {
+            let cell = Arc::new(Mutex::new(Some(body)));
+            self.lent = Some(cell.clone());
+            *req.body_mut() = Lent { cell, body: None }.boxed();
+        }
+        req
+    }
+
+    /// Takes back the body lent to an attempt that never reached a connection. False when
+    /// the attempt began to send it: the request cannot be sent again.
+    fn take_back(&mut self) -> bool {
+        if let Some(cell) = self.lent.take() {
+            self.body = cell.lock().take();
+            return self.body.is_some();
+        }
+        true
+    }
+
     /// GET, HEAD and OPTIONS with no body may be sent again after a throttle.
     fn retryable(&self) -> bool {
         matches!(
@@ -104,6 +129,51 @@ impl Outgoing {
         let scheme = uri.scheme_str().unwrap_or("http");
         let authority = uri.authority().map_or("", |a| a.as_str());
         format!("{} {scheme}://{authority}{}", self.parts.method, uri.path())
+    }
+}
+
+/// A request body lent to one attempt at sending ([`Outgoing::lend`]). It stays in the
+/// shared cell until the upstream connection first asks for a frame, so an attempt given up
+/// before it had a connection leaves the body whole for the next.
+struct Lent {
+    cell: Arc<Mutex<Option<Incoming>>>,
+    body: Option<Incoming>,
+}
+
+impl http_body::Body for Lent {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.body.is_none() {
+            this.body = this.cell.lock().take();
+        }
+        match &mut this.body {
+            Some(body) => std::pin::Pin::new(body).poll_frame(cx).map_err(Into::into),
+            None => std::task::Poll::Ready(Some(Err("the request body was taken back".into()))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.body {
+            Some(body) => body.is_end_stream(),
+            None => self.cell.lock().as_ref().is_none_or(|b| b.is_end_stream()),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match &self.body {
+            Some(body) => body.size_hint(),
+            None => self
+                .cell
+                .lock()
+                .as_ref()
+                .map_or_else(http_body::SizeHint::default, |b| b.size_hint()),
+        }
     }
 }
 
@@ -127,7 +197,7 @@ impl Proxy {
             Err(e) => Err(e),
             Ok(mut outgoing) => match &target.destination {
                 Some(route) => self.paced(outgoing, route, target.class, &mut note).await,
-                None => self.send(outgoing.take(), UNMATCHED).await,
+                None => self.send(outgoing.take(), UNMATCHED, None).await,
             },
         };
         match result {
@@ -146,13 +216,15 @@ impl Proxy {
         }
     }
 
-    /// Sends one request and returns the response with hop-by-hop headers removed.
+    /// Sends one request and returns the response with hop-by-hop headers removed; `by` as
+    /// in [`crate::upstream::Upstream::send`].
     async fn send(
         &self,
         req: Request<ProxyBody>,
         label: &str,
+        by: Option<Instant>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let response = self.inner.upstream.send(req).await?;
+        let response = self.inner.upstream.send(req, by).await?;
         self.inner
             .metrics
             .upstream_responses
@@ -206,9 +278,27 @@ impl Proxy {
             let req = if retryable {
                 outgoing.copy()
             } else {
-                outgoing.take()
+                outgoing.lend()
             };
-            let mut response = self.send(req, destination).await?;
+            // The same check where the client hands out the connection: a request that would
+            // wait for one past its slot is not sent on it.
+            let by = (!shadow).then(|| pacer.send_by(&admission));
+            let mut response = match self.send(req, destination, by).await {
+                Err(ProxyError::Upstream(UpstreamError::Late(late))) => {
+                    pacer.no_connection_in_time(&admission);
+                    if !outgoing.take_back() {
+                        return Err(ProxyError::Upstream(UpstreamError::Late(late)));
+                    }
+                    // The next slot, once the connection opened for this one is there.
+                    let _ = tokio::time::timeout_at(
+                        deadline,
+                        self.inner.upstream.opened(&outgoing.parts.uri),
+                    )
+                    .await;
+                    continue;
+                }
+                sent => sent?,
+            };
             let status = response.status().as_u16();
             let mut reading = pacer.read(&admission, status, response.headers());
             if reading.needs_body(&pace) {
@@ -234,11 +324,9 @@ impl Proxy {
                     last_throttled = Some(kept);
                     continue;
                 }
-                return Err(ProxyError::Upstream(
-                    crate::upstream::UpstreamError::Protocol(
-                        "the throttled response's body failed while it was read".into(),
-                    ),
-                ));
+                return Err(ProxyError::Upstream(UpstreamError::Protocol(
+                    "the throttled response's body failed while it was read".into(),
+                )));
             }
             // The slot's concurrency permit and in-flight count last until the body is done.
             let (parts, body) = response.into_parts();
@@ -308,5 +396,6 @@ fn prepare(
     Ok(Outgoing {
         parts,
         body: Some(body),
+        lent: None,
     })
 }

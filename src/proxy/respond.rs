@@ -258,6 +258,13 @@ impl ProxyError {
                     "http_protocol_error",
                     Outcome::UpstreamError,
                 ),
+                // The request waits for another slot instead; this is for a caller that
+                // gave a deadline and did not.
+                UpstreamError::Late(_) => (
+                    S::SERVICE_UNAVAILABLE,
+                    "proxy_internal_error",
+                    Outcome::Unavailable,
+                ),
             },
         }
     }

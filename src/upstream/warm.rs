@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tower_service::Service;
 
-use super::Connector;
+use super::{ConnectError, Connector};
 use crate::upstream::BoxError;
 
 /// The most connections opened ahead for requests waiting on one upstream.
@@ -44,6 +44,18 @@ fn key_of(uri: &Uri) -> Option<Key> {
     let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
     Some((https, host, port))
 }
+
+tokio::task_local! {
+    /// The latest instant the request being sent may take its connection and still go on
+    /// its slot ([`crate::upstream::Upstream::send`] sets it for a paced request).
+    pub(super) static SEND_BY: tokio::time::Instant;
+}
+
+/// No connection could be handed out by the request's [`SEND_BY`]: sent later, it would not
+/// go on its slot. The connection being opened for it goes on into the stash.
+#[derive(Debug, thiserror::Error)]
+#[error("no upstream connection by the latest instant the request's slot allows")]
+pub struct NoConnectionInTime;
 
 /// One upstream's connections.
 #[derive(Default)]
@@ -101,6 +113,25 @@ impl Host {
     }
 }
 
+/// A connection opened ahead is through its handshakes, or failed: it goes into the stash,
+/// and whoever waits for one is told.
+fn land(hosts: &Hosts, key: &Key, opened: Result<Stream, BoxError>) {
+    let mut all = hosts.lock();
+    let host = host_of(&mut all, key);
+    host.opening -= 1;
+    match opened {
+        Ok(stream) => {
+            let counted = Counted::new(stream, hosts, key.clone(), host);
+            host.stash.push((Instant::now(), counted));
+        }
+        Err(e) => tracing::debug!("opening a connection ahead failed: {e}"),
+    }
+    host.landed.notify_waiters();
+    if host.is_idle() {
+        all.remove(key);
+    }
+}
+
 /// `key`'s entry, made if it is new (the key is copied only then).
 fn host_of<'a>(all: &'a mut HashMap<Key, Host>, key: &Key) -> &'a mut Host {
     if !all.contains_key(key) {
@@ -130,17 +161,35 @@ pub struct Warm {
     /// How long a stashed connection may wait for its request: as long as an idle pooled
     /// one (`pool_idle_timeout`), below the usual upstream keep-alive.
     ttl: Duration,
+    /// The connect timeout, over TCP and TLS together.
+    open_timeout: Duration,
     /// Connections opened ahead, for tests and benches.
     opened_ahead: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Warm {
-    pub fn new(inner: HttpsConnector<Connector>, ttl: Duration) -> Self {
+    pub fn new(inner: HttpsConnector<Connector>, ttl: Duration, open_timeout: Duration) -> Self {
         Self {
             inner,
             hosts: Arc::default(),
             ttl,
+            open_timeout,
             opened_ahead: Arc::default(),
+        }
+    }
+
+    /// Opens a connection to `uri`, TCP and TLS, within the connect timeout. The connector
+    /// bounds the TCP connect alone; a handshake the upstream never answers would otherwise
+    /// hold a connection being opened, and every request waiting for it, for ever.
+    fn open(&self, uri: Uri) -> impl Future<Output = Result<Stream, BoxError>> + Send + 'static {
+        let mut inner = self.inner.clone();
+        let after = self.open_timeout;
+        async move {
+            let host = uri.host().unwrap_or_default().to_owned();
+            match tokio::time::timeout(after, inner.call(uri)).await {
+                Ok(opened) => opened,
+                Err(_) => Err(Box::new(ConnectError::Timeout { host, after }) as BoxError),
+            }
         }
     }
 
@@ -190,31 +239,34 @@ impl Warm {
         };
         drop(stale);
         for _ in 0..short {
-            let (mut inner, hosts, key, uri) = (
-                self.inner.clone(),
-                self.hosts.clone(),
-                key.clone(),
-                uri.clone(),
-            );
+            let (opening, hosts, key) = (self.open(uri.clone()), self.hosts.clone(), key.clone());
             self.opened_ahead
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tokio::spawn(async move {
-                let opened = inner.call(uri).await;
-                let mut all = hosts.lock();
-                let host = host_of(&mut all, &key);
-                host.opening -= 1;
-                match opened {
-                    Ok(stream) => {
-                        let counted = Counted::new(stream, &hosts, key.clone(), host);
-                        host.stash.push((Instant::now(), counted));
-                    }
-                    Err(e) => tracing::debug!("opening a connection ahead failed: {e}"),
-                }
-                host.landed.notify_waiters();
-                if host.is_idle() {
-                    all.remove(&key);
-                }
-            });
+            tokio::spawn(async move { land(&hosts, &key, opening.await) });
+        }
+    }
+
+    /// Waits, while connections to `uri`'s upstream are being opened and none is stashed,
+    /// for the next one to land (or fail): a request that had [`NoConnectionInTime`] asks
+    /// for its next slot once the connection opened for it is there, rather than spend
+    /// slots while it opens. Once only: where requests keep taking connections as they
+    /// land, another wait could last as long as they do.
+    pub async fn opened(&self, uri: &Uri) {
+        let Some(key) = key_of(uri) else { return };
+        let pending = |hosts: &HashMap<Key, Host>| {
+            hosts
+                .get(&key)
+                .filter(|h| h.opening > 0 && h.stash.is_empty())
+                .map(|h| h.landed.clone())
+        };
+        let Some(landed) = pending(&self.hosts.lock()) else {
+            return;
+        };
+        let notified = landed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if pending(&self.hosts.lock()).is_some() {
+            notified.await;
         }
     }
 
@@ -252,9 +304,11 @@ impl Service<Uri> for Warm {
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let this = self.clone();
+        // Read in the sending request's task: the client may finish this future elsewhere.
+        let by = SEND_BY.try_with(|by| *by).ok();
         Box::pin(async move {
             let Some(key) = key_of(&uri) else {
-                let stream = this.inner.clone().call(uri).await?;
+                let stream = this.open(uri).await?;
                 return Ok(Counted {
                     stream,
                     hosts: None,
@@ -283,9 +337,30 @@ impl Service<Uri> for Warm {
                 if this.hosts.lock().get(&key).is_none_or(|h| h.opening == 0) {
                     break;
                 }
-                notified.await;
+                match by {
+                    Some(by) => {
+                        if tokio::time::timeout_at(by, notified).await.is_err() {
+                            return Err(NoConnectionInTime.into());
+                        }
+                    }
+                    None => notified.await,
+                }
             }
-            let stream = this.inner.clone().call(uri).await?;
+            let mut connecting = Box::pin(this.open(uri));
+            let opened = match by {
+                None => connecting.await,
+                Some(by) => match tokio::time::timeout_at(by, &mut connecting).await {
+                    Ok(opened) => opened,
+                    Err(_) => {
+                        // Not wasted: it goes on opening, into the stash, for the next slot.
+                        host_of(&mut this.hosts.lock(), &key).opening += 1;
+                        let hosts = this.hosts.clone();
+                        tokio::spawn(async move { land(&hosts, &key, connecting.await) });
+                        return Err(NoConnectionInTime.into());
+                    }
+                },
+            };
+            let stream = opened?;
             let mut all = this.hosts.lock();
             let host = host_of(&mut all, &key);
             Ok(Counted::new(stream, &this.hosts, key, host))
@@ -416,13 +491,17 @@ mod tests {
     }
 
     fn warm_for(ttl: Duration) -> Warm {
+        warm_with(ttl, Duration::from_secs(5))
+    }
+
+    fn warm_with(ttl: Duration, open_timeout: Duration) -> Warm {
         let tls = crate::tls::upstream_client_config(rustls::RootCertStore::empty()).unwrap();
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(Connector::new(true, Duration::from_secs(5)));
-        Warm::new(https, ttl)
+        Warm::new(https, ttl, open_timeout)
     }
 
     fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
@@ -477,6 +556,78 @@ mod tests {
         drop((c, first, second));
         assert_eq!(counts(&w, &uri), None, "an idle host is forgotten");
         assert_eq!(w.opened_ahead(), 2);
+        accepted.abort();
+    }
+
+    /// The client's call for a connection to `uri`, in a request that must be sent by `by`:
+    /// its error.
+    async fn refused_by(w: &mut Warm, uri: &Uri, by: tokio::time::Instant) -> BoxError {
+        let call = SEND_BY.scope(by, async { w.call(uri.clone()).await });
+        match tokio::time::timeout(Duration::from_secs(5), call).await {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => panic!("a connection to an upstream that never answers"),
+            Err(_) => panic!("still waiting for a connection 5 s on"),
+        }
+    }
+
+    #[tokio::test]
+    async fn no_connection_by_the_send_time_sends_nothing_and_the_connection_goes_on_opening() {
+        // TLS to an upstream that accepts and never answers: the handshake does not end.
+        let (http, accepted) = upstream().await;
+        let uri: Uri = format!("https://127.0.0.1:{}/", http.port_u16().unwrap())
+            .parse()
+            .unwrap();
+        let mut w = warm();
+        let by = tokio::time::Instant::now() + Duration::from_millis(30);
+        let err = refused_by(&mut w, &uri, by).await;
+        assert!(err.is::<NoConnectionInTime>(), "{err}");
+        assert!(
+            tokio::time::Instant::now() >= by,
+            "given up before its time"
+        );
+        assert_eq!(counts(&w, &uri), Some((0, 1, 0, 0)), "still opening");
+        // The next request waits for that one, up to its own time, and opens no other.
+        let by = tokio::time::Instant::now() + Duration::from_millis(20);
+        let err = refused_by(&mut w, &uri, by).await;
+        assert!(err.is::<NoConnectionInTime>(), "{err}");
+        assert_eq!(counts(&w, &uri), Some((0, 1, 0, 0)));
+        accepted.abort();
+
+        // Where the connection comes: `opened` returns once it is in the stash.
+        let (uri, accepted) = upstream().await;
+        let a = w.expect(&uri);
+        tokio::time::timeout(Duration::from_secs(5), w.opened(&uri))
+            .await
+            .unwrap();
+        assert_eq!(counts(&w, &uri), Some((1, 0, 1, 1)));
+        drop(a);
+        accepted.abort();
+    }
+
+    #[tokio::test]
+    async fn a_handshake_the_upstream_never_answers_ends_at_the_connect_timeout() {
+        let (http, accepted) = upstream().await;
+        let uri: Uri = format!("https://127.0.0.1:{}/", http.port_u16().unwrap())
+            .parse()
+            .unwrap();
+        let mut w = warm_with(Duration::from_secs(4), Duration::from_millis(50));
+        // Opened ahead for a waiting request, and opened by the client itself.
+        let a = w.expect(&uri);
+        let err = tokio::time::timeout(Duration::from_secs(5), w.call(uri.clone()))
+            .await
+            .expect("within the connect timeout")
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err.downcast_ref(), Some(ConnectError::Timeout { .. })),
+            "{err}"
+        );
+        assert_eq!(
+            settled(&w, &uri).await,
+            Some((0, 0, 1, 0)),
+            "nothing left opening"
+        );
+        drop(a);
         accepted.abort();
     }
 
