@@ -333,25 +333,33 @@ async fn run(db: &Db, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseEr
                     most,
                 };
                 let got = db.store.reserve(d, rule, ask).await;
-                match (&expected, &got) {
-                    (Ok(model), Ok(grant)) => check(
+                // The store reads the limit as a time from its own now, after taking its
+                // connection (and perhaps probing the clock): a slot of the model's short of
+                // the limit by less than the time the call took may be tipped past it by the
+                // real clock. A difference then says nothing, nor does the rest of the case.
+                let took = real_now.elapsed();
+                let tipped = match (&expected, not_after) {
+                    (Ok(m), Some(limit)) => std::iter::once(m.slot)
+                        .chain(m.more.iter().copied())
+                        .any(|slot| slot <= limit && limit - slot <= took),
+                    _ => false,
+                };
+                let same = match (&expected, &got) {
+                    (Ok(model), Ok(grant)) => {
                         grant.slot.generation == model.generation
-                            && grant.more.len() == model.more.len(),
-                        || {
-                            format!(
-                                "{}: generation {} and {} more vs model {} and {:?}",
-                                at(),
-                                grant.slot.generation,
-                                grant.more.len(),
-                                model.generation,
-                                model.more,
-                            )
-                        },
-                    )?,
+                            && grant.more.len() == model.more.len()
+                    }
                     (Err(NoSlot::TooLate { .. }), Err(ReserveError::TooLate { .. }))
-                    | (Err(NoSlot::Locked(_)), Err(ReserveError::Locked(_))) => {}
-                    _ => check(false, || format!("{}: {got:?} vs model {expected:?}", at()))?,
+                    | (Err(NoSlot::Locked(_)), Err(ReserveError::Locked(_))) => true,
+                    _ => false,
+                };
+                if !same && tipped {
+                    return Ok(());
                 }
+                check(same, || {
+                    let got = got.as_ref().map(|g| (g.slot.generation, g.more.len()));
+                    format!("{}: {got:?} vs model {expected:?}", at())
+                })?;
             }
             Op::Clean { .. } | Op::Throttled { .. } | Op::Lockout | Op::Observe { .. } => {
                 let ms = |ms: u64| Pause::For(Duration::from_millis(ms));
