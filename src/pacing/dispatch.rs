@@ -6,6 +6,13 @@
 //! has requests waiting, and one answer may grant a batch of them. The dispatcher is the only
 //! writer of this instance's wait list in the store, so its updates arrive in order.
 //!
+//! Where more requests wait than a grant serves, the next reservation is asked
+//! [`ASK_AHEAD`] before the grant's last slot, not after it: a store that stalls for less than
+//! that (a commit waiting on its log flush, a busy host) then grants the next slot before it
+//! is due, and the beat goes on. Otherwise a stall longer than the interval grants a slot
+//! already past, and the schedule restarts from "now". The answer is acted on once the
+//! grant's last slot is handed out.
+//!
 //! Each turn of the loop is named steps: [`Dispatcher::wait_for_waiters`], then
 //! [`Dispatcher::serve`], which for each slot granted runs [`Dispatcher::sleep_to_slot`] and
 //! [`Dispatcher::settle`] (or [`Dispatcher::refused`] when the store granted nothing).
@@ -19,7 +26,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::lane::Lane;
+use super::lane::{Keys, Lane};
 use super::PaceError;
 use crate::budget::{
     after_grant, Ask, ClassQueue, Grant, Lockout, Reservation, ReserveError, Store,
@@ -41,6 +48,9 @@ const LOCK_POLL: Duration = Duration::from_millis(500);
 const AFTER_FAILURE: Duration = Duration::from_millis(100);
 /// The most slots one reservation asks for (see [`crate::budget::Ask::most`]).
 const MAX_BATCH: usize = 4096;
+/// How long before a grant's last slot the next reservation is asked, where more requests
+/// wait: the longest store stall that costs no slot.
+const ASK_AHEAD: Duration = Duration::from_millis(50);
 
 /// Runs one destination's dispatcher until `stop`.
 pub(super) async fn dispatch(
@@ -58,19 +68,34 @@ pub(super) async fn dispatch(
         lane,
         store,
         stop,
+        ahead: None,
     };
     while let Some(latest) = d.wait_for_waiters().await {
+        if let Some(ahead) = d.ahead.take() {
+            // Asked while the last grant's slots were handed out. A yield still stands for
+            // the rest of its time; anything else is old news by now (a deadline, a
+            // failure): ask again.
+            let carry_on = match ahead.reply.await {
+                Ok(Ok(grant)) => d.serve(grant, &ahead.asked, ahead.turns, true).await,
+                Ok(Err(ReserveError::Yield(after))) if ahead.at + after > Instant::now() => {
+                    let left = ahead.at + after - Instant::now();
+                    d.refused(ReserveError::Yield(left), &ahead.asked).await
+                }
+                _ => true,
+            };
+            if !carry_on {
+                return;
+            }
+            continue;
+        }
         let started = Instant::now();
         let (wait_list, waiting) = {
             let queue = d.lane.queue.lock();
             (queue.wait_list(), queue.len())
         };
         let keys = d.lane.keys();
-        let most = if keys.rule.batches(d.lane.seen.lock().backoff) {
-            u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1)
-        } else {
-            1
-        };
+        let most = d.most(&keys, waiting);
+        let turns = d.lane.turns.load(Ordering::Relaxed);
         let ask = Ask {
             queues: &wait_list,
             not_after: Some(latest),
@@ -80,7 +105,7 @@ pub(super) async fn dispatch(
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
         let carry_on = match reserved {
-            Ok(grant) => d.serve(grant, &wait_list).await,
+            Ok(grant) => d.serve(grant, &wait_list, turns, false).await,
             Err(no) => d.refused(no, &wait_list).await,
         };
         if !carry_on {
@@ -93,6 +118,17 @@ pub(super) async fn dispatch(
 /// decided by.
 fn heads(list: &[ClassQueue]) -> Vec<(Class, Instant)> {
     list.iter().map(|q| (q.class, q.oldest)).collect()
+}
+
+/// A reservation asked before the slots it follows were all handed out (see [`ASK_AHEAD`]).
+struct Ahead {
+    reply: tokio::task::JoinHandle<Result<Grant, ReserveError>>,
+    /// The wait list it told.
+    asked: Vec<ClassQueue>,
+    /// [`Lane::turns`] when it was asked.
+    turns: u64,
+    /// When it was asked.
+    at: Instant,
 }
 
 /// How a sleep to a slot ended (`None`: pacegate is stopping).
@@ -110,16 +146,73 @@ struct Dispatcher {
     locked: watch::Receiver<Option<Lockout>>,
     reservation_seconds: Histogram,
     slots_dropped: IntCounter,
+    /// The next reservation, asked ahead.
+    ahead: Option<Ahead>,
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        if let Some(ahead) = self.ahead.take() {
+            ahead.reply.abort();
+        }
+    }
 }
 
 impl Dispatcher {
+    /// How many slots to ask for with `waiting` requests waiting (see [`Ask::most`]).
+    fn most(&self, keys: &Keys, waiting: usize) -> u32 {
+        if keys.rule.batches(self.lane.seen.lock().backoff) {
+            u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1)
+        } else {
+            1
+        }
+    }
+
+    /// Asks for the next slots while the `promised` oldest requests of `class` still wait for
+    /// slots already granted, if any other request waits; says whether it asked.
+    fn ask_ahead(&mut self, class: Class, promised: usize) -> bool {
+        let lane = &self.lane;
+        let (asked, waiting, latest) = {
+            let mut queue = lane.queue.lock();
+            let latest = queue.prune();
+            let asked = queue.wait_list_less(class, promised);
+            (asked, queue.len().saturating_sub(promised), latest)
+        };
+        let Some(latest) = latest.filter(|_| !asked.is_empty()) else {
+            return false;
+        };
+        let keys = lane.keys();
+        let most = self.most(&keys, waiting);
+        let turns = lane.turns.load(Ordering::Relaxed);
+        let (store, name, list) = (self.store.clone(), lane.name.clone(), asked.clone());
+        let histogram = self.reservation_seconds.clone();
+        let reply = tokio::spawn(async move {
+            let started = Instant::now();
+            let ask = Ask {
+                queues: &list,
+                not_after: Some(latest),
+                most,
+            };
+            let reserved = store.reserve(&name, &keys.rule, ask).await;
+            histogram.observe(started.elapsed().as_secs_f64());
+            reserved
+        });
+        self.ahead = Some(Ahead {
+            reply,
+            asked,
+            turns,
+            at: Instant::now(),
+        });
+        true
+    }
+
     /// Hands out a grant's slots, each when it comes, to the oldest waiters of its class.
     /// The rest of a batch is dropped (never sent late, never past what the budget learnt
     /// since) when the destination is locked, or the budget seen here turns stricter (a
-    /// throttle widened it, a pause began). `asked` is the wait list the grant answered.
+    /// throttle widened it, a pause began) after `turns`, when it was asked; a grant asked
+    /// ahead is dropped whole. `asked` is the wait list the grant answered.
     /// Returns false when pacegate stops.
-    async fn serve(&mut self, grant: Grant, asked: &[ClassQueue]) -> bool {
-        let turns = self.lane.turns.load(Ordering::Relaxed);
+    async fn serve(&mut self, grant: Grant, asked: &[ClassQueue], turns: u64, ahead: bool) -> bool {
         let count = grant.more.len() + 1;
         let granted = u32::try_from(count).unwrap_or(u32::MAX);
         let mut told = heads(&after_grant(asked, grant.class, granted));
@@ -127,13 +220,13 @@ impl Dispatcher {
         for (i, at) in slots.enumerate() {
             let slot = Reservation { at, ..grant.slot };
             match self
-                .sleep_to_slot(slot, grant.class, count - i, &mut told)
+                .sleep_to_slot(slot, grant.class, count - i, i + 1 == count, &mut told)
                 .await
             {
                 // The budget turned stricter after the batch was granted (the first slot
-                // was granted knowing it all).
+                // was granted knowing it all, unless it was asked ahead).
                 Some(Slept::OnTime)
-                    if i > 0 && self.lane.turns.load(Ordering::Relaxed) != turns =>
+                    if (i > 0 || ahead) && self.lane.turns.load(Ordering::Relaxed) != turns =>
                 {
                     let left = count - i;
                     self.slots_dropped.inc_by(left as u64);
@@ -142,6 +235,9 @@ impl Dispatcher {
                 }
                 Some(Slept::OnTime) => self.settle(slot, grant.class),
                 Some(Slept::Locked(lock)) => {
+                    if let Some(ahead) = self.ahead.take() {
+                        ahead.reply.abort();
+                    }
                     self.lane.refuse_all(&self.lane.locked_error(lock));
                     return true;
                 }
@@ -163,6 +259,11 @@ impl Dispatcher {
             if self.lane.is_retired() {
                 return None;
             }
+            // A reservation asked ahead lands first, so that the empty list is the last word;
+            // its slots go unused.
+            if let Some(ahead) = self.ahead.take() {
+                let _ = ahead.reply.await;
+            }
             // Whether the store already knows is its own business: an unchanged list costs
             // it nothing.
             if let Err(e) = self.store.wait_list(&self.lane.name, &[]).await {
@@ -183,30 +284,54 @@ impl Dispatcher {
     /// When the wait list changes in what other instances decide by (`told`: the classes
     /// waiting here and their oldest requests, as the store holds them), it is told to the
     /// store at once, less the `promised` oldest requests of `class` that this slot and the
-    /// rest of its batch are for; a mere count rides with the next reservation.
+    /// rest of its batch are for; a mere count rides with the next reservation (and while a
+    /// reservation asked ahead is out, the list waits for the next: it must not overtake it).
+    /// The `last` slot of a grant asks for the next slots [`ASK_AHEAD`] before it comes, or
+    /// as soon as another request waits after that.
     async fn sleep_to_slot(
         &mut self,
         slot: Reservation,
         class: Class,
         promised: usize,
+        last: bool,
         told: &mut Vec<(Class, Instant)>,
     ) -> Option<Slept> {
-        let lane = &self.lane;
         self.locked.borrow_and_update();
-        let spin = lane.interval() >= SPIN_FROM;
+        let spin = self.lane.interval() >= SPIN_FROM;
         let mut poll_at = Instant::now() + LOCK_POLL;
+        let ask_at = slot.at.checked_sub(ASK_AHEAD).unwrap_or(slot.at);
+        // Whether to ask ahead when `ask_at` comes; after that, when a request arrives.
+        let mut ask_then = last && self.ahead.is_none();
+        let mut ask_on_arrival = false;
         loop {
+            if ask_then && Instant::now() >= ask_at {
+                ask_then = false;
+                ask_on_arrival = !self.ask_ahead(class, promised);
+            }
+            let lane = &self.lane;
             // The timer wheel rounds a deadline up to the next millisecond: aim one tick
             // early, then yield until the slot (never before it).
-            let wake = slot
+            let mut wake = slot
                 .at
                 .checked_sub(TIMER_TICK)
                 .unwrap_or(slot.at)
                 .min(poll_at);
+            if ask_then {
+                wake = wake.min(ask_at);
+            }
+            let mut arrived = false;
             tokio::select! {
                 () = tokio::time::sleep_until(wake) => {}
                 _ = self.locked.changed() => {}
-                () = lane.work.notified() => {
+                () = lane.work.notified() => arrived = true,
+                () = self.stop.cancelled() => return None,
+            }
+            if arrived {
+                if ask_on_arrival {
+                    ask_on_arrival = !self.ask_ahead(class, promised);
+                }
+                let lane = &self.lane;
+                if self.ahead.is_none() {
                     let wait_list = lane.queue.lock().wait_list_less(class, promised);
                     let now = heads(&wait_list);
                     if now != *told {
@@ -215,10 +340,10 @@ impl Dispatcher {
                         }
                         *told = now;
                     }
-                    continue;
                 }
-                () = self.stop.cancelled() => return None,
+                continue;
             }
+            let lane = &self.lane;
             if let Some(lock) = self.locked.borrow_and_update().clone() {
                 return Some(Slept::Locked(lock));
             }

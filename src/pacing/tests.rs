@@ -9,6 +9,7 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::budget::memory::MemoryStore;
+use crate::budget::{ReserveError, StoreFuture};
 use crate::destination::{Destination, Pace};
 
 fn pace(rate: f64) -> Pace {
@@ -497,6 +498,10 @@ fn classes(backfill_share: f64) -> Classes {
 }
 
 async fn pacer_with(pace: Pace, classes: Classes) -> Arc<Pacer> {
+    pacer_on(pace, classes, Arc::new(MemoryStore::ephemeral())).await
+}
+
+async fn pacer_on(pace: Pace, classes: Classes, store: Arc<dyn Store>) -> Arc<Pacer> {
     let dest = Destination {
         name: "d".into(),
         hosts: vec![],
@@ -504,13 +509,7 @@ async fn pacer_with(pace: Pace, classes: Classes) -> Arc<Pacer> {
         ports: vec![],
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
-    let p = Arc::new(Pacer::new(
-        &[dest],
-        classes,
-        Arc::new(MemoryStore::ephemeral()),
-        metrics,
-        "test".into(),
-    ));
+    let p = Arc::new(Pacer::new(&[dest], classes, store, metrics, "test".into()));
     p.start().await.unwrap();
     p
 }
@@ -689,4 +688,97 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
         [(INTERACTIVE, 1)],
         "the request that gave up still counts"
     );
+}
+
+/// The memory store, but its `nth` reservation (from 1) waits `stall` before it is made: a
+/// database whose commit waits on its log flush, or a busy host.
+struct Stalling {
+    inner: MemoryStore,
+    nth: u64,
+    stall: Duration,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl Store for Stalling {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a crate::budget::Rule,
+        ask: crate::budget::Ask<'a>,
+    ) -> StoreFuture<'a, Result<crate::budget::Grant, ReserveError>> {
+        Box::pin(async move {
+            let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if call == self.nth {
+                tokio::time::sleep(self.stall).await;
+            }
+            self.inner.reserve(destination, rule, ask).await
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [crate::budget::ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        self.inner.wait_list(destination, queues)
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<crate::budget::ClassWaiting>, StoreError>> {
+        self.inner.waiting(destination)
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a crate::budget::Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        self.inner.quota_used(destination, rule)
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a crate::budget::Rule,
+        event: crate::budget::Event,
+        vendor: Option<crate::budget::Observation>,
+    ) -> StoreFuture<'a, Result<crate::budget::BudgetView, StoreError>> {
+        self.inner.record(destination, rule, event, vendor)
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        self.inner.unlock(destination)
+    }
+
+    fn view<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<crate::budget::BudgetView, StoreError>> {
+        self.inner.view(destination)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_stalls_for_longer_than_the_interval_costs_no_slot() {
+    // 50/s: slots 20 ms apart. One reservation in the middle of the run takes 30 ms. It was
+    // asked ahead, with a slot still to hand out before it, so it is granted before it is due.
+    let store = Stalling {
+        inner: MemoryStore::ephemeral(),
+        nth: 5,
+        stall: ms(30),
+        calls: Default::default(),
+    };
+    let p = pacer_on(pace(50.0), Classes::default(), Arc::new(store)).await;
+    let times = grant_times(&p, 10).await;
+    let beat: Vec<Duration> = (0..10).map(|n| ms(20) * n).collect();
+    assert_eq!(times, beat);
 }
