@@ -6,6 +6,12 @@
 //! the connector only when it has no idle connection; the connector then hands out a stashed
 //! one, already through its handshakes, and tops the stash up for whoever still waits.
 //!
+//! This is also where a paced request's send check ends: the pooled client asks the connector
+//! only when it has no idle connection, and a request that would wait for one past the latest
+//! instant its slot allows ([`SEND_BY`]) is refused with [`NoConnectionInTime`] rather than
+//! sent late. The connection it waited for goes on opening, into the stash. Opening, TCP and
+//! TLS together, is bounded by the connect timeout.
+//!
 //! Connections are counted from the handshake to their drop (pooled, in use or stashed), per
 //! scheme, host and port. An upstream that speaks h2 multiplexes one connection: none is opened
 //! ahead for it. A stashed connection is used within `pool_idle_timeout` or dropped, and one the
@@ -559,6 +565,16 @@ mod tests {
         accepted.abort();
     }
 
+    /// An https upstream that accepts and never answers: a TLS handshake with it does not
+    /// end. Its URI, and the task to abort.
+    async fn silent_tls() -> (Uri, tokio::task::JoinHandle<()>) {
+        let (http, accepted) = upstream().await;
+        let uri = format!("https://127.0.0.1:{}/", http.port_u16().unwrap())
+            .parse()
+            .unwrap();
+        (uri, accepted)
+    }
+
     /// The client's call for a connection to `uri`, in a request that must be sent by `by`:
     /// its error.
     async fn refused_by(w: &mut Warm, uri: &Uri, by: tokio::time::Instant) -> BoxError {
@@ -572,11 +588,7 @@ mod tests {
 
     #[tokio::test]
     async fn no_connection_by_the_send_time_sends_nothing_and_the_connection_goes_on_opening() {
-        // TLS to an upstream that accepts and never answers: the handshake does not end.
-        let (http, accepted) = upstream().await;
-        let uri: Uri = format!("https://127.0.0.1:{}/", http.port_u16().unwrap())
-            .parse()
-            .unwrap();
+        let (uri, accepted) = silent_tls().await;
         let mut w = warm();
         let by = tokio::time::Instant::now() + Duration::from_millis(30);
         let err = refused_by(&mut w, &uri, by).await;
@@ -606,10 +618,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_handshake_the_upstream_never_answers_ends_at_the_connect_timeout() {
-        let (http, accepted) = upstream().await;
-        let uri: Uri = format!("https://127.0.0.1:{}/", http.port_u16().unwrap())
-            .parse()
-            .unwrap();
+        let (uri, accepted) = silent_tls().await;
         let mut w = warm_with(Duration::from_secs(4), Duration::from_millis(50));
         // Opened ahead for a waiting request, and opened by the client itself.
         let a = w.expect(&uri);

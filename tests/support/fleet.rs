@@ -129,7 +129,13 @@ impl Fleet {
                 let lines = i.logs.json();
                 lines
                     .iter()
-                    .filter(|l| l["message"] == "slot too late to use; reserving another")
+                    .filter(|l| {
+                        let m = l["message"].as_str().unwrap_or_default();
+                        // Dropped by the dispatcher, at the send, or for want of a connection.
+                        m == "slot too late to use; reserving another"
+                            || m.starts_with("a request held up past its slot")
+                            || m.starts_with("a request without an upstream connection in time")
+                    })
                     .count()
             })
             .collect();
