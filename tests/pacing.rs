@@ -630,5 +630,6 @@ async fn a_request_without_a_connection_in_time_for_its_slot_goes_on_the_next() 
     let dropped = proxy
         .metric("pacegate_slots_dropped_total{destination=\"local\"}")
         .await;
-    assert_eq!(dropped, 1.0, "the first slot is dropped");
+    // One, unless a loaded machine also held the request up past its second slot.
+    assert!(dropped >= 1.0, "the first slot is dropped: {dropped}");
 }
