@@ -1,8 +1,8 @@
 //! The pacer: every request to a destination waits for a slot, and every response adjusts the
 //! pace.
 //!
-//! Each destination has a *lane* ([`lane`]): a queue of waiting requests (one FIFO per
-//! class) and one dispatcher task ([`dispatch`]). The dispatcher asks the store for the next
+//! Each destination has a *lane* (`pacing::lane`): a queue of waiting requests (one FIFO per
+//! class) and one dispatcher task (`pacing::dispatch`). The dispatcher asks the store for the next
 //! slot only when someone is waiting, sleeps until it (holding no lock and no store
 //! connection), and hands it to the request the store granted it for. Slots are thus handed
 //! to requests rather than reserved by each request on arrival, so the order in which

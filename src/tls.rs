@@ -243,7 +243,7 @@ pub fn write_new_ca(cert_path: &Path, key_path: &Path) -> Result<(), TlsError> {
 }
 
 /// [`write_new_ca`], constrained to sign for `names` alone when given (hosts, `*.suffix`
-/// patterns as their suffix, or IP addresses; see [`constraints`]).
+/// patterns as their suffix, or IP addresses; see `tls::constraints`).
 pub fn write_new_ca_for(
     cert_path: &Path,
     key_path: &Path,

@@ -1,7 +1,7 @@
 //! The log writer: each line is appended to a buffer in memory, and a thread of its own
-//! writes the buffer to stderr every [`EVERY`] (at once when it holds [`SOON`] bytes). A
+//! writes the buffer to stderr every `EVERY` (at once when it holds `SOON` bytes). A
 //! request's log line thus costs a lock and a copy, not a system call, and no thread is
-//! woken for it. [`Text`] writes the request log line itself, the one line per request, with
+//! woken for it. `Text` writes the request log line itself, the one line per request, with
 //! less formatting machinery than the default text format and the same text.
 
 use std::fmt;

@@ -57,8 +57,8 @@ tokio::task_local! {
     pub(super) static SEND_BY: tokio::time::Instant;
 }
 
-/// No connection could be handed out by the request's [`SEND_BY`]: sent later, it would not
-/// go on its slot. The connection being opened for it goes on into the stash.
+/// No connection could be handed out by the latest instant the request's slot allows (given
+/// to [`crate::upstream::Upstream::send`]): sent later, it would not go on its slot. The connection being opened for it goes on into the stash.
 #[derive(Debug, thiserror::Error)]
 #[error("no upstream connection by the latest instant the request's slot allows")]
 pub struct NoConnectionInTime;
