@@ -320,6 +320,12 @@ impl Upstream {
         self.warm.opened(uri).await;
     }
 
+    /// Waits while `uri`'s upstream has no connection and its first is being opened; see
+    /// [`Warm::first`].
+    pub async fn first_connection(&self, uri: &Uri) {
+        self.warm.first(uri).await;
+    }
+
     /// The guarded connector, for blind tunnels.
     pub fn connector(&self) -> &Connector {
         &self.connector

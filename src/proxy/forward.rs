@@ -260,8 +260,13 @@ impl Proxy {
         // pacegate, while the pacer counts what it would have done.
         let shadow = pace.mode == Mode::Shadow;
         loop {
-            // The connection is opened while the request waits, not after its slot.
+            // The connection is opened while the request waits, not after its slot; to a
+            // cold upstream, before the slot is asked for.
             let expecting = self.inner.upstream.expect(&outgoing.parts.uri);
+            if !shadow {
+                let first = self.inner.upstream.first_connection(&outgoing.parts.uri);
+                let _ = tokio::time::timeout_at(deadline, first).await;
+            }
             let admission = match pacer.enter(route, class, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.

@@ -252,27 +252,49 @@ impl Warm {
         }
     }
 
+    /// Waits, while `uri`'s upstream has no connection at all and one is being opened (by
+    /// [`Warm::expect`]), for it to land or fail: a request to a cold upstream takes its
+    /// connection before its slot. The pool has nothing to hand it, and a slot due at once
+    /// would be past by the time the handshakes are done.
+    pub async fn first(&self, uri: &Uri) {
+        self.landing(uri, |h| h.alive == 0 && h.opening > 0, false)
+            .await;
+    }
+
     /// Waits, while connections to `uri`'s upstream are being opened and none is stashed,
     /// for the next one to land (or fail): a request that had [`NoConnectionInTime`] asks
     /// for its next slot once the connection opened for it is there, rather than spend
     /// slots while it opens. Once only: where requests keep taking connections as they
     /// land, another wait could last as long as they do.
     pub async fn opened(&self, uri: &Uri) {
+        self.landing(uri, |h| h.opening > 0 && h.stash.is_empty(), true)
+            .await;
+    }
+
+    /// Waits for connections to `uri`'s upstream to land while `pending` holds of its
+    /// counts; after the first landing if `once`.
+    async fn landing(&self, uri: &Uri, pending: impl Fn(&Host) -> bool, once: bool) {
         let Some(key) = key_of(uri) else { return };
-        let pending = |hosts: &HashMap<Key, Host>| {
+        let landed = |hosts: &HashMap<Key, Host>| {
             hosts
                 .get(&key)
-                .filter(|h| h.opening > 0 && h.stash.is_empty())
+                .filter(|h| pending(h))
                 .map(|h| h.landed.clone())
         };
-        let Some(landed) = pending(&self.hosts.lock()) else {
-            return;
-        };
-        let notified = landed.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        if pending(&self.hosts.lock()).is_some() {
+        loop {
+            let Some(next) = landed(&self.hosts.lock()) else {
+                return;
+            };
+            let notified = next.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if landed(&self.hosts.lock()).is_none() {
+                return;
+            }
             notified.await;
+            if once {
+                return;
+            }
         }
     }
 
