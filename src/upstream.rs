@@ -316,14 +316,17 @@ impl Upstream {
 
     /// Waits while a connection to `uri`'s upstream is being opened and none is ready; see
     /// [`Warm::opened`].
-    pub async fn opened(&self, uri: &Uri) {
-        self.warm.opened(uri).await;
+    pub async fn opened(&self, uri: &Uri) -> Result<(), UpstreamError> {
+        self.warm
+            .opened(uri)
+            .await
+            .map_err(|e| classify_chain(&**e))
     }
 
     /// Waits while `uri`'s upstream has no connection and its first is being opened; see
     /// [`Warm::first`].
-    pub async fn first_connection(&self, uri: &Uri) {
-        self.warm.first(uri).await;
+    pub async fn first_connection(&self, uri: &Uri) -> Result<(), UpstreamError> {
+        self.warm.first(uri).await.map_err(|e| classify_chain(&**e))
     }
 
     /// The guarded connector, for blind tunnels.
@@ -361,7 +364,12 @@ impl Upstream {
 
 /// Finds the most specific cause in a client error's source chain.
 fn classify(err: hyper_util::client::legacy::Error) -> UpstreamError {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    classify_chain(&err)
+}
+
+/// The most specific cause in `err`'s source chain.
+fn classify_chain(err: &(dyn std::error::Error + 'static)) -> UpstreamError {
+    let mut source = Some(err);
     let mut deepest = err.to_string();
     while let Some(e) = source {
         if let Some(c) = e.downcast_ref::<ConnectError>() {

@@ -647,9 +647,11 @@ async fn a_request_without_a_connection_in_time_for_its_slot_goes_on_another() {
         let via = via.clone();
         async move { via.get(slow).send().await.unwrap().status() }
     });
-    support::eventually(Duration::from_secs(5), "the slow request upstream", || async {
-        (upstream.arrivals().len() == 1).then_some(())
-    })
+    support::eventually(
+        Duration::from_secs(5),
+        "the slow request upstream",
+        || async { (upstream.arrivals().len() == 1).then_some(()) },
+    )
     .await;
     let body = "a body lent to one slot and sent on another".repeat(100);
     let resp = via
@@ -665,5 +667,46 @@ async fn a_request_without_a_connection_in_time_for_its_slot_goes_on_another() {
     let dropped = proxy
         .metric("pacegate_slots_dropped_total{destination=\"local\"}")
         .await;
-    assert!(dropped >= 1.0, "the slot before the connection is dropped: {dropped}");
+    assert!(
+        dropped >= 1.0,
+        "the slot before the connection is dropped: {dropped}"
+    );
+}
+
+/// An upstream that accepts and never answers the TLS handshake: the request waits for its
+/// first connection no longer than the connect timeout, then gets a 504 that says so, and
+/// spends no slot on it.
+#[tokio::test]
+async fn a_cold_upstream_that_never_answers_costs_no_slot() {
+    let upstream = FakeUpstream::start().await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            kept.push(s);
+        }
+    });
+    let extra = format!(
+        "[upstream]\nconnect_timeout = \"300ms\"\n{}",
+        local("rate = 10")
+    );
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", &extra).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let started = Instant::now();
+    let resp = via
+        .get(format!("https://localhost:{port}/"))
+        .send()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(resp.status(), 504);
+    let status = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+    assert!(status.contains("connection_timeout"), "{status}");
+    assert!(took < Duration::from_secs(3), "answered {took:?} on");
+    let granted = proxy
+        .metric("pacegate_granted_total{class=\"default\",destination=\"local\"}")
+        .await;
+    assert_eq!(granted, 0.0, "no slot spent");
+    held.abort();
 }

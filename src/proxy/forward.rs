@@ -265,7 +265,9 @@ impl Proxy {
             let expecting = self.inner.upstream.expect(&outgoing.parts.uri);
             if !shadow {
                 let first = self.inner.upstream.first_connection(&outgoing.parts.uri);
-                let _ = tokio::time::timeout_at(deadline, first).await;
+                if let Ok(Err(unreachable)) = tokio::time::timeout_at(deadline, first).await {
+                    return Err(ProxyError::Upstream(unreachable));
+                }
             }
             let admission = match pacer.enter(route, class, deadline).await {
                 Ok(a) => a,
@@ -295,11 +297,10 @@ impl Proxy {
                         return Err(ProxyError::Upstream(UpstreamError::Late(late)));
                     }
                     // The next slot, once the connection opened for this one is there.
-                    let _ = tokio::time::timeout_at(
-                        deadline,
-                        self.inner.upstream.opened(&outgoing.parts.uri),
-                    )
-                    .await;
+                    let opened = self.inner.upstream.opened(&outgoing.parts.uri);
+                    if let Ok(Err(unreachable)) = tokio::time::timeout_at(deadline, opened).await {
+                        return Err(ProxyError::Upstream(unreachable));
+                    }
                     continue;
                 }
                 sent => sent?,

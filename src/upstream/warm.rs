@@ -79,6 +79,8 @@ struct Host {
     stash: Vec<(Instant, Counted)>,
     /// Told when a connection opened ahead lands in the stash, or fails.
     landed: Arc<tokio::sync::Notify>,
+    /// Why the last connection opened ahead failed, until one lands.
+    failed: Option<Arc<BoxError>>,
 }
 
 impl Host {
@@ -129,8 +131,12 @@ fn land(hosts: &Hosts, key: &Key, opened: Result<Stream, BoxError>) {
         Ok(stream) => {
             let counted = Counted::new(stream, hosts, key.clone(), host);
             host.stash.push((Instant::now(), counted));
+            host.failed = None;
         }
-        Err(e) => tracing::debug!("opening a connection ahead failed: {e}"),
+        Err(e) => {
+            tracing::debug!("opening a connection ahead failed: {e}");
+            host.failed = Some(Arc::new(e));
+        }
     }
     host.landed.notify_waiters();
     if host.is_idle() {
@@ -253,49 +259,67 @@ impl Warm {
     }
 
     /// Waits, while `uri`'s upstream has no connection at all and one is being opened (by
-    /// [`Warm::expect`]), for it to land or fail: a request to a cold upstream takes its
-    /// connection before its slot. The pool has nothing to hand it, and a slot due at once
-    /// would be past by the time the handshakes are done.
-    pub async fn first(&self, uri: &Uri) {
+    /// [`Warm::expect`]), for it to land: a request to a cold upstream takes its connection
+    /// before its slot. The pool has nothing to hand it, and a slot due at once would be past
+    /// by the time the handshakes are done. Fails as that connection failed: a slot is not
+    /// spent on an upstream that cannot be reached.
+    pub async fn first(&self, uri: &Uri) -> Result<(), Arc<BoxError>> {
         self.landing(uri, |h| h.alive == 0 && h.opening > 0, false)
-            .await;
+            .await
     }
 
     /// Waits, while connections to `uri`'s upstream are being opened and none is stashed,
-    /// for the next one to land (or fail): a request that had [`NoConnectionInTime`] asks
-    /// for its next slot once the connection opened for it is there, rather than spend
-    /// slots while it opens. Once only: where requests keep taking connections as they
-    /// land, another wait could last as long as they do.
-    pub async fn opened(&self, uri: &Uri) {
+    /// for the next one to land: a request that had [`NoConnectionInTime`] asks for its next
+    /// slot once the connection opened for it is there, rather than spend slots while it
+    /// opens. Once only: where requests keep taking connections as they land, another wait
+    /// could last as long as they do. Fails as [`Warm::first`] does.
+    pub async fn opened(&self, uri: &Uri) -> Result<(), Arc<BoxError>> {
         self.landing(uri, |h| h.opening > 0 && h.stash.is_empty(), true)
-            .await;
+            .await
     }
 
     /// Waits for connections to `uri`'s upstream to land while `pending` holds of its
-    /// counts; after the first landing if `once`.
-    async fn landing(&self, uri: &Uri, pending: impl Fn(&Host) -> bool, once: bool) {
-        let Some(key) = key_of(uri) else { return };
+    /// counts; after the first landing if `once`. After a wait, with no connection open and
+    /// none opening, the last one's failure.
+    async fn landing(
+        &self,
+        uri: &Uri,
+        pending: impl Fn(&Host) -> bool,
+        once: bool,
+    ) -> Result<(), Arc<BoxError>> {
+        let Some(key) = key_of(uri) else {
+            return Ok(());
+        };
         let landed = |hosts: &HashMap<Key, Host>| {
             hosts
                 .get(&key)
                 .filter(|h| pending(h))
                 .map(|h| h.landed.clone())
         };
+        let mut waited = false;
         loop {
             let Some(next) = landed(&self.hosts.lock()) else {
-                return;
+                break;
             };
             let notified = next.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             if landed(&self.hosts.lock()).is_none() {
-                return;
+                break;
             }
             notified.await;
+            waited = true;
             if once {
-                return;
+                break;
             }
         }
+        let failed = self
+            .hosts
+            .lock()
+            .get(&key)
+            .filter(|h| waited && h.alive == 0 && h.opening == 0)
+            .and_then(|h| h.failed.clone());
+        failed.map_or(Ok(()), Err)
     }
 
     /// A stashed connection to `key` that is young and still open, if any.
@@ -632,6 +656,7 @@ mod tests {
         let a = w.expect(&uri);
         tokio::time::timeout(Duration::from_secs(5), w.opened(&uri))
             .await
+            .unwrap()
             .unwrap();
         assert_eq!(counts(&w, &uri), Some((1, 0, 1, 1)));
         drop(a);
