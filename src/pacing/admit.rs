@@ -134,8 +134,7 @@ impl Pacer {
     /// `admission`'s request had no upstream connection by [`Pacer::send_by`]: like
     /// [`Pacer::too_late`], its slot is dropped and it waits for another.
     pub fn no_connection_in_time(&self, admission: &Admission) {
-        let late = Instant::now().saturating_duration_since(admission.slot.at)
-            + admission.slot.unseen_late;
+        let late = Lane::lateness(&admission.slot);
         self.held_up(
             admission,
             late,

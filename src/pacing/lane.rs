@@ -193,8 +193,13 @@ impl Lane {
     /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
     /// used that late it would bunch with the next ones and could crowd a quota window.
     pub(super) fn too_late(&self, slot: &Reservation) -> Option<Duration> {
-        let late = Instant::now().saturating_duration_since(slot.at) + slot.unseen_late;
+        let late = Self::lateness(slot);
         (late > self.keys.load().rule.max_late()).then_some(late)
+    }
+
+    /// How late a request sent now on `slot` is, counting what the store could not see.
+    pub(super) fn lateness(slot: &Reservation) -> Duration {
+        Instant::now().saturating_duration_since(slot.at) + slot.unseen_late
     }
 
     /// The latest instant a request may be sent on `slot`: after it, [`Lane::too_late`].

@@ -263,7 +263,7 @@ impl Proxy {
             // The connection is opened while the request waits, not after its slot; to a
             // cold upstream, before the slot is asked for.
             let expecting = self.inner.upstream.expect(&outgoing.parts.uri);
-            if !shadow {
+            if !shadow && expecting.cold() {
                 let first = self.inner.upstream.first_connection(&outgoing.parts.uri);
                 if let Ok(Err(unreachable)) = tokio::time::timeout_at(deadline, first).await {
                     return Err(ProxyError::Upstream(unreachable));
