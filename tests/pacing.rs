@@ -15,6 +15,56 @@ async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
     TestProxy::start(&upstream.ca.cert_path, "", &local(keys)).await
 }
 
+/// Every scenario here measures arrival times, and the fake upstream shares the machine with
+/// what it measures: it dates a request when its head reached the socket, not when its busy
+/// task got round to it.
+#[test]
+fn the_upstream_dates_a_request_when_it_reached_the_socket() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let upstream = FakeUpstream::start().await;
+        let mut tcp = tokio::net::TcpStream::connect(upstream.http).await.unwrap();
+        for path in ["/first", "/dated"] {
+            let head = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n");
+            tcp.write_all(head.as_bytes()).await.unwrap();
+            let sent = Instant::now();
+            if path == "/dated" {
+                // The upstream's tasks cannot run while this one holds the runtime's thread.
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            // The whole answer (by its Content-Length), so the next starts clean.
+            let mut answer = Vec::new();
+            let whole = loop {
+                let mut chunk = [0u8; 4096];
+                let n = tcp.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "the upstream closed the connection");
+                answer.extend_from_slice(&chunk[..n]);
+                let text = String::from_utf8_lossy(&answer).to_lowercase();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length: usize = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .map_or(0, |n| n.trim().parse().unwrap());
+                    if answer.len() >= end + 4 + length {
+                        break text;
+                    }
+                }
+            };
+            assert!(whole.starts_with("http/1.1 200"), "{whole}");
+            let at = upstream.recorded().last().unwrap().at;
+            let after = at.saturating_duration_since(sent);
+            assert!(
+                after < Duration::from_millis(150),
+                "{path} dated {after:?} after it was sent"
+            );
+        }
+    });
+}
+
 #[tokio::test]
 async fn the_rate_holds_at_the_upstream_for_http_and_https() {
     let upstream = FakeUpstream::start().await;

@@ -6,6 +6,7 @@ pub mod fleet;
 pub mod pg;
 pub mod process;
 pub mod relay;
+pub mod stamped;
 pub mod testdb;
 pub mod upstream;
 

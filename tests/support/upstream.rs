@@ -32,6 +32,8 @@ use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
+use super::stamped::{LastRead, Stamped};
+
 type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 /// The chunk size of streamed bodies.
@@ -112,6 +114,7 @@ pub struct Recorded {
     pub version: Version,
     pub headers: HeaderMap,
     pub tls: bool,
+    /// When its head reached the upstream's socket (see [`super::stamped`]).
     pub at: Instant,
 }
 
@@ -164,6 +167,10 @@ impl FakeUpstream {
         });
         let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let https_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        super::stamped::keep_on();
+        // Every accepted socket has them.
+        super::stamped::enable(&http_listener);
+        super::stamped::enable(&https_listener);
         let http = http_listener.local_addr().unwrap();
         let https = https_listener.local_addr().unwrap();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(ca.server_config(h2)));
@@ -174,7 +181,8 @@ impl FakeUpstream {
                 let s = s.clone();
                 tokio::spawn(async move {
                     s.slow_start().await;
-                    serve(TokioIo::new(stream), s, false).await;
+                    let (stream, last) = Stamped::new(stream);
+                    serve(TokioIo::new(stream), s, false, last).await;
                 });
             }
         });
@@ -186,8 +194,9 @@ impl FakeUpstream {
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
                     s.slow_start().await;
+                    let (stream, last) = Stamped::new(stream);
                     if let Ok(tls) = acceptor.accept(stream).await {
-                        serve(TokioIo::new(tls), s, true).await;
+                        serve(TokioIo::new(tls), s, true, last).await;
                     }
                 });
             }
@@ -246,13 +255,15 @@ impl FakeUpstream {
     }
 }
 
-async fn serve<I>(io: TokioIo<I>, state: Arc<State>, tls: bool)
+async fn serve<I>(io: TokioIo<I>, state: Arc<State>, tls: bool, last: LastRead)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let service = service_fn(move |req| {
         let state = state.clone();
-        async move { Ok::<_, Infallible>(respond(req, state, tls).await) }
+        // Dated when its head reached the socket, not when this task got to it.
+        let at = last.at_or(Instant::now());
+        async move { Ok::<_, Infallible>(respond(req, state, tls, at).await) }
     });
     let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
         .serve_connection(io, service)
@@ -309,7 +320,12 @@ fn tokio_stream_from<T: Send + 'static>(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
-async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Response<Body> {
+async fn respond(
+    req: Request<Incoming>,
+    state: Arc<State>,
+    tls: bool,
+    at: Instant,
+) -> Response<Body> {
     let path = req
         .uri()
         .path_and_query()
@@ -331,7 +347,7 @@ async fn respond(req: Request<Incoming>, state: Arc<State>, tls: bool) -> Respon
         version: req.version(),
         headers: req.headers().clone(),
         tls,
-        at: Instant::now(),
+        at,
     });
     let (route, query) = path.split_once('?').unwrap_or((&path, ""));
     let segments: Vec<&str> = route.trim_start_matches('/').split('/').collect();
