@@ -328,6 +328,15 @@ impl Pacer {
                 spread: rand::random::<f64>(),
             })
         });
+        // A clean response to a budget at rest changes nothing the store keeps: the backoff
+        // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
+        // came between) and no block streak is left to clear. Not writing it halves the
+        // transactions on the destination's row, each of which holds the row through its
+        // commit while other instances' reservations queue behind it. Were the view stale,
+        // only a decay or a streak reset is missed: pacing can only be slower.
+        let nothing_to_write = verdict == Verdict::Clean
+            && vendor.is_none()
+            && lane.at_rest(admission.slot.generation);
         let event = match verdict {
             Verdict::Clean => Event::Clean {
                 success: (200..400).contains(&status),
@@ -352,6 +361,9 @@ impl Pacer {
                 .verdicts
                 .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
                 .inc();
+        }
+        if nothing_to_write {
+            return verdict;
         }
         match self
             .store

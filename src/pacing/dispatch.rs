@@ -6,17 +6,20 @@
 //! has requests waiting, and one answer may grant a batch of them. The dispatcher is the only
 //! writer of this instance's wait list in the store, so its updates arrive in order.
 //!
-//! Where more requests wait than a grant serves, the next reservation is asked
-//! [`ASK_AHEAD`] before the grant's last slot, not after it: a store that stalls for less than
+//! Where more requests wait than the slots granted serve, the next reservation is asked
+//! [`ASK_AHEAD`] before the last slot granted, not after it: a store that stalls for less than
 //! that (a commit waiting on its log flush, a busy host) then grants the next slot before it
 //! is due, and the beat goes on. Otherwise a stall longer than the interval grants a slot
-//! already past, and the schedule restarts from "now". The answer is acted on once the
-//! grant's last slot is handed out.
+//! already past, and the schedule restarts from "now". Where the interval is shorter than
+//! [`ASK_AHEAD`], the answer may come while earlier slots are still to hand out, and the next
+//! is asked at once: reservations are asked one after another (the store hears this
+//! instance's wait list in order), and their answers are acted on in turn.
 //!
 //! Each turn of the loop is named steps: [`Dispatcher::wait_for_waiters`], then
 //! [`Dispatcher::serve`], which for each slot granted runs [`Dispatcher::sleep_to_slot`] and
 //! [`Dispatcher::settle`] (or [`Dispatcher::refused`] when the store granted nothing).
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,8 +51,9 @@ const LOCK_POLL: Duration = Duration::from_millis(500);
 const AFTER_FAILURE: Duration = Duration::from_millis(100);
 /// The most slots one reservation asks for (see [`crate::budget::Ask::most`]).
 const MAX_BATCH: usize = 4096;
-/// How long before a grant's last slot the next reservation is asked, where more requests
-/// wait: the longest store stall that costs no slot.
+/// How long before the last slot granted the next reservation is asked, where more requests
+/// wait: the longest store stall that costs no slot. It is also how much longer a request on
+/// another instance may wait behind slots already granted here.
 const ASK_AHEAD: Duration = Duration::from_millis(50);
 
 /// Runs one destination's dispatcher until `stop`.
@@ -69,17 +73,24 @@ pub(super) async fn dispatch(
         store,
         stop,
         ahead: None,
+        answered: VecDeque::new(),
     };
     while let Some(latest) = d.wait_for_waiters().await {
-        if let Some(ahead) = d.ahead.take() {
-            // Asked while the last grant's slots were handed out. A yield still stands for
-            // the rest of its time; anything else is old news by now (a deadline, a
-            // failure): ask again.
-            let carry_on = match ahead.reply.await {
-                Ok(Ok(grant)) => d.serve(grant, &ahead.asked, ahead.turns, true).await,
-                Ok(Err(ReserveError::Yield(after))) if ahead.at + after > Instant::now() => {
-                    let left = ahead.at + after - Instant::now();
-                    d.refused(ReserveError::Yield(left), &ahead.asked).await
+        let next = match d.answered.pop_front() {
+            Some(answered) => Some(answered),
+            None => match d.ahead.take() {
+                Some(ahead) => Some(ahead.answer().await),
+                None => None,
+            },
+        };
+        if let Some(Answered { reply, asked }) = next {
+            // Asked while earlier slots were handed out. A yield still stands for the rest of
+            // its time; anything else is old news by now (a deadline, a failure): ask again.
+            let carry_on = match reply {
+                Some(Ok(grant)) => d.serve(grant, &asked.list, asked.turns, true).await,
+                Some(Err(ReserveError::Yield(after))) if asked.at + after > Instant::now() => {
+                    let left = asked.at + after - Instant::now();
+                    d.refused(ReserveError::Yield(left), &asked.list).await
                 }
                 _ => true,
             };
@@ -120,15 +131,55 @@ fn heads(list: &[ClassQueue]) -> Vec<(Class, Instant)> {
     list.iter().map(|q| (q.class, q.oldest)).collect()
 }
 
-/// A reservation asked before the slots it follows were all handed out (see [`ASK_AHEAD`]).
-struct Ahead {
-    reply: tokio::task::JoinHandle<Result<Grant, ReserveError>>,
+/// How a reservation asked ahead was asked.
+struct Asked {
     /// The wait list it told.
-    asked: Vec<ClassQueue>,
+    list: Vec<ClassQueue>,
     /// [`Lane::turns`] when it was asked.
     turns: u64,
     /// When it was asked.
     at: Instant,
+}
+
+/// A reservation asked before the slots it follows were all handed out (see [`ASK_AHEAD`]),
+/// not answered yet.
+struct Ahead {
+    reply: tokio::task::JoinHandle<Result<Grant, ReserveError>>,
+    asked: Asked,
+}
+
+impl Ahead {
+    async fn answer(self) -> Answered {
+        Answered {
+            reply: self.reply.await.ok(),
+            asked: self.asked,
+        }
+    }
+}
+
+/// A reservation asked ahead and answered, to act on once the slots before it are handed out.
+struct Answered {
+    /// `None` if the task asking failed.
+    reply: Option<Result<Grant, ReserveError>>,
+    asked: Asked,
+}
+
+impl Answered {
+    /// The grant's class and how many slots it holds for it, if it granted any.
+    fn promised(&self) -> Option<(Class, usize)> {
+        match &self.reply {
+            Some(Ok(grant)) => Some((grant.class, grant.more.len() + 1)),
+            _ => None,
+        }
+    }
+}
+
+/// The answer of the reservation asked ahead, if any; never ready without one.
+async fn answer_of(ahead: &mut Option<Ahead>) -> Option<Result<Grant, ReserveError>> {
+    match ahead {
+        Some(a) => (&mut a.reply).await.ok(),
+        None => std::future::pending().await,
+    }
 }
 
 /// How a sleep to a slot ended (`None`: pacegate is stopping).
@@ -148,13 +199,13 @@ struct Dispatcher {
     slots_dropped: IntCounter,
     /// The next reservation, asked ahead.
     ahead: Option<Ahead>,
+    /// Reservations asked ahead and answered, in the order they were asked.
+    answered: VecDeque<Answered>,
 }
 
 impl Drop for Dispatcher {
     fn drop(&mut self) {
-        if let Some(ahead) = self.ahead.take() {
-            ahead.reply.abort();
-        }
+        self.forget_ahead();
     }
 }
 
@@ -168,15 +219,49 @@ impl Dispatcher {
         }
     }
 
-    /// Asks for the next slots while the `promised` oldest requests of `class` still wait for
-    /// slots already granted, if any other request waits; says whether it asked.
-    fn ask_ahead(&mut self, class: Class, promised: usize) -> bool {
+    /// Drops what was asked ahead: the reservation still out, and the slots answered.
+    fn forget_ahead(&mut self) {
+        if let Some(ahead) = self.ahead.take() {
+            ahead.reply.abort();
+        }
+        self.answered.clear();
+    }
+
+    /// The requests that slots already granted are for: the `promised` oldest of `class` (the
+    /// grant being handed out), then those of every grant answered since.
+    fn promised(&self, class: Class, promised: usize) -> Vec<(Class, usize)> {
+        std::iter::once((class, promised))
+            .chain(self.answered.iter().filter_map(Answered::promised))
+            .collect()
+    }
+
+    /// When to ask ahead again while the grant being handed out ends at `last`: unless a
+    /// reservation is out, [`ASK_AHEAD`] before the last slot granted. `None` while one is
+    /// out, or once one granted nothing (that answer is acted on first).
+    fn ask_at(&self, last: Instant) -> Option<Instant> {
+        if self.ahead.is_some() {
+            return None;
+        }
+        let mut last = last;
+        for a in &self.answered {
+            match &a.reply {
+                Some(Ok(grant)) => last = *grant.more.last().unwrap_or(&grant.slot.at),
+                _ => return None,
+            }
+        }
+        Some(last.checked_sub(ASK_AHEAD).unwrap_or(last))
+    }
+
+    /// Asks for the next slots while the requests `promised` still wait for slots already
+    /// granted, if any other request waits; says whether it asked.
+    fn ask_ahead(&mut self, promised: &[(Class, usize)]) -> bool {
         let lane = &self.lane;
+        let held: usize = promised.iter().map(|(_, n)| n).sum();
         let (asked, waiting, latest) = {
             let mut queue = lane.queue.lock();
             let latest = queue.prune();
-            let asked = queue.wait_list_less(class, promised);
-            (asked, queue.len().saturating_sub(promised), latest)
+            let asked = queue.wait_list_less(promised);
+            (asked, queue.len().saturating_sub(held), latest)
         };
         let Some(latest) = latest.filter(|_| !asked.is_empty()) else {
             return false;
@@ -199,9 +284,11 @@ impl Dispatcher {
         });
         self.ahead = Some(Ahead {
             reply,
-            asked,
-            turns,
-            at: Instant::now(),
+            asked: Asked {
+                list: asked,
+                turns,
+                at: Instant::now(),
+            },
         });
         true
     }
@@ -216,11 +303,12 @@ impl Dispatcher {
         let count = grant.more.len() + 1;
         let granted = u32::try_from(count).unwrap_or(u32::MAX);
         let mut told = heads(&after_grant(asked, grant.class, granted));
+        let last = *grant.more.last().unwrap_or(&grant.slot.at);
         let slots = std::iter::once(grant.slot.at).chain(grant.more.iter().copied());
         for (i, at) in slots.enumerate() {
             let slot = Reservation { at, ..grant.slot };
             match self
-                .sleep_to_slot(slot, grant.class, count - i, i + 1 == count, &mut told)
+                .sleep_to_slot(slot, grant.class, count - i, last, &mut told)
                 .await
             {
                 // The budget turned stricter after the batch was granted (the first slot
@@ -235,9 +323,7 @@ impl Dispatcher {
                 }
                 Some(Slept::OnTime) => self.settle(slot, grant.class),
                 Some(Slept::Locked(lock)) => {
-                    if let Some(ahead) = self.ahead.take() {
-                        ahead.reply.abort();
-                    }
+                    self.forget_ahead();
                     self.lane.refuse_all(&self.lane.locked_error(lock));
                     return true;
                 }
@@ -260,10 +346,11 @@ impl Dispatcher {
                 return None;
             }
             // A reservation asked ahead lands first, so that the empty list is the last word;
-            // its slots go unused.
+            // the slots asked ahead go unused.
             if let Some(ahead) = self.ahead.take() {
                 let _ = ahead.reply.await;
             }
+            self.answered.clear();
             // Whether the store already knows is its own business: an unchanged list costs
             // it nothing.
             if let Err(e) = self.store.wait_list(&self.lane.name, &[]).await {
@@ -284,29 +371,30 @@ impl Dispatcher {
     /// When the wait list changes in what other instances decide by (`told`: the classes
     /// waiting here and their oldest requests, as the store holds them), it is told to the
     /// store at once, less the `promised` oldest requests of `class` that this slot and the
-    /// rest of its batch are for; a mere count rides with the next reservation (and while a
-    /// reservation asked ahead is out, the list waits for the next: it must not overtake it).
-    /// The `last` slot of a grant asks for the next slots [`ASK_AHEAD`] before it comes, or
-    /// as soon as another request waits after that.
+    /// rest of its batch are for (and those of grants answered ahead); a mere count rides with
+    /// the next reservation (and while a reservation asked ahead is out, the list waits for
+    /// the next: it must not overtake it). The next slots are asked [`ASK_AHEAD`] before the
+    /// last slot granted (the grant's own is `last`), or as soon as another request waits
+    /// after that.
     async fn sleep_to_slot(
         &mut self,
         slot: Reservation,
         class: Class,
         promised: usize,
-        last: bool,
+        last: Instant,
         told: &mut Vec<(Class, Instant)>,
     ) -> Option<Slept> {
         self.locked.borrow_and_update();
         let spin = self.lane.interval() >= SPIN_FROM;
         let mut poll_at = Instant::now() + LOCK_POLL;
-        let ask_at = slot.at.checked_sub(ASK_AHEAD).unwrap_or(slot.at);
-        // Whether to ask ahead when `ask_at` comes; after that, when a request arrives.
-        let mut ask_then = last && self.ahead.is_none();
+        // Whether asking ahead waits for another request to arrive: nobody else waited when
+        // it was last time to ask.
         let mut ask_on_arrival = false;
         loop {
-            if ask_then && Instant::now() >= ask_at {
-                ask_then = false;
-                ask_on_arrival = !self.ask_ahead(class, promised);
+            let mut ask_at = self.ask_at(last);
+            if ask_at.is_some_and(|at| Instant::now() >= at) && !ask_on_arrival {
+                ask_on_arrival = !self.ask_ahead(&self.promised(class, promised));
+                ask_at = None;
             }
             let lane = &self.lane;
             // The timer wheel rounds a deadline up to the next millisecond: aim one tick
@@ -316,23 +404,42 @@ impl Dispatcher {
                 .checked_sub(TIMER_TICK)
                 .unwrap_or(slot.at)
                 .min(poll_at);
-            if ask_then {
-                wake = wake.min(ask_at);
+            if let Some(at) = ask_at.filter(|at| *at > Instant::now()) {
+                wake = wake.min(at);
             }
             let mut arrived = false;
+            let mut answer = None;
             tokio::select! {
                 () = tokio::time::sleep_until(wake) => {}
                 _ = self.locked.changed() => {}
                 () = lane.work.notified() => arrived = true,
+                reply = answer_of(&mut self.ahead) => answer = Some(reply),
                 () = self.stop.cancelled() => return None,
+            }
+            if let Some(reply) = answer {
+                // Answered while earlier slots are still to hand out: kept in order, and the
+                // next may be asked at once.
+                if let Some(ahead) = self.ahead.take() {
+                    self.answered.push_back(Answered {
+                        reply,
+                        asked: ahead.asked,
+                    });
+                }
+                continue;
             }
             if arrived {
                 if ask_on_arrival {
-                    ask_on_arrival = !self.ask_ahead(class, promised);
+                    ask_on_arrival = false;
+                    if self.ahead.is_none() {
+                        ask_on_arrival = !self.ask_ahead(&self.promised(class, promised));
+                    }
                 }
                 let lane = &self.lane;
                 if self.ahead.is_none() {
-                    let wait_list = lane.queue.lock().wait_list_less(class, promised);
+                    let wait_list = lane
+                        .queue
+                        .lock()
+                        .wait_list_less(&self.promised(class, promised));
                     let now = heads(&wait_list);
                     if now != *told {
                         if let Err(e) = self.store.wait_list(&lane.name, &wait_list).await {

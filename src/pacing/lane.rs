@@ -91,18 +91,23 @@ impl Queue {
     /// The wait list as the store takes it: per class with waiters, how many and since when
     /// the oldest two wait.
     pub(super) fn wait_list(&self) -> Vec<ClassQueue> {
-        self.wait_list_less(Class(0), 0)
+        self.wait_list_less(&[])
     }
 
-    /// The wait list less the `promised` oldest requests of `class`: those a batch's slots
-    /// still to come are for, which the store has already taken off the list.
-    pub(super) fn wait_list_less(&self, class: Class, promised: usize) -> Vec<ClassQueue> {
-        let promised_rank = usize::from(class.0).min(self.classes.len() - 1);
+    /// The wait list less the oldest requests of each class that slots already granted and
+    /// still to come are for (`promised`: how many of a class, a class possibly more than
+    /// once), which the store has already taken off the list.
+    pub(super) fn wait_list_less(&self, promised: &[(Class, usize)]) -> Vec<ClassQueue> {
+        let last = self.classes.len() - 1;
         self.classes
             .iter()
             .enumerate()
             .filter_map(|(i, q)| {
-                let skip = if i == promised_rank { promised } else { 0 };
+                let skip: usize = promised
+                    .iter()
+                    .filter(|(c, _)| usize::from(c.0).min(last) == i)
+                    .map(|(_, n)| n)
+                    .sum();
                 let count = q.len().checked_sub(skip).filter(|n| *n > 0)?;
                 Some(ClassQueue {
                     class: Class(u16::try_from(i).unwrap_or(u16::MAX)),
@@ -274,6 +279,14 @@ impl Lane {
         let seen = self.seen.lock();
         let interval = self.keys.load().rule.interval;
         (interval.mul_f64(seen.backoff) * ahead).max(seen.paused_for)
+    }
+
+    /// Whether the budget last seen is at rest for a slot reserved under `generation`: no
+    /// backoff, no block streak, and no widening seen since the slot was reserved or between
+    /// its reservation and the view.
+    pub(super) fn at_rest(&self, generation: u64) -> bool {
+        let seen = self.seen.lock();
+        seen.backoff <= 1.0 && seen.block_streak == 0 && seen.generation == generation
     }
 
     /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.

@@ -691,12 +691,26 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
 }
 
 /// The memory store, but its `nth` reservation (from 1) waits `stall` before it is made: a
-/// database whose commit waits on its log flush, or a busy host.
+/// database whose commit waits on its log flush, or a busy host. It counts the verdicts
+/// recorded.
 struct Stalling {
     inner: MemoryStore,
     nth: u64,
     stall: Duration,
     calls: std::sync::atomic::AtomicU64,
+    records: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Stalling {
+    fn default() -> Self {
+        Self {
+            inner: MemoryStore::ephemeral(),
+            nth: u64::MAX,
+            stall: Duration::ZERO,
+            calls: Default::default(),
+            records: Default::default(),
+        }
+    }
 }
 
 impl Store for Stalling {
@@ -749,6 +763,8 @@ impl Store for Stalling {
         event: crate::budget::Event,
         vendor: Option<crate::budget::Observation>,
     ) -> StoreFuture<'a, Result<crate::budget::BudgetView, StoreError>> {
+        self.records
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.record(destination, rule, event, vendor)
     }
 
@@ -772,13 +788,56 @@ async fn a_store_that_stalls_for_longer_than_the_interval_costs_no_slot() {
     // 50/s: slots 20 ms apart. One reservation in the middle of the run takes 30 ms. It was
     // asked ahead, with a slot still to hand out before it, so it is granted before it is due.
     let store = Stalling {
-        inner: MemoryStore::ephemeral(),
         nth: 5,
         stall: ms(30),
-        calls: Default::default(),
+        ..Default::default()
     };
     let p = pacer_on(pace(50.0), Classes::default(), Arc::new(store)).await;
     let times = grant_times(&p, 10).await;
     let beat: Vec<Duration> = (0..10).map(|n| ms(20) * n).collect();
     assert_eq!(times, beat);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_stall_longer_than_two_intervals_but_within_asking_ahead_costs_no_slot() {
+    // 50/s: slots 20 ms apart, and the asking ahead (50 ms) spans more than two of them. One
+    // reservation takes 45 ms: more than the interval and the slot still to hand out before
+    // it, less than the lead asking ahead keeps.
+    let store = Stalling {
+        nth: 6,
+        stall: ms(45),
+        ..Default::default()
+    };
+    let p = pacer_on(pace(50.0), Classes::default(), Arc::new(store)).await;
+    let times = grant_times(&p, 12).await;
+    let beat: Vec<Duration> = (0..12).map(|n| ms(20) * n).collect();
+    assert_eq!(times, beat);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_clean_response_to_a_budget_at_rest_writes_nothing() {
+    let store = Arc::new(Stalling::default());
+    let p = pacer_on(pace(10.0), Classes::default(), store.clone()).await;
+    let records = || store.records.load(std::sync::atomic::Ordering::SeqCst);
+    let none = HeaderMap::new();
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert_eq!(p.answer(&a, 200, &none, "GET /").await, Verdict::Clean);
+    assert_eq!(records(), 0, "a clean response at rest was written");
+    // A throttle widens the pace: it is written, and so is every clean response after it,
+    // which counts towards the decay.
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    let throttled = p.answer(&a, 429, &none, "GET /").await;
+    assert!(
+        matches!(throttled, Verdict::Throttled { .. }),
+        "{throttled:?}"
+    );
+    assert_eq!(records(), 1);
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert_eq!(p.answer(&a, 200, &none, "GET /").await, Verdict::Clean);
+    assert_eq!(
+        records(),
+        2,
+        "a clean response under a backoff was not written"
+    );
+    assert_eq!(p.status().await[0].clean_streak, 1);
 }
