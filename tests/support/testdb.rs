@@ -14,10 +14,10 @@ pub async fn fresh() -> String {
         )
     });
     static N: AtomicU32 = AtomicU32::new(0);
-    // The process id alone repeats on a server that outlives many runs (its databases are
-    // never dropped): the start time of the process's first database makes the name unique.
+    // The process id alone repeats on a server that outlives many runs: the start time of the
+    // process's first database makes the name unique.
     static STARTED: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
-    let started = STARTED.get_or_init(|| {
+    let started = *STARTED.get_or_init(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros())
@@ -31,6 +31,10 @@ pub async fn fresh() -> String {
         .await
         .unwrap_or_else(|e| panic!("cannot connect to PACEGATE_TEST_DATABASE_URL: {e}"));
     tokio::spawn(conn);
+    static SWEPT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SWEPT.swap(true, Ordering::Relaxed) {
+        sweep(&client, started).await;
+    }
     client
         .batch_execute(&format!("CREATE DATABASE {name}"))
         .await
@@ -47,4 +51,34 @@ pub async fn fresh() -> String {
         .map(|p| format!(":{}", String::from_utf8_lossy(p)))
         .unwrap_or_default();
     format!("postgres://{user}{password}@{host}:{port}/{name}")
+}
+
+/// How old a test database must be before a later run drops it: older than any run.
+const SWEEP_AFTER_MICROS: u128 = 3_600_000_000;
+
+/// Drops the test databases of runs that started over an hour before `now` (micros since the
+/// epoch, as in the names), so that a server that outlives many runs (a developer's own) does
+/// not fill up. One still in use is left (a plain `DROP DATABASE` refuses it), as is any
+/// name this code did not make.
+async fn sweep(client: &tokio_postgres::Client, now: u128) {
+    let Ok(rows) = client
+        .query(
+            "SELECT datname FROM pg_database WHERE datname LIKE 'pacegate\\_unit\\_%'",
+            &[],
+        )
+        .await
+    else {
+        return;
+    };
+    for row in rows {
+        let name: String = row.get(0);
+        // pacegate_unit_{pid}_{started}_{n}
+        let started = name.split('_').nth(3).and_then(|s| s.parse::<u128>().ok());
+        if started.is_some_and(|s| s + SWEEP_AFTER_MICROS < now) {
+            // Another test process may be sweeping too; whoever drops it first wins.
+            let _ = client
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
+                .await;
+        }
+    }
 }
