@@ -783,35 +783,33 @@ impl Store for Stalling {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_store_that_stalls_for_longer_than_the_interval_costs_no_slot() {
-    // 50/s: slots 20 ms apart. One reservation in the middle of the run takes 30 ms. It was
-    // asked ahead, with a slot still to hand out before it, so it is granted before it is due.
+/// Grants `slots` at 50/s (20 ms apart) while the `nth` reservation takes `stall`, and
+/// checks that every slot was on the beat.
+async fn the_beat_holds_through_a_stall(nth: u64, stall: Duration, slots: u32) {
     let store = Stalling {
-        nth: 5,
-        stall: ms(30),
+        nth,
+        stall,
         ..Default::default()
     };
     let p = pacer_on(pace(50.0), Classes::default(), Arc::new(store)).await;
-    let times = grant_times(&p, 10).await;
-    let beat: Vec<Duration> = (0..10).map(|n| ms(20) * n).collect();
+    let times = grant_times(&p, slots as usize).await;
+    let beat: Vec<Duration> = (0..slots).map(|n| ms(20) * n).collect();
     assert_eq!(times, beat);
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_store_that_stalls_for_longer_than_the_interval_costs_no_slot() {
+    // One reservation in the middle of the run takes 30 ms. It was asked ahead, with a slot
+    // still to hand out before it, so it is granted before it is due.
+    the_beat_holds_through_a_stall(5, ms(30), 10).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_store_stall_longer_than_two_intervals_but_within_asking_ahead_costs_no_slot() {
-    // 50/s: slots 20 ms apart, and the asking ahead (50 ms) spans more than two of them. One
-    // reservation takes 45 ms: more than the interval and the slot still to hand out before
-    // it, less than the lead asking ahead keeps.
-    let store = Stalling {
-        nth: 6,
-        stall: ms(45),
-        ..Default::default()
-    };
-    let p = pacer_on(pace(50.0), Classes::default(), Arc::new(store)).await;
-    let times = grant_times(&p, 12).await;
-    let beat: Vec<Duration> = (0..12).map(|n| ms(20) * n).collect();
-    assert_eq!(times, beat);
+    // Asking ahead (50 ms) spans more than two intervals. One reservation takes 45 ms: more
+    // than the interval and the slot still to hand out before it, less than the lead asking
+    // ahead keeps.
+    the_beat_holds_through_a_stall(6, ms(45), 12).await;
 }
 
 #[tokio::test(start_paused = true)]
