@@ -264,10 +264,11 @@ impl Proxy {
             // cold upstream, before the slot is asked for.
             let expecting = self.inner.upstream.expect(&outgoing.parts.uri);
             if !shadow && expecting.cold() {
-                let first = self.inner.upstream.first_connection(&outgoing.parts.uri);
-                if let Ok(Err(unreachable)) = tokio::time::timeout_at(deadline, first).await {
-                    return Err(ProxyError::Upstream(unreachable));
-                }
+                landed(
+                    deadline,
+                    self.inner.upstream.first_connection(&outgoing.parts.uri),
+                )
+                .await?;
             }
             let admission = match pacer.enter(route, class, deadline).await {
                 Ok(a) => a,
@@ -297,10 +298,7 @@ impl Proxy {
                         return Err(ProxyError::Upstream(UpstreamError::Late(late)));
                     }
                     // The next slot, once the connection opened for this one is there.
-                    let opened = self.inner.upstream.opened(&outgoing.parts.uri);
-                    if let Ok(Err(unreachable)) = tokio::time::timeout_at(deadline, opened).await {
-                        return Err(ProxyError::Upstream(unreachable));
-                    }
+                    landed(deadline, self.inner.upstream.opened(&outgoing.parts.uri)).await?;
                     continue;
                 }
                 sent => sent?,
@@ -404,4 +402,17 @@ fn prepare(
         body: Some(body),
         lent: None,
     })
+}
+
+/// Waits until `deadline` for the connection `landing` awaits: its failure is the request's
+/// (a 502, or a 504 at the connect timeout). Out of time, the pacer's own deadline refuses
+/// the request when it asks for its slot.
+async fn landed(
+    deadline: Instant,
+    landing: impl std::future::Future<Output = Result<(), UpstreamError>>,
+) -> Result<(), ProxyError> {
+    match tokio::time::timeout_at(deadline, landing).await {
+        Ok(Err(unreachable)) => Err(ProxyError::Upstream(unreachable)),
+        _ => Ok(()),
+    }
 }
