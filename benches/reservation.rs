@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use futures_util::FutureExt;
-use pacegate::budget::memory::MemoryStore;
 use pacegate::budget::{Ask, ClassQueue, Rule, Store};
 use pacegate::class::Class;
+use pacegate::store::memory::MemoryStore;
 
 fn rule() -> Rule {
     // A fast destination, so that slots stay near "now" over millions of reservations.

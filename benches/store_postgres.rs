@@ -15,12 +15,12 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pacegate::budget::postgres::PostgresStore;
 use pacegate::budget::{Ask, ClassQueue, Rule, Store};
 use pacegate::class::{Class, Classes};
 use pacegate::destination::{Destination, Pace};
 use pacegate::metrics::Metrics;
 use pacegate::pacing::Pacer;
+use pacegate::store::postgres::PostgresStore;
 
 fn rule() -> Rule {
     // Far faster than any reservation: the slot is always "now", nobody waits.

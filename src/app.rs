@@ -10,18 +10,18 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
-use crate::budget::failover::{Failover, Gauges, Policy};
-use crate::budget::fleet::Instance;
-use crate::budget::memory::MemoryStore;
-use crate::budget::postgres::PostgresStore;
 use crate::budget::{Store, StoreError};
 use crate::config::{Backend, Config};
 use crate::destination;
+use crate::fleet::failover::{Failover, Gauges, Policy};
+use crate::fleet::{Fleet, Instance, Solo};
 use crate::metrics::Metrics;
 use crate::pacing::Pacer;
 use crate::proxy::{ClientPolicy, Proxy, ProxyParts};
 use crate::reload::Reloader;
 use crate::shutdown::{self, Shutdown};
+use crate::store::memory::MemoryStore;
+use crate::store::postgres::PostgresStore;
 use crate::tls::{self, Authority, TlsError};
 use crate::upstream::Upstream;
 
@@ -136,23 +136,27 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
             "a configured host is outside the CA's name constraints: clients will refuse the certificates minted for it; create a CA for this config with `pacegate ca init --name-constraints --config FILE`"
         );
     }
+    // This instance, made once: lockout records, wait lists and heartbeats name it.
+    let me = Instance::new();
     let supervisor_stop = CancellationToken::new();
     // The store's supervisor: the memory store's quota-window writer, or the postgres
     // store's heartbeats and failover.
-    let (store, supervisor): (Arc<dyn Store>, JoinHandle<()>) = match (shared, config.store.backend)
-    {
+    type Wired = (Arc<dyn Store>, Arc<dyn Fleet>, JoinHandle<()>);
+    let (store, fleet, supervisor): Wired = match (shared, config.store.backend) {
         // A shared handle writes no state file: its supervisor has nothing to keep.
-        (Some(store), _) => (Arc::new(store), tokio::spawn(async {})),
+        (Some(store), _) => (Arc::new(store), Arc::new(Solo), tokio::spawn(async {})),
         (None, Backend::Memory) => {
-            let store = Arc::new(MemoryStore::open(&config.store.state_file)?);
+            let store =
+                Arc::new(MemoryStore::open(&config.store.state_file)?.with_instance(&me.id));
             let supervisor = tokio::spawn(store.clone().keep_sends(supervisor_stop.clone()));
-            (store, supervisor)
+            (store, Arc::new(Solo), supervisor)
         }
         (None, Backend::Postgres) => {
             let url = config.store.url.as_deref().unwrap_or_default();
             let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
             let store =
-                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?;
+                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?
+                    .with_instance(&me.id);
             if config.store.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
@@ -162,7 +166,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
                 store.check_schema().await?;
             }
             // One connection of the configured ones is kept for heartbeats (see Failover).
-            let control = PostgresStore::with_roots(url, 1, roots)?;
+            let control = PostgresStore::with_roots(url, 1, roots)?.with_instance(&me.id);
             let policy = Policy {
                 on_unavailable: config.store.on_unavailable,
                 instances_hint: config.store.instances_hint,
@@ -176,19 +180,33 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
                 alone: metrics.store_share_alone.clone(),
                 mismatch: metrics.config_mismatch.clone(),
             };
-            let failover = Arc::new(Failover::new(store, control, policy, gauges));
+            let local = MemoryStore::ephemeral().with_instance(&me.id);
+            let failover = Arc::new(Failover::new(
+                store,
+                control,
+                local,
+                me.clone(),
+                policy,
+                gauges,
+            ));
             let supervisor = tokio::spawn(failover.clone().supervise(supervisor_stop.clone()));
-            (failover, supervisor)
+            (failover.clone(), failover, supervisor)
         }
     };
-    let pacer = Arc::new(Pacer::new(
-        &config.destinations,
-        config.classes.clone(),
-        store,
-        metrics.clone(),
-        Instance::this().id.clone(),
-    ));
+    let pacer = Arc::new(
+        Pacer::new(
+            &config.destinations,
+            config.classes.clone(),
+            store,
+            metrics.clone(),
+            me.id.clone(),
+        )
+        .with_fleet(fleet),
+    );
     pacer.start().await?;
+    // What only the store knows (every instance's waiting requests, quota windows), for the
+    // gauges; it ends with the pacer.
+    tokio::spawn(pacer.clone().keep_current());
     let roots = tls::upstream_roots(&config.tls.extra_upstream_roots)?;
     let upstream = Upstream::new(
         &config.upstream,

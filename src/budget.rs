@@ -1,15 +1,13 @@
-//! The store seam: where destinations' budgets live, and the types both stores share.
+//! The budget seam: where destinations' budgets live ([`Store`]), and the types every store
+//! shares.
 //!
 //! A budget is one destination's shared pacing state (next slot, backoff, generation, clean
-//! streak, pause, lockout). Its arithmetic is in [`schedule`], pure and shared; a store holds
-//! budgets and applies that arithmetic atomically: `memory` for one instance, `postgres` for
-//! every instance at once. Nothing here knows HTTP or how responses are classified.
+//! streak, pause, lockout). Its arithmetic is in [`schedule`], pure and shared; a store (the
+//! `store` module's) holds budgets and applies that arithmetic atomically: `memory` for one
+//! instance, `postgres` for every instance at once. The contract suite (`contract`, in tests)
+//! is what every store must pass. Nothing here knows HTTP, how responses are classified, or
+//! which instances share a store (that is the `fleet`'s).
 
-pub mod drift;
-pub mod failover;
-pub mod fleet;
-pub mod memory;
-pub mod postgres;
 pub mod schedule;
 
 #[cfg(test)]
@@ -26,7 +24,7 @@ use tokio::time::Instant;
 use crate::class::Class;
 use crate::destination::{Block, Quota};
 use crate::signals::Family;
-use crate::status::{InstanceStatus, LockStatus};
+use crate::status::LockStatus;
 
 /// A boxed, sendable future borrowing the store.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -507,23 +505,23 @@ pub trait Store: Send + Sync + 'static {
     /// The budget as it stands.
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
 
-    /// The live instances sharing this store; empty for a store that is not shared.
-    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
-        Box::pin(std::future::ready(Ok(Vec::new())))
-    }
+    /// What status shows of every destination in `destinations`, in their order, in one
+    /// round trip whatever their number: each budget ([`Store::view`]), every instance's
+    /// waiting requests ([`Store::waiting`]) and its quota windows' use
+    /// ([`Store::quota_used`]).
+    fn snapshot<'a>(
+        &'a self,
+        destinations: &'a [(&'a str, &'a Rule)],
+    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>>;
+}
 
-    /// Whether the store is unreachable and a fallback is pacing instead.
-    fn degraded(&self) -> bool {
-        false
-    }
-
-    /// Tells a shared store this instance's rule for every destination, to compare with the
-    /// other instances' (see [`drift`]).
-    fn announce(&self, _rules: &[(String, Rule)]) {}
-
-    /// The live instances whose rule for `destination` differs from this one's (the stricter
-    /// governs); empty where they agree, or the store is not shared.
-    fn drift(&self, _destination: &str) -> Vec<String> {
-        Vec::new()
-    }
+/// One destination as the store holds it, for status: see [`Store::snapshot`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// The budget.
+    pub view: BudgetView,
+    /// Every live instance's waiting requests, by class.
+    pub waiting: Vec<ClassWaiting>,
+    /// Slots taken in each quota window that ends now, in the rule's order.
+    pub quota_used: Vec<u32>,
 }

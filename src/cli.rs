@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use crate::budget::fleet::Fleet;
 use crate::config::{Config, ConfigError, LogFormat};
+use crate::fleet::Membership;
 use crate::status::{self, BudgetStatus};
 use crate::tls;
 
@@ -126,12 +126,12 @@ fn store_at(
     url: &str,
 ) -> Result<
     (
-        crate::budget::postgres::PostgresStore,
+        crate::store::postgres::PostgresStore,
         tokio::runtime::Runtime,
     ),
     ExitCode,
 > {
-    let store = crate::budget::postgres::PostgresStore::new(url, 2).map_err(|e| {
+    let store = crate::store::postgres::PostgresStore::new(url, 2).map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(EXIT_USAGE)
     })?;
@@ -274,9 +274,7 @@ pub fn status_from_store(url: &str) -> ExitCode {
     };
     let result = runtime.block_on(async {
         let budgets = store.budgets().await?;
-        let instances = store
-            .live_instances(crate::budget::fleet::LIVE_WITHIN)
-            .await?;
+        let instances = store.live_instances(crate::fleet::LIVE_WITHIN).await?;
         Ok::<_, crate::budget::StoreError>((budgets, instances))
     });
     match result {

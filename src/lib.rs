@@ -22,14 +22,15 @@
 //!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting requests
 //!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::rate`
 //!   counts the achieved rate, `pacing::verdict` reads a response.
-//! - [`budget`]: the store seam and the budget arithmetic both stores share
-//!   (`budget::schedule`); `budget::memory` is the embedded store, `budget::postgres` the
-//!   shared one (`sql`, `migrations`, `rows` apart, and `clock`, which places its slots on
-//!   this instance's clock), `budget::fleet` this instance among the
-//!   others (identity, heartbeat, leases, its standing: the share of each rate it may use,
-//!   supervisor), `budget::failover` what happens while a shared store is lost (divide or
-//!   refuse, lockout write-back), `budget::drift` instances whose rules differ (fingerprints,
-//!   the stricter rule, and the `Agreement` that decides which rule governs).
+//! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
+//!   (`budget::schedule`), with the contract suite each store passes; no I/O.
+//! - [`fleet`]: this instance among the others sharing a store: its identity (made once,
+//!   passed in), the membership seam, heartbeats and its share of each rate
+//!   (`fleet::standing`), what happens while a shared store is lost (`fleet::failover`:
+//!   divide or refuse, lockout write-back), instances whose rules differ (`fleet::drift`).
+//! - [`store`]: the stores: `store::memory`, the embedded one, and `store::postgres`, the
+//!   shared one (`sql`, `migrations`, `rows` apart, `clock`, which places its slots on this
+//!   instance's clock, and `membership`).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
 //!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
@@ -46,10 +47,11 @@
 //!   tests) start.
 //!
 //! Each module imports only modules below it in this order: `status`, `class`, `signals`,
-//! `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `pacing`, `upstream`, `server`,
-//! `proxy`, `reload`, `admin`, `app`, `demo`, `cli` (checked by `tests/layering.rs`).
+//! `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`, `store`, `pacing`,
+//! `upstream`, `server`, `proxy`, `reload`, `admin`, `app`, `demo`, `cli` (checked by
+//! `tests/in_process/layering.rs`).
 //!
-//! Words (see `pacing-model.md` in the design notes): *client* sends through pacegate;
+//! Words (see `docs/pacing-model.md`): *client* sends through pacegate;
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
 //! server; *slot* is the instant one request may be sent; *budget* is a destination's shared
 //! pacing state; *store* is where budgets live; *verdict* is what a response tells the pacer
@@ -63,6 +65,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod destination;
+pub mod fleet;
 pub mod metrics;
 pub mod pacing;
 pub mod proxy;
@@ -71,5 +74,6 @@ pub mod server;
 pub mod shutdown;
 pub mod signals;
 pub mod status;
+pub mod store;
 pub mod tls;
 pub mod upstream;

@@ -17,11 +17,12 @@ mod admit;
 mod dispatch;
 mod lane;
 mod rate;
+mod status;
 pub mod verdict;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use http::HeaderMap;
 use tokio::sync::OwnedSemaphorePermit;
@@ -30,15 +31,12 @@ use tokio_util::sync::CancellationToken;
 
 use arc_swap::ArcSwap;
 
-use crate::budget::{
-    BudgetView, Event, Lockout, Observation, PauseCause, Reservation, Rule, Store, StoreError,
-};
+use crate::budget::{Event, Lockout, Observation, Reservation, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Mode, Pace, Routed, Routes};
+use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
-use crate::status::{
-    ClassStatus, DestinationStatus, InstanceStatus, LockStatus, QuotaStatus, VendorStatus,
-};
+use crate::status::InstanceStatus;
 use lane::Lane;
 use verdict::{Reading, Verdict};
 
@@ -156,8 +154,13 @@ pub struct Pacer {
     routes: ArcSwap<Routes<Route>>,
     classes: Arc<Classes>,
     store: Arc<dyn Store>,
+    /// This instance among the others sharing the store.
+    fleet: Arc<dyn Fleet>,
     metrics: Arc<Metrics>,
     instance: String,
+    /// When the store's last snapshot for status was taken (see `pacing::status`); held
+    /// while one is taken, so that readers at once share it.
+    snapshot_taken: tokio::sync::Mutex<Option<Instant>>,
     stop: CancellationToken,
 }
 
@@ -183,10 +186,18 @@ impl Pacer {
             routes: ArcSwap::from_pointee(routes),
             classes,
             store,
+            fleet: Arc::new(Solo),
             metrics,
             instance,
+            snapshot_taken: tokio::sync::Mutex::new(None),
             stop: CancellationToken::new(),
         }
+    }
+
+    /// Paces as one of `fleet` (a shared store's instances) rather than alone.
+    pub fn with_fleet(mut self, fleet: Arc<dyn Fleet>) -> Self {
+        self.fleet = fleet;
+        self
     }
 
     fn lanes(&self) -> Vec<Arc<Lane>> {
@@ -210,7 +221,7 @@ impl Pacer {
             .iter()
             .map(|l| (l.name.to_string(), l.keys().rule.clone()))
             .collect();
-        self.store.announce(&rules);
+        self.fleet.announce(&rules);
     }
 
     async fn open_lane(&self, lane: &Arc<Lane>) -> Result<(), StoreError> {
@@ -413,148 +424,7 @@ impl Pacer {
 
     /// The live instances sharing the store (empty for a store of one instance).
     pub async fn instances(&self) -> Result<Vec<InstanceStatus>, StoreError> {
-        self.store.instances().await
-    }
-
-    /// Each destination's effective rate and achieved rate (last 10 s) as this instance last
-    /// saw them, without asking the store: cheap enough to sample on a timer.
-    pub fn paces(&self) -> Vec<(String, f64, f64)> {
-        let now = Instant::now();
-        self.lanes()
-            .iter()
-            .map(|lane| {
-                let backoff = lane.seen.lock().backoff;
-                let achieved = lane.sends.lock().rate(now, 10);
-                (
-                    lane.name.to_string(),
-                    lane.keys().pace.rate / backoff,
-                    achieved,
-                )
-            })
-            .collect()
-    }
-
-    /// Every destination's status, refreshing the per-destination gauges on the way.
-    pub async fn status(&self) -> Vec<DestinationStatus> {
-        let mut out = Vec::new();
-        let now = Instant::now();
-        for lane in self.lanes() {
-            if let Ok(view) = self.store.view(&lane.name).await {
-                lane.note(view);
-            }
-            let seen = lane.seen.lock().clone();
-            // Every instance's waiting requests; this instance's own when the store cannot
-            // say (it is unreachable).
-            let everywhere = self.store.waiting(&lane.name).await.ok();
-            let here = lane.waiting_here(now);
-            let classes: Vec<ClassStatus> = {
-                let granted = lane.granted.lock();
-                self.classes
-                    .all()
-                    .zip(&here)
-                    .map(|(class, &(waiting_here, oldest_here))| {
-                        let all = everywhere
-                            .as_ref()
-                            .and_then(|e| e.iter().find(|w| w.0 == class));
-                        ClassStatus {
-                            class: self.classes.name(class).to_owned(),
-                            waiting_here,
-                            waiting: all.map_or(waiting_here, |w| w.1 as usize),
-                            oldest_wait_seconds: all
-                                .map_or(oldest_here, |w| w.2.max(oldest_here))
-                                .as_secs_f64(),
-                            granted_last_minute: granted
-                                .get(usize::from(class.0))
-                                .map_or(0, |g| g.count(now, 60)),
-                        }
-                    })
-                    .collect()
-            };
-            let waiting: usize = here.iter().map(|h| h.0).sum();
-            let oldest = here.iter().map(|h| h.1).max().unwrap_or_default();
-            let keys = lane.keys();
-            let used = self
-                .store
-                .quota_used(&lane.name, &keys.rule)
-                .await
-                .unwrap_or_default();
-            let quota = keys
-                .rule
-                .quota
-                .iter()
-                .enumerate()
-                .map(|(i, q)| QuotaStatus {
-                    window: humantime::format_duration(q.per).to_string(),
-                    limit: q.limit,
-                    used: used.get(i).copied().unwrap_or(0),
-                })
-                .collect();
-            let (rate_10, rate_60) = {
-                let sends = lane.sends.lock();
-                (sends.rate(now, 10), sends.rate(now, 60))
-            };
-            let s = DestinationStatus {
-                destination: lane.name.to_string(),
-                rate: keys.pace.rate,
-                effective_rate: keys.pace.rate / seen.backoff,
-                backoff: seen.backoff,
-                achieved_rate_10s: rate_10,
-                achieved_rate_60s: rate_60,
-                clean_streak: seen.clean_streak,
-                paused_for_seconds: seen.paused_for.as_secs_f64(),
-                paused_until: (!seen.paused_for.is_zero()).then(|| {
-                    humantime::format_rfc3339_seconds(SystemTime::now() + seen.paused_for)
-                        .to_string()
-                }),
-                lock: seen.lock.as_ref().map(LockStatus::from),
-                waiting: lane.admitting.load(Ordering::Relaxed).max(waiting),
-                in_flight: lane.in_flight.load(Ordering::Relaxed),
-                oldest_wait_seconds: oldest.as_secs_f64(),
-                classes,
-                quota,
-                pace_limited_by: limited_by(&seen, &keys.rule).to_owned(),
-                block_streak: seen.block_streak,
-                vendor: seen.vendor.map(|v| VendorStatus {
-                    family: v.family.as_str().to_owned(),
-                    remaining: v.remaining,
-                    limit: v.limit,
-                    reset_in_seconds: v.reset_in.as_secs_f64(),
-                }),
-                config_mismatch: self.store.drift(&lane.name),
-                mode: keys.pace.mode.as_str().to_owned(),
-                max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
-            };
-            self.metrics.set_destination(&s, seen.paused_for);
-            out.push(s);
-        }
-        out.sort_by(|a, b| a.destination.cmp(&b.destination));
-        out
-    }
-}
-
-/// Why a destination's pace is what it is (see [`DestinationStatus::pace_limited_by`]).
-fn limited_by(seen: &BudgetView, rule: &Rule) -> &'static str {
-    if seen.lock.is_some() {
-        return "locked";
-    }
-    if !seen.paused_for.is_zero() {
-        return match seen.paused_by {
-            Some(PauseCause::Block) => "paused: block",
-            Some(PauseCause::Exhausted) => "paused: exhausted",
-            _ => "paused: retry-after",
-        };
-    }
-    let configured = rule.interval.mul_f64(seen.backoff);
-    if let Some(v) = seen.vendor {
-        let usable = v.remaining.saturating_sub(u64::from(rule.reserve));
-        if usable == 0 || v.reset_in / u32::try_from(usable).unwrap_or(u32::MAX) > configured {
-            return "vendor budget";
-        }
-    }
-    if seen.backoff > 1.0 {
-        "backoff"
-    } else {
-        "configured"
+        self.fleet.instances().await
     }
 }
 

@@ -1,6 +1,6 @@
 //! What a vendor says about its budget in response headers: requests remaining, the limit,
 //! and when the window resets. Each header family reads differently (see
-//! `vendor-signals.md` in the design notes); all are reduced to one [`Signal`]. A field
+//! `docs/vendor-signals.md`); all are reduced to one [`Signal`]. A field
 //! that does not parse is ignored, never an error: vendors' headers are input from outside.
 
 use std::fmt;

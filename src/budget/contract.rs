@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Ask, ClassQueue, Event, Lockout, Pause, Reservation, ReserveError, Rule, Store};
+use super::{
+    Ask, BudgetView, ClassQueue, Event, Lockout, Pause, Reservation, ReserveError, Rule, Snapshot,
+    Store,
+};
 use crate::class::Class;
 use crate::destination::Quota;
 
@@ -213,6 +216,115 @@ where
     vendor::a_date_is_read_on_the_store_clock(&fresh().await).await;
     batch::a_batch_keeps_the_beat_within_the_horizon(&fresh().await, tol).await;
     batch::a_batch_keeps_quota_windows_limits_and_pauses(&fresh().await, tol).await;
+    a_snapshot_says_what_each_call_says(&fresh().await).await;
+}
+
+/// One snapshot of several destinations (one with quota windows, waiting requests and a
+/// pause, one locked out, one never used) says what `view`, `waiting` and `quota_used` say of
+/// each, but for the time that passes between the calls.
+async fn a_snapshot_says_what_each_call_says(store: &impl Store) {
+    let windows = Rule {
+        quota: vec![
+            Quota {
+                limit: 5,
+                per: Duration::from_secs(1),
+            },
+            Quota {
+                limit: 2,
+                per: Duration::from_secs(60),
+            },
+        ],
+        ..rule(1000.0)
+    };
+    let plain = rule(10.0);
+    for _ in 0..2 {
+        take(store, "a", &windows, None).await.unwrap();
+    }
+    let generation = take(store, "a", &windows, None).await.unwrap().generation;
+    let throttle = Event::Throttled {
+        generation,
+        retry_after: Some(Pause::For(Duration::from_secs(30))),
+        reset: None,
+        spread: 0.0,
+    };
+    store.record("a", &windows, throttle, None).await.unwrap();
+    let lock = Lockout::new(403, "GET http://b/".into(), "test".into());
+    store
+        .record("b", &plain, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    let queues = [waiting(INTERACTIVE, 3, 40), waiting(BACKFILL, 1, 10)];
+    store.wait_list("a", &queues).await.unwrap();
+
+    let asked = [("a", &windows), ("b", &plain), ("never", &plain)];
+    let started = Instant::now();
+    let snapshots = store.snapshot(&asked).await.unwrap();
+    let mut each = Vec::new();
+    for (destination, rule) in asked {
+        each.push((
+            store.view(destination).await.unwrap(),
+            store.waiting(destination).await.unwrap(),
+            store.quota_used(destination, rule).await.unwrap(),
+        ));
+    }
+    let passed = started.elapsed();
+    assert_eq!(
+        snapshots.len(),
+        asked.len(),
+        "one snapshot per destination asked"
+    );
+    for ((destination, _), (s, (view, waiting, used))) in
+        asked.iter().zip(snapshots.iter().zip(each))
+    {
+        let close = |a: Duration, b: Duration| a.abs_diff(b) <= passed;
+        assert!(
+            close(s.view.paused_for, view.paused_for),
+            "{destination}: the snapshot's pause {:?}, the view's {:?}",
+            s.view.paused_for,
+            view.paused_for
+        );
+        let timeless = |v: &BudgetView| BudgetView {
+            paused_for: Duration::ZERO,
+            ..v.clone()
+        };
+        assert_eq!(
+            timeless(&s.view),
+            timeless(&view),
+            "{destination}: the budget"
+        );
+        assert_eq!(s.quota_used, used, "{destination}: the quota windows");
+        assert_eq!(
+            s.waiting.len(),
+            waiting.len(),
+            "{destination}: the waiting classes"
+        );
+        for (a, b) in s.waiting.iter().zip(&waiting) {
+            assert_eq!((a.0, a.1), (b.0, b.1), "{destination}: waiting by class");
+            assert!(
+                close(a.2, b.2),
+                "{destination}: the oldest wait {a:?} against {b:?}"
+            );
+        }
+    }
+    let [a, b, never] = &snapshots[..] else {
+        unreachable!()
+    };
+    assert!(
+        a.view.paused_for > Duration::from_secs(29),
+        "a is paused: {a:?}"
+    );
+    assert_eq!(
+        a.quota_used,
+        [3, 2],
+        "a's windows: the slots taken, at most each limit"
+    );
+    assert_eq!(a.waiting.len(), 2, "a's waiting classes: {a:?}");
+    assert!(b.view.lock.is_some(), "b is locked: {b:?}");
+    assert_eq!(
+        *never,
+        Snapshot::default(),
+        "a destination never used is a fresh budget"
+    );
 }
 
 async fn shares_are_honoured_and_lent(store: &impl Store) {

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use super::DemoError;
-use crate::budget::memory::MemoryStore;
 use crate::config::Config;
+use crate::store::memory::MemoryStore;
 
 /// How long an instance may take to say it listens.
 const START_WITHIN: Duration = Duration::from_secs(30);

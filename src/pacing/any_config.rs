@@ -19,8 +19,8 @@ use tokio::time::Instant;
 
 use super::tests::headers;
 use super::*;
-use crate::budget::memory::MemoryStore;
 use crate::config::Config;
+use crate::store::memory::MemoryStore;
 
 /// Floats as TOML writes them, edges first.
 fn float(edges: &[f64], range: std::ops::Range<f64>) -> impl Strategy<Value = String> {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::rate::SendLog;
 use super::PaceError;
-use crate::budget::{BudgetView, ClassQueue, Lockout, Reservation, Rule};
+use crate::budget::{BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Pace};
 
@@ -145,6 +145,17 @@ pub(crate) struct Lane {
     pub(super) sends: Mutex<SendLog>,
     /// Slots granted per class, for status.
     pub(super) granted: Mutex<Vec<SendLog>>,
+    /// What only the store knows, as its last snapshot said (see `pacing::status`).
+    pub(super) store_said: Mutex<StoreSaid>,
+}
+
+/// What only the store knows of a destination, for status and metrics.
+#[derive(Debug, Clone, Default)]
+pub(super) struct StoreSaid {
+    /// Every live instance's waiting requests by class; `None` when the store could not say.
+    pub(super) waiting: Option<Vec<ClassWaiting>>,
+    /// Slots taken in each quota window, over every instance.
+    pub(super) quota_used: Vec<u32>,
 }
 
 /// A destination's keys as the lane uses them.
@@ -186,6 +197,7 @@ impl Lane {
             in_flight: AtomicUsize::new(0),
             admitting: AtomicUsize::new(0),
             sends: Mutex::new(SendLog::new()),
+            store_said: Mutex::default(),
         }
     }
 

@@ -8,9 +8,9 @@ use prometheus::Registry;
 use tokio::time::Instant;
 
 use super::*;
-use crate::budget::memory::MemoryStore;
 use crate::budget::{ReserveError, StoreFuture};
 use crate::destination::{Destination, Pace};
+use crate::store::memory::MemoryStore;
 
 fn pace(rate: f64) -> Pace {
     Pace::new(rate)
@@ -692,13 +692,21 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
 
 /// The memory store, but its `nth` reservation (from 1) waits `stall` before it is made: a
 /// database whose commit waits on its log flush, or a busy host. It counts the verdicts
-/// recorded.
+/// recorded, and the reads that are not reservations (views, waiting, quota windows,
+/// snapshots).
 struct Stalling {
     inner: MemoryStore,
     nth: u64,
     stall: Duration,
     calls: std::sync::atomic::AtomicU64,
     records: std::sync::atomic::AtomicU64,
+    reads: std::sync::atomic::AtomicU64,
+}
+
+impl Stalling {
+    fn read(&self) {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Default for Stalling {
@@ -709,6 +717,7 @@ impl Default for Stalling {
             stall: Duration::ZERO,
             calls: Default::default(),
             records: Default::default(),
+            reads: Default::default(),
         }
     }
 }
@@ -745,6 +754,7 @@ impl Store for Stalling {
         &'a self,
         destination: &'a str,
     ) -> StoreFuture<'a, Result<Vec<crate::budget::ClassWaiting>, StoreError>> {
+        self.read();
         self.inner.waiting(destination)
     }
 
@@ -753,6 +763,7 @@ impl Store for Stalling {
         destination: &'a str,
         rule: &'a crate::budget::Rule,
     ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        self.read();
         self.inner.quota_used(destination, rule)
     }
 
@@ -779,7 +790,16 @@ impl Store for Stalling {
         &'a self,
         destination: &'a str,
     ) -> StoreFuture<'a, Result<crate::budget::BudgetView, StoreError>> {
+        self.read();
         self.inner.view(destination)
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        destinations: &'a [(&'a str, &'a crate::budget::Rule)],
+    ) -> StoreFuture<'a, Result<Vec<crate::budget::Snapshot>, StoreError>> {
+        self.read();
+        self.inner.snapshot(destinations)
     }
 }
 
@@ -838,4 +858,74 @@ async fn a_clean_response_to_a_budget_at_rest_writes_nothing() {
         "a clean response under a backoff was not written"
     );
     assert_eq!(p.status().await[0].clean_streak, 1);
+}
+
+/// Ten destinations. A scrape of the gauges reads no store however often it comes; status
+/// reads it once a second at most, one snapshot for all ten; what another instance did shows
+/// in the gauges once a snapshot saw it.
+#[tokio::test(start_paused = true)]
+async fn gauges_read_no_store_and_status_one_snapshot_a_second() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let store = Arc::new(Stalling::default());
+    let destinations: Vec<Destination> = (0..10)
+        .map(|i| Destination {
+            name: format!("d{i}"),
+            hosts: vec![],
+            pace: pace(10.0),
+            ports: vec![],
+        })
+        .collect();
+    let registry = Registry::new();
+    let metrics = Arc::new(Metrics::new(registry.clone()).unwrap());
+    let p = Pacer::new(
+        &destinations,
+        Classes::default(),
+        store.clone(),
+        metrics.clone(),
+        "test".into(),
+    );
+    p.start().await.unwrap();
+    let started = store.reads.load(SeqCst);
+    for _ in 0..30 {
+        p.gauges();
+        tokio::time::sleep(ms(200)).await;
+    }
+    assert_eq!(
+        store.reads.load(SeqCst) - started,
+        0,
+        "30 scrapes read the store"
+    );
+
+    let started = store.reads.load(SeqCst);
+    for _ in 0..30 {
+        p.status().await;
+        tokio::time::sleep(ms(100)).await;
+    }
+    // 3 s of status read 30 times: a snapshot at 0, 1, 2 s (and perhaps 3 s).
+    let reads = store.reads.load(SeqCst) - started;
+    assert!(
+        (3..=4).contains(&reads),
+        "30 status reads over 3 s took {reads} store reads"
+    );
+
+    // Another instance locks d3 out: the gauges show it once status has taken a snapshot.
+    let lock = Lockout::new(403, "GET https://d3/".into(), "elsewhere".into());
+    store
+        .inner
+        .instance("elsewhere")
+        .record("d3", &contract_rule(), Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    p.status().await;
+    p.gauges();
+    let locked = metrics.render();
+    assert!(
+        locked.contains("pacegate_locked{destination=\"d3\"} 1"),
+        "d3's lockout is not in the gauges: {locked}"
+    );
+}
+
+fn contract_rule() -> Rule {
+    crate::budget::contract::rule(10.0)
 }

@@ -9,6 +9,21 @@ use super::{admin_client, client, eventually, metric_value, testdb, Alpn, FakeUp
 /// Instances in a fleet unless a scenario says otherwise.
 pub const INSTANCES: usize = 3;
 
+/// Turns in the processes binary. Its timing scenarios measure arrivals across processes on a
+/// 2-core machine, so each runs [`alone`]; the single-process scenarios run [`beside`] each
+/// other, never beside a timing one.
+static TURNS: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Waits until no other scenario of this binary runs, and keeps it so while held.
+pub async fn alone() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    TURNS.write().await
+}
+
+/// Waits until no timing scenario runs, and keeps it so while held.
+pub async fn beside() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    TURNS.read().await
+}
+
 /// Writes a config for one instance into `dir` and starts it.
 fn instance(dir: &Path, store: &str, keys: &str, env: &[(&str, &str)]) -> Instance {
     let config = dir.join("pacegate.toml");
@@ -149,7 +164,7 @@ impl Fleet {
     /// the warm-ups included, once every request was answered 200.
     ///
     /// One request per instance goes first, so that each has an upstream connection when the
-    /// burst comes (the scenarios of `tests/faults.rs` start from cold connections).
+    /// burst comes (the scenarios of `tests/processes/faults.rs` start from cold connections).
     pub async fn load(&self, upstream: &FakeUpstream, per_instance: usize) -> Vec<Instant> {
         let n = self.instances.len();
         for i in 0..n {
@@ -185,13 +200,35 @@ impl Fleet {
         metric_value(&text, series)
     }
 
-    /// Waits until instance `i` sees at least `n` requests of `class` waiting over every
-    /// instance, through the store.
-    pub async fn sees_waiting(&self, i: usize, class: &str, n: usize) {
-        let series = format!("pacegate_store_waiting{{class=\"{class}\",destination=\"local\"}}");
-        let what = format!("{n} {class} requests waiting");
+    /// Waits until the store (at `store`'s `url`) holds at least `n` requests of `class`
+    /// (of [`CLASSES`]) waiting over every instance: what a reservation on any instance
+    /// weighs. Read from the database itself, since an instance's own view of it is a
+    /// snapshot of up to seconds ago.
+    pub async fn store_holds_waiting(&self, store: &str, class: &str, n: usize) {
+        let url = store
+            .split_once("url = \"")
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map(|(url, _)| url.to_owned())
+            .expect("a [store] section with a url");
+        let rank = ["interactive", "scheduled", "backfill"]
+            .iter()
+            .position(|c| *c == class)
+            .expect("a class of CLASSES") as i32;
+        let (db, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let what = format!("{n} {class} requests waiting in the store");
         eventually(Duration::from_secs(10), &what, || async {
-            (self.metric(i, &series).await >= n as f64).then_some(())
+            let row = db
+                .query_one(
+                    "SELECT coalesce(sum(count), 0)::bigint FROM pacegate_waiting
+                     WHERE destination = 'local' AND class = $1",
+                    &[&rank],
+                )
+                .await
+                .ok()?;
+            (row.get::<_, i64>(0) >= n as i64).then_some(())
         })
         .await;
     }

@@ -1,20 +1,22 @@
 //! A PostgreSQL cluster of a test's own, for scenarios that stop and start the database: the
 //! throwaway cluster `pacegate demo` uses, failing the test loudly where it cannot start.
 
+use super::testdb::fail;
+
 /// A throwaway cluster on a loopback port; stopped and removed when dropped.
 pub struct Cluster(pacegate::demo::cluster::Cluster);
 
 impl Cluster {
     /// Creates and starts a cluster with a `pacegate` superuser and trust authentication.
     pub fn start() -> Self {
-        Self(pacegate::demo::cluster::Cluster::start().unwrap_or_else(|e| panic!("{e}")))
+        Self(pacegate::demo::cluster::Cluster::start().unwrap_or_else(|e| fail(&e.to_string())))
     }
 
     /// Like [`Cluster::start`], serving TLS with this certificate and key (PEM).
     pub fn start_tls(cert_pem: &str, key_pem: &str) -> Self {
         Self(
             pacegate::demo::cluster::Cluster::start_tls(cert_pem, key_pem)
-                .unwrap_or_else(|e| panic!("{e}")),
+                .unwrap_or_else(|e| fail(&e.to_string())),
         )
     }
 

@@ -1,0 +1,504 @@
+-- The postgres store's functions, each defined once: `pacegate migrate` (and `serve`, unless
+-- [store] migrate = false) applies this file after the numbered migrations, in the same
+-- transaction under the same advisory lock, whenever its digest differs from the one the
+-- database last applied (pacegate_schema_functions). The numbered files hold tables and data
+-- only. Every function is the arithmetic of budget::schedule in SQL; budget::contract and
+-- store::postgres::model hold the two to each other.
+--
+-- A function's signature is kept for the binary of the release before, which may still run
+-- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time) is
+-- such a function.
+
+-- Functions of releases two or more back, which no running binary calls.
+DROP FUNCTION IF EXISTS pacegate_reserve(text, double precision, integer, double precision);
+DROP FUNCTION IF EXISTS pacegate_record(text, text, bigint, double precision, double precision,
+    double precision, integer, double precision, integer, text, text);
+DROP FUNCTION IF EXISTS pacegate_reserve_for(text, double precision, integer, double precision,
+    text, double precision, double precision[], bigint[], double precision[], double precision,
+    integer[], integer[], double precision[], double precision[], boolean);
+
+-- A pause given as seconds from now or as an instant of the database clock: seconds from
+-- now_ts, at most p_max; NULL when none, zero or past.
+CREATE OR REPLACE FUNCTION pacegate_pause_secs(
+    p_secs double precision,
+    p_at timestamptz,
+    now_ts timestamptz,
+    p_max double precision
+) RETURNS double precision LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN d > 0 THEN LEAST(d, p_max) END
+    FROM (SELECT coalesce(p_secs, extract(epoch FROM p_at - now_ts)::double precision) AS d) AS x
+$$;
+
+-- Replaces an instance's waiting requests of a destination. Ages are seconds before p_now.
+CREATE OR REPLACE FUNCTION pacegate_tell(
+    p_destination text,
+    p_instance text,
+    p_now timestamptz,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[]
+) RETURNS void LANGUAGE sql AS $$
+    DELETE FROM pacegate_waiting WHERE destination = p_destination AND instance = p_instance;
+    INSERT INTO pacegate_waiting (destination, instance, class, count, since, next_since)
+        SELECT p_destination, p_instance, u.c, u.n, p_now - make_interval(secs => u.o),
+            p_now - make_interval(secs => u.x)
+        FROM unnest(p_classes, p_counts, p_oldest, p_next) AS u(c, n, o, x)
+        WHERE u.n > 0;
+$$;
+
+-- Applies what the vendor said (p_vendor_*, all NULL when nothing), then a verdict: p_kind is
+-- 'clean', 'throttled', 'lockout' or 'none'. Returns the budget after them.
+CREATE OR REPLACE FUNCTION pacegate_record(
+    p_destination text,
+    p_kind text,
+    p_generation bigint,
+    p_success boolean,
+    p_retry_after_secs double precision,
+    p_retry_after_at timestamptz,
+    p_reset_secs double precision,
+    p_reset_at timestamptz,
+    p_spread double precision,
+    p_backoff_factor double precision,
+    p_backoff_max double precision,
+    p_decay_after integer,
+    p_retry_after_max double precision,
+    p_reserve bigint,
+    p_block_min_us bigint,
+    p_block_max_us bigint,
+    p_block_jitter double precision,
+    p_lock_status integer,
+    p_lock_request text,
+    p_lock_instance text,
+    p_vendor_family text,
+    p_vendor_remaining bigint,
+    p_vendor_limit bigint,
+    p_vendor_reset_secs double precision,
+    p_vendor_reset_at timestamptz,
+    p_vendor_jitter_us bigint
+) RETURNS TABLE (
+    backoff double precision,
+    generation bigint,
+    clean_streak integer,
+    paused_for double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    paused_by text,
+    block_streak integer,
+    vendor_family text,
+    vendor_remaining bigint,
+    vendor_limit bigint,
+    vendor_reset_in double precision
+) LANGUAGE plpgsql AS $$
+DECLARE
+    b pacegate_budgets%ROWTYPE;
+    now_ts timestamptz;
+    left_secs double precision;
+    new_reset timestamptz;
+    keep boolean;
+    current boolean;
+    block_us bigint;
+    until_ts timestamptz;
+    cause text;
+BEGIN
+    INSERT INTO pacegate_budgets (destination) VALUES (p_destination) ON CONFLICT DO NOTHING;
+    SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
+    now_ts := clock_timestamp();
+    -- Budget::observe: an older window never replaces a newer one; within one window (resets
+    -- 2 s apart or less) the lower remaining, less the slots taken since, wins.
+    IF p_vendor_remaining IS NOT NULL THEN
+        left_secs := pacegate_pause_secs(p_vendor_reset_secs, p_vendor_reset_at, now_ts, p_retry_after_max);
+        IF left_secs IS NOT NULL THEN
+            new_reset := now_ts + make_interval(secs => left_secs);
+            keep := false;
+            IF b.vendor_reset IS NOT NULL AND b.vendor_reset > now_ts THEN
+                IF new_reset + interval '2 seconds' < b.vendor_reset THEN
+                    keep := true;
+                ELSIF new_reset <= b.vendor_reset + interval '2 seconds' THEN
+                    keep := p_vendor_remaining > GREATEST(b.vendor_remaining - b.vendor_taken, 0);
+                END IF;
+            END IF;
+            IF NOT keep THEN
+                b.vendor_family := p_vendor_family;
+                b.vendor_remaining := p_vendor_remaining;
+                b.vendor_limit := p_vendor_limit;
+                b.vendor_observed := now_ts;
+                b.vendor_reset := new_reset;
+                b.vendor_taken := 0;
+                IF p_vendor_remaining <= p_reserve THEN
+                    until_ts := new_reset + make_interval(secs => p_vendor_jitter_us / 1000000.0);
+                    IF until_ts > b.paused_until THEN
+                        b.paused_until := until_ts;
+                        b.paused_by := 'exhausted';
+                    END IF;
+                END IF;
+            END IF;
+        END IF;
+    END IF;
+    IF p_kind = 'clean' THEN
+        IF p_success THEN
+            b.block_streak := 0;
+        END IF;
+        -- Only a response reserved under the current generation counts towards decay.
+        IF p_generation = b.generation THEN
+            b.clean_streak := b.clean_streak + 1;
+            IF b.clean_streak >= p_decay_after THEN
+                b.clean_streak := 0;
+                b.backoff := GREATEST(b.backoff / p_backoff_factor, 1);
+            END IF;
+        END IF;
+    ELSIF p_kind = 'throttled' THEN
+        b.clean_streak := 0;
+        -- One widening, and one block, per generation.
+        current := p_generation = b.generation;
+        IF current THEN
+            b.backoff := LEAST(b.backoff * p_backoff_factor, p_backoff_max);
+            b.generation := b.generation + 1;
+        END IF;
+        until_ts := NULL;
+        left_secs := pacegate_pause_secs(p_retry_after_secs, p_retry_after_at, now_ts, p_retry_after_max);
+        IF left_secs IS NOT NULL THEN
+            until_ts := now_ts + make_interval(secs => left_secs);
+            cause := 'retry-after';
+        ELSE
+            left_secs := pacegate_pause_secs(p_reset_secs, p_reset_at, now_ts, p_retry_after_max);
+            IF left_secs IS NOT NULL THEN
+                until_ts := now_ts + make_interval(secs => left_secs);
+                cause := 'exhausted';
+            ELSIF p_block_min_us IS NOT NULL AND current THEN
+                -- destination::Block::after: min × 2^streak, at most max, ± jitter.
+                -- In numeric: doubled 40 times, an hour's block is past what a bigint holds.
+                block_us := LEAST(p_block_min_us::numeric * (2::numeric ^ LEAST(b.block_streak, 40)),
+                    p_block_max_us)::bigint;
+                block_us := floor(block_us::double precision
+                    * (1 + p_block_jitter * GREATEST(-1, LEAST(1, p_spread))))::bigint;
+                b.block_streak := b.block_streak + 1;
+                until_ts := now_ts + make_interval(secs => block_us / 1000000.0);
+                cause := 'block';
+            END IF;
+        END IF;
+        IF until_ts IS NOT NULL AND until_ts > b.paused_until THEN
+            b.paused_until := until_ts;
+            b.paused_by := cause;
+        END IF;
+    ELSIF p_kind = 'lockout' THEN
+        IF b.lock_status IS NULL THEN
+            b.lock_since := now_ts;
+            b.lock_status := p_lock_status;
+            b.lock_request := p_lock_request;
+            b.lock_instance := p_lock_instance;
+        END IF;
+    ELSIF p_kind <> 'none' THEN
+        RAISE EXCEPTION 'unknown verdict %', p_kind;
+    END IF;
+    UPDATE pacegate_budgets AS x SET
+        backoff = b.backoff, generation = b.generation, clean_streak = b.clean_streak,
+        paused_until = b.paused_until, paused_by = b.paused_by, block_streak = b.block_streak,
+        lock_since = b.lock_since, lock_status = b.lock_status,
+        lock_request = b.lock_request, lock_instance = b.lock_instance,
+        vendor_family = b.vendor_family, vendor_remaining = b.vendor_remaining,
+        vendor_limit = b.vendor_limit, vendor_observed = b.vendor_observed,
+        vendor_reset = b.vendor_reset, vendor_taken = b.vendor_taken
+        WHERE x.destination = p_destination;
+    RETURN QUERY SELECT b.backoff, b.generation, b.clean_streak,
+        CASE WHEN b.paused_until > now_ts
+            THEN extract(epoch FROM b.paused_until - now_ts)::double precision ELSE 0 END,
+        b.lock_since, b.lock_status, b.lock_request, b.lock_instance,
+        CASE WHEN b.paused_until > now_ts THEN b.paused_by END,
+        b.block_streak,
+        CASE WHEN b.vendor_reset > now_ts THEN b.vendor_family END,
+        CASE WHEN b.vendor_reset > now_ts THEN GREATEST(b.vendor_remaining - b.vendor_taken, 0) END,
+        CASE WHEN b.vendor_reset > now_ts THEN b.vendor_limit END,
+        CASE WHEN b.vendor_reset > now_ts
+            THEN extract(epoch FROM b.vendor_reset - now_ts)::double precision END;
+END
+$$;
+
+-- Batched grants: one reservation may grant the caller up to p_most slots for its requests of
+-- the class that deserves the next slot, as budget::schedule::Budget::reserve_for does. The
+-- first slot is 0006's; each later one is reserved exactly as a reservation of its own would
+-- be (beat, pause, quota windows, the vendor's budget), while the caller has requests of the
+-- class left, the class is still the one chosen (no other class owed a share), the slot is
+-- within p_not_after and at most p_horizon seconds after the first. The budget row is written
+-- once, the sends in one INSERT, so a batch costs the database one statement.
+CREATE OR REPLACE FUNCTION pacegate_reserve_many(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint,
+    p_most integer,
+    p_horizon double precision
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    more timestamptz[]
+) LANGUAGE plpgsql AS $$
+DECLARE
+    b pacegate_budgets%ROWTYPE;
+    now_ts timestamptz;
+    t interval;
+    s timestamptz;
+    n integer := coalesce(array_length(p_shares, 1), 0);
+    nq integer := coalesce(array_length(p_quota_limits, 1), 0);
+    waiting integer[];
+    cr double precision[];
+    new_credits double precision[];
+    chosen integer;
+    pick integer;
+    first_instance text;
+    i integer;
+    keep bigint;
+    at_ts timestamptz;
+    usable bigint;
+    k bigint;
+    sends0 bigint;
+    want bigint;
+    mine integer;
+    slots timestamptz[] := '{}';
+    until_ts timestamptz;
+    claim constant interval := interval '500 milliseconds';
+BEGIN
+    SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO pacegate_budgets (destination) VALUES (p_destination) ON CONFLICT DO NOTHING;
+        SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
+    END IF;
+    now_ts := clock_timestamp();
+    IF p_tell THEN
+        PERFORM pacegate_tell(p_destination, p_instance, now_ts, p_classes, p_counts, p_oldest, p_next);
+    END IF;
+    IF b.lock_status IS NOT NULL THEN
+        RETURN QUERY SELECT 'locked'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
+            b.backoff, b.lock_since, b.lock_status, b.lock_request, b.lock_instance, NULL::timestamptz[];
+        RETURN;
+    END IF;
+    -- The caller asks: its waiting requests claim their places again.
+    UPDATE pacegate_waiting AS w SET claimed_until = now_ts + claim
+        WHERE w.destination = p_destination AND w.instance = p_instance;
+    -- The classes with waiting requests on live instances that keep asking (the caller is
+    -- live and asking).
+    SELECT array_agg(DISTINCT w.class ORDER BY w.class) INTO waiting
+        FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+        WHERE w.destination = p_destination
+          AND (w.instance = p_instance OR (l.last_seen > now_ts - make_interval(secs => p_lease)
+               AND w.claimed_until > now_ts));
+    cr := b.credits;
+    chosen := NULL;
+    -- Within a batch only the caller's list changes, and it keeps the chosen class: the
+    -- classes waiting stay the same, and each slot's choice is budget::schedule::choose on
+    -- the credits so far. The first slot's class must also be the caller's oldest request.
+    t := make_interval(secs => p_interval * b.backoff);
+    sends0 := b.sends;
+    IF b.vendor_reset IS NOT NULL AND b.vendor_reset <= now_ts THEN
+        b.vendor_reset := NULL;
+        b.vendor_remaining := NULL;
+        b.vendor_family := NULL;
+        b.vendor_limit := NULL;
+        b.vendor_observed := NULL;
+        b.vendor_taken := 0;
+    END IF;
+    LOOP
+        -- budget::schedule::choose: shares earn credit while their class waits; an owed class
+        -- goes first, else the most urgent.
+        new_credits := array_fill(0::double precision, ARRAY[n]);
+        FOR i IN 1..n LOOP
+            IF p_shares[i] > 0 AND (i - 1) = ANY (waiting) THEN
+                new_credits[i] := coalesce(cr[i], 0) + p_shares[i];
+            END IF;
+        END LOOP;
+        pick := NULL;
+        FOR i IN 1..n LOOP
+            IF new_credits[i] >= 1 - 1e-9 AND (i - 1) = ANY (waiting) THEN
+                pick := i - 1;
+                EXIT;
+            END IF;
+        END LOOP;
+        IF pick IS NULL THEN
+            pick := waiting[1];
+        END IF;
+        IF chosen IS NULL THEN
+            IF pick IS NOT NULL THEN
+                SELECT w.instance INTO first_instance
+                    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+                    WHERE w.destination = p_destination AND w.class = pick
+                      AND (w.instance = p_instance OR (l.last_seen > now_ts - make_interval(secs => p_lease)
+                           AND w.claimed_until > now_ts))
+                    ORDER BY w.since, w.instance
+                    LIMIT 1;
+            END IF;
+            -- A yield says when the next slot is free by the beat and a pause: the caller
+            -- need not ask again before then (another instance may hold a batch until then).
+            IF first_instance IS DISTINCT FROM p_instance THEN
+                RETURN QUERY SELECT 'yield'::text,
+                    GREATEST(now_ts, b.next_at - t * (p_burst - 1), b.paused_until), now_ts, b.generation, NULL::integer,
+                    b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text, NULL::timestamptz[];
+                RETURN;
+            END IF;
+            chosen := pick;
+            SELECT w.count INTO mine FROM pacegate_waiting AS w
+                WHERE w.destination = p_destination AND w.instance = p_instance AND w.class = chosen;
+            mine := coalesce(mine, 1);
+        ELSE
+            EXIT WHEN cardinality(slots) >= LEAST(p_most, mine) OR pick IS DISTINCT FROM chosen;
+        END IF;
+        IF chosen + 1 <= n THEN
+            new_credits[chosen + 1] := greatest(new_credits[chosen + 1] - 1, 0);
+        END IF;
+        -- budget::schedule::Budget::reserve: beat keeping, then quota windows.
+        s := GREATEST(now_ts, b.next_at - t * (p_burst - 1), b.paused_until);
+        FOR i IN 1..nq LOOP
+            IF b.sends >= p_quota_limits[i] THEN
+                want := b.sends - p_quota_limits[i] + 1;
+                IF want > sends0 THEN
+                    at_ts := slots[want - sends0];
+                ELSE
+                    SELECT x.at INTO at_ts FROM pacegate_sends AS x
+                        WHERE x.destination = p_destination AND x.seq = want;
+                    IF NOT FOUND THEN
+                        at_ts := NULL;
+                    END IF;
+                END IF;
+                IF at_ts IS NOT NULL THEN
+                    s := GREATEST(s, at_ts + make_interval(secs => p_quota_pers[i] + p_max_late));
+                END IF;
+            END IF;
+        END LOOP;
+        IF nq > 0 THEN
+            IF b.sends > sends0 THEN
+                s := GREATEST(s, slots[b.sends - sends0]);
+            ELSE
+                SELECT x.at INTO at_ts FROM pacegate_sends AS x
+                    WHERE x.destination = p_destination AND x.seq = b.sends;
+                IF FOUND THEN
+                    s := GREATEST(s, at_ts);
+                END IF;
+            END IF;
+        END IF;
+        -- budget::schedule::Budget::reserve: the vendor's view, while its window lasts, spreads
+        -- its remaining requests less the reserve evenly until the reset.
+        IF b.vendor_reset IS NOT NULL THEN
+            usable := GREATEST(b.vendor_remaining - p_reserve, 0);
+            k := b.vendor_taken + 1;
+            IF k > usable THEN
+                s := GREATEST(s, b.vendor_reset);
+            ELSE
+                s := GREATEST(s, b.vendor_observed + make_interval(secs =>
+                    ((extract(epoch FROM b.vendor_reset - b.vendor_observed) * 1000000)::bigint
+                        * k / usable) / 1000000.0));
+            END IF;
+        END IF;
+        IF cardinality(slots) = 0 THEN
+            IF p_not_after IS NOT NULL AND s > now_ts + make_interval(secs => p_not_after) THEN
+                RETURN QUERY SELECT 'too_late'::text, s, now_ts, b.generation, NULL::integer,
+                    b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text, NULL::timestamptz[];
+                RETURN;
+            END IF;
+            until_ts := s + make_interval(secs => p_horizon);
+            IF p_not_after IS NOT NULL THEN
+                until_ts := LEAST(until_ts, now_ts + make_interval(secs => p_not_after));
+            END IF;
+        ELSE
+            EXIT WHEN s > until_ts;
+        END IF;
+        -- The slot is taken.
+        cr := new_credits;
+        slots := slots || s;
+        b.next_at := GREATEST(b.next_at, s) + t;
+        IF nq > 0 THEN
+            b.sends := b.sends + 1;
+        END IF;
+        IF b.vendor_reset IS NOT NULL THEN
+            b.vendor_taken := b.vendor_taken + 1;
+        END IF;
+    END LOOP;
+    IF NOT EXISTS (SELECT 1 FROM unnest(cr) AS c WHERE c > 0) THEN
+        cr := '{}';
+    END IF;
+    UPDATE pacegate_budgets AS x SET next_at = b.next_at, credits = cr,
+        sends = b.sends,
+        vendor_reset = b.vendor_reset, vendor_remaining = b.vendor_remaining,
+        vendor_family = b.vendor_family, vendor_limit = b.vendor_limit,
+        vendor_observed = b.vendor_observed,
+        vendor_taken = CASE WHEN b.vendor_reset IS NULL THEN 0 ELSE b.vendor_taken END
+        WHERE x.destination = p_destination;
+    IF nq > 0 THEN
+        SELECT max(q) INTO keep FROM unnest(p_quota_limits) AS q;
+        INSERT INTO pacegate_sends (destination, seq, at)
+            SELECT p_destination, sends0 + o.i, o.at FROM unnest(slots) WITH ORDINALITY AS o(at, i)
+            WHERE sends0 + o.i > b.sends - keep;
+        DELETE FROM pacegate_sends AS x
+            WHERE x.destination = p_destination AND x.seq <= b.sends - keep;
+    END IF;
+    -- The requests served leave the list; the next oldest of the class is the oldest. The
+    -- caller asks again once its last slot has come: its requests keep their places until then.
+    UPDATE pacegate_waiting AS w
+        SET count = w.count - cardinality(slots), since = coalesce(w.next_since, w.since), next_since = NULL
+        WHERE w.destination = p_destination AND w.instance = p_instance AND w.class = chosen;
+    UPDATE pacegate_waiting AS w SET claimed_until = GREATEST(slots[cardinality(slots)], now_ts) + claim
+        WHERE w.destination = p_destination AND w.instance = p_instance;
+    DELETE FROM pacegate_waiting AS w
+        WHERE w.destination = p_destination AND w.instance = p_instance AND w.count <= 0;
+    RETURN QUERY SELECT 'granted'::text, slots[1], now_ts, b.generation, chosen, b.backoff,
+        NULL::timestamptz, NULL::integer, NULL::text, NULL::text, slots[2:];
+END
+$$;
+
+-- A binary that knows only the one-slot function keeps working beside one that batches: its
+-- reservations are batches of one.
+CREATE OR REPLACE FUNCTION pacegate_reserve_for(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text
+) LANGUAGE sql AS $$
+    SELECT r.outcome, r.slot, r.db_now, r.generation, r.class, r.backoff, r.lock_since,
+        r.lock_status, r.lock_request, r.lock_instance
+    FROM pacegate_reserve_many(p_destination, p_interval, p_burst, p_not_after, p_instance,
+        p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes, p_counts,
+        p_oldest, p_next, p_tell, p_reserve, 1, 0) AS r
+$$;

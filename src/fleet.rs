@@ -1,0 +1,211 @@
+//! The fleet: every pacegate instance sharing a store, and this one among them.
+//!
+//! Two seams: [`Membership`], where instances heartbeat and see each other (the postgres
+//! store is one), and [`Fleet`], this instance among the others as pacing, status and the
+//! admin listener see it. The runtime beside them:
+//! - [`standing`]: this instance's share of each rate, on the shared schedule beside
+//!   instances that may be pacing alone, or alone itself;
+//! - [`heartbeat`]: the supervisor that heartbeats and tells the failover when the store is
+//!   lost and when it answers again;
+//! - [`failover`]: what happens while a shared store is lost (divide or refuse, lockout
+//!   write-back);
+//! - [`drift`]: instances whose rules differ (fingerprints, the stricter rule, and the
+//!   `Agreement` that decides which rule governs).
+//!
+//! This instance's identity ([`Instance`]) is made once, by the caller, and passed in.
+//! Nothing here names a store: the failover is handed its shared store, its membership and
+//! its local fallback.
+
+pub mod drift;
+pub mod failover;
+pub mod heartbeat;
+pub mod standing;
+
+use std::time::Duration;
+
+use crate::budget::{Rule, StoreError, StoreFuture};
+use crate::status::InstanceStatus;
+
+/// How often the supervisor heartbeats (and the longest it waits for a heartbeat's answer
+/// before the store counts as lost).
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// An instance whose last heartbeat is older than this no longer counts as live.
+pub const LIVE_WITHIN: Duration = Duration::from_secs(5);
+/// An instance whose heartbeat is older than this no longer holds its waiters' places.
+pub const WAITER_LEASE: Duration = Duration::from_secs(3);
+
+/// A pacegate process as the fleet knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance {
+    /// Unique per process start: `host/pid/random`. Lockout records and wait lists name it.
+    pub id: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: i32,
+    /// pacegate version.
+    pub version: String,
+}
+
+impl Instance {
+    /// This process, with an id of its own: made once at start and passed to whatever names
+    /// this instance (stores, lockout records, wait lists).
+    pub fn new() -> Self {
+        let host = host_name();
+        let pid = std::process::id();
+        Instance {
+            id: format!("{host}/{pid}/{:08x}", rand::random::<u32>()),
+            host,
+            pid: i32::try_from(pid).unwrap_or(0),
+            version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+impl Default for Instance {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The machine's host name, as the operating system reports it.
+fn host_name() -> String {
+    hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// How long an instance may go without a heartbeat before the others hold its share back:
+/// from then on it may be pacing alone.
+pub const STALE_AFTER: Duration = Duration::from_secs(3);
+/// The oldest view of the fleet an instance paces on. An older one could miss an instance
+/// that went stale since; the instance then waits for a fresh one instead.
+pub const VIEW_FRESH: Duration = Duration::from_secs(3);
+/// How long after its last answered heartbeat an instance that lost the store waits before
+/// it paces alone: [`STALE_AFTER`] plus [`VIEW_FRESH`], so that by then every instance that
+/// still reaches the store has seen it stale and holds its share back.
+pub const ALONE_AFTER: Duration = Duration::from_secs(6);
+/// The longest `[store] divide_for`.
+pub const MAX_ALONE: Duration = crate::config::MAX_DIVIDE_FOR;
+/// Heartbeat rows older than this concern nobody: no instance paces alone that long after.
+pub const PEERS_WITHIN: Duration =
+    Duration::from_secs(ALONE_AFTER.as_secs() + MAX_ALONE.as_secs() + 2 * VIEW_FRESH.as_secs());
+
+/// What an instance writes of itself with each heartbeat: should it lose the store, it paces
+/// alone at no more than `1 / divisor` of each rate, for at most `alone_for`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    /// The instances it counts, itself included.
+    pub divisor: u32,
+    /// `[store] divide_for`.
+    pub alone_for: Duration,
+}
+
+/// Another instance, as a heartbeat's answer tells it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Peer {
+    /// Its [`Instance::id`].
+    pub id: String,
+    /// How long before the answer its last heartbeat was.
+    pub age: Duration,
+    /// What it last reported of itself.
+    pub report: Report,
+}
+
+impl Peer {
+    /// How long after its last heartbeat its share stays held back. It paces alone for at
+    /// most `alone_for` from [`ALONE_AFTER`] after its last *answered* heartbeat, which the
+    /// store stamped up to a heartbeat's time (the longest wait for an answer) earlier; and
+    /// ages read here may run ahead of the store's by up to [`VIEW_FRESH`] (a heartbeat of it
+    /// newer than the view).
+    fn held_until(&self) -> Duration {
+        ALONE_AFTER + self.report.alone_for + HEARTBEAT + VIEW_FRESH
+    }
+}
+
+/// Where instances that share a store heartbeat and see each other: the membership seam.
+pub trait Membership: Send + Sync + 'static {
+    /// Records that `me` is alive now, with its `report` (renewing its waiters' lease), and
+    /// drops the waiting requests of instances whose lease ran out. Answers the other
+    /// instances whose heartbeat is younger than [`PEERS_WITHIN`].
+    fn heartbeat<'a>(
+        &'a self,
+        me: &'a Instance,
+        report: Report,
+    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>>;
+
+    /// Instances whose last heartbeat is younger than `within`.
+    fn live_instances(
+        &self,
+        within: Duration,
+    ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>>;
+
+    /// Removes `me` from the live instances and its waiting requests (a clean shutdown).
+    fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>>;
+
+    /// Writes `mine` (when `write`: this instance's rules, one per destination) and answers
+    /// the live instances' rules that differ from them (see [`drift`]).
+    fn compare_rules<'a>(
+        &'a self,
+        me: &'a Instance,
+        mine: &'a [Written],
+        write: bool,
+    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>>;
+}
+
+/// A rule as instances compare it: canonical JSON, and its fingerprint (made by
+/// [`Written::of`], in [`drift`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    /// The destination.
+    pub destination: String,
+    /// The first 12 hex digits of the SHA-256 of `rule`.
+    pub fingerprint: String,
+    /// The canonical JSON of the rule's pacing keys.
+    pub rule: String,
+}
+
+/// Another live instance's rule for a destination, where it differs from this one's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Theirs {
+    /// The destination.
+    pub destination: String,
+    /// The instance.
+    pub instance: String,
+    /// Its fingerprint.
+    pub fingerprint: String,
+    /// Its canonical JSON (see [`Written`]).
+    pub rule: String,
+}
+
+/// This instance among the others, as pacing, status and the admin listener see it.
+pub trait Fleet: Send + Sync + 'static {
+    /// The live instances sharing the store; empty where it is not shared.
+    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>>;
+
+    /// This instance's rule for every destination, to compare with the other instances'
+    /// (see [`drift`]).
+    fn announce(&self, rules: &[(String, Rule)]);
+
+    /// The live instances whose rule for `destination` differs from this one's (the
+    /// stricter governs); empty where they agree.
+    fn drift(&self, destination: &str) -> Vec<String>;
+}
+
+/// A fleet of one: a store that no other instance shares.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Solo;
+
+impl Fleet for Solo {
+    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        Box::pin(std::future::ready(Ok(Vec::new())))
+    }
+
+    fn announce(&self, _rules: &[(String, Rule)]) {}
+
+    fn drift(&self, _destination: &str) -> Vec<String> {
+        Vec::new()
+    }
+}

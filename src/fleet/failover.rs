@@ -1,0 +1,530 @@
+//! A shared store with a way down: what happens while it is unreachable.
+//!
+//! Never fail open. A reservation waits at most `timeout` for the store; a slow answer only
+//! delays that slot, since pacing locally beside instances that still reach the store could
+//! exceed the ceiling. Other calls get a heartbeat's time. Only a lost store (a connection
+//! error, or a heartbeat unanswered, see [`super::fleet`]) marks it *degraded* (one ERROR
+//! log, `pacegate_store_degraded` = 1); an odd answer or a slow one is an error of that call
+//! alone. Until the store answers again:
+//! - `divide`: this instance paces alone by its [`Standing`]: nothing for [`ALONE_AFTER`]
+//!   after its last answered heartbeat, then on a local budget at the share it reported
+//!   (`rate / n`, `n` the instances it counted), for at most `divide_for`, then it refuses.
+//!   The instances that still reach the store hold that share back meanwhile, so the
+//!   aggregate ceiling holds through a full outage and a partial one alike. The local budget
+//!   starts from the last known shared one: lockouts, pauses and the last slot taken, with
+//!   quota windows taken to be full.
+//! - `refuse`: reservations fail with "pacing store unavailable".
+//!
+//! While the store answers, reservations on the shared schedule use the share of each rate
+//! that instances which may be pacing alone leave ([`Standing::shared`]).
+//!
+//! Lockouts taken meanwhile are kept and written to the store when it returns, so none is
+//! lost.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use prometheus::{Gauge, IntGauge, IntGaugeVec};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::drift::Agreement;
+use super::heartbeat::{self, Health};
+use super::standing::{Alone, Split, Standing, StandingGauges};
+use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
+use crate::budget::{
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, ReserveError,
+    Rule, Snapshot, Store, StoreError, StoreFuture,
+};
+use crate::config::OnUnavailable;
+use crate::destination::Quota;
+use crate::status::InstanceStatus;
+
+/// How soon a reservation that may not be made yet (no fresh view of the fleet, or waiting
+/// before pacing alone) is asked again.
+const RECHECK: Duration = Duration::from_millis(250);
+
+/// How a [`Failover`] behaves, from `[store]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// Divide or refuse while the store is away.
+    pub on_unavailable: OnUnavailable,
+    /// Live instances to assume before a heartbeat has counted them.
+    pub instances_hint: usize,
+    /// The longest this instance paces alone once the store is lost.
+    pub divide_for: Duration,
+    /// Longest wait for a reservation's answer.
+    pub timeout: Duration,
+}
+
+/// The gauges a [`Failover`] keeps.
+pub struct Gauges {
+    /// `pacegate_store_degraded`.
+    pub degraded: IntGauge,
+    /// `pacegate_store_instances`.
+    pub instances: IntGauge,
+    /// `pacegate_store_share_held`.
+    pub held: Gauge,
+    /// `pacegate_store_share_alone`.
+    pub alone: Gauge,
+    /// `pacegate_config_mismatch{destination}`.
+    pub mismatch: IntGaugeVec,
+}
+
+/// The store a [`Failover`] paces on while the shared one is lost: this instance's budgets
+/// alone (the memory store is one), started from the last shared ones.
+pub trait Fallback: Store {
+    /// Starts `destination`'s budget from `view` (backoff, pause, lockout, streaks), its
+    /// schedule continuing after `next_at`.
+    fn seed(&self, destination: &str, view: &BudgetView, next_at: Option<Instant>);
+
+    /// Takes `destination`'s quota windows to be full now, with `sends` slots each.
+    fn fill_windows(&self, destination: &str, sends: u32);
+}
+
+/// A shared store, degrading per [`OnUnavailable`] while it is unreachable.
+pub struct Failover<B, M, L> {
+    primary: B,
+    /// Where this instance heartbeats: a connection of its own, so that heartbeats and
+    /// probes are never starved by reservations holding every pooled connection.
+    control: M,
+    local: L,
+    /// This instance.
+    me: Instance,
+    policy: Policy,
+    degraded: AtomicBool,
+    standing: Standing,
+    /// The last budget read from the store, per destination, to seed the local one.
+    last_known: Mutex<HashMap<String, BudgetView>>,
+    /// The end of the last interval this instance reserved, per destination: where the local
+    /// schedule continues when the store goes away.
+    last_slot_end: Mutex<HashMap<String, Instant>>,
+    /// Each destination's largest quota limit, for destinations that have quota windows.
+    quota_limits: Mutex<HashMap<String, u32>>,
+    /// Lockouts taken while degraded, to be written back.
+    pending: Mutex<Vec<(String, Rule, Lockout)>>,
+    degraded_gauge: IntGauge,
+    /// This instance's rules beside the other instances'.
+    agreement: Agreement,
+}
+
+impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
+    /// Wraps `primary` for `me`; `control` carries the heartbeats, and `local` (empty)
+    /// paces while `primary` is lost.
+    pub fn new(
+        primary: B,
+        control: M,
+        local: L,
+        me: Instance,
+        policy: Policy,
+        gauges: Gauges,
+    ) -> Self {
+        Self {
+            primary,
+            control,
+            local,
+            me,
+            standing: Standing::new(
+                policy.instances_hint,
+                policy.divide_for,
+                StandingGauges {
+                    instances: gauges.instances,
+                    held: gauges.held,
+                    alone: gauges.alone,
+                },
+            ),
+            policy,
+            degraded: AtomicBool::new(false),
+            last_known: Mutex::new(HashMap::new()),
+            last_slot_end: Mutex::new(HashMap::new()),
+            quota_limits: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Vec::new()),
+            degraded_gauge: gauges.degraded,
+            agreement: Agreement::new(gauges.mismatch),
+        }
+    }
+
+    /// Whether the store is degraded now.
+    pub fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::SeqCst)
+    }
+
+    /// Heartbeats this instance until `stop` (see [`heartbeat::supervise`]).
+    pub async fn supervise(self: Arc<Self>, stop: CancellationToken) {
+        heartbeat::supervise(&self.control, &self.me, &self.standing, &*self, stop).await;
+    }
+
+    /// Calls other than reservations (verdicts, views, unlocks, write-backs) are off the
+    /// hot path of pacing: they get a heartbeat's time.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let bound = self.policy.timeout.max(HEARTBEAT);
+        tokio::time::timeout(bound, call)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(bound)))
+    }
+
+    /// The shared store's answer (within [`Failover::bounded`]), unless the store is, or now
+    /// turns out to be, lost: then `local`'s.
+    async fn shared_or_local<T, F, LF>(
+        &self,
+        shared: impl Future<Output = Result<T, StoreError>>,
+        local: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnOnce() -> LF,
+        LF: Future<Output = Result<T, StoreError>>,
+    {
+        if !self.is_degraded() {
+            match self.bounded(shared).await {
+                Err(e) if e.is_lost() => self.degrade(&e),
+                answer => return answer,
+            }
+        }
+        local().await
+    }
+
+    fn degrade(&self, why: &StoreError) {
+        if self.degraded.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.agreement.unwritten();
+        // Start the local budgets from the last shared ones: a lockout must not be forgotten,
+        // and the local schedule continues after the last slot taken, without a burst.
+        let known = self.last_known.lock().clone();
+        let ends = self.last_slot_end.lock().clone();
+        let fresh = BudgetView::default();
+        for dest in known.keys().chain(ends.keys()) {
+            let view = known.get(dest).unwrap_or(&fresh);
+            self.local.seed(dest, view, ends.get(dest).copied());
+        }
+        // How full the shared quota windows are cannot be known from here: assume them full
+        // at the moment of loss, so that pacing alone cannot overfill one.
+        for (dest, limit) in self.quota_limits.lock().iter() {
+            self.local.fill_windows(dest, *limit);
+        }
+        self.degraded_gauge.set(1);
+        let n = self.standing.divisor();
+        match self.policy.on_unavailable {
+            OnUnavailable::Divide => tracing::error!(
+                "pacing store unavailable ({why}); pacing alone at no more than rate / {n} (the instances last counted) from {} after the last heartbeat, for at most {}, then refusing until it returns",
+                humantime::format_duration(ALONE_AFTER),
+                humantime::format_duration(self.policy.divide_for),
+            ),
+            OnUnavailable::Refuse => {
+                tracing::error!("pacing store unavailable ({why}); refusing paced requests until it returns (on_unavailable = refuse)")
+            }
+        }
+    }
+
+    async fn recover(&self) -> Result<(), StoreError> {
+        let pending: Vec<_> = std::mem::take(&mut *self.pending.lock());
+        for (i, (dest, rule, lock)) in pending.iter().enumerate() {
+            let event = Event::Lockout(lock.clone());
+            if let Err(e) = self
+                .bounded(self.primary.record(dest, rule, event, None))
+                .await
+            {
+                self.pending.lock().extend(pending[i..].iter().cloned());
+                return Err(e);
+            }
+        }
+        if self.degraded.swap(false, Ordering::SeqCst) {
+            self.degraded_gauge.set(0);
+            tracing::error!(
+                lockouts_written = pending.len(),
+                "pacing store is back; pacing on the shared budget again"
+            );
+        }
+        Ok(())
+    }
+
+    /// `rule` at `part` of its rate, for pacing alone; `None` when nothing is left of it.
+    /// Quota windows are shared out too: the local store has not seen the shared window's
+    /// history (and takes it to be full at the loss), so this bounds this instance's own
+    /// sends, not the window as a whole.
+    fn alone_rule(rule: &Rule, part: Split) -> Option<Rule> {
+        let quota = rule
+            .quota
+            .iter()
+            .map(|q| Quota {
+                limit: ((f64::from(q.limit) * part.share).floor() as u32).max(1),
+                per: q.per,
+            })
+            .collect();
+        Some(Rule {
+            interval: part.interval(rule.interval)?,
+            quota,
+            ..rule.clone()
+        })
+    }
+
+    /// A reservation on the shared schedule, at the share of the rate that instances which
+    /// may be pacing alone leave.
+    async fn shared(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
+        let Some(part) = self.standing.shared(Instant::now()) else {
+            // The heartbeats have not been answered lately: an instance may have gone stale
+            // unseen, so nothing is sent until a fresh view says whose share to hold back.
+            return Err(ReserveError::Yield(RECHECK));
+        };
+        // Instances that may be pacing alone take every request a second of it.
+        let Some(interval) = part.interval(rule.interval) else {
+            return Err(ReserveError::Yield(RECHECK));
+        };
+        let scaled;
+        let rule = if interval == rule.interval {
+            rule
+        } else {
+            scaled = Rule {
+                interval,
+                ..rule.clone()
+            };
+            &scaled
+        };
+        let timeout = self.policy.timeout;
+        match tokio::time::timeout(timeout, self.primary.reserve(destination, rule, ask)).await {
+            // A lockout set elsewhere, met here: kept for pacing alone, should the store be
+            // lost before a view or verdict says so again.
+            Ok(Err(ReserveError::Locked(lock))) => {
+                self.last_known
+                    .lock()
+                    .entry(destination.to_owned())
+                    .or_default()
+                    .lock = Some(lock.clone());
+                Err(ReserveError::Locked(lock))
+            }
+            // The shared schedule's next slot (a pause, a block, a vendor's reset): pacing
+            // alone must not come sooner.
+            Ok(Err(ReserveError::TooLate { slot })) => {
+                let mut ends = self.last_slot_end.lock();
+                let end = ends.entry(destination.to_owned()).or_insert(slot);
+                *end = (*end).max(slot);
+                Err(ReserveError::TooLate { slot })
+            }
+            Ok(Ok(grant)) => {
+                // Pacing alone, slots are spaced at least `interval * n` apart.
+                let n = self.standing.divisor();
+                let end = grant.slot.at + rule.interval * n;
+                self.last_slot_end
+                    .lock()
+                    .insert(destination.to_owned(), end);
+                Ok(grant)
+            }
+            Ok(result) => result,
+            // Slow is not gone: pacing locally beside instances that still reach the store
+            // could exceed the ceiling, so a slow answer only delays this slot.
+            Err(_) => Err(ReserveError::Busy(timeout)),
+        }
+    }
+
+    fn remember(&self, destination: &str, view: &BudgetView) {
+        self.last_known
+            .lock()
+            .insert(destination.to_owned(), view.clone());
+    }
+}
+
+impl<B: Store, M: Membership, L: Fallback> Health for Failover<B, M, L> {
+    fn lost(&self, why: &StoreError) {
+        self.degrade(why);
+    }
+
+    fn is_lost(&self) -> bool {
+        self.is_degraded()
+    }
+
+    fn answered(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.recover()
+    }
+
+    fn heard(&self) -> impl Future<Output = ()> + Send {
+        self.agreement.compare(&self.control, &self.me)
+    }
+}
+
+impl<B: Store, M: Membership, L: Fallback> Fleet for Failover<B, M, L> {
+    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        Box::pin(self.bounded(self.control.live_instances(LIVE_WITHIN)))
+    }
+
+    fn announce(&self, rules: &[(String, Rule)]) {
+        self.agreement.announce(rules);
+    }
+
+    fn drift(&self, destination: &str) -> Vec<String> {
+        self.agreement.differing(destination)
+    }
+}
+
+impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
+    fn kind(&self) -> &'static str {
+        self.primary.kind()
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
+        Box::pin(async move {
+            let governing = self.agreement.governing(destination);
+            let rule = governing.as_deref().unwrap_or(rule);
+            if let Some(limit) = rule.quota.iter().map(|q| q.limit).max() {
+                let mut limits = self.quota_limits.lock();
+                if limits.get(destination) != Some(&limit) {
+                    limits.insert(destination.to_owned(), limit);
+                }
+            }
+            if !self.is_degraded() {
+                match self.shared(destination, rule, ask).await {
+                    Err(ReserveError::Store(e)) if e.is_lost() => self.degrade(&e),
+                    answer => return answer,
+                }
+            }
+            let alone = match self.policy.on_unavailable {
+                OnUnavailable::Refuse => Alone::Refuse(StoreError::Unavailable),
+                OnUnavailable::Divide => self.standing.alone(Instant::now()),
+            };
+            let no = match alone {
+                Alone::Pace(part) => match Self::alone_rule(rule, part) {
+                    Some(rule) => return self.local.reserve(destination, &rule, ask).await,
+                    None => ReserveError::Store(StoreError::Unreachable(format!(
+                        "at rate / {n}, less the slack the other instances may use, nothing is left of this destination's rate to pace alone on",
+                        n = self.standing.divisor()
+                    ))),
+                },
+                // The others may not hold this instance's share back yet. Ask again shortly:
+                // the store may be back by then.
+                Alone::Wait(left) => ReserveError::Yield(left.min(RECHECK)),
+                Alone::Refuse(why) => ReserveError::Store(why),
+            };
+            // A lockout known here is the clearer refusal.
+            match self.local.view(destination).await.ok().and_then(|v| v.lock) {
+                Some(lock) => Err(ReserveError::Locked(lock)),
+                None => Err(no),
+            }
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(
+            self.shared_or_local(self.primary.wait_list(destination, queues), || {
+                self.local.wait_list(destination, queues)
+            }),
+        )
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        Box::pin(self.shared_or_local(self.primary.waiting(destination), || {
+            self.local.waiting(destination)
+        }))
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        Box::pin(
+            self.shared_or_local(self.primary.quota_used(destination, rule), || {
+                self.local.quota_used(destination, rule)
+            }),
+        )
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+        vendor: Option<Observation>,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let governing = self.agreement.governing(destination);
+            let rule = governing.as_deref().unwrap_or(rule);
+            let to_share = event.clone();
+            let shared = async move {
+                let view = self
+                    .primary
+                    .record(destination, rule, to_share, vendor)
+                    .await?;
+                self.remember(destination, &view);
+                Ok(view)
+            };
+            self.shared_or_local(shared, move || {
+                // Written to the shared store when it is back, so that no lockout is lost.
+                if let Event::Lockout(lock) = &event {
+                    self.pending
+                        .lock()
+                        .push((destination.to_owned(), rule.clone(), lock.clone()));
+                }
+                self.local.record(destination, rule, event, vendor)
+            })
+            .await
+        })
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        Box::pin(async move {
+            if self.is_degraded() {
+                return Err(StoreError::Unreachable(
+                    "a lockout can only be cleared in the shared store; retry when it is back"
+                        .into(),
+                ));
+            }
+            let cleared = self.bounded(self.primary.unlock(destination)).await?;
+            if let Some(view) = self.last_known.lock().get_mut(destination) {
+                view.lock = None;
+            }
+            Ok(cleared)
+        })
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        let shared = async {
+            let view = self.primary.view(destination).await?;
+            self.remember(destination, &view);
+            Ok(view)
+        };
+        Box::pin(self.shared_or_local(shared, || self.local.view(destination)))
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        destinations: &'a [(&'a str, &'a Rule)],
+    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
+        let shared = async {
+            let snapshots = self.primary.snapshot(destinations).await?;
+            for ((destination, _), s) in destinations.iter().zip(&snapshots) {
+                self.remember(destination, &s.view);
+            }
+            Ok(snapshots)
+        };
+        Box::pin(self.shared_or_local(shared, || self.local.snapshot(destinations)))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,625 @@
+//! Failover on paused time, against a fake shared store: a memory store that can be switched
+//! off (every call then fails as a lost store would) or made to answer oddly.
+
+use std::sync::atomic::AtomicU8;
+
+use super::*;
+use crate::budget::contract;
+use crate::fleet::{Peer, Report, Theirs, Written, STALE_AFTER};
+use crate::store::memory::MemoryStore;
+
+const UP: u8 = 0;
+const DOWN: u8 = 1;
+const ODD: u8 = 2;
+/// Heartbeats are refused (an odd answer); every other call is answered.
+const DEAF: u8 = 3;
+
+/// Another instance the fake store plays: it heartbeats with every heartbeat of this one,
+/// until it is silenced.
+struct FakePeer {
+    last_seen: Instant,
+    silent: bool,
+    report: Report,
+}
+
+/// A shared store that plays `live` instances, and fails on demand.
+#[derive(Clone)]
+struct Fake {
+    inner: Arc<MemoryStore>,
+    state: Arc<AtomicU8>,
+    /// When each heartbeat was sent.
+    beats: Arc<Mutex<Vec<Instant>>>,
+    /// What this instance reported with each heartbeat.
+    reports: Arc<Mutex<Vec<Report>>>,
+    peers: Arc<Mutex<Vec<FakePeer>>>,
+    /// Other instances' rules that differ, as the store would answer them.
+    theirs: Arc<Mutex<Vec<Theirs>>>,
+    live: usize,
+}
+
+impl Fake {
+    fn new(live: usize) -> Self {
+        let peers = (1..live)
+            .map(|_| FakePeer {
+                last_seen: Instant::now(),
+                silent: false,
+                report: Report {
+                    divisor: u32::try_from(live).unwrap(),
+                    alone_for: Duration::from_secs(60),
+                },
+            })
+            .collect();
+        Self {
+            inner: Arc::new(MemoryStore::ephemeral()),
+            state: Arc::new(AtomicU8::new(UP)),
+            beats: Arc::default(),
+            reports: Arc::default(),
+            peers: Arc::new(Mutex::new(peers)),
+            theirs: Arc::default(),
+            live,
+        }
+    }
+
+    /// Peer `i` stops heartbeating (it lost the store, or was killed).
+    fn silence(&self, i: usize) {
+        self.peers.lock()[i].silent = true;
+    }
+
+    /// Peer `i` heartbeats again.
+    fn revive(&self, i: usize) {
+        self.peers.lock()[i].silent = false;
+    }
+
+    fn set(&self, state: u8) {
+        self.state.store(state, Ordering::SeqCst);
+    }
+
+    fn check(&self) -> Result<(), StoreError> {
+        match self.state.load(Ordering::SeqCst) {
+            DOWN => Err(StoreError::Unreachable("connection refused".into())),
+            ODD => Err(StoreError::Refused("an odd answer".into())),
+            _ => Ok(()),
+        }
+    }
+
+    fn answer<'a, T: Send + 'a>(
+        &'a self,
+        call: StoreFuture<'a, Result<T, StoreError>>,
+    ) -> StoreFuture<'a, Result<T, StoreError>> {
+        Box::pin(async move {
+            self.check()?;
+            call.await
+        })
+    }
+}
+
+impl Store for Fake {
+    fn kind(&self) -> &'static str {
+        "fake"
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
+        Box::pin(async move {
+            self.check()?;
+            self.inner.reserve(destination, rule, ask).await
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        self.answer(self.inner.wait_list(destination, queues))
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        self.answer(self.inner.waiting(destination))
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        self.answer(self.inner.quota_used(destination, rule))
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+        vendor: Option<Observation>,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        self.answer(self.inner.record(destination, rule, event, vendor))
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        self.answer(self.inner.unlock(destination))
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        self.answer(self.inner.view(destination))
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        destinations: &'a [(&'a str, &'a Rule)],
+    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
+        self.answer(self.inner.snapshot(destinations))
+    }
+}
+
+impl Membership for Fake {
+    fn heartbeat<'a>(
+        &'a self,
+        _me: &'a Instance,
+        report: Report,
+    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
+        let now = Instant::now();
+        self.beats.lock().push(now);
+        self.reports.lock().push(report);
+        let refused = match self.state.load(Ordering::SeqCst) {
+            DEAF => Err(StoreError::Refused("an odd answer".into())),
+            _ => self.check(),
+        };
+        let answer = refused.map(|()| {
+            let mut peers = self.peers.lock();
+            peers
+                .iter_mut()
+                .enumerate()
+                .map(|(i, p)| {
+                    if !p.silent {
+                        p.last_seen = now;
+                    }
+                    Peer {
+                        id: format!("fake-{i}"),
+                        age: now - p.last_seen,
+                        report: p.report,
+                    }
+                })
+                .collect()
+        });
+        Box::pin(std::future::ready(answer))
+    }
+
+    fn live_instances(
+        &self,
+        _within: Duration,
+    ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        let live = (0..self.live)
+            .map(|i| InstanceStatus {
+                id: format!("fake-{i}"),
+                host: "fake".into(),
+                pid: 0,
+                version: "0".into(),
+                started: String::new(),
+                last_seen_seconds_ago: 0.0,
+            })
+            .collect();
+        Box::pin(std::future::ready(self.check().map(|()| live)))
+    }
+
+    fn forget<'a>(&'a self, _me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn compare_rules<'a>(
+        &'a self,
+        _me: &'a Instance,
+        _mine: &'a [Written],
+        _write: bool,
+    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>> {
+        let theirs = self.theirs.lock().clone();
+        Box::pin(std::future::ready(self.check().map(|()| theirs)))
+    }
+}
+
+fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake, Fake, MemoryStore>> {
+    let gauge = |name: &str| IntGauge::new(name, "test").unwrap();
+    Arc::new(Failover::new(
+        fake.clone(),
+        fake.clone(),
+        MemoryStore::ephemeral(),
+        Instance::new(),
+        Policy {
+            on_unavailable: mode,
+            instances_hint: 1,
+            divide_for: Duration::from_secs(30),
+            timeout: Duration::from_millis(100),
+        },
+        Gauges {
+            degraded: gauge("degraded"),
+            instances: gauge("instances"),
+            held: Gauge::new("held", "test").unwrap(),
+            alone: Gauge::new("alone", "test").unwrap(),
+            mismatch: IntGaugeVec::new(prometheus::Opts::new("mismatch", "test"), &["destination"])
+                .unwrap(),
+        },
+    ))
+}
+
+/// Starts the supervisor; returns its stop token.
+fn supervise(f: &Arc<Failover<Fake, Fake, MemoryStore>>) -> CancellationToken {
+    let stop = CancellationToken::new();
+    tokio::spawn(f.clone().supervise(stop.clone()));
+    stop
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[tokio::test(start_paused = true)]
+async fn passes_the_store_contract_while_the_store_answers() {
+    contract::run_all(
+        || async { Arc::into_inner(failover(&Fake::new(1), OnUnavailable::Divide)).unwrap() },
+        Duration::ZERO,
+    )
+    .await;
+}
+
+/// Takes a slot, asking again whenever told to ask later.
+async fn take_patiently(
+    f: &Failover<Fake, Fake, MemoryStore>,
+    destination: &str,
+    rule: &Rule,
+    not_after: Option<Instant>,
+) -> Result<crate::budget::Reservation, ReserveError> {
+    loop {
+        match contract::take(f, destination, rule, not_after).await {
+            Err(ReserveError::Yield(after)) => tokio::time::sleep(after).await,
+            other => return other,
+        }
+    }
+}
+
+/// The gap between two slots taken in a row on the shared schedule.
+async fn gap(f: &Failover<Fake, Fake, MemoryStore>, rule: &Rule) -> Duration {
+    let a = take_patiently(f, "d", rule, None).await.unwrap();
+    let b = take_patiently(f, "d", rule, None).await.unwrap();
+    b.at - a.at
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_store_is_paced_alone_at_the_reported_share_after_a_wait_and_for_a_while() {
+    let fake = Fake::new(2);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(
+        f.standing.live(),
+        2,
+        "the heartbeat counted the live instances"
+    );
+    let divisors: Vec<u32> = fake.reports.lock().iter().map(|r| r.divisor).collect();
+    assert_eq!(divisors, [1, 2], "a new count is told at once");
+    let rule = contract::rule(10.0);
+    let shared = contract::take(&*f, "d", &rule, None).await.unwrap();
+    let last_answer = *fake.beats.lock().last().unwrap();
+    fake.set(DOWN);
+    assert!(
+        matches!(
+            contract::take(&*f, "d", &rule, None).await,
+            Err(ReserveError::Yield(_))
+        ),
+        "nothing is sent at once"
+    );
+    assert!(f.is_degraded());
+    assert_eq!(f.degraded_gauge.get(), 1);
+    let first = take_patiently(&f, "d", &rule, None).await.unwrap();
+    let second = take_patiently(&f, "d", &rule, None).await.unwrap();
+    // Alone at about rate / 2, from ALONE_AFTER after the last answered heartbeat, and after
+    // the last shared slot: no burst.
+    assert!(first.at >= last_answer + ALONE_AFTER, "{first:?}");
+    assert!(first.at < last_answer + ALONE_AFTER + ms(300), "{first:?}");
+    assert!(first.at >= shared.at + rule.interval * 2);
+    // Half the rate, less half a request a second: the slack the other's schedule may use.
+    assert_eq!(
+        second.at - first.at,
+        Duration::from_secs_f64(1.0 / (5.0 - 0.5))
+    );
+    // For divide_for (30 s here), then refused.
+    tokio::time::sleep_until(last_answer + ALONE_AFTER + Duration::from_secs(30)).await;
+    let over = contract::take(&*f, "d", &rule, None).await;
+    assert!(
+        matches!(over, Err(ReserveError::Store(StoreError::LongGone(_)))),
+        "{over:?}"
+    );
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_instance_s_share_is_held_back_while_it_may_pace_alone() {
+    let fake = Fake::new(3);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    let rule = contract::rule(10.0);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(
+        gap(&f, &rule).await,
+        rule.interval,
+        "the whole rate, shared"
+    );
+    fake.silence(0);
+    tokio::time::sleep(STALE_AFTER + ms(1_000)).await;
+    // The stale one reported 1/3: the shared schedule runs at the 2/3 left, less a request a
+    // second for the slack its own schedule may use.
+    assert_eq!(
+        gap(&f, &rule).await,
+        Duration::from_secs_f64(1.0 / (10.0 * 2.0 / 3.0 - 1.0))
+    );
+    assert!((f.standing.share_held() - 1.0 / 3.0).abs() < 1e-9);
+    assert_eq!(
+        fake.reports.lock().last().unwrap().divisor,
+        3,
+        "still counted: it may be pacing alone"
+    );
+    // Back: the whole rate again at the next heartbeat.
+    fake.revive(0);
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(gap(&f, &rule).await, rule.interval);
+    assert_eq!(f.standing.share_held(), 0.0);
+    // Gone for good: held back for as long as it may pace alone (ALONE_AFTER + 60 s, plus
+    // the margins), then no longer counted.
+    fake.silence(0);
+    let silenced = Instant::now();
+    tokio::time::sleep(ALONE_AFTER + Duration::from_secs(60)).await;
+    assert!(f.standing.share_held() > 0.0);
+    tokio::time::sleep(ms(5_000)).await;
+    assert_eq!(
+        gap(&f, &rule).await,
+        rule.interval,
+        "{:?}",
+        silenced.elapsed()
+    );
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(fake.reports.lock().last().unwrap().divisor, 2);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_that_would_take_the_whole_rate_leaves_none_to_pace_alone_on() {
+    // The other instance has not counted this one yet: alone, it would take all of it.
+    let fake = Fake::new(2);
+    fake.peers.lock()[0].report.divisor = 1;
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(f.standing.divisor(), 2);
+    fake.set(DOWN);
+    let alone = take_patiently(&f, "d", &contract::rule(10.0), None).await;
+    assert!(
+        matches!(&alone, Err(ReserveError::Store(StoreError::Unreachable(why))) if why.contains("shares")),
+        "{alone:?}"
+    );
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_stricter_rule_governs_while_another_instance_s_rule_differs() {
+    let fake = Fake::new(2);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    f.announce(&[("d".to_owned(), rule.clone())]);
+    let slower = Written::of("d", &contract::rule(5.0));
+    *fake.theirs.lock() = vec![Theirs {
+        destination: "d".into(),
+        instance: "fake-0".into(),
+        fingerprint: slower.fingerprint,
+        rule: slower.rule,
+    }];
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(f.drift("d"), ["fake-0"]);
+    assert_eq!(f.agreement.gauge.with_label_values(&["d"]).get(), 1);
+    assert_eq!(
+        gap(&f, &rule).await,
+        ms(200),
+        "the other's slower rate governs"
+    );
+    // The configs agree again.
+    fake.theirs.lock().clear();
+    tokio::time::sleep(ms(1_100)).await;
+    assert!(f.drift("d").is_empty());
+    assert_eq!(f.agreement.gauge.with_label_values(&["d"]).get(), 0);
+    assert_eq!(gap(&f, &rule).await, rule.interval);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_fresh_view_of_the_fleet_nothing_is_reserved() {
+    let fake = Fake::new(2);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    let rule = contract::rule(10.0);
+    tokio::time::sleep(ms(10)).await;
+    contract::take(&*f, "d", &rule, None).await.unwrap();
+    fake.set(DEAF);
+    tokio::time::sleep(crate::fleet::VIEW_FRESH + ms(1_000)).await;
+    assert!(
+        matches!(
+            contract::take(&*f, "d", &rule, None).await,
+            Err(ReserveError::Yield(_))
+        ),
+        "a refused heartbeat leaves the view stale"
+    );
+    assert!(!f.is_degraded(), "refused is not lost");
+    fake.set(UP);
+    tokio::time::sleep(ms(1_100)).await;
+    contract::take(&*f, "d", &rule, None).await.unwrap();
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_that_never_reached_the_store_does_not_pace_alone() {
+    let fake = Fake::new(1);
+    fake.set(DOWN);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    tokio::time::sleep(ALONE_AFTER * 2).await;
+    assert!(matches!(
+        contract::take(&*f, "d", &contract::rule(10.0), None).await,
+        Err(ReserveError::Store(StoreError::Unreachable(_)))
+    ));
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_odd_or_slow_answer_does_not_degrade() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    fake.set(ODD);
+    assert!(matches!(
+        contract::take(&*f, "d", &rule, None).await,
+        Err(ReserveError::Store(StoreError::Refused(_)))
+    ));
+    assert!(matches!(f.view("d").await, Err(StoreError::Refused(_))));
+    assert!(
+        !f.is_degraded(),
+        "an odd answer is an error of that call alone"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn probes_back_off_while_the_store_is_away_and_recovery_writes_lockouts_back() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    fake.set(DOWN);
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    assert!(f.is_degraded(), "an unanswered heartbeat degrades");
+    // A lockout while degraded: kept locally, refused at once, and written back later.
+    let lock = Lockout::new(403, "GET https://d/x".into(), "here".into());
+    f.record("d", &rule, Event::Lockout(lock.clone()), None)
+        .await
+        .unwrap();
+    assert!(matches!(
+        contract::take(&*f, "d", &rule, None).await,
+        Err(ReserveError::Locked(_))
+    ));
+    tokio::time::sleep(ms(6_000)).await;
+    let beats = fake.beats.lock().clone();
+    let gaps: Vec<u128> = beats
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    assert_eq!(&gaps[..5], [250, 500, 1000, 1000, 1000], "{gaps:?}");
+    assert_eq!(fake.inner.view("d").await.unwrap().lock, None);
+    fake.set(UP);
+    tokio::time::sleep(ms(2_100)).await;
+    assert!(!f.is_degraded(), "back on the shared store");
+    assert_eq!(f.degraded_gauge.get(), 0);
+    let shared = fake.inner.view("d").await.unwrap();
+    assert_eq!(shared.lock.map(|l| l.request), Some(lock.request));
+    // Heartbeats are a second apart again.
+    let n = fake.beats.lock().len();
+    tokio::time::sleep(ms(2_000)).await;
+    assert_eq!(fake.beats.lock().len(), n + 2);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn refuse_mode_refuses_while_the_store_is_away() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Refuse);
+    let rule = contract::rule(10.0);
+    fake.set(DOWN);
+    assert!(matches!(
+        contract::take(&*f, "d", &rule, None).await,
+        Err(ReserveError::Store(StoreError::Unavailable))
+    ));
+    assert!(f.is_degraded());
+    assert!(
+        f.unlock("d").await.is_err(),
+        "unlock needs the shared store"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn what_a_reservation_learned_is_kept_when_the_store_is_lost() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let stop = supervise(&f);
+    let rule = contract::rule(10.0);
+    tokio::time::sleep(ms(10)).await;
+    // Another instance locks "a" and pauses "b" for 30 s; this one learns of both only
+    // through reservations.
+    let lock = Lockout::new(403, "GET https://a/x".into(), "elsewhere".into());
+    fake.inner
+        .record("a", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    let pause = Event::Throttled {
+        generation: 0,
+        retry_after: Some(crate::budget::Pause::For(Duration::from_secs(30))),
+        reset: None,
+        spread: 0.0,
+    };
+    fake.inner.record("b", &rule, pause, None).await.unwrap();
+    let paused = Instant::now();
+    assert!(matches!(
+        contract::take(&*f, "a", &rule, None).await,
+        Err(ReserveError::Locked(_))
+    ));
+    let soon = Instant::now() + Duration::from_secs(1);
+    assert!(matches!(
+        contract::take(&*f, "b", &rule, Some(soon)).await,
+        Err(ReserveError::TooLate { .. })
+    ));
+    fake.set(DOWN);
+    assert!(
+        matches!(
+            contract::take(&*f, "a", &rule, None).await,
+            Err(ReserveError::Locked(_))
+        ),
+        "the lockout is kept"
+    );
+    assert!(f.is_degraded());
+    let slot = take_patiently(&f, "b", &rule, None).await.unwrap();
+    assert!(
+        slot.at >= paused + Duration::from_secs(30),
+        "the pause is kept: {slot:?}"
+    );
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_quota_window_is_assumed_full_when_the_store_is_lost() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = Rule {
+        quota: vec![Quota {
+            limit: 5,
+            per: Duration::from_secs(10),
+        }],
+        ..contract::rule(100.0)
+    };
+    let stop = supervise(&f);
+    tokio::time::sleep(ms(10)).await;
+    contract::take(&*f, "d", &rule, None).await.unwrap();
+    fake.set(DOWN);
+    let lost = Instant::now();
+    let slot = take_patiently(&f, "d", &rule, None).await.unwrap();
+    assert!(f.is_degraded());
+    assert!(
+        slot.at >= lost + Duration::from_secs(10),
+        "pacing alone waits for the window it cannot see: {:?} after the loss",
+        slot.at - lost
+    );
+    stop.cancel();
+}

@@ -1,0 +1,223 @@
+//! What the pacer shows: each destination's status and gauges, from what this instance
+//! knows (the budget as last seen, its queues, its sends) and the store's last snapshot of
+//! what only the store knows (every instance's waiting requests, quota windows, a budget
+//! changed by another instance). A scrape of `/metrics` reads no store; status takes a
+//! snapshot at most once a second, one statement for every destination.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+
+use super::lane::StoreSaid;
+use super::Pacer;
+use crate::budget::{BudgetView, PauseCause, Rule};
+use crate::status::{ClassStatus, DestinationStatus, LockStatus, QuotaStatus, VendorStatus};
+
+/// The oldest snapshot of the store that status shows: at most one statement a second,
+/// whatever the number of destinations and of readers.
+pub(super) const SNAPSHOT_FRESH: Duration = Duration::from_secs(1);
+
+/// How often the snapshot, and the gauges with it, are renewed while nobody reads status.
+pub(super) const SNAPSHOT_EVERY: Duration = Duration::from_secs(5);
+
+impl Pacer {
+    /// Each destination's effective rate and achieved rate (last 10 s) as this instance last
+    /// saw them, without asking the store: cheap enough to sample on a timer.
+    pub fn paces(&self) -> Vec<(String, f64, f64)> {
+        let now = Instant::now();
+        self.lanes()
+            .iter()
+            .map(|lane| {
+                let backoff = lane.seen.lock().backoff;
+                let achieved = lane.sends.lock().rate(now, 10);
+                (
+                    lane.name.to_string(),
+                    lane.keys().pace.rate / backoff,
+                    achieved,
+                )
+            })
+            .collect()
+    }
+
+    /// Every destination's status, from what this instance knows and the store's snapshot
+    /// of at most [`SNAPSHOT_FRESH`] ago (one statement for every destination), refreshing
+    /// the per-destination gauges on the way.
+    pub async fn status(&self) -> Vec<DestinationStatus> {
+        self.refresh(SNAPSHOT_FRESH).await;
+        self.statuses()
+    }
+
+    /// Sets every per-destination gauge from what this instance knows and the store's last
+    /// snapshot, without asking the store: what a scrape of `/metrics` does.
+    pub fn gauges(&self) {
+        self.statuses();
+    }
+
+    /// Takes the store's snapshot of every destination, unless the last one is younger than
+    /// `fresh`: one statement, whatever the number of destinations. Callers at once share
+    /// one. A store that cannot say leaves each destination's own view, and this instance's
+    /// waiting requests stand for every instance's.
+    pub(super) async fn refresh(&self, fresh: Duration) {
+        let mut taken = self.snapshot_taken.lock().await;
+        if taken.is_some_and(|t| t.elapsed() < fresh) {
+            return;
+        }
+        let lanes = self.lanes();
+        let keys: Vec<_> = lanes.iter().map(|l| l.keys()).collect();
+        let asked: Vec<(&str, &Rule)> = lanes
+            .iter()
+            .zip(&keys)
+            .map(|(l, k)| (&*l.name, &k.rule))
+            .collect();
+        match self.store.snapshot(&asked).await {
+            Ok(snapshots) => {
+                for (lane, s) in lanes.iter().zip(snapshots) {
+                    lane.note(s.view);
+                    *lane.store_said.lock() = StoreSaid {
+                        waiting: Some(s.waiting),
+                        quota_used: s.quota_used,
+                    };
+                }
+            }
+            Err(e) => {
+                tracing::debug!("store snapshot for status: {e}");
+                for lane in &lanes {
+                    lane.store_said.lock().waiting = None;
+                }
+            }
+        }
+        *taken = Some(Instant::now());
+    }
+
+    /// Keeps the store's snapshot, and the gauges, at most [`SNAPSHOT_EVERY`] old while
+    /// nobody asks for status, until the pacer stops.
+    pub async fn keep_current(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(SNAPSHOT_EVERY) => {}
+                () = self.stop.cancelled() => return,
+            }
+            self.refresh(SNAPSHOT_EVERY).await;
+            self.gauges();
+        }
+    }
+
+    /// Every destination's status from what this instance knows and the store said last.
+    fn statuses(&self) -> Vec<DestinationStatus> {
+        let mut out = Vec::new();
+        let now = Instant::now();
+        for lane in self.lanes() {
+            let seen = lane.seen.lock().clone();
+            let said = lane.store_said.lock().clone();
+            // Every instance's waiting requests; this instance's own when the store cannot
+            // say (it is unreachable).
+            let everywhere = said.waiting;
+            let here = lane.waiting_here(now);
+            let classes: Vec<ClassStatus> = {
+                let granted = lane.granted.lock();
+                self.classes
+                    .all()
+                    .zip(&here)
+                    .map(|(class, &(waiting_here, oldest_here))| {
+                        let all = everywhere
+                            .as_ref()
+                            .and_then(|e| e.iter().find(|w| w.0 == class));
+                        ClassStatus {
+                            class: self.classes.name(class).to_owned(),
+                            waiting_here,
+                            waiting: all.map_or(waiting_here, |w| w.1 as usize),
+                            oldest_wait_seconds: all
+                                .map_or(oldest_here, |w| w.2.max(oldest_here))
+                                .as_secs_f64(),
+                            granted_last_minute: granted
+                                .get(usize::from(class.0))
+                                .map_or(0, |g| g.count(now, 60)),
+                        }
+                    })
+                    .collect()
+            };
+            let waiting: usize = here.iter().map(|h| h.0).sum();
+            let oldest = here.iter().map(|h| h.1).max().unwrap_or_default();
+            let keys = lane.keys();
+            let used = said.quota_used;
+            let quota = keys
+                .rule
+                .quota
+                .iter()
+                .enumerate()
+                .map(|(i, q)| QuotaStatus {
+                    window: humantime::format_duration(q.per).to_string(),
+                    limit: q.limit,
+                    used: used.get(i).copied().unwrap_or(0),
+                })
+                .collect();
+            let (rate_10, rate_60) = {
+                let sends = lane.sends.lock();
+                (sends.rate(now, 10), sends.rate(now, 60))
+            };
+            let s = DestinationStatus {
+                destination: lane.name.to_string(),
+                rate: keys.pace.rate,
+                effective_rate: keys.pace.rate / seen.backoff,
+                backoff: seen.backoff,
+                achieved_rate_10s: rate_10,
+                achieved_rate_60s: rate_60,
+                clean_streak: seen.clean_streak,
+                paused_for_seconds: seen.paused_for.as_secs_f64(),
+                paused_until: (!seen.paused_for.is_zero()).then(|| {
+                    humantime::format_rfc3339_seconds(SystemTime::now() + seen.paused_for)
+                        .to_string()
+                }),
+                lock: seen.lock.as_ref().map(LockStatus::from),
+                waiting: lane.admitting.load(Ordering::Relaxed).max(waiting),
+                in_flight: lane.in_flight.load(Ordering::Relaxed),
+                oldest_wait_seconds: oldest.as_secs_f64(),
+                classes,
+                quota,
+                pace_limited_by: limited_by(&seen, &keys.rule).to_owned(),
+                block_streak: seen.block_streak,
+                vendor: seen.vendor.map(|v| VendorStatus {
+                    family: v.family.as_str().to_owned(),
+                    remaining: v.remaining,
+                    limit: v.limit,
+                    reset_in_seconds: v.reset_in.as_secs_f64(),
+                }),
+                config_mismatch: self.fleet.drift(&lane.name),
+                mode: keys.pace.mode.as_str().to_owned(),
+                max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
+            };
+            self.metrics.set_destination(&s, seen.paused_for);
+            out.push(s);
+        }
+        out.sort_by(|a, b| a.destination.cmp(&b.destination));
+        out
+    }
+}
+
+/// Why a destination's pace is what it is (see [`DestinationStatus::pace_limited_by`]).
+fn limited_by(seen: &BudgetView, rule: &Rule) -> &'static str {
+    if seen.lock.is_some() {
+        return "locked";
+    }
+    if !seen.paused_for.is_zero() {
+        return match seen.paused_by {
+            Some(PauseCause::Block) => "paused: block",
+            Some(PauseCause::Exhausted) => "paused: exhausted",
+            _ => "paused: retry-after",
+        };
+    }
+    let configured = rule.interval.mul_f64(seen.backoff);
+    if let Some(v) = seen.vendor {
+        let usable = v.remaining.saturating_sub(u64::from(rule.reserve));
+        if usable == 0 || v.reset_in / u32::try_from(usable).unwrap_or(u32::MAX) > configured {
+            return "vendor budget";
+        }
+    }
+    if seen.backoff > 1.0 {
+        "backoff"
+    } else {
+        "configured"
+    }
+}

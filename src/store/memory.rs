@@ -1,0 +1,570 @@
+//! The embedded store: budgets in process memory, for a single instance.
+//!
+//! Backoff, lockouts, block streaks and pauses survive a restart: whenever they change, every
+//! budget's backoff, generation, streaks, lock, pause and vendor view are written to the state
+//! file atomically (temp file, fsync, rename), times as wall-clock times. So are quota
+//! windows' latest slots, written at most every second by [`MemoryStore::keep_sends`]. The
+//! beat itself (`next_at`) is not kept: after a restart the schedule starts from now, which
+//! is what an idle destination does anyway.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::budget::schedule::{Budget, NoSlot, Vendor, Waiting};
+use crate::budget::{
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, PauseCause,
+    Reservation, ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
+};
+use crate::fleet::failover::Fallback;
+use crate::fleet::Instance;
+use crate::signals::Family;
+
+/// The file format of the state file.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StateFile {
+    version: u32,
+    destinations: BTreeMap<String, Persisted>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Persisted {
+    backoff: f64,
+    generation: u64,
+    clean_streak: u32,
+    lock: Option<Lockout>,
+    /// The quota windows' latest slots, as Unix times in seconds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    sends: Vec<f64>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    block_streak: u32,
+    /// A pause still in force, as a Unix time in seconds, and its cause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    paused_until: Option<(f64, PauseCause)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    vendor: Option<PersistedVendor>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A vendor view, its times as Unix times in seconds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PersistedVendor {
+    family: String,
+    remaining: u64,
+    limit: Option<u64>,
+    observed: f64,
+    reset: f64,
+    taken: u64,
+}
+
+/// What the store's time 0 is before its epoch: far enough that slots taken before the store
+/// started (a quota window's sends from the state file, a request that waited before it)
+/// still have a place on its timeline.
+const ORIGIN: Duration = Duration::from_secs(1 << 32);
+
+/// How often changed quota windows are written to the state file.
+const SAVE_SENDS_EVERY: Duration = Duration::from_secs(1);
+
+/// Budgets in memory, optionally persisted to a state file.
+pub struct MemoryStore {
+    epoch: Instant,
+    budgets: Arc<Mutex<HashMap<String, Budget>>>,
+    state_file: Option<PathBuf>,
+    /// Serialises writes, so that the file always ends with the latest snapshot.
+    writer: tokio::sync::Mutex<()>,
+    /// Whose waiting requests this handle reports: one process is one instance, but tests
+    /// open several handles on one store to play several instances.
+    instance: String,
+    /// A quota window took a slot since the state file was last written.
+    sends_changed: AtomicBool,
+}
+
+impl MemoryStore {
+    /// A store with no state file (tests, benchmarks).
+    pub fn ephemeral() -> Self {
+        Self {
+            epoch: Instant::now(),
+            budgets: Arc::default(),
+            state_file: None,
+            writer: tokio::sync::Mutex::new(()),
+            instance: Instance::new().id,
+            sends_changed: AtomicBool::new(false),
+        }
+    }
+
+    /// Names lockouts and wait lists after `instance`: this instance's id (by default an id
+    /// of the store's own).
+    pub fn with_instance(mut self, instance: &str) -> Self {
+        self.instance = instance.to_owned();
+        self
+    }
+
+    /// Another handle on the same budgets, reporting the waiting requests of `instance` (for
+    /// tests that play several instances on one store; it writes no state file).
+    pub fn instance(&self, instance: &str) -> Self {
+        Self {
+            epoch: self.epoch,
+            budgets: self.budgets.clone(),
+            state_file: None,
+            writer: tokio::sync::Mutex::new(()),
+            instance: instance.to_owned(),
+            sends_changed: AtomicBool::new(false),
+        }
+    }
+
+    /// Opens a store persisted at `state_file`, loading what a previous run left there.
+    pub fn open(state_file: &Path) -> Result<Self, StoreError> {
+        let store = Self {
+            state_file: Some(state_file.to_owned()),
+            ..Self::ephemeral()
+        };
+        let text = match std::fs::read_to_string(state_file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
+            Err(e) => {
+                return Err(StoreError::File(format!(
+                    "cannot read state file {}: {e}",
+                    state_file.display()
+                )))
+            }
+        };
+        let file: StateFile = serde_json::from_str(&text).map_err(|e| {
+            StoreError::File(format!(
+                "state file {} is not valid ({e}); move it aside to start afresh (lockouts in it would be lost)",
+                state_file.display()
+            ))
+        })?;
+        let mut budgets = store.budgets.lock();
+        for (name, p) in file.destinations {
+            budgets.insert(
+                name,
+                Budget {
+                    backoff: p.backoff.max(1.0),
+                    generation: p.generation,
+                    clean_streak: p.clean_streak,
+                    lock: p.lock,
+                    sends: p.sends.iter().map(|t| store.at_unix(*t)).collect(),
+                    block_streak: p.block_streak,
+                    paused_until: p
+                        .paused_until
+                        .map_or(Duration::ZERO, |(t, _)| store.at_unix(t)),
+                    paused_by: p.paused_until.map(|(_, by)| by),
+                    vendor: p.vendor.and_then(|v| {
+                        Some(Vendor {
+                            family: Family::from_name(&v.family)?,
+                            remaining: v.remaining,
+                            limit: v.limit,
+                            observed: store.at_unix(v.observed),
+                            reset: store.at_unix(v.reset),
+                            taken: v.taken,
+                        })
+                    }),
+                    ..Budget::default()
+                },
+            );
+        }
+        drop(budgets);
+        Ok(store)
+    }
+
+    /// Writes the state file whenever a quota window took a slot, at most every second, and
+    /// once more when `stop` is cancelled. A crash loses at most the last second of them.
+    pub async fn keep_sends(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            let stopping = tokio::select! {
+                () = tokio::time::sleep(SAVE_SENDS_EVERY) => false,
+                () = stop.cancelled() => true,
+            };
+            if self.sends_changed.swap(false, Ordering::Relaxed) {
+                if let Err(e) = self.persist().await {
+                    self.sends_changed.store(true, Ordering::Relaxed);
+                    tracing::error!("cannot save quota windows: {e}");
+                }
+            }
+            if stopping {
+                return;
+            }
+        }
+    }
+
+    /// Now on the store's timeline.
+    fn now(&self) -> Duration {
+        self.offset(Instant::now())
+    }
+
+    /// An instant on the store's timeline.
+    fn offset(&self, at: Instant) -> Duration {
+        if at >= self.epoch {
+            ORIGIN + (at - self.epoch)
+        } else {
+            ORIGIN.saturating_sub(self.epoch - at)
+        }
+    }
+
+    /// A time on the store's timeline as an instant (never before the epoch: only slots, which
+    /// are never in the past, are converted).
+    fn instant(&self, t: Duration) -> Instant {
+        self.epoch + t.saturating_sub(ORIGIN)
+    }
+
+    /// One class's waiting requests on the store's timeline.
+    fn waiting_of(&self, q: &ClassQueue) -> Waiting {
+        Waiting {
+            class: q.class,
+            count: q.count,
+            since: self.offset(q.oldest),
+            next_since: q.next.map(|n| self.offset(n)),
+        }
+    }
+
+    /// A Unix time as a time on the store's timeline, past (a quota window's send) or future
+    /// (a pause, a vendor's reset).
+    fn at_unix(&self, secs: f64) -> Duration {
+        let wall =
+            SystemTime::UNIX_EPOCH + Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or_default();
+        match SystemTime::now().duration_since(wall) {
+            Ok(ago) => self.now().saturating_sub(ago),
+            Err(ahead) => self.now() + ahead.duration(),
+        }
+    }
+
+    fn unix_of(&self, t: Duration) -> f64 {
+        let now = self.now();
+        let wall = if t <= now {
+            SystemTime::now() - (now - t)
+        } else {
+            SystemTime::now() + (t - now)
+        };
+        wall.duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    }
+
+    fn view_of(&self, budget: &Budget, now: Duration) -> BudgetView {
+        let paused_for = budget.paused_until.saturating_sub(now);
+        BudgetView {
+            backoff: budget.backoff,
+            generation: budget.generation,
+            clean_streak: budget.clean_streak,
+            paused_for,
+            paused_by: budget.paused_by.filter(|_| !paused_for.is_zero()),
+            lock: budget.lock.clone(),
+            block_streak: budget.block_streak,
+            vendor: budget.vendor_at(now).map(|v| VendorView {
+                family: v.family,
+                remaining: v.remaining.saturating_sub(v.taken),
+                limit: v.limit,
+                reset_in: v.reset - now,
+            }),
+        }
+    }
+
+    async fn persist(&self) -> Result<(), StoreError> {
+        let Some(path) = self.state_file.clone() else {
+            return Ok(());
+        };
+        let _writing = self.writer.lock().await;
+        let file = StateFile {
+            version: 1,
+            destinations: self
+                .budgets
+                .lock()
+                .iter()
+                .map(|(name, b)| {
+                    let now = self.now();
+                    let p = Persisted {
+                        backoff: b.backoff,
+                        generation: b.generation,
+                        clean_streak: b.clean_streak,
+                        lock: b.lock.clone(),
+                        sends: b.sends.iter().map(|t| self.unix_of(*t)).collect(),
+                        block_streak: b.block_streak,
+                        paused_until: b
+                            .paused_by
+                            .filter(|_| b.paused_until > now)
+                            .map(|by| (self.unix_of(b.paused_until), by)),
+                        vendor: b.vendor_at(now).map(|v| PersistedVendor {
+                            family: v.family.as_str().to_owned(),
+                            remaining: v.remaining,
+                            limit: v.limit,
+                            observed: self.unix_of(v.observed),
+                            reset: self.unix_of(v.reset),
+                            taken: v.taken,
+                        }),
+                    };
+                    (name.clone(), p)
+                })
+                .collect(),
+        };
+        let json = serde_json::to_vec_pretty(&file).map_err(|e| StoreError::File(e.to_string()))?;
+        tokio::task::spawn_blocking(move || write_atomically(&path, &json))
+            .await
+            .map_err(|e| StoreError::File(format!("state file writer failed: {e}")))?
+    }
+}
+
+fn write_atomically(path: &Path, data: &[u8]) -> Result<(), StoreError> {
+    use std::io::Write;
+    let fail = |what: &str, e: std::io::Error| {
+        StoreError::File(format!("cannot {what} state file {}: {e}", path.display()))
+    };
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(|e| fail("create", e))?;
+    f.write_all(data).map_err(|e| fail("write", e))?;
+    f.sync_all().map_err(|e| fail("sync", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| fail("replace", e))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        // Make the rename itself durable.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
+        let result = {
+            let now = self.now();
+            let limit = ask.not_after.map(|t| self.offset(t));
+            // A request waiting alone, the common case, needs no allocation.
+            let (one, many): ([Waiting; 1], Vec<Waiting>);
+            let list: &[Waiting] = match ask.queues {
+                [q] => {
+                    one = [self.waiting_of(q)];
+                    &one
+                }
+                queues => {
+                    many = queues.iter().map(|q| self.waiting_of(q)).collect();
+                    &many
+                }
+            };
+            let mut budgets = self.budgets.lock();
+            let budget = budgets.entry(destination.to_owned()).or_default();
+            match budget.reserve_for(rule, now, &self.instance, list, limit, ask.most) {
+                Ok(granted) => {
+                    if !rule.quota.is_empty() {
+                        self.sends_changed.store(true, Ordering::Relaxed);
+                    }
+                    Ok(Grant {
+                        slot: Reservation {
+                            at: self.instant(granted.slot),
+                            generation: granted.generation,
+                            unseen_late: Duration::ZERO,
+                        },
+                        class: granted.class,
+                        more: granted.more.iter().map(|t| self.instant(*t)).collect(),
+                    })
+                }
+                Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
+                Err(NoSlot::TooLate { slot }) => Err(ReserveError::TooLate {
+                    slot: self.instant(slot),
+                }),
+                Err(NoSlot::Yield) => {
+                    let free_in = budget.free_at(rule, now).saturating_sub(now);
+                    Err(ReserveError::Yield(rule.yield_for(budget.backoff, free_in)))
+                }
+            }
+        };
+        Box::pin(std::future::ready(result))
+    }
+
+    fn take_now(&self, destination: &str, rule: &Rule) -> Option<Reservation> {
+        let now = self.now();
+        let mut budgets = self.budgets.lock();
+        let budget = budgets.get_mut(destination)?;
+        if !budget.waiting.is_empty() || budget.credits.iter().any(|c| *c != 0.0) {
+            return None;
+        }
+        let (slot, generation) = budget.reserve(rule, now, Some(now)).ok()?;
+        if !rule.quota.is_empty() {
+            self.sends_changed.store(true, Ordering::Relaxed);
+        }
+        Some(Reservation {
+            at: self.instant(slot),
+            generation,
+            unseen_late: Duration::ZERO,
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        let list: Vec<Waiting> = queues.iter().map(|q| self.waiting_of(q)).collect();
+        let mut budgets = self.budgets.lock();
+        match budgets.get_mut(destination) {
+            Some(budget) => budget.tell(&self.instance, &list),
+            // An empty list for a destination never seen creates no budget.
+            None if list.is_empty() => {}
+            None => budgets
+                .entry(destination.to_owned())
+                .or_default()
+                .tell(&self.instance, &list),
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        let now = self.now();
+        let list = self
+            .budgets
+            .lock()
+            .get(destination)
+            .map_or_else(Vec::new, |b| b.waiting_at(now));
+        Box::pin(std::future::ready(Ok(list)))
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        let now = self.now();
+        let budgets = self.budgets.lock();
+        let used = rule
+            .quota
+            .iter()
+            .map(|q| {
+                budgets.get(destination).map_or(0, |b| {
+                    let from = now.checked_sub(q.per);
+                    let n = b
+                        .sends
+                        .iter()
+                        .filter(|t| from.is_none_or(|f| **t > f))
+                        .count();
+                    (n as u32).min(q.limit)
+                })
+            })
+            .collect();
+        Box::pin(std::future::ready(Ok(used)))
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+        vendor: Option<Observation>,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let (changed, view) = {
+                let (now, wall) = (self.now(), SystemTime::now());
+                let mut budgets = self.budgets.lock();
+                let budget = budgets.entry(destination.to_owned()).or_default();
+                let seen = vendor.is_some_and(|v| budget.observe(rule, &v, now, wall));
+                let changed = budget.apply(rule, &event, now, wall);
+                (changed || seen, self.view_of(budget, now))
+            };
+            if changed {
+                self.persist().await?;
+            }
+            Ok(view)
+        })
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        Box::pin(async move {
+            let cleared = self
+                .budgets
+                .lock()
+                .get_mut(destination)
+                .and_then(|b| b.lock.take());
+            if cleared.is_some() {
+                self.persist().await?;
+            }
+            Ok(cleared)
+        })
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        let now = self.now();
+        let view = self
+            .budgets
+            .lock()
+            .get(destination)
+            .map(|b| self.view_of(b, now))
+            .unwrap_or_else(|| self.view_of(&Budget::default(), now));
+        Box::pin(std::future::ready(Ok(view)))
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        destinations: &'a [(&'a str, &'a Rule)],
+    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(destinations.len());
+            for (destination, rule) in destinations {
+                out.push(Snapshot {
+                    view: self.view(destination).await?,
+                    waiting: self.waiting(destination).await?,
+                    quota_used: self.quota_used(destination, rule).await?,
+                });
+            }
+            Ok(out)
+        })
+    }
+}
+
+/// The store a failover paces on while the shared one is lost.
+impl Fallback for MemoryStore {
+    /// Sets a budget's backoff, generation, streak and lock from a view of another store, so
+    /// that pacing taken over from it starts where it was (a lockout above all). `next_at`,
+    /// when given, is the earliest the next slot may be: taking over continues the schedule
+    /// instead of starting a burst.
+    fn seed(&self, destination: &str, view: &BudgetView, next_at: Option<Instant>) {
+        let mut budgets = self.budgets.lock();
+        let b = budgets.entry(destination.to_owned()).or_default();
+        b.backoff = view.backoff.max(1.0);
+        b.generation = view.generation;
+        b.clean_streak = view.clean_streak;
+        b.block_streak = view.block_streak;
+        b.lock = view.lock.clone();
+        let until = self.now() + view.paused_for;
+        if until > b.paused_until {
+            b.paused_until = until;
+            b.paused_by = view.paused_by;
+        }
+        if let Some(at) = next_at {
+            b.next_at = b.next_at.max(self.offset(at));
+        }
+    }
+
+    /// Fills `destination`'s quota windows as of now: `sends` slots taken at this instant. A
+    /// store taking over from a lost shared one cannot know how full the shared windows are,
+    /// so it assumes them full.
+    fn fill_windows(&self, destination: &str, sends: u32) {
+        let now = self.now();
+        let mut budgets = self.budgets.lock();
+        let b = budgets.entry(destination.to_owned()).or_default();
+        b.sends = std::iter::repeat_n(now, sends as usize).collect();
+    }
+}
+
+#[cfg(test)]
+mod tests;

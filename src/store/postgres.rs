@@ -1,0 +1,538 @@
+//! The shared store: one Postgres row per destination holds the whole budget, so every
+//! instance on every host that points at the same database shares one ceiling.
+//!
+//! Each operation is one statement calling a function from `migrations/` (`pacegate_reserve`,
+//! `pacegate_record`), run on an autocommit pooled connection that is returned before the
+//! caller waits for its slot. The database clock is the only clock compared: a reservation
+//! returns the slot and `clock_timestamp()`, and the instance places the slot on its own
+//! monotonic clock by a bound that can only make it later, never earlier, and counts how
+//! much later it may be (`clock`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use tokio_postgres::types::ToSql;
+
+mod clock;
+mod membership;
+mod migrations;
+mod rows;
+mod sql;
+
+pub use migrations::MIGRATIONS;
+use rows::{after, columns, db, lockout, pause_args, rows_of, snapshot_of, view_of, Row};
+use sql::*;
+
+use clock::DbClock;
+
+use crate::budget::after_grant;
+use crate::budget::{
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
+    ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, BATCH_HORIZON,
+};
+use crate::class::Class;
+use crate::fleet::{Instance, WAITER_LEASE};
+
+/// Budgets in Postgres.
+pub struct PostgresStore {
+    pool: Pool,
+    /// The database clock as read here: where its slots fall on the local clock.
+    clock: DbClock,
+    /// The instance whose waiting requests this handle reports (its heartbeat is its lease).
+    instance: String,
+    /// What this instance's rows in `pacegate_waiting` hold, per destination, where known:
+    /// a busy destination's reservation then need not rewrite an unchanged wait list. Unknown
+    /// (`None`) from before a statement is sent until its answer arrives, and after a yield,
+    /// so that an answer that never came, or rows another instance expired, are written again.
+    written: Mutex<HashMap<String, Option<Vec<Row>>>>,
+    /// Round trips sent to the database, for benches and tests that count what a request
+    /// costs it (one per operation, two when a reservation leaves the one-statement path).
+    statements: AtomicU64,
+}
+
+impl PostgresStore {
+    /// Reports waiting requests as `instance`'s: this instance's id, which its heartbeats
+    /// renew (by default an id of the store's own; tests play several instances).
+    pub fn with_instance(mut self, instance: &str) -> Self {
+        self.instance = instance.to_owned();
+        self
+    }
+
+    /// A store over a pool of at most `connections` connections to `url`. Connects lazily.
+    pub fn new(url: &str, connections: usize) -> Result<Self, StoreError> {
+        let roots =
+            crate::tls::upstream_roots(&[]).map_err(|e| StoreError::Settings(e.to_string()))?;
+        Self::with_roots(url, connections, roots)
+    }
+
+    /// Like [`PostgresStore::new`], trusting `roots` for a store reached over TLS. TLS follows
+    /// the URL's `sslmode` (`disable`, `prefer` (the default), `require`); when it is used the
+    /// server's certificate is always verified against `roots` and the host name, as libpq's
+    /// `verify-full` does.
+    pub fn with_roots(
+        url: &str,
+        connections: usize,
+        roots: rustls::RootCertStore,
+    ) -> Result<Self, StoreError> {
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| StoreError::Settings(format!("store URL: {e}")))?;
+        let tls = crate::tls::upstream_client_config(roots)
+            .map_err(|e| StoreError::Settings(e.to_string()))?;
+        let manager = Manager::from_config(
+            config,
+            MakeRustlsConnect::new(tls),
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(connections)
+            .build()
+            .map_err(|e| StoreError::Settings(format!("store pool: {e}")))?;
+        Ok(Self {
+            pool,
+            clock: DbClock::new(),
+            instance: Instance::new().id,
+            written: Mutex::new(HashMap::new()),
+            statements: AtomicU64::new(0),
+        })
+    }
+
+    /// Narrows the database clock's span with a read-only round trip, which has no commit
+    /// to flush, when it has grown too wide to place slots closely (see [`clock`]).
+    async fn probe_clock(&self, client: &deadpool_postgres::Object) -> Result<(), StoreError> {
+        if !self.clock.probe_due(Instant::now()) {
+            return Ok(());
+        }
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        let statement = client.prepare_cached(SQL_NOW).await.map_err(db)?;
+        let sent = Instant::now();
+        let row = client.query_one(&statement, &[]).await.map_err(db)?;
+        self.clock.read(sent, Instant::now(), row.get(0));
+        Ok(())
+    }
+
+    /// Whether this instance's rows already hold `rows`. Either way they count as unknown
+    /// from now until [`PostgresStore::wrote`] records what the statement about to be sent
+    /// left there.
+    fn unchanged(&self, destination: &str, rows: &[Row]) -> bool {
+        self.written
+            .lock()
+            .get_mut(destination)
+            .and_then(Option::take)
+            .is_some_and(|known| known == rows)
+    }
+
+    fn wrote(&self, destination: &str, rows: Vec<Row>) {
+        let mut written = self.written.lock();
+        match written.get_mut(destination) {
+            Some(known) => *known = Some(rows),
+            // The destination's first statement: the only time its name is copied.
+            None => {
+                written.insert(destination.to_owned(), Some(rows));
+            }
+        }
+    }
+
+    /// Round trips sent to the database so far: one per operation, two when a reservation
+    /// leaves the one-statement path.
+    pub fn statements(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        self.pool.get().await.map_err(|e| match e {
+            PoolError::Backend(e) => db(e),
+            other => StoreError::Unreachable(format!("postgres pool: {other}")),
+        })
+    }
+
+    /// Every budget in the store, by destination name.
+    pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
+        let client = self.client().await?;
+        let rows = client.query(SQL_BUDGETS, &[]).await.map_err(db)?;
+        Ok(rows.iter().map(|r| (r.get(14), view_of(r))).collect())
+    }
+}
+
+impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn reserve<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        ask: Ask<'a>,
+    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            self.probe_clock(&client).await?;
+            let limit = ask
+                .not_after
+                .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
+            let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
+            let interval = rule.interval.as_secs_f64();
+            let sent = Instant::now();
+            if let [only] = ask.queues {
+                if only.count == 1 && rule.quota.is_empty() {
+                    let params: [&(dyn ToSql + Sync); 4] =
+                        [&destination, &interval, &burst, &limit];
+                    let fast = client.prepare_cached(SQL_RESERVE_FAST).await.map_err(db)?;
+                    if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
+                        let arrived = Instant::now();
+                        drop(client);
+                        let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
+                        let clock = self.clock.read(sent, arrived, db_now);
+                        // The fast path runs only while no instance has rows for the
+                        // destination.
+                        self.wrote(destination, Vec::new());
+                        return Ok(Grant {
+                            slot: Reservation {
+                                at: clock.local(slot),
+                                generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                                unseen_late: clock.unseen_late,
+                            },
+                            class: only.class,
+                            more: Vec::new(),
+                        });
+                    }
+                }
+            }
+            if matches!(ask.queues, [only] if only.count == 1) && rule.quota.is_empty() {
+                // The one-statement path answered nothing: a second statement follows.
+                self.statements.fetch_add(1, Ordering::Relaxed);
+            }
+            let rows = rows_of(ask.queues);
+            let tell = !self.unchanged(destination, &rows);
+            let (classes, counts, oldest, next) = columns(ask.queues);
+            let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
+            let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
+            let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
+            let statement = client.prepare_cached(SQL_RESERVE_MANY).await.map_err(db)?;
+            let row = client
+                .query_one(
+                    &statement,
+                    &[
+                        &destination,
+                        &interval,
+                        &burst,
+                        &limit,
+                        &self.instance,
+                        &WAITER_LEASE.as_secs_f64(),
+                        &&*rule.shares,
+                        &limits,
+                        &pers,
+                        &rule.max_late().as_secs_f64(),
+                        &classes,
+                        &counts,
+                        &oldest,
+                        &next,
+                        &tell,
+                        &i64::from(rule.reserve),
+                        &most,
+                        &BATCH_HORIZON.as_secs_f64(),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            let arrived = Instant::now();
+            drop(client);
+            let outcome: &str = row.get(0);
+            let slot: Option<SystemTime> = row.get(1);
+            let db_now: SystemTime = row.get(2);
+            let clock = self.clock.read(sent, arrived, db_now);
+            let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
+            let at = |slot: Option<SystemTime>| {
+                slot.map(|s| clock.local(s)).ok_or_else(|| {
+                    StoreError::Refused("pacegate_reserve_many returned no slot".into())
+                })
+            };
+            match outcome {
+                "granted" => {
+                    let class = Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0));
+                    let more: Vec<Instant> = row
+                        .get::<_, Option<Vec<SystemTime>>>(10)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|s| clock.local(s))
+                        .collect();
+                    let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
+                    self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
+                    Ok(Grant {
+                        slot: Reservation {
+                            at: at(slot)?,
+                            generation,
+                            unseen_late: clock.unseen_late,
+                        },
+                        class,
+                        more,
+                    })
+                }
+                // Another instance's request goes first: tell the list again next time, in
+                // case the store dropped these rows (a lease that ran out while this process
+                // stalled), or this instance would yield for ever.
+                "yield" => {
+                    let free_in = slot.map_or(Duration::ZERO, |s| after(s, db_now));
+                    Err(ReserveError::Yield(rule.yield_for(row.get(5), free_in)))
+                }
+                "too_late" => {
+                    self.wrote(destination, rows);
+                    Err(ReserveError::TooLate { slot: at(slot)? })
+                }
+                "locked" => {
+                    self.wrote(destination, rows);
+                    Err(
+                        lockout(row.get(6), row.get(7), row.get(8), row.get(9)).map_or_else(
+                            || {
+                                ReserveError::Store(StoreError::Refused(
+                                    "a lockout without a status".into(),
+                                ))
+                            },
+                            ReserveError::Locked,
+                        ),
+                    )
+                }
+                other => Err(ReserveError::Store(StoreError::Refused(format!(
+                    "pacegate_reserve_many answered `{other}`"
+                )))),
+            }
+        })
+    }
+
+    fn wait_list<'a>(
+        &'a self,
+        destination: &'a str,
+        queues: &'a [ClassQueue],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let rows = rows_of(queues);
+            if self.unchanged(destination, &rows) {
+                self.wrote(destination, rows);
+                return Ok(());
+            }
+            let (classes, counts, oldest, next) = columns(queues);
+            let client = self.client().await?;
+            let statement = client.prepare_cached(SQL_TELL).await.map_err(db)?;
+            client
+                .execute(
+                    &statement,
+                    &[
+                        &destination,
+                        &self.instance,
+                        &classes,
+                        &counts,
+                        &oldest,
+                        &next,
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            self.wrote(destination, rows);
+            Ok(())
+        })
+    }
+
+    fn waiting<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let rows = client
+                .query(
+                    SQL_WAITING,
+                    &[&destination, &self.instance, &WAITER_LEASE.as_secs_f64()],
+                )
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    (
+                        Class(u16::try_from(r.get::<_, i32>(0)).unwrap_or(0)),
+                        u32::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                        Duration::from_secs_f64(r.get::<_, f64>(2).max(0.0)),
+                    )
+                })
+                .collect())
+        })
+    }
+
+    fn quota_used<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let mut used = Vec::new();
+            for q in &rule.quota {
+                let row = client
+                    .query_one(SQL_QUOTA_USED, &[&destination, &q.per.as_secs_f64()])
+                    .await
+                    .map_err(db)?;
+                used.push(u32::try_from(row.get::<_, i64>(0)).map_or(q.limit, |n| n.min(q.limit)));
+            }
+            Ok(used)
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        destination: &'a str,
+        rule: &'a Rule,
+        event: Event,
+        vendor: Option<Observation>,
+    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let none = (None, None);
+            let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
+                Event::Clean {
+                    success,
+                    generation,
+                } => (
+                    "clean",
+                    i64::try_from(*generation).unwrap_or(i64::MAX),
+                    *success,
+                    none,
+                    none,
+                    0.0,
+                    None,
+                ),
+                Event::Throttled {
+                    generation,
+                    retry_after,
+                    reset,
+                    spread,
+                } => (
+                    "throttled",
+                    i64::try_from(*generation).unwrap_or(i64::MAX),
+                    false,
+                    pause_args(*retry_after),
+                    pause_args(*reset),
+                    *spread,
+                    None,
+                ),
+                Event::Lockout(l) => ("lockout", 0, false, none, none, 0.0, Some(l)),
+                Event::None => ("none", 0, false, none, none, 0.0, None),
+            };
+            let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+            let decay_after = i32::try_from(rule.decay_after).unwrap_or(i32::MAX);
+            let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+            let vendor_reset = pause_args(vendor.map(|v| v.reset));
+            let client = self.client().await?;
+            let statement = client.prepare_cached(SQL_RECORD).await.map_err(db)?;
+            let row = client
+                .query_one(
+                    &statement,
+                    &[
+                        &destination,
+                        &kind,
+                        &generation,
+                        &success,
+                        &retry_after.0,
+                        &retry_after.1,
+                        &reset.0,
+                        &reset.1,
+                        &spread,
+                        &rule.backoff_factor,
+                        &rule.backoff_max,
+                        &decay_after,
+                        &rule.retry_after_max.as_secs_f64(),
+                        &i64::from(rule.reserve),
+                        &rule.block.map(|b| us(b.min)),
+                        &rule.block.map(|b| us(b.max)),
+                        &rule.block.map_or(0.0, |b| b.jitter),
+                        &lock.map(|l| i32::from(l.status)),
+                        &lock.map(|l| l.request.as_str()),
+                        &lock.map(|l| l.instance.as_str()),
+                        &vendor.map(|v| v.family.as_str()),
+                        &vendor.map(|v| count(v.remaining)),
+                        &vendor.and_then(|v| v.limit).map(count),
+                        &vendor_reset.0,
+                        &vendor_reset.1,
+                        &vendor.map_or(0, |v| us(v.jitter())),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(view_of(&row))
+        })
+    }
+
+    fn unlock<'a>(
+        &'a self,
+        destination: &'a str,
+    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(SQL_UNLOCK, &[&destination])
+                .await
+                .map_err(db)?;
+            Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
+        })
+    }
+
+    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let row = client
+                .query_opt(SQL_VIEW, &[&destination])
+                .await
+                .map_err(db)?;
+            Ok(row.map_or(BudgetView::default(), |r| view_of(&r)))
+        })
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        destinations: &'a [(&'a str, &'a Rule)],
+    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
+        Box::pin(async move {
+            let names: Vec<&str> = destinations.iter().map(|(d, _)| *d).collect();
+            let (windows, pers): (Vec<&str>, Vec<f64>) = destinations
+                .iter()
+                .flat_map(|(d, rule)| rule.quota.iter().map(move |q| (*d, q.per.as_secs_f64())))
+                .unzip();
+            let client = self.client().await?;
+            let rows = client
+                .query(
+                    SQL_SNAPSHOT,
+                    &[
+                        &names,
+                        &windows,
+                        &pers,
+                        &self.instance,
+                        &WAITER_LEASE.as_secs_f64(),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .zip(destinations)
+                .map(|(r, (_, rule))| snapshot_of(r, rule))
+                .collect())
+        })
+    }
+}
+
+#[cfg(test)]
+#[path = "../../tests/support/testdb.rs"]
+mod testdb;
+
+#[cfg(test)]
+mod model;
+#[cfg(test)]
+mod tests;

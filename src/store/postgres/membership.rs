@@ -1,0 +1,140 @@
+//! The postgres store as the fleet's membership: heartbeats, the other instances' ages and shares, and the
+//! instances' rules compared.
+
+use std::time::{Duration, SystemTime};
+
+use super::rows::db;
+use super::sql::*;
+use super::PostgresStore;
+use crate::budget::{StoreError, StoreFuture};
+use crate::fleet::{
+    Instance, Membership, Peer, Report, Theirs, Written, LIVE_WITHIN, PEERS_WITHIN, WAITER_LEASE,
+};
+use crate::status::InstanceStatus;
+
+impl Membership for PostgresStore {
+    fn heartbeat<'a>(
+        &'a self,
+        me: &'a Instance,
+        report: Report,
+    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let divisor = i32::try_from(report.divisor).unwrap_or(i32::MAX);
+            let alone_ms = i64::try_from(report.alone_for.as_millis()).unwrap_or(i64::MAX);
+            client
+                .execute(
+                    SQL_HEARTBEAT,
+                    &[&me.id, &me.host, &me.pid, &me.version, &divisor, &alone_ms],
+                )
+                .await
+                .map_err(db)?;
+            client
+                .execute(SQL_EXPIRE_WAITING, &[&WAITER_LEASE.as_secs_f64()])
+                .await
+                .map_err(db)?;
+            let rows = client
+                .query(SQL_PEERS, &[&me.id, &PEERS_WITHIN.as_secs_f64()])
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| Peer {
+                    id: r.get(0),
+                    age: Duration::from_secs_f64(r.get::<_, f64>(1).max(0.0)),
+                    report: Report {
+                        divisor: u32::try_from(r.get::<_, i32>(2)).unwrap_or(1).max(1),
+                        alone_for: Duration::from_millis(
+                            u64::try_from(r.get::<_, i64>(3)).unwrap_or(0),
+                        ),
+                    },
+                })
+                .collect())
+        })
+    }
+
+    fn live_instances(
+        &self,
+        within: Duration,
+    ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let rows = client
+                .query(SQL_LIVE, &[&within.as_secs_f64()])
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| InstanceStatus {
+                    id: r.get(0),
+                    host: r.get(1),
+                    pid: r.get(2),
+                    version: r.get(3),
+                    started: humantime::format_rfc3339_seconds(r.get::<_, SystemTime>(4))
+                        .to_string(),
+                    last_seen_seconds_ago: r.get(6),
+                })
+                .collect())
+        })
+    }
+
+    fn compare_rules<'a>(
+        &'a self,
+        me: &'a Instance,
+        mine: &'a [Written],
+        write: bool,
+    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let destinations: Vec<&str> = mine.iter().map(|w| w.destination.as_str()).collect();
+            let fingerprints: Vec<&str> = mine.iter().map(|w| w.fingerprint.as_str()).collect();
+            if write {
+                let rules: Vec<&str> = mine.iter().map(|w| w.rule.as_str()).collect();
+                client
+                    .execute(
+                        SQL_WRITE_RULES,
+                        &[&me.id, &destinations, &fingerprints, &rules],
+                    )
+                    .await
+                    .map_err(db)?;
+            }
+            let rows = client
+                .query(
+                    SQL_OTHER_RULES,
+                    &[
+                        &me.id,
+                        &destinations,
+                        &fingerprints,
+                        &LIVE_WITHIN.as_secs_f64(),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .map(|r| Theirs {
+                    destination: r.get(0),
+                    instance: r.get(1),
+                    fingerprint: r.get(2),
+                    rule: r.get(3),
+                })
+                .collect())
+        })
+    }
+
+    fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
+            client
+                .execute(SQL_FORGET_RULES, &[&me.id])
+                .await
+                .map_err(db)?;
+            client
+                .execute(SQL_FORGET_WAITING, &[&me.id])
+                .await
+                .map_err(db)?;
+            Ok(())
+        })
+    }
+}

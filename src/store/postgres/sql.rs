@@ -1,0 +1,155 @@
+//! The postgres store's statements, as named constants. The functions they call are in
+//! `migrations/`.
+
+/// The common case of a reservation, as one UPDATE: one request waits here and none anywhere
+/// else (so it deserves the slot, and no share is owed), the destination has no quota
+/// window, the row exists, is not locked, and the slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
+/// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
+/// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
+/// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
+/// which. `c.now` is read once, before any wait for the row lock, so a contended reservation
+/// computes its slot from a slightly earlier "now": the slot can only be earlier on the beat,
+/// never closer to another slot. The database time returned is read again after the update,
+/// so that waiting for the lock does not make the local deadline late.
+pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
+    SET next_at = GREATEST(b.next_at,
+            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
+        + make_interval(secs => $2 * b.backoff)
+    FROM (SELECT clock_timestamp() AS now) AS c
+    WHERE b.destination = $1
+      AND b.lock_status IS NULL
+      AND b.credits = '{}'
+      AND (b.vendor_reset IS NULL OR b.vendor_reset <= c.now)
+      AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = $1)
+      AND ($4::float8 IS NULL OR
+           GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
+               <= c.now + make_interval(secs => $4::float8))
+    RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
+        clock_timestamp(), b.generation";
+/// The database clock alone: a round trip with nothing to commit (see `clock`).
+pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
+/// A reservation on the wait list, granting a batch of up to `$17` slots over at most `$18`
+/// seconds (see `budget::Ask::most`).
+pub(super) const SQL_RESERVE_MANY: &str =
+    "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
+    FROM pacegate_reserve_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
+pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
+/// Every live instance's waiting requests of a destination, by class.
+pub(super) const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
+        extract(epoch FROM clock_timestamp() - min(w.since))::double precision
+    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+    WHERE w.destination = $1
+      AND (w.instance = $2 OR l.last_seen > clock_timestamp() - make_interval(secs => $3))
+    GROUP BY w.class ORDER BY w.class";
+pub(super) const SQL_QUOTA_USED: &str = "SELECT count(*) FROM pacegate_sends
+    WHERE destination = $1 AND at > clock_timestamp() - make_interval(secs => $2)";
+/// Waiting requests of instances whose lease ran out: they no longer count, and would keep
+/// reservations off the one-statement path.
+pub(super) const SQL_EXPIRE_WAITING: &str = "DELETE FROM pacegate_waiting AS w
+    WHERE NOT EXISTS (SELECT 1 FROM pacegate_instances AS l
+        WHERE l.id = w.instance AND l.last_seen > clock_timestamp() - make_interval(secs => $1))";
+pub(super) const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
+pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for,
+        lock_since, lock_status, lock_request, lock_instance, paused_by, block_streak,
+        vendor_family, vendor_remaining, vendor_limit, vendor_reset_in
+    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+        $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)";
+pub(super) const SQL_UNLOCK: &str = "WITH old AS (
+        SELECT destination, lock_since, lock_status, lock_request, lock_instance
+        FROM pacegate_budgets WHERE destination = $1 AND lock_status IS NOT NULL FOR UPDATE)
+    UPDATE pacegate_budgets AS b
+    SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
+    FROM old WHERE b.destination = old.destination
+    RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
+pub(super) const SQL_HEARTBEAT: &str =
+    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen, divisor, alone_ms)
+        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp(), $5, $6)
+    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp(), divisor = $5, alone_ms = $6";
+/// The other instances a heartbeat reports back: every row younger than the longest time any
+/// instance may pace alone (the caller tells what it still counts).
+pub(super) const SQL_PEERS: &str = "SELECT id,
+        greatest(extract(epoch FROM clock_timestamp() - last_seen), 0)::double precision,
+        divisor, alone_ms
+    FROM pacegate_instances
+    WHERE id <> $1 AND last_seen > clock_timestamp() - make_interval(secs => $2)";
+pub(super) const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
+        extract(epoch FROM clock_timestamp() - last_seen)::double precision
+    FROM pacegate_instances
+    WHERE last_seen > clock_timestamp() - make_interval(secs => $1)
+    ORDER BY started_at";
+pub(super) const SQL_FORGET: &str = "DELETE FROM pacegate_instances WHERE id = $1";
+pub(super) const SQL_FORGET_RULES: &str = "DELETE FROM pacegate_rules WHERE instance = $1";
+/// This instance's rules: one row per destination, and none for a destination it no longer has.
+pub(super) const SQL_WRITE_RULES: &str = "WITH mine AS (
+        SELECT * FROM unnest($2::text[], $3::text[], $4::text[]) AS m(destination, fingerprint, rule)),
+    gone AS (DELETE FROM pacegate_rules AS r WHERE r.instance = $1
+        AND r.destination NOT IN (SELECT destination FROM mine))
+    INSERT INTO pacegate_rules (destination, instance, fingerprint, rule)
+        SELECT destination, $1, fingerprint, rule FROM mine
+    ON CONFLICT (destination, instance) DO UPDATE
+        SET fingerprint = EXCLUDED.fingerprint, rule = EXCLUDED.rule, written_at = clock_timestamp()";
+/// The rules of live instances that differ from this one's, destination by destination.
+pub(super) const SQL_OTHER_RULES: &str = "SELECT r.destination, r.instance, r.fingerprint, r.rule
+    FROM pacegate_rules AS r
+    JOIN pacegate_instances AS l ON l.id = r.instance
+    JOIN unnest($2::text[], $3::text[]) AS m(destination, fingerprint) ON m.destination = r.destination
+    WHERE r.instance <> $1 AND r.fingerprint <> m.fingerprint
+      AND l.last_seen > clock_timestamp() - make_interval(secs => $4)
+    ORDER BY r.destination, r.instance";
+/// The columns `view_of` reads, in its order.
+macro_rules! view_columns {
+    () => {
+        "backoff, generation, clean_streak,
+        CASE WHEN paused_until > clock_timestamp()
+            THEN extract(epoch FROM paused_until - clock_timestamp())::double precision ELSE 0 END,
+        lock_since, lock_status, lock_request, lock_instance,
+        CASE WHEN paused_until > clock_timestamp() THEN paused_by END,
+        block_streak,
+        CASE WHEN vendor_reset > clock_timestamp() THEN vendor_family END,
+        CASE WHEN vendor_reset > clock_timestamp()
+            THEN GREATEST(vendor_remaining - vendor_taken, 0) END,
+        CASE WHEN vendor_reset > clock_timestamp() THEN vendor_limit END,
+        CASE WHEN vendor_reset > clock_timestamp()
+            THEN extract(epoch FROM vendor_reset - clock_timestamp())::double precision END"
+    };
+}
+pub(super) const SQL_BUDGETS: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    ", destination FROM pacegate_budgets ORDER BY destination"
+);
+pub(super) const SQL_VIEW: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    " FROM pacegate_budgets WHERE destination = $1"
+);
+/// What status shows of many destinations, in one statement: each budget (the view's columns,
+/// then whether the row exists, as `known`), every live instance's waiting requests by class
+/// (three arrays, by class), and each quota window's count. `$1`: the destinations; `$2`,
+/// `$3`: every quota window as (its destination, its length in seconds), in the rules' order;
+/// `$4`, `$5`: this instance and the waiters' lease, as for `SQL_WAITING`.
+pub(super) const SQL_SNAPSHOT: &str = concat!(
+    "SELECT ",
+    view_columns!(),
+    ", b.destination IS NOT NULL, w.classes, w.counts, w.oldest, q.used
+    FROM unnest($1::text[]) WITH ORDINALITY AS d(destination, n)
+    LEFT JOIN pacegate_budgets AS b ON b.destination = d.destination
+    LEFT JOIN LATERAL (
+        SELECT array_agg(g.class ORDER BY g.class) AS classes,
+            array_agg(g.count ORDER BY g.class) AS counts,
+            array_agg(g.oldest ORDER BY g.class) AS oldest
+        FROM (SELECT wl.class, sum(wl.count)::bigint AS count,
+                extract(epoch FROM clock_timestamp() - min(wl.since))::double precision AS oldest
+            FROM pacegate_waiting AS wl LEFT JOIN pacegate_instances AS l ON l.id = wl.instance
+            WHERE wl.destination = d.destination
+              AND (wl.instance = $4 OR l.last_seen > clock_timestamp() - make_interval(secs => $5))
+            GROUP BY wl.class) AS g) AS w ON true
+    LEFT JOIN LATERAL (
+        SELECT array_agg((SELECT count(*) FROM pacegate_sends AS s
+                WHERE s.destination = qw.destination
+                  AND s.at > clock_timestamp() - make_interval(secs => qw.per))
+            ORDER BY qw.n) AS used
+        FROM unnest($2::text[], $3::float8[]) WITH ORDINALITY AS qw(destination, per, n)
+        WHERE qw.destination = d.destination) AS q ON true
+    ORDER BY d.n"
+);

@@ -1,0 +1,438 @@
+//! The postgres store against a fresh database per test.
+
+use super::*;
+use crate::budget::contract;
+use crate::fleet::{Membership, Report};
+
+async fn store() -> PostgresStore {
+    let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
+    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    store
+}
+
+fn instance(id: &str) -> Instance {
+    Instance {
+        id: id.into(),
+        host: "test".into(),
+        pid: 1,
+        version: "0".into(),
+    }
+}
+
+const REPORT: Report = Report {
+    divisor: 2,
+    alone_for: Duration::from_secs(60),
+};
+
+/// Two live instances on one fresh store.
+async fn pair() -> (PostgresStore, PostgresStore) {
+    let url = testdb::fresh().await;
+    let a = PostgresStore::new(&url, 4).unwrap().with_instance("a");
+    a.migrate().await.unwrap();
+    let b = PostgresStore::new(&url, 4).unwrap().with_instance("b");
+    a.heartbeat(&instance("a"), REPORT).await.unwrap();
+    b.heartbeat(&instance("b"), REPORT).await.unwrap();
+    (a, b)
+}
+
+#[tokio::test]
+async fn passes_the_store_contract() {
+    contract::run_all(store, Duration::from_millis(2)).await;
+    contract::run_shared(pair).await;
+}
+
+#[tokio::test]
+async fn an_unchanged_wait_list_is_not_rewritten() {
+    let (a, _b) = pair().await;
+    let r = contract::rule(100.0);
+    let three = [contract::waiting(contract::BACKFILL, 3, 100)];
+    assert_eq!(
+        contract::ask(&a, &r, &three).await.unwrap(),
+        contract::BACKFILL
+    );
+    // What the pacer hands over next: two left, the second oldest now the oldest.
+    let two = [ClassQueue {
+        count: 2,
+        oldest: three[0].next.unwrap(),
+        ..three[0]
+    }];
+    // Rows changed behind the store's back show whether it wrote them again.
+    let db = a.client().await.unwrap();
+    db.execute("UPDATE pacegate_waiting SET count = 10", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        contract::ask(&a, &r, &two).await.unwrap(),
+        contract::BACKFILL
+    );
+    let left = a.waiting("d").await.unwrap();
+    assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 9), "{left:?}");
+    // A list that changed is written.
+    let five = [contract::waiting(contract::BACKFILL, 5, 50)];
+    assert_eq!(
+        contract::ask(&a, &r, &five).await.unwrap(),
+        contract::BACKFILL
+    );
+    let left = a.waiting("d").await.unwrap();
+    assert_eq!((left[0].0, left[0].1), (contract::BACKFILL, 4), "{left:?}");
+    // So is one told without a reservation, and an unchanged one is not.
+    a.wait_list("d", &five).await.unwrap();
+    db.execute("UPDATE pacegate_waiting SET count = 10", &[])
+        .await
+        .unwrap();
+    a.wait_list("d", &five).await.unwrap();
+    assert_eq!(a.waiting("d").await.unwrap()[0].1, 10);
+}
+
+#[tokio::test]
+async fn after_a_yield_the_wait_list_is_told_again() {
+    let (a, b) = pair().await;
+    let r = contract::rule(100.0);
+    let backfill = [contract::waiting(contract::BACKFILL, 2, 100)];
+    b.wait_list("d", &[contract::waiting(Class(0), 1, 10)])
+        .await
+        .unwrap();
+    assert!(matches!(
+        contract::ask(&a, &r, &backfill).await,
+        Err(ReserveError::Yield(_))
+    ));
+    // a's rows vanish (a lease that ran out while it stalled), and b's request leaves.
+    a.client()
+        .await
+        .unwrap()
+        .execute("DELETE FROM pacegate_waiting", &[])
+        .await
+        .unwrap();
+    b.wait_list("d", &[]).await.unwrap();
+    assert_eq!(
+        contract::ask(&a, &r, &backfill).await.unwrap(),
+        contract::BACKFILL
+    );
+}
+
+#[tokio::test]
+async fn waiters_keep_their_place_only_while_their_instance_keeps_asking() {
+    let (a, b) = pair().await;
+    let r = contract::rule(100.0);
+    let older = [contract::waiting(contract::BACKFILL, 3, 1000)];
+    let newer = [contract::waiting(contract::BACKFILL, 3, 10)];
+    assert_eq!(
+        contract::ask(&a, &r, &older).await.unwrap(),
+        contract::BACKFILL
+    );
+    assert!(
+        matches!(
+            contract::ask(&b, &r, &newer).await,
+            Err(ReserveError::Yield(_))
+        ),
+        "a's older request goes first while a asks"
+    );
+    // a stops asking (cut off from the database, its heartbeat still fresh): within half a
+    // second of its slot its requests no longer hold b's back.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    b.heartbeat(&instance("b"), REPORT).await.unwrap();
+    assert_eq!(
+        contract::ask(&b, &r, &newer).await.unwrap(),
+        contract::BACKFILL
+    );
+    // Asking again, a has its place back.
+    let left = [contract::waiting(contract::BACKFILL, 2, 1000)];
+    assert_eq!(
+        contract::ask(&a, &r, &left).await.unwrap(),
+        contract::BACKFILL
+    );
+    let newer = [contract::waiting(contract::BACKFILL, 3, 10)];
+    assert!(matches!(
+        contract::ask(&b, &r, &newer).await,
+        Err(ReserveError::Yield(_))
+    ));
+}
+
+#[tokio::test]
+async fn waiters_count_only_while_their_instance_heartbeats() {
+    let (a, b) = pair().await;
+    let r = contract::rule(100.0);
+    let interactive = [contract::waiting(Class(0), 5, 1000)];
+    let backfill = [contract::waiting(Class(2), 5, 1000)];
+    let ask = |queues| Ask {
+        queues,
+        not_after: None,
+        most: 1,
+    };
+    a.wait_list("d", &interactive).await.unwrap();
+    assert!(matches!(
+        b.reserve("d", &r, ask(&backfill)).await,
+        Err(ReserveError::Yield(_))
+    ));
+    // a's lease runs out: its last heartbeat is just older than WAITER_LEASE.
+    a.client()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE pacegate_instances SET last_seen = last_seen - make_interval(secs => $1) WHERE id = 'a'",
+            &[&(WAITER_LEASE.as_secs_f64() + 0.5)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        b.reserve("d", &r, ask(&backfill)).await.unwrap().class,
+        Class(2)
+    );
+    // Its rows are dropped at the next heartbeat of anyone.
+    b.heartbeat(&instance("b"), REPORT).await.unwrap();
+    assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(2));
+}
+
+#[tokio::test]
+async fn a_heartbeat_answers_the_others_with_their_age_and_report() {
+    let (a, b) = pair().await;
+    let three = Report {
+        divisor: 3,
+        alone_for: Duration::from_millis(1500),
+    };
+    let peers = b.heartbeat(&instance("b"), three).await.unwrap();
+    assert_eq!(peers.len(), 1, "{peers:?}");
+    assert_eq!((peers[0].id.as_str(), peers[0].report), ("a", REPORT));
+    assert!(peers[0].age < Duration::from_secs(1), "{peers:?}");
+    // A stale heartbeat reads as old as it is, by the store's clock.
+    a.client()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE pacegate_instances SET last_seen = last_seen - interval '10 seconds' WHERE id = 'b'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let peers = a.heartbeat(&instance("a"), REPORT).await.unwrap();
+    assert_eq!((peers[0].id.as_str(), peers[0].report), ("b", three));
+    assert!(
+        (10.0..11.0).contains(&peers[0].age.as_secs_f64()),
+        "{peers:?}"
+    );
+}
+
+#[tokio::test]
+async fn migrations_apply_once_and_concurrently() {
+    let url = testdb::fresh().await;
+    let stores: Vec<_> = (0..10)
+        .map(|_| PostgresStore::new(&url, 2).unwrap())
+        .collect();
+    let results = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+    let applied: Vec<Vec<i32>> = results.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        applied.iter().filter(|a| !a.is_empty()).count(),
+        1,
+        "{applied:?}"
+    );
+    stores[0].check_schema().await.unwrap();
+}
+
+#[test]
+fn every_function_is_defined_once_and_only_in_functions_sql() {
+    let defines = |sql: &str| {
+        sql.matches("CREATE OR REPLACE FUNCTION").count() + sql.matches("CREATE FUNCTION").count()
+    };
+    for (version, name, sql) in migrations::MIGRATIONS {
+        assert_eq!(
+            defines(sql),
+            0,
+            "migration {version} ({name}) defines a function"
+        );
+    }
+    let functions = include_str!("../../../migrations/functions.sql");
+    let mut names: Vec<&str> = functions
+        .split("CREATE OR REPLACE FUNCTION ")
+        .skip(1)
+        .map(|rest| rest.split('(').next().unwrap_or_default())
+        .collect();
+    let n = names.len();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), n, "a function defined twice: {names:?}");
+    assert_eq!(
+        defines(functions),
+        n,
+        "every definition is CREATE OR REPLACE"
+    );
+}
+
+#[tokio::test]
+async fn functions_that_differ_are_re_applied_and_old_ones_dropped() {
+    let store = store().await;
+    let client = store.client().await.unwrap();
+    // The database as an older binary left it: another digest, another body of a function
+    // this binary calls, and an overload of two releases back.
+    client
+        .batch_execute(
+            "UPDATE pacegate_schema_functions SET digest = 'older';
+             CREATE OR REPLACE FUNCTION pacegate_pause_secs(
+                 p_secs double precision, p_at timestamptz, now_ts timestamptz,
+                 p_max double precision)
+             RETURNS double precision LANGUAGE sql IMMUTABLE AS $$ SELECT -1.0::double precision $$;
+             CREATE FUNCTION pacegate_reserve(text, double precision, integer, double precision)
+             RETURNS integer LANGUAGE sql AS $$ SELECT 0 $$;",
+        )
+        .await
+        .unwrap();
+    let err = store.check_schema().await.unwrap_err();
+    assert!(err.to_string().contains("not this binary's"), "{err}");
+    assert_eq!(
+        store.migrate().await.unwrap(),
+        Vec::<i32>::new(),
+        "no numbered migration is new"
+    );
+    store.check_schema().await.unwrap();
+    let pause: f64 = client
+        .query_one(
+            "SELECT pacegate_pause_secs(5, NULL, clock_timestamp(), 60)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(pause, 5.0, "this binary's function is back");
+    let old: Option<String> = client
+        .query_one(
+            "SELECT to_regprocedure('pacegate_reserve(text, double precision, integer, double precision)')::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(old, None, "the overload of two releases back is dropped");
+}
+
+#[tokio::test]
+async fn a_newer_schema_is_refused() {
+    let store = store().await;
+    let client = store.client().await.unwrap();
+    client
+        .execute(
+            "INSERT INTO pacegate_schema_migrations (version, name) VALUES (999, 'future')",
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(client);
+    let err = store.migrate().await.unwrap_err();
+    assert!(
+        err.to_string().contains("newer than this pacegate binary"),
+        "{err}"
+    );
+    assert!(store.check_schema().await.is_err());
+}
+
+#[tokio::test]
+async fn heartbeats_count_live_instances() {
+    let store = store().await;
+    let me = |n: i32| Instance {
+        id: format!("host/{n}/x"),
+        host: "host".into(),
+        pid: n,
+        version: "test".into(),
+    };
+    store.heartbeat(&me(1), REPORT).await.unwrap();
+    store.heartbeat(&me(2), REPORT).await.unwrap();
+    store.heartbeat(&me(1), REPORT).await.unwrap();
+    let live = store.live_instances(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(live.iter().map(|i| i.pid).collect::<Vec<_>>(), [1, 2]);
+    store.forget(&me(2)).await.unwrap();
+    assert_eq!(
+        store
+            .live_instances(Duration::from_secs(5))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        store
+            .live_instances(Duration::from_millis(200))
+            .await
+            .unwrap()
+            .is_empty(),
+        "a silent instance leaves the count"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_row_is_recreated_at_now() {
+    let store = store().await;
+    let rule = contract::rule(10.0);
+    contract::take(&store, "d", &rule, None).await.unwrap();
+    store
+        .client()
+        .await
+        .unwrap()
+        .execute("TRUNCATE pacegate_budgets", &[])
+        .await
+        .unwrap();
+    let now = Instant::now();
+    let slot = contract::take(&store, "d", &rule, None).await.unwrap();
+    assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
+}
+
+#[tokio::test]
+async fn a_long_block_streak_stays_at_the_cap() {
+    // An hour's block doubled 40 times is far past what a bigint of µs holds.
+    let store = store().await;
+    let rule = Rule {
+        block: Some(crate::destination::Block {
+            min: Duration::from_secs(3600),
+            max: Duration::from_secs(7200),
+            jitter: 0.0,
+        }),
+        ..contract::rule(10.0)
+    };
+    store.view("d").await.unwrap();
+    contract::take(&store, "d", &rule, None).await.unwrap();
+    store
+        .client()
+        .await
+        .unwrap()
+        .execute("UPDATE pacegate_budgets SET block_streak = 45", &[])
+        .await
+        .unwrap();
+    let throttle = Event::Throttled {
+        generation: 0,
+        retry_after: None,
+        reset: None,
+        spread: 0.0,
+    };
+    let view = store.record("d", &rule, throttle, None).await.unwrap();
+    assert_eq!(view.block_streak, 46);
+    assert!(view.paused_for > Duration::from_secs(7199), "{view:?}");
+    assert!(view.paused_for <= Duration::from_secs(7200), "{view:?}");
+}
+
+#[tokio::test]
+async fn slots_are_placed_by_a_probe_of_the_database_clock() {
+    let url = testdb::fresh().await;
+    let rule = contract::rule(1000.0);
+    let first = PostgresStore::new(&url, 1).unwrap();
+    first.migrate().await.unwrap();
+    // The destination's row exists, so that the reservation is one statement.
+    contract::take(&first, "d", &rule, None).await.unwrap();
+    // Past the interval, so that the next slot is "now".
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let store = PostgresStore::new(&url, 1).unwrap();
+    let before = store.statements();
+    let sent = Instant::now();
+    let slot = contract::take(&store, "d", &rule, None).await.unwrap();
+    let round_trip = sent.elapsed();
+    // The clock was unknown: a read-only probe went first, then the one-statement
+    // reservation, whose own span (its round trip, with the commit's log flush) can only
+    // narrow what the probe found.
+    assert_eq!(store.statements() - before, 2);
+    assert!(
+        slot.unseen_late <= round_trip,
+        "{:?} unseen in a {round_trip:?} round trip",
+        slot.unseen_late
+    );
+    // The slot is "now" on the database clock: placed no earlier than the reservation was
+    // sent, and no later than its answer came.
+    assert!(slot.at >= sent);
+    assert!(slot.at <= sent + round_trip);
+}

@@ -1,0 +1,762 @@
+//! Pacing through the real proxy, measured where it matters: arrival times at the upstream.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use support::{admin_client, burst_of, busiest, client, Alpn, FakeUpstream, TestProxy};
+
+/// A destination `local` for localhost with the given pacing keys.
+fn local(keys: &str) -> String {
+    format!("[destinations.local]\nhosts = [\"localhost\"]\n{keys}\n")
+}
+
+async fn start(upstream: &FakeUpstream, keys: &str) -> TestProxy {
+    TestProxy::start(&upstream.ca.cert_path, "", &local(keys)).await
+}
+
+/// Every scenario here measures arrival times, and the fake upstream shares the machine with
+/// what it measures: it dates a request when its head reached the socket, not when its busy
+/// task got round to it.
+#[test]
+fn the_upstream_dates_a_request_when_it_reached_the_socket() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let upstream = FakeUpstream::start().await;
+        let mut tcp = tokio::net::TcpStream::connect(upstream.http).await.unwrap();
+        for path in ["/first", "/dated"] {
+            let head = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n");
+            tcp.write_all(head.as_bytes()).await.unwrap();
+            let sent = Instant::now();
+            if path == "/dated" {
+                // The upstream's tasks cannot run while this one holds the runtime's thread.
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            // The whole answer (by its Content-Length), so the next starts clean.
+            let mut answer = Vec::new();
+            let whole = loop {
+                let mut chunk = [0u8; 4096];
+                let n = tcp.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "the upstream closed the connection");
+                answer.extend_from_slice(&chunk[..n]);
+                let text = String::from_utf8_lossy(&answer).to_lowercase();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length: usize = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .map_or(0, |n| n.trim().parse().unwrap());
+                    if answer.len() >= end + 4 + length {
+                        break text;
+                    }
+                }
+            };
+            assert!(whole.starts_with("http/1.1 200"), "{whole}");
+            let at = upstream.recorded().last().unwrap().at;
+            let after = at.saturating_duration_since(sent);
+            assert!(
+                after < Duration::from_millis(150),
+                "{path} dated {after:?} after it was sent"
+            );
+        }
+    });
+}
+
+#[tokio::test]
+async fn the_rate_holds_at_the_upstream_for_http_and_https() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 20").await;
+    let urls = (0..40)
+        .map(|i| {
+            if i % 2 == 0 {
+                format!("{}/?{i}", upstream.http_url("localhost"))
+            } else {
+                format!("{}/?{i}", upstream.https_url("localhost"))
+            }
+        })
+        .collect();
+    let statuses = burst_of(&proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let at = upstream.arrivals();
+    assert_eq!(at.len(), 40);
+    let span = *at.last().unwrap() - at[0];
+    assert!(
+        span >= Duration::from_millis(1900),
+        "40 requests at 20/s took only {span:?}"
+    );
+    let most = busiest(&at, Duration::from_secs(1));
+    assert!(
+        most <= 21,
+        "{most} requests reached the upstream within one second"
+    );
+    let metrics = proxy.metrics().await;
+    assert!(
+        metrics.contains("pacegate_wait_seconds_count{destination=\"local\"} 40"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("pacegate_reservation_seconds_count{store=\"memory\"}"));
+}
+
+#[tokio::test]
+async fn fractional_rates() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 2.5").await;
+    let urls = (0..4)
+        .map(|i| format!("{}/?{i}", upstream.http_url("localhost")))
+        .collect();
+    burst_of(&proxy, urls).await;
+    let at = upstream.arrivals();
+    for pair in at.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= Duration::from_millis(380), "gap {gap:?} at 2.5/s");
+    }
+    let s = proxy.destination("local").await;
+    assert_eq!(s["rate"], 2.5);
+}
+
+async fn gaps_of_three(proxy: &TestProxy, upstream: &FakeUpstream) -> Vec<Duration> {
+    upstream.clear();
+    let urls = (0..3)
+        .map(|i| format!("{}/?{i}", upstream.http_url("localhost")))
+        .collect();
+    burst_of(proxy, urls).await;
+    upstream
+        .arrivals()
+        .windows(2)
+        .map(|p| p[1] - p[0])
+        .collect()
+}
+
+#[tokio::test]
+async fn a_429_widens_the_spacing_until_the_clean_streak_decays_it() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 10\ndecay_after = 3\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/status/429", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    let s = proxy.destination("local").await;
+    assert_eq!(
+        (s["backoff"].as_f64(), s["effective_rate"].as_f64()),
+        (Some(2.0), Some(5.0))
+    );
+    // Backoff 2 at rate 10: 200 ms apart.
+    for gap in gaps_of_three(&proxy, &upstream).await {
+        assert!(
+            gap >= Duration::from_millis(190),
+            "gap {gap:?} while widened"
+        );
+    }
+    // Those three were clean: the backoff has decayed to 1, so 100 ms apart again.
+    assert_eq!(proxy.destination("local").await["backoff"], 1.0);
+    for gap in gaps_of_three(&proxy, &upstream).await {
+        assert!(
+            gap >= Duration::from_millis(90) && gap < Duration::from_millis(190),
+            "gap {gap:?} after decay"
+        );
+    }
+    let metrics = proxy.metrics().await;
+    assert!(metrics.contains(
+        "pacegate_verdicts_total{destination=\"local\",reason=\"status\",verdict=\"throttled\"} 1"
+    ));
+    assert!(metrics.contains(
+        "pacegate_verdicts_total{destination=\"local\",reason=\"status\",verdict=\"clean\"} 6"
+    ));
+    assert!(metrics.contains("pacegate_backoff_multiplier{destination=\"local\"} 1"));
+}
+
+#[tokio::test]
+async fn ten_concurrent_429s_widen_once() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nburst = 10\nretry_throttled = 0").await;
+    // The upstream holds each answer, so all ten are in flight under one generation.
+    let urls = (0..10)
+        .map(|i| {
+            format!(
+                "{}/status/429?delay=300&i={i}",
+                upstream.http_url("localhost")
+            )
+        })
+        .collect();
+    let statuses = burst_of(&proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 429));
+    let s = proxy.destination("local").await;
+    assert_eq!(s["backoff"], 2.0, "{s}");
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_backoff_multiplier{destination=\"local\"} 2"));
+}
+
+#[tokio::test]
+async fn retry_after_seconds_pauses_every_request() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let resp = via
+        .get(format!(
+            "{}/status/429?h=Retry-After:2",
+            upstream.http_url("localhost")
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.headers()["retry-after"],
+        "2",
+        "the client sees the upstream's Retry-After"
+    );
+    let s = proxy.destination("local").await;
+    assert!(s["paused_for_seconds"].as_f64().unwrap() > 1.5, "{s}");
+    let metrics = proxy.metrics().await;
+    assert!(
+        !metrics.contains("pacegate_paused_until_seconds{destination=\"local\"} 0\n"),
+        "{metrics}"
+    );
+    // Another request, to another path, waits out the pause.
+    let resp = via
+        .get(format!("{}/other", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let at = upstream.arrivals();
+    assert!(
+        at[1] - at[0] >= Duration::from_millis(1950),
+        "paused only {:?}",
+        at[1] - at[0]
+    );
+}
+
+#[tokio::test]
+async fn retry_after_as_an_http_date_pauses_every_request() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/retry-date/3", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    via.get(format!("{}/other", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    let at = upstream.arrivals();
+    // The date is 3 s after the response's Date, which has whole-second precision: the pause
+    // from the response is between 2 and 3 s.
+    assert!(
+        at[1] - at[0] >= Duration::from_millis(1950),
+        "paused only {:?}",
+        at[1] - at[0]
+    );
+}
+
+#[tokio::test]
+async fn a_403_locks_out_until_an_operator_unlocks_even_across_a_restart() {
+    let upstream = FakeUpstream::start().await;
+    std::env::set_var("PACEGATE_TEST_ADMIN_TOKEN", "s3cret-token");
+    let proxy = TestProxy::start_with(
+        &upstream.ca.cert_path,
+        "",
+        "token_env = \"PACEGATE_TEST_ADMIN_TOKEN\"",
+        &local("rate = 100"),
+    )
+    .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let locking = format!("{}/status/403?secret=1", upstream.https_url("localhost"));
+    let resp = via.get(&locking).send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(
+        resp.headers().get("proxy-status").is_none(),
+        "the first 403 is the upstream's own"
+    );
+    let refused = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    let ps = refused.headers()["proxy-status"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        ps.contains("locked out") && ps.contains("pacegate unlock local"),
+        "{ps}"
+    );
+    assert!(!ps.contains("secret=1"), "query strings are not kept: {ps}");
+    assert_eq!(
+        upstream.recorded().len(),
+        1,
+        "nothing reaches a locked destination"
+    );
+    let s = proxy.destination("local").await;
+    assert_eq!(s["lock"]["status"], 403);
+    assert_eq!(
+        s["lock"]["request"],
+        format!("GET https://localhost:{}/status/403", upstream.https.port())
+    );
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_locked{destination=\"local\"} 1"));
+
+    let proxy = proxy.restart().await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let refused = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403, "still locked after a restart");
+    assert!(refused.headers().contains_key("proxy-status"));
+
+    let admin = admin_client();
+    let unlock = format!("http://{}/destinations/local/unlock", proxy.admin);
+    assert_eq!(
+        admin.post(&unlock).send().await.unwrap().status(),
+        401,
+        "POSTs need the token"
+    );
+    let resp = admin
+        .post(&unlock)
+        .bearer_auth("s3cret-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(body["was_locked"], true);
+    let resp = via
+        .get(format!("{}/fine", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "service restored");
+    assert_eq!(
+        proxy.destination("local").await["lock"],
+        serde_json::Value::Null
+    );
+}
+
+#[tokio::test]
+async fn throttled_gets_are_retried_and_posts_are_not() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 100\nretry_throttled = 2").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let base = upstream.https_url("localhost");
+    let resp = via.get(format!("{base}/flaky/2/get")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "finally\n");
+    // Even a body-less POST is never retried: it is not idempotent.
+    let resp = via
+        .post(format!("{base}/flaky/2/post"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429, "POST is never retried");
+    // Nor is a GET with a body.
+    let resp = via
+        .get(format!("{base}/flaky/2/withbody"))
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429, "a request with a body is never retried");
+    let resp = via
+        .get(format!("{base}/flaky/9/many?h=Retry-After:1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        429,
+        "after retry_throttled retries, the last throttled answer"
+    );
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert_eq!(resp.text().await.unwrap(), "slow down\n");
+    let count = |key: &str| {
+        upstream
+            .recorded()
+            .iter()
+            .filter(|r| r.path.contains(key))
+            .count()
+    };
+    assert_eq!(
+        (
+            count("/get"),
+            count("/post"),
+            count("/withbody"),
+            count("/many")
+        ),
+        (3, 1, 1, 3)
+    );
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_retries_total{destination=\"local\"} 4"));
+}
+
+#[tokio::test]
+async fn no_slot_within_max_wait_is_a_503_with_retry_after() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 1\nmax_wait = \"300ms\"").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..3)
+        .map(|i| {
+            let via = via.clone();
+            let url = format!("{}/?{i}", upstream.http_url("localhost"));
+            tokio::spawn(async move { via.get(url).send().await.unwrap() })
+        })
+        .collect();
+    let mut refused = 0;
+    for t in tasks {
+        let resp = t.await.unwrap();
+        if resp.status() == 503 {
+            refused += 1;
+            assert!(
+                resp.headers()["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse::<u64>()
+                    .unwrap()
+                    >= 1
+            );
+            let ps = resp.headers()["proxy-status"].to_str().unwrap();
+            assert!(
+                ps.contains("error=destination_unavailable") && ps.contains("max_wait"),
+                "{ps}"
+            );
+        } else {
+            assert_eq!(resp.status(), 200);
+        }
+    }
+    assert_eq!(refused, 2);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refusals came after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(upstream.recorded().len(), 1);
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_requests_total{destination=\"local\",outcome=\"deadline\"} 2"));
+}
+
+#[tokio::test]
+async fn a_client_that_gives_up_leaves_the_queue_at_once() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 0.5").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let url = |p: &str| format!("{}/{p}", upstream.http_url("localhost"));
+    assert_eq!(via.get(url("first")).send().await.unwrap().status(), 200);
+    let impatient = support::client_with(Some(&proxy.url()), &[], Alpn::Http1, |b| {
+        b.timeout(Duration::from_millis(300))
+    });
+    assert!(impatient.get(url("gone")).send().await.is_err());
+    support::eventually(Duration::from_secs(2), "the queue to empty", || async {
+        (proxy.destination("local").await["waiting"] == 0).then_some(())
+    })
+    .await;
+    let resp = via.get(url("next")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let paths: Vec<String> = upstream.recorded().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(
+        paths,
+        ["/first", "/next"],
+        "the abandoned request was never sent"
+    );
+    let at = upstream.arrivals();
+    assert!(
+        at[1] - at[0] < Duration::from_millis(2500),
+        "its slot was passed on: {:?}",
+        at[1] - at[0]
+    );
+}
+
+#[tokio::test]
+async fn max_concurrency_bounds_requests_in_flight() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 1000\nmax_concurrency = 2").await;
+    let urls = (0..6)
+        .map(|i| format!("{}/sleep/300?{i}", upstream.http_url("localhost")))
+        .collect();
+    let proxy_ref = &proxy;
+    let watcher = async {
+        let mut most = 0;
+        for _ in 0..20 {
+            let s = proxy_ref.destination("local").await;
+            most = most.max(s["in_flight"].as_u64().unwrap());
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        most
+    };
+    let (statuses, most) = tokio::join!(burst_of(&proxy, urls), watcher);
+    assert!(statuses.iter().all(|s| *s == 200));
+    assert!((1..=2).contains(&most), "in flight peaked at {most}");
+    let at = upstream.arrivals();
+    // Two at a time, each held 300 ms: the 3rd and 5th arrive a hold time after the 1st and 3rd.
+    assert!(
+        at[2] - at[0] >= Duration::from_millis(280),
+        "{:?}",
+        at[2] - at[0]
+    );
+    assert!(
+        at[4] - at[2] >= Duration::from_millis(280),
+        "{:?}",
+        at[4] - at[2]
+    );
+}
+
+#[tokio::test]
+async fn a_blind_tunnel_to_a_destination_takes_a_slot() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 2\nintercept = false").await;
+    // The client trusts only the upstream's CA: this works only through a blind tunnel.
+    let direct_trust = [upstream.ca.cert_path.as_path()];
+    let started = Instant::now();
+    for i in 0..3 {
+        let c = client(Some(&proxy.url()), &direct_trust, Alpn::Http1);
+        let resp = c
+            .get(format!("{}/?{i}", upstream.https_url("localhost")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "three tunnels at 2/s took {:?}",
+        started.elapsed()
+    );
+    assert!(proxy
+        .metrics()
+        .await
+        .contains("pacegate_requests_total{destination=\"local\",outcome=\"tunneled\"} 3"));
+}
+
+#[tokio::test]
+async fn status_command_prints_a_table() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 4").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    via.get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    let config = proxy.dir.path().join(support::CONFIG_FILE);
+    let admin = format!("http://{}", proxy.admin);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pacegate"))
+        .args([
+            "status",
+            "--config",
+            config.to_str().unwrap(),
+            "--admin",
+            &admin,
+        ])
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(table.starts_with("DESTINATION"), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("local"))
+        .expect("a row for local");
+    assert!(row.contains("4/s") && row.contains("x1"), "{row}");
+    let unlock = tokio::process::Command::new(env!("CARGO_BIN_EXE_pacegate"))
+        .args([
+            "unlock",
+            "local",
+            "--config",
+            config.to_str().unwrap(),
+            "--admin",
+            &admin,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(unlock.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&unlock.stdout).trim(),
+        "local was not locked"
+    );
+}
+
+/// Four requests at once to an upstream whose new connections take 60 ms to be served, with
+/// answers slow enough (300 ms) that each request needs a connection of its own. A request
+/// first opens one connection (and, for https, mints the certificate), so that the first of
+/// the four goes on its slot. Returns each arrival after the first of the four, in order.
+async fn arrivals_on_slow_connections(
+    proxy: &TestProxy,
+    upstream: &FakeUpstream,
+    base: &str,
+) -> Vec<Duration> {
+    let warm = burst_of(proxy, vec![format!("{base}/")]).await;
+    assert_eq!(warm, [200]);
+    upstream.slow_start(Duration::from_millis(60));
+    let urls = (0..4).map(|i| format!("{base}/sleep/300?{i}")).collect();
+    let statuses = burst_of(proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let mut at: Vec<Instant> = upstream
+        .recorded()
+        .iter()
+        .filter(|r| r.path.starts_with("/sleep/"))
+        .map(|r| r.at)
+        .collect();
+    at.sort();
+    at.iter().map(|t| *t - at[0]).collect()
+}
+
+#[tokio::test]
+async fn a_request_that_waits_for_its_slot_gets_its_connection_meanwhile() {
+    for scheme in ["http", "https"] {
+        let upstream = FakeUpstream::start().await;
+        // 100 ms apart, and no burst after the warm-up's slot.
+        let proxy = start(&upstream, "rate = 10").await;
+        let base = if scheme == "http" {
+            upstream.http_url("localhost")
+        } else {
+            upstream.https_url("localhost")
+        };
+        let at = arrivals_on_slow_connections(&proxy, &upstream, &base).await;
+        assert_eq!(at.len(), 4, "{at:?}");
+        // The first takes the pooled connection. The others wait 100, 200 and 300 ms for
+        // their slots, and each needs a new connection (the ones before are busy): opened
+        // while they wait, they reach the upstream on their slots, not 60 ms after.
+        for (k, t) in at.iter().enumerate().skip(1) {
+            let slot = Duration::from_millis(100 * k as u64);
+            assert!(
+                *t + Duration::from_millis(10) >= slot && *t < slot + Duration::from_millis(40),
+                "{scheme}: request {k} arrived {t:?} after the first, its slot {slot:?} after: {at:?}"
+            );
+        }
+    }
+}
+
+/// A request to a cold upstream takes its connection before its slot: a fresh https upstream
+/// whose handshakes take 60 ms, at 10/s, where a slot may be used 50 ms late and no more. Its
+/// slot, due at once, would be past by the time the connection is there; so it waits for the
+/// connection, then takes its slot, and uses the one slot it is granted.
+#[tokio::test]
+async fn a_request_to_a_cold_upstream_takes_its_connection_before_its_slot() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 10").await;
+    upstream.slow_start(Duration::from_millis(60));
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/", upstream.https_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let metrics = proxy.metrics().await;
+    let value = |series: &str| support::metric_value(&metrics, series);
+    assert_eq!(
+        value("pacegate_slots_dropped_total{destination=\"local\"}"),
+        0.0,
+        "no slot dropped"
+    );
+    assert_eq!(
+        value("pacegate_granted_total{class=\"default\",destination=\"local\"}"),
+        1.0,
+        "one slot granted"
+    );
+}
+
+/// A request whose slot comes before its upstream connection can: the upstream's one
+/// connection is busy with a slow answer, and a new one takes 250 ms (handshakes included), at
+/// 10/s, where a slot may be used 50 ms late and no more. The second request's slot comes
+/// 100 ms after the first's, its connection about 250 ms after: it is not sent on that slot
+/// (sent then, it would go 150 ms late and bunch with the next) but on another, once the
+/// connection opened meanwhile is there. A POST: its body goes whole all the same.
+#[tokio::test]
+async fn a_request_without_a_connection_in_time_for_its_slot_goes_on_another() {
+    // HTTP/1.1 only: over h2 the second request would share the first's connection.
+    let upstream = FakeUpstream::start_with(false).await;
+    let proxy = start(&upstream, "rate = 10").await;
+    upstream.slow_start(Duration::from_millis(250));
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let slow = format!("{}/sleep/600", upstream.https_url("localhost"));
+    let busy = tokio::spawn({
+        let via = via.clone();
+        async move { via.get(slow).send().await.unwrap().status() }
+    });
+    support::eventually(
+        Duration::from_secs(5),
+        "the slow request upstream",
+        || async { (upstream.arrivals().len() == 1).then_some(()) },
+    )
+    .await;
+    let body = "a body lent to one slot and sent on another".repeat(100);
+    let resp = via
+        .post(format!("{}/echo", upstream.https_url("localhost")))
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), body);
+    assert_eq!(busy.await.unwrap(), 200);
+    assert_eq!(upstream.arrivals().len(), 2, "each sent once");
+    let dropped = proxy
+        .metric("pacegate_slots_dropped_total{destination=\"local\"}")
+        .await;
+    assert!(
+        dropped >= 1.0,
+        "the slot before the connection is dropped: {dropped}"
+    );
+}
+
+/// An upstream that accepts and never answers the TLS handshake: the request waits for its
+/// first connection no longer than the connect timeout, then gets a 504 that says so, and
+/// spends no slot on it.
+#[tokio::test]
+async fn a_cold_upstream_that_never_answers_costs_no_slot() {
+    let upstream = FakeUpstream::start().await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            kept.push(s);
+        }
+    });
+    let extra = format!(
+        "[upstream]\nconnect_timeout = \"300ms\"\n{}",
+        local("rate = 10")
+    );
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", &extra).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let started = Instant::now();
+    let resp = via
+        .get(format!("https://localhost:{port}/"))
+        .send()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(resp.status(), 504);
+    let status = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+    assert!(status.contains("connection_timeout"), "{status}");
+    assert!(took < Duration::from_secs(3), "answered {took:?} on");
+    let granted = proxy
+        .metric("pacegate_granted_total{class=\"default\",destination=\"local\"}")
+        .await;
+    assert_eq!(granted, 0.0, "no slot spent");
+    held.abort();
+}

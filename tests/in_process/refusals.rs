@@ -1,0 +1,294 @@
+//! Refusals: everything pacegate answers itself says why, with `Proxy-Status`, and nothing
+//! reaches an upstream it should not.
+
+use crate::support;
+
+use std::time::Duration;
+
+use base64::Engine;
+use support::{client, client_with, raw_exchange, Alpn, FakeUpstream, TestProxy};
+
+const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
+
+fn proxy_status(resp: &reqwest::Response) -> String {
+    resp.headers()
+        .get("proxy-status")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn unconfigured_hosts_are_denied_by_default() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/", upstream.http_url("127.0.0.1")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    let ps = proxy_status(&resp);
+    assert!(
+        ps.starts_with("pacegate; error=http_request_denied"),
+        "{ps}"
+    );
+    assert!(ps.contains("matches no configured destination"), "{ps}");
+    let connect = format!(
+        "CONNECT 127.0.0.1:{0} HTTP/1.1\r\nHost: 127.0.0.1:{0}\r\n\r\n",
+        upstream.https.port()
+    );
+    let answer = raw_exchange(proxy.addr, connect.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(
+        answer
+            .to_lowercase()
+            .contains("proxy-status: pacegate; error=http_request_denied"),
+        "{answer}"
+    );
+    assert!(
+        upstream.recorded().is_empty(),
+        "nothing may reach an unconfigured upstream"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_requests_total{destination=\"unmatched\",outcome=\"denied\"}")
+            .await,
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn private_upstreams_are_refused_by_resolved_address() {
+    let upstream = FakeUpstream::start().await;
+    let dests = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
+    let proxy = TestProxy::start(
+        &upstream.ca.cert_path,
+        "allow_private_upstreams = false",
+        dests,
+    )
+    .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // An IP literal, a name that resolves to loopback, and the same through interception.
+    for url in [
+        upstream.http_url("127.0.0.1"),
+        upstream.http_url("localhost"),
+        upstream.https_url("localhost"),
+    ] {
+        let resp = via.get(format!("{url}/")).send().await.unwrap();
+        assert_eq!(resp.status(), 403, "{url}");
+        let ps = proxy_status(&resp);
+        assert!(
+            ps.starts_with("pacegate; error=destination_ip_prohibited"),
+            "{ps}"
+        );
+        assert!(
+            ps.contains("allow_private_upstreams"),
+            "the refusal says how to allow it: {ps}"
+        );
+    }
+    assert!(upstream.recorded().is_empty());
+    // Unmatched tunnels obey the same policy, before answering the CONNECT.
+    let tunnel = TestProxy::start(
+        &upstream.ca.cert_path,
+        "allow_private_upstreams = false\nunmatched = \"tunnel\"",
+        dests,
+    )
+    .await;
+    let connect = format!(
+        "CONNECT [::1]:{0} HTTP/1.1\r\nHost: [::1]:{0}\r\n\r\n",
+        upstream.https.port()
+    );
+    let answer = raw_exchange(tunnel.addr, connect.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("destination_ip_prohibited"), "{answer}");
+}
+
+#[tokio::test]
+async fn proxy_authentication() {
+    std::env::set_var("PACEGATE_TEST_AUTH_PW", "correct horse");
+    let upstream = FakeUpstream::start().await;
+    let auth =
+        "[proxy.auth]\nusers = [{ name = \"worker\", password_env = \"PACEGATE_TEST_AUTH_PW\" }]";
+    let proxy = TestProxy::start(&upstream.ca.cert_path, auth, LOCAL).await;
+    let http_url = format!("{}/headers", upstream.http_url("localhost"));
+    let https_url = format!("{}/headers", upstream.https_url("localhost"));
+
+    let anonymous = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = anonymous.get(&http_url).send().await.unwrap();
+    assert_eq!(resp.status(), 407);
+    assert_eq!(
+        resp.headers()["proxy-authenticate"],
+        "Basic realm=\"pacegate\""
+    );
+    assert!(proxy_status(&resp).contains("error=http_request_denied"));
+    assert!(
+        anonymous.get(&https_url).send().await.is_err(),
+        "CONNECT without credentials fails"
+    );
+
+    for (password, ok) in [("wrong", false), ("correct horse", true)] {
+        let c = client_with(None, &[&proxy.ca_path()], Alpn::Http1, |b| {
+            b.proxy(
+                reqwest::Proxy::all(proxy.url())
+                    .unwrap()
+                    .basic_auth("worker", password),
+            )
+        });
+        let http = c.get(&http_url).send().await.unwrap();
+        assert_eq!(http.status() == 200, ok, "http with {password}");
+        let https = c.get(&https_url).send().await;
+        assert_eq!(
+            https.is_ok_and(|r| r.status() == 200),
+            ok,
+            "https with {password}"
+        );
+    }
+    // The credentials are pacegate's, never the upstream's.
+    let seen = upstream.recorded();
+    assert_eq!(seen.len(), 2);
+    assert!(seen
+        .iter()
+        .all(|r| !r.headers.contains_key("proxy-authorization")));
+    let connect = format!(
+        "CONNECT localhost:{0} HTTP/1.1\r\nProxy-Authorization: Basic {1}\r\n\r\n",
+        upstream.https.port(),
+        base64::engine::general_purpose::STANDARD.encode("worker:nope")
+    );
+    let answer = raw_exchange(proxy.addr, connect.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 407"), "{answer}");
+}
+
+#[tokio::test]
+async fn unreachable_upstream_is_a_502() {
+    let upstream = FakeUpstream::start().await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    for url in [
+        format!("http://localhost:{port}/"),
+        format!("https://localhost:{port}/"),
+    ] {
+        let resp = via.get(&url).send().await.unwrap();
+        assert_eq!(resp.status(), 502, "{url}");
+        let ps = proxy_status(&resp);
+        assert!(ps.starts_with("pacegate; error=connection_refused"), "{ps}");
+    }
+    assert_eq!(
+        proxy
+            .metric("pacegate_requests_total{destination=\"local\",outcome=\"upstream_error\"}")
+            .await,
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn slow_upstream_is_a_504() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(
+        &upstream.ca.cert_path,
+        "",
+        &format!("{LOCAL}\n[upstream]\nresponse_timeout = \"300ms\"\n"),
+    )
+    .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    for base in [
+        upstream.http_url("localhost"),
+        upstream.https_url("localhost"),
+    ] {
+        let resp = via.get(format!("{base}/sleep/3000")).send().await.unwrap();
+        assert_eq!(resp.status(), 504);
+        assert!(proxy_status(&resp).starts_with("pacegate; error=http_response_timeout"));
+    }
+}
+
+#[tokio::test]
+async fn upgrade_requests_get_a_clear_refusal() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let req = format!(
+        "GET http://localhost:{0}/ws HTTP/1.1\r\nHost: localhost:{0}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+        upstream.http.port()
+    );
+    let started = std::time::Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, req.as_bytes())
+        .await
+        .unwrap();
+    let head = support::read_head(&mut stream).await;
+    assert!(head.starts_with("HTTP/1.1 501"), "{head}");
+    assert!(head.contains("error=http_upgrade_failed"), "{head}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused promptly, no hang"
+    );
+    assert!(upstream.recorded().is_empty());
+}
+
+#[tokio::test]
+async fn malformed_targets_are_bad_requests() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    for (request, why) in [
+        ("GET / HTTP/1.1\r\nHost: x\r\n\r\n", "forward proxy"),
+        (
+            "CONNECT exa..mple.com:443 HTTP/1.1\r\n\r\n",
+            "not a valid host",
+        ),
+        ("CONNECT localhost HTTP/1.1\r\n\r\n", "no port"),
+        ("CONNECT localhost:0 HTTP/1.1\r\n\r\n", "port 0"),
+        (
+            "GET https://localhost/ HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            "through CONNECT",
+        ),
+    ] {
+        let answer = raw_exchange(proxy.addr, request.as_bytes(), Duration::from_secs(2)).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "{request:?} -> {answer}"
+        );
+        assert!(
+            answer.contains("proxy-status: pacegate; error=http_request_error"),
+            "{answer}"
+        );
+        assert!(answer.contains(why), "{request:?} -> {answer}");
+    }
+    assert!(upstream.recorded().is_empty());
+}
+
+#[tokio::test]
+async fn a_paced_host_is_not_a_way_to_its_other_low_ports() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    // CONNECT to a configured host's SSH port: refused before anything is dialled.
+    let connect = b"CONNECT localhost:22 HTTP/1.1\r\nHost: localhost:22\r\n\r\n";
+    let answer = raw_exchange(proxy.addr, connect, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    let lower = answer.to_lowercase();
+    assert!(lower.contains("error=http_request_denied"), "{answer}");
+    assert!(lower.contains("port 22 is not allowed"), "{answer}");
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via.get("http://localhost:25/").send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(
+        proxy_status(&resp).contains("`ports`"),
+        "says how to allow it"
+    );
+    // The upstream's own (high) ports still work.
+    let ok = via
+        .get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+
+    // Listed in `ports`, a low port is allowed: the request goes on (and fails to connect,
+    // as nothing listens there), rather than being refused by the port rule.
+    let listed = format!("{LOCAL}ports = [25]\n");
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", &listed).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let resp = via.get("http://localhost:25/").send().await.unwrap();
+    assert_ne!(resp.status(), 403, "{}", proxy_status(&resp));
+}

@@ -1,0 +1,15 @@
+//! Scenarios on the real binary as OS processes: several `pacegate serve` instances on one
+//! throwaway PostgreSQL keeping one ceiling (through faults, in batches), and single processes
+//! for what only a process shows (reload by SIGHUP, the request log, shadow mode, a parent
+//! proxy). The timing scenarios run one at a time (`support::fleet::one_at_a_time`).
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod batches;
+mod ceiling;
+mod faults;
+mod logs;
+mod parent;
+mod reload;
+mod shadow;
