@@ -20,7 +20,8 @@
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
 //!   destination's lane) that the request carries; `pacing::admit` gets a request its slot
 //!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting requests
-//!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::rate`
+//!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::status` is
+//!   what status and the gauges show (a scrape reads no store), `pacing::rate`
 //!   counts the achieved rate, `pacing::verdict` reads a response.
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite each store passes; no I/O.

@@ -3,7 +3,7 @@
 //! Never fail open. A reservation waits at most `timeout` for the store; a slow answer only
 //! delays that slot, since pacing locally beside instances that still reach the store could
 //! exceed the ceiling. Other calls get a heartbeat's time. Only a lost store (a connection
-//! error, or a heartbeat unanswered, see [`super::fleet`]) marks it *degraded* (one ERROR
+//! error, or a heartbeat unanswered, see [`super::heartbeat`]) marks it *degraded* (one ERROR
 //! log, `pacegate_store_degraded` = 1); an odd answer or a slow one is an error of that call
 //! alone. Until the store answers again:
 //! - `divide`: this instance paces alone by its [`Standing`]: nothing for [`ALONE_AFTER`]

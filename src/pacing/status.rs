@@ -42,7 +42,7 @@ impl Pacer {
     }
 
     /// Every destination's status, from what this instance knows and the store's snapshot
-    /// of at most [`SNAPSHOT_FRESH`] ago (one statement for every destination), refreshing
+    /// of at most a second ago (one statement for every destination), refreshing
     /// the per-destination gauges on the way.
     pub async fn status(&self) -> Vec<DestinationStatus> {
         self.refresh(SNAPSHOT_FRESH).await;
@@ -91,7 +91,7 @@ impl Pacer {
         *taken = Some(Instant::now());
     }
 
-    /// Keeps the store's snapshot, and the gauges, at most [`SNAPSHOT_EVERY`] old while
+    /// Keeps the store's snapshot, and the gauges, at most 5 s old while
     /// nobody asks for status, until the pacer stops.
     pub async fn keep_current(self: Arc<Self>) {
         loop {
