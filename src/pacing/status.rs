@@ -19,7 +19,7 @@ use crate::status::{ClassStatus, DestinationStatus, LockStatus, QuotaStatus, Ven
 /// whatever the number of destinations and of readers.
 pub(super) const SNAPSHOT_FRESH: Duration = Duration::from_secs(1);
 
-/// How often the snapshot, and the gauges with it, are renewed while nobody reads status.
+/// How often the snapshot the gauges read is renewed while nobody reads status.
 pub(super) const SNAPSHOT_EVERY: Duration = Duration::from_secs(5);
 
 impl Pacer {
@@ -91,8 +91,8 @@ impl Pacer {
         *taken = Some(Instant::now());
     }
 
-    /// Keeps the store's snapshot, and the gauges, at most 5 s old while
-    /// nobody asks for status, until the pacer stops.
+    /// Keeps the store's snapshot at most 5 s old while nobody asks for status, until the
+    /// pacer stops. The gauges are set from it when they are scraped, not here.
     pub async fn keep_current(self: Arc<Self>) {
         loop {
             tokio::select! {
@@ -100,7 +100,6 @@ impl Pacer {
                 () = self.stop.cancelled() => return,
             }
             self.refresh(SNAPSHOT_EVERY).await;
-            self.gauges();
         }
     }
 
