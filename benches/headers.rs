@@ -8,7 +8,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use http::{HeaderMap, HeaderName, HeaderValue};
-use pacegate::proxy::headers::strip_hop_by_hop;
+use pacegate::headers::strip_hop_by_hop;
 
 fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
     let mut h = HeaderMap::new();

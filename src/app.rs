@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
 use crate::budget::{Store, StoreError};
-use crate::config::{Backend, Config};
+use crate::config::{Config, StoreConfig};
 use crate::destination;
 use crate::fleet::failover::{Failover, Gauges, Policy};
 use crate::fleet::{Fleet, Instance, Solo};
@@ -142,22 +142,20 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
     // The store's supervisor: the memory store's quota-window writer, or the postgres
     // store's heartbeats and failover.
     type Wired = (Arc<dyn Store>, Arc<dyn Fleet>, JoinHandle<()>);
-    let (store, fleet, supervisor): Wired = match (shared, config.store.backend) {
+    let (store, fleet, supervisor): Wired = match (shared, &config.store) {
         // A shared handle writes no state file: its supervisor has nothing to keep.
         (Some(store), _) => (Arc::new(store), Arc::new(Solo), tokio::spawn(async {})),
-        (None, Backend::Memory) => {
-            let store =
-                Arc::new(MemoryStore::open(&config.store.state_file)?.with_instance(&me.id));
+        (None, StoreConfig::Memory(memory)) => {
+            let store = Arc::new(MemoryStore::open(&memory.state_file)?.with_instance(&me.id));
             let supervisor = tokio::spawn(store.clone().keep_sends(supervisor_stop.clone()));
             (store, Arc::new(Solo), supervisor)
         }
-        (None, Backend::Postgres) => {
-            let url = config.store.url.as_deref().unwrap_or_default();
-            let roots = tls::upstream_roots(config.store.ca_file.as_slice())?;
-            let store =
-                PostgresStore::with_roots(url, config.store.connections - 1, roots.clone())?
-                    .with_instance(&me.id);
-            if config.store.migrate {
+        (None, StoreConfig::Postgres(postgres)) => {
+            let url = &postgres.url;
+            let roots = tls::upstream_roots(postgres.ca_file.as_slice())?;
+            let store = PostgresStore::with_roots(url, postgres.connections - 1, roots.clone())?
+                .with_instance(&me.id);
+            if postgres.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
                     tracing::info!(?applied, "applied store migrations");
@@ -168,10 +166,10 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
             // One connection of the configured ones is kept for heartbeats (see Failover).
             let control = PostgresStore::with_roots(url, 1, roots)?.with_instance(&me.id);
             let policy = Policy {
-                on_unavailable: config.store.on_unavailable,
-                instances_hint: config.store.instances_hint,
-                divide_for: config.store.divide_for,
-                timeout: config.store.timeout,
+                on_unavailable: postgres.on_unavailable,
+                instances_hint: postgres.instances_hint,
+                divide_for: postgres.divide_for,
+                timeout: postgres.timeout,
             };
             let gauges = Gauges {
                 degraded: metrics.store_degraded.clone(),

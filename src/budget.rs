@@ -12,6 +12,8 @@ pub mod schedule;
 
 #[cfg(test)]
 pub(crate) mod contract;
+#[cfg(test)]
+pub(crate) mod model;
 
 use std::future::Future;
 use std::pin::Pin;

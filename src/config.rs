@@ -353,7 +353,7 @@ impl fmt::Debug for AdminConfig {
     }
 }
 
-/// Which store holds the budgets.
+/// Which store holds the budgets: `[store] backend`, as the file says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -364,26 +364,39 @@ pub enum Backend {
     Postgres,
 }
 
-/// `[store]`.
-#[derive(Clone, Serialize)]
-pub struct StoreConfig {
-    /// Default `memory`.
-    pub backend: Backend,
+/// `[store]`: one variant per backend, each with its own keys only.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "backend", rename_all = "lowercase")]
+pub enum StoreConfig {
+    /// In process memory, persisted to a state file: one instance.
+    Memory(MemoryConfig),
+    /// Postgres, shared by every instance that points at the same database.
+    Postgres(PostgresConfig),
+}
+
+/// `[store] backend = "memory"`.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryConfig {
     /// Where the memory store keeps lockouts and backoff across restarts. Default
     /// `pacegate-state.json` beside the config file.
     pub state_file: PathBuf,
-    /// The postgres store's URL, from `url` or else `PACEGATE_STORE_URL` (kept out of the
-    /// normalised config: it may hold a password).
+}
+
+/// `[store] backend = "postgres"`.
+#[derive(Clone, Serialize)]
+pub struct PostgresConfig {
+    /// The URL, from `url` or else `PACEGATE_STORE_URL` (kept out of the normalised config:
+    /// it may hold a password).
     #[serde(skip)]
-    pub url: Option<String>,
-    /// Connections the postgres store may open. Default 8.
+    pub url: String,
+    /// Connections the store may open. Default 8.
     pub connections: usize,
     /// PEM roots trusted for the store's TLS certificate, beside the system roots.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
     /// Apply the embedded migrations at start (under an advisory lock). Default true.
     pub migrate: bool,
-    /// What to do while the postgres store is unreachable. Default `divide`.
+    /// What to do while the store is unreachable. Default `divide`.
     pub on_unavailable: OnUnavailable,
     /// Live instances to assume for `divide` before any heartbeat was seen. Default 1.
     pub instances_hint: usize,
@@ -392,20 +405,19 @@ pub struct StoreConfig {
     /// share of every rate back for as long. Default 60 s, at most 1 h.
     #[serde(with = "humantime_serde")]
     pub divide_for: Duration,
-    /// Longest wait for a reservation's answer from the postgres store; a slower one delays
-    /// that slot (the store counts as unreachable only on a connection error or a missed
-    /// heartbeat). A reservation given up may still take its slot in the database, which only
-    /// slows the destination. Default 1 s.
+    /// Longest wait for a reservation's answer; a slower one delays that slot (the store
+    /// counts as unreachable only on a connection error or a missed heartbeat). A reservation
+    /// given up may still take its slot in the database, which only slows the destination.
+    /// Default 1 s.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
 }
 
-impl fmt::Debug for StoreConfig {
+impl fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreConfig")
-            .field("backend", &self.backend)
-            .field("state_file", &self.state_file)
+        f.debug_struct("PostgresConfig")
             .field("connections", &self.connections)
+            .field("ca_file", &self.ca_file)
             .field("migrate", &self.migrate)
             .field("on_unavailable", &self.on_unavailable)
             .field("instances_hint", &self.instances_hint)

@@ -18,11 +18,15 @@
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
-//!   destination's lane) that the request carries; `pacing::admit` gets a request its slot
-//!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting requests
-//!   and hands slots out, `pacing::dispatch` asks the store for slots, `pacing::status` is
-//!   what status and the gauges show (a scrape reads no store), `pacing::rate`
-//!   counts the achieved rate, `pacing::verdict` reads a response.
+//!   destination's lane) that the request carries; `pacing::exchange` carries a request
+//!   through its budget (its slot, the check that the slot is still good to send on, the
+//!   verdict, the retry of a throttled request), so the proxy hands it a request and the
+//!   upstream and gets a response or a refusal; `pacing::admit` gets a request its slot
+//!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting
+//!   requests and hands slots out, `pacing::dispatch` asks the store for slots,
+//!   `pacing::status` is what status and the gauges show (a scrape reads no store),
+//!   `pacing::rate` counts the achieved rate, `pacing::verdict` reads a response and
+//!   `pacing::sniff` the start of its body.
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite each store passes; no I/O.
 //! - [`fleet`]: this instance among the others sharing a store: its identity (made once,
@@ -35,6 +39,7 @@
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
 //!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
+//! - [`headers`]: hop-by-hop hygiene at both boundaries; a leaf.
 //! - [`metrics`]: every metric family in one struct.
 //! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
 //! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can
@@ -47,9 +52,9 @@
 //!   the ceiling, then the control; `demo::cluster` is the throwaway PostgreSQL it (and the
 //!   tests) start.
 //!
-//! Each module imports only modules below it in this order: `status`, `class`, `signals`,
-//! `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`, `store`, `pacing`,
-//! `upstream`, `server`, `proxy`, `reload`, `admin`, `app`, `demo`, `cli` (checked by
+//! Each module imports only modules below it in this order: `status`, `class`, `headers`,
+//! `signals`, `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`, `store`,
+//! `upstream`, `pacing`, `server`, `proxy`, `reload`, `admin`, `app`, `demo`, `cli` (checked by
 //! `tests/in_process/layering.rs`).
 //!
 //! Words (see `docs/pacing-model.md`): *client* sends through pacegate;
@@ -67,6 +72,7 @@ pub mod config;
 pub mod demo;
 pub mod destination;
 pub mod fleet;
+pub mod headers;
 pub mod metrics;
 pub mod pacing;
 pub mod proxy;

@@ -11,12 +11,18 @@
 //! Routing yields a [`Route`], a handle to the destination's lane that travels with the
 //! request: nothing looks a destination up by name after that.
 //!
-//! Knows nothing of HTTP beyond the status and headers the verdict is read from.
+//! The proxy hands the pacer a request and the upstream client ([`Pacer::exchange`]) and gets
+//! a response or a refusal: the slot, the checks that it is still good to send on, the verdict
+//! and the retry of a throttled request are decided here only. Parses no client request and
+//! opens no socket.
 
 mod admit;
 mod dispatch;
+mod exchange;
 mod lane;
+mod outgoing;
 mod rate;
+mod sniff;
 mod status;
 pub mod verdict;
 
@@ -24,21 +30,21 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderMap;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use arc_swap::ArcSwap;
 
-use crate::budget::{Event, Lockout, Observation, Reservation, Rule, Store, StoreError};
+use crate::budget::{Lockout, Reservation, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
-use crate::destination::{Destination, Mode, Pace, Routed, Routes};
+use crate::destination::{Destination, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
 use crate::status::InstanceStatus;
+pub use exchange::{ExchangeError, Exchanged, Note};
 use lane::Lane;
-use verdict::{Reading, Verdict};
+pub use outgoing::Outgoing;
 
 /// Why a request got no slot.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -303,109 +309,6 @@ impl Pacer {
     /// The priority classes.
     pub fn classes(&self) -> &Classes {
         &self.classes
-    }
-
-    /// Reads a response to an admitted request by status and headers. A lockout may still
-    /// turn out a throttle by its body (see [`Reading::needs_body`]).
-    pub fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
-        verdict::classify(status, headers, &admission.lane.keys().pace)
-    }
-
-    /// Applies the verdict of a response to an admitted request to the budget. `status` and
-    /// the request line, which `request` writes only for a lockout, are kept with a lockout.
-    pub async fn observe(
-        &self,
-        admission: &Admission,
-        reading: Reading,
-        status: u16,
-        request: impl FnOnce() -> String,
-    ) -> Verdict {
-        let lane = &admission.lane;
-        let keys = lane.keys();
-        let verdict = reading.verdict;
-        // Written only when a lockout keeps it: a clean response costs no formatting.
-        let request = if verdict == Verdict::Lockout {
-            request()
-        } else {
-            String::new()
-        };
-        // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
-        let vendor = reading.signal.and_then(|(s, reset)| {
-            Some(Observation {
-                family: s.family,
-                remaining: s.remaining,
-                limit: s.limit,
-                reset: reset?,
-                spread: rand::random::<f64>(),
-            })
-        });
-        // A clean response to a budget at rest changes nothing the store keeps: the backoff
-        // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
-        // came between) and no block streak is left to clear. Not writing it halves the
-        // transactions on the destination's row, each of which holds the row through its
-        // commit while other instances' reservations queue behind it. Were the view stale,
-        // only a decay or a streak reset is missed: pacing can only be slower.
-        let nothing_to_write = verdict == Verdict::Clean
-            && vendor.is_none()
-            && lane.at_rest(admission.slot.generation);
-        let event = match verdict {
-            Verdict::Clean => Event::Clean {
-                success: (200..400).contains(&status),
-                generation: admission.slot.generation,
-            },
-            Verdict::Throttled {
-                retry_after, reset, ..
-            } => Event::Throttled {
-                generation: admission.slot.generation,
-                retry_after,
-                reset,
-                spread: rand::random::<f64>() * 2.0 - 1.0,
-            },
-            Verdict::Lockout => {
-                Event::Lockout(Lockout::new(status, request.clone(), self.instance.clone()))
-            }
-            Verdict::None if vendor.is_none() => return verdict,
-            Verdict::None => Event::None,
-        };
-        if verdict != Verdict::None {
-            self.metrics
-                .verdicts
-                .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
-                .inc();
-        }
-        if nothing_to_write {
-            return verdict;
-        }
-        match self
-            .store
-            .record(&lane.name, &keys.rule, event, vendor)
-            .await
-        {
-            Ok(view) => {
-                if verdict == Verdict::Lockout && keys.pace.mode == Mode::Shadow {
-                    tracing::warn!(
-                        destination = %lane.name,
-                        status,
-                        request = request.as_str(),
-                        "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
-                        lane.name
-                    );
-                } else if verdict == Verdict::Lockout {
-                    tracing::error!(
-                        destination = %lane.name,
-                        status,
-                        request = request.as_str(),
-                        "destination locked out: nothing more is sent until `pacegate unlock {}`",
-                        lane.name
-                    );
-                }
-                lane.note(view);
-            }
-            Err(e) => {
-                tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
-            }
-        }
-        verdict
     }
 
     /// Clears a lockout. Returns the lockout cleared, or `None` if the destination was not

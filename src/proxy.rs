@@ -6,10 +6,8 @@
 pub mod auth;
 mod connect;
 mod forward;
-pub mod headers;
 mod peek;
 pub mod respond;
-mod sniff;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,11 +19,10 @@ use crate::class::Class;
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
 use crate::destination::{normalise_host, Routed, CONNECT, HTTP};
 use crate::metrics::{Metrics, UNMATCHED};
-use crate::pacing::Pacer;
+use crate::pacing::{Note, Pacer};
 use crate::shutdown::Shutdown;
 use crate::tls::Authority;
 use crate::upstream::{ProxyBody, Upstream};
-use forward::PaceNote;
 pub use forward::Target;
 use respond::{Outcome, ProxyError};
 
@@ -95,7 +92,7 @@ struct Handled {
     destination: Option<Arc<str>>,
     target: String,
     reason: Option<String>,
-    pace: PaceNote,
+    pace: Note,
 }
 
 impl Handled {
@@ -106,7 +103,7 @@ impl Handled {
             destination,
             target,
             reason: Some(err.to_string()),
-            pace: PaceNote::default(),
+            pace: Note::default(),
         }
     }
 }

@@ -13,15 +13,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, Uri};
+use http::{Request, Response, Uri, Version};
 use http_body_util::combinators::BoxBody;
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 
 use crate::config::{ParentProxy, UpstreamConfig};
 use crate::destination::HostPattern;
+use crate::headers::strip_hop_by_hop;
 
 mod parent;
 mod warm;
@@ -342,12 +343,13 @@ impl Upstream {
 
     /// Sends a request (absolute URI, HTTP/1.1 version) and waits for the response head. A
     /// paced request gives `by`, the latest instant its slot allows: without a connection by
-    /// then, nothing is sent ([`UpstreamError::Late`]).
+    /// then, nothing is sent ([`UpstreamError::Late`]). The response comes back as the client
+    /// is to see it: hop-by-hop headers removed, HTTP/1.1 (the client side's version).
     pub async fn send(
         &self,
         req: Request<ProxyBody>,
         by: Option<tokio::time::Instant>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
         let _busy = self.warm.sending(req.uri());
         let exchange = tokio::time::timeout(self.response_timeout, self.client.request(req));
         let answered = match by {
@@ -356,7 +358,15 @@ impl Upstream {
         };
         match answered {
             Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(Ok(resp)) => {
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                parts.version = Version::HTTP_11;
+                Ok(Response::from_parts(
+                    parts,
+                    body.map_err(BoxError::from).boxed(),
+                ))
+            }
             Ok(Err(e)) => Err(classify(e)),
         }
     }

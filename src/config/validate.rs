@@ -317,25 +317,56 @@ impl Validator<'_> {
         }
     }
 
+    /// `[store]`: the backend's variant with its own keys. The postgres keys are checked
+    /// whatever the backend (a wrong value is wrong before the switch too), and otherwise left
+    /// unused, except `url`: a database named under `backend = "memory"` is a shared budget
+    /// that never was, every instance pacing alone.
     pub(super) fn store(&mut self, raw: RawStore) -> StoreConfig {
         let backend = raw.backend.unwrap_or_default();
+        let state_file = self.path(
+            raw.state_file
+                .clone()
+                .unwrap_or_else(|| "pacegate-state.json".into()),
+        );
+        if backend == Backend::Memory && raw.url.is_some() {
+            self.push(
+                "store.url",
+                "names a database, but backend is \"memory\": every instance would pace alone on its own budget; set backend = \"postgres\", or remove url",
+            );
+        }
+        let postgres = self.postgres(raw, backend == Backend::Postgres);
+        match backend {
+            Backend::Memory => StoreConfig::Memory(MemoryConfig { state_file }),
+            Backend::Postgres => StoreConfig::Postgres(postgres),
+        }
+    }
+
+    /// The postgres keys; `chosen` when it is the backend (only then is a URL required).
+    fn postgres(&mut self, raw: RawStore, chosen: bool) -> PostgresConfig {
         let url = raw.url.or_else(|| {
             std::env::var("PACEGATE_STORE_URL")
                 .ok()
-                .filter(|u| !u.is_empty())
+                .filter(|u| !u.is_empty() && chosen)
         });
-        if backend == Backend::Postgres {
-            match &url {
-                None => self.push(
+        let url = match url {
+            None if !chosen => String::new(),
+            None => {
+                self.push(
                     "store.url",
                     "is required with backend = \"postgres\" (or set PACEGATE_STORE_URL, which keeps the password out of the file)",
-                ),
-                Some(u) if u.parse::<tokio_postgres::Config>().is_err() => {
-                    self.push("store.url", "is not a postgres URL like postgres://user@host:5432/db");
-                }
-                Some(_) => {}
+                );
+                String::new()
             }
-        }
+            Some(u) => {
+                if u.parse::<tokio_postgres::Config>().is_err() {
+                    self.push(
+                        "store.url",
+                        "is not a postgres URL like postgres://user@host:5432/db",
+                    );
+                }
+                u
+            }
+        };
         let connections = raw.connections.unwrap_or(8);
         if connections < 2 {
             // One connection is kept for heartbeats and probes, so that lockouts and the live
@@ -345,12 +376,7 @@ impl Validator<'_> {
                 "must be at least 2: one is kept for heartbeats, the rest serve reservations",
             );
         }
-        StoreConfig {
-            backend,
-            state_file: self.path(
-                raw.state_file
-                    .unwrap_or_else(|| "pacegate-state.json".into()),
-            ),
+        PostgresConfig {
             url,
             connections,
             ca_file: raw.ca_file.map(|p| {

@@ -108,49 +108,6 @@ impl Pacer {
         self.sent(&lane, granted, Duration::ZERO, None)
     }
 
-    /// Whether `admission`'s slot is too late to send on now: the request was held up after
-    /// its slot was handed out (this process descheduled, an upstream connection slow to
-    /// come), and sent now it would bunch with the next slots, and could crowd a quota
-    /// window, which allows a slot used up to [`crate::budget::Rule::max_late`] late and no
-    /// more. Counted as a slot dropped; the caller waits for another.
-    pub fn too_late(&self, admission: &Admission) -> bool {
-        let Some(late) = admission.lane.too_late(&admission.slot) else {
-            return false;
-        };
-        self.held_up(
-            admission,
-            late,
-            "a request held up past its slot waits for another",
-        );
-        true
-    }
-
-    /// The latest instant `admission`'s request may take its upstream connection and still
-    /// go on its slot: the upstream client waits for a connection no longer than this.
-    pub fn send_by(&self, admission: &Admission) -> Instant {
-        admission.lane.send_by(&admission.slot)
-    }
-
-    /// `admission`'s request had no upstream connection by [`Pacer::send_by`]: like
-    /// [`Pacer::too_late`], its slot is dropped and it waits for another.
-    pub fn no_connection_in_time(&self, admission: &Admission) {
-        let late = Lane::lateness(&admission.slot);
-        self.held_up(
-            admission,
-            late,
-            "a request without an upstream connection in time for its slot waits for another",
-        );
-    }
-
-    fn held_up(&self, admission: &Admission, late: Duration, why: &'static str) {
-        let lane = &admission.lane;
-        self.metrics
-            .slots_dropped
-            .with_label_values(&[&lane.name])
-            .inc();
-        tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
-    }
-
     /// Refuses at once while pacegate stops or the destination is locked.
     async fn open(&self, lane: &Lane) -> Result<(), PaceError> {
         if self.stop.is_cancelled() {

@@ -8,8 +8,9 @@ use prometheus::Registry;
 use tokio::time::Instant;
 
 use super::*;
-use crate::budget::{ReserveError, StoreFuture};
+use crate::budget::{Event, ReserveError, StoreFuture};
 use crate::destination::{Destination, Pace};
+use crate::pacing::verdict::Verdict;
 use crate::store::memory::MemoryStore;
 
 fn pace(rate: f64) -> Pace {

@@ -22,8 +22,8 @@ use tokio_rustls::TlsAcceptor;
 
 use super::peek::Peeked;
 use super::respond::{Outcome, ProxyError};
-use super::{BoxFuture, Handled, PaceNote, Proxy, Target};
-use crate::pacing::Admission;
+use super::{BoxFuture, Handled, Proxy, Target};
+use crate::pacing::{Admission, Note};
 use crate::server::{self, ConnectionSlot};
 use crate::tls::LeafSource;
 use crate::upstream::ProxyBody;
@@ -85,7 +85,7 @@ impl Proxy {
             destination: target.name(),
             target: target.authority(),
             reason: None,
-            pace: PaceNote::default(),
+            pace: Note::default(),
         };
         let proxy = self.clone();
         // The session counts against max_connections for as long as it lives.
@@ -182,9 +182,9 @@ impl Proxy {
         target: Target,
         admission: Option<Admission>,
     ) -> Handled {
-        let pace = PaceNote {
+        let pace = Note {
             waited: admission.as_ref().map(|a| a.waited),
-            ..PaceNote::default()
+            ..Note::default()
         };
         // Connect before answering, so a dead upstream is a 502, not a 200 and a reset.
         let upstream = match self

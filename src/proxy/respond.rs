@@ -11,7 +11,7 @@ use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
 use crate::class::UnknownClass;
-use crate::pacing::PaceError;
+use crate::pacing::{ExchangeError, PaceError};
 use crate::upstream::{ConnectError, ProxyBody, UpstreamError};
 
 /// How a request ended, for the `outcome` metric label and the canonical log line.
@@ -138,6 +138,15 @@ pub enum ProxyError {
     /// The request names a class that is not configured.
     #[error("{0}: name one of them in the Pacegate-Class header or the proxy URL's user name (http://CLASS@host:port), or none for the default")]
     UnknownClass(UnknownClass),
+}
+
+impl From<ExchangeError> for ProxyError {
+    fn from(e: ExchangeError) -> Self {
+        match e {
+            ExchangeError::Paced(p) => Self::Paced(p),
+            ExchangeError::Upstream(u) => Self::Upstream(u),
+        }
+    }
 }
 
 fn paced_details(e: &PaceError) -> String {

@@ -75,9 +75,22 @@ const ORIGIN: Duration = Duration::from_secs(1 << 32);
 /// How often changed quota windows are written to the state file.
 const SAVE_SENDS_EVERY: Duration = Duration::from_secs(1);
 
+/// Where the store reads the wall clock, which places pauses, vendor resets and the state
+/// file's times.
+#[derive(Debug, Clone, Copy)]
+enum Wall {
+    /// The system's.
+    System,
+    /// One that moves with the store's instant clock from `at_epoch`, so that a test on paused
+    /// time sets both at once (the model test).
+    #[cfg(test)]
+    Follows { at_epoch: SystemTime },
+}
+
 /// Budgets in memory, optionally persisted to a state file.
 pub struct MemoryStore {
     epoch: Instant,
+    wall: Wall,
     budgets: Arc<Mutex<HashMap<String, Budget>>>,
     state_file: Option<PathBuf>,
     /// Serialises writes, so that the file always ends with the latest snapshot.
@@ -94,6 +107,7 @@ impl MemoryStore {
     pub fn ephemeral() -> Self {
         Self {
             epoch: Instant::now(),
+            wall: Wall::System,
             budgets: Arc::default(),
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
@@ -114,6 +128,7 @@ impl MemoryStore {
     pub fn instance(&self, instance: &str) -> Self {
         Self {
             epoch: self.epoch,
+            wall: self.wall,
             budgets: self.budgets.clone(),
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
@@ -202,6 +217,15 @@ impl MemoryStore {
         self.offset(Instant::now())
     }
 
+    /// Now on the wall clock.
+    fn wall_now(&self) -> SystemTime {
+        match self.wall {
+            Wall::System => SystemTime::now(),
+            #[cfg(test)]
+            Wall::Follows { at_epoch } => at_epoch + (Instant::now() - self.epoch),
+        }
+    }
+
     /// An instant on the store's timeline.
     fn offset(&self, at: Instant) -> Duration {
         if at >= self.epoch {
@@ -232,7 +256,7 @@ impl MemoryStore {
     fn at_unix(&self, secs: f64) -> Duration {
         let wall =
             SystemTime::UNIX_EPOCH + Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or_default();
-        match SystemTime::now().duration_since(wall) {
+        match self.wall_now().duration_since(wall) {
             Ok(ago) => self.now().saturating_sub(ago),
             Err(ahead) => self.now() + ahead.duration(),
         }
@@ -241,9 +265,9 @@ impl MemoryStore {
     fn unix_of(&self, t: Duration) -> f64 {
         let now = self.now();
         let wall = if t <= now {
-            SystemTime::now() - (now - t)
+            self.wall_now() - (now - t)
         } else {
-            SystemTime::now() + (t - now)
+            self.wall_now() + (t - now)
         };
         wall.duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64())
@@ -471,7 +495,7 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
             let (changed, view) = {
-                let (now, wall) = (self.now(), SystemTime::now());
+                let (now, wall) = (self.now(), self.wall_now());
                 let mut budgets = self.budgets.lock();
                 let budget = budgets.entry(destination.to_owned()).or_default();
                 let seen = vendor.is_some_and(|v| budget.observe(rule, &v, now, wall));

@@ -9,6 +9,7 @@ use std::path::Path;
 const LAYERS: &[&str] = &[
     "status",
     "class",
+    "headers",
     "signals",
     "shutdown",
     "destination",
@@ -18,8 +19,8 @@ const LAYERS: &[&str] = &[
     "budget",
     "fleet",
     "store",
-    "pacing",
     "upstream",
+    "pacing",
     "server",
     "proxy",
     "reload",

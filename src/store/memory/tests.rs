@@ -2,6 +2,72 @@
 
 use super::*;
 use crate::budget::contract;
+use crate::budget::model::{self, Modelled, Row};
+
+/// The memory store in the model test, on paused time: the test moves its instant clock, and
+/// its wall clock follows.
+struct OnPausedTime {
+    store: MemoryStore,
+    /// The model's now that the store's clock stands at.
+    at: Mutex<Duration>,
+}
+
+impl OnPausedTime {
+    /// A store whose clock stands at the model's start.
+    fn open() -> Self {
+        let mut store = MemoryStore::ephemeral().with_instance("model");
+        store.wall = Wall::Follows {
+            at_epoch: model::wall(model::START),
+        };
+        Self {
+            store,
+            at: Mutex::new(model::START),
+        }
+    }
+}
+
+impl Modelled for OnPausedTime {
+    fn store(&self) -> &dyn Store {
+        &self.store
+    }
+
+    fn set_now(&self, now: Duration) -> StoreFuture<'_, ()> {
+        let step = now - std::mem::replace(&mut *self.at.lock(), now);
+        Box::pin(tokio::time::advance(step))
+    }
+
+    fn row<'a>(&'a self, destination: &'a str, now: Duration) -> StoreFuture<'a, Option<Row>> {
+        // The store's timeline runs `shift` ahead of the model's; "long ago" (zero) stays.
+        let shift = self.store.now() - now;
+        let back = |t: &mut Duration| *t = t.saturating_sub(shift);
+        let row = self
+            .store
+            .budgets
+            .lock()
+            .get(destination)
+            .cloned()
+            .map(|mut b| {
+                back(&mut b.next_at);
+                back(&mut b.paused_until);
+                if let Some(v) = &mut b.vendor {
+                    back(&mut v.observed);
+                    back(&mut v.reset);
+                }
+                model::model_row(&b, now)
+            });
+        Box::pin(std::future::ready(row))
+    }
+}
+
+#[test]
+fn computes_what_the_schedule_computes() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    model::check_store(&rt, |_| (OnPausedTime::open(), "d".to_owned()));
+}
 
 #[tokio::test(start_paused = true)]
 async fn passes_the_store_contract() {

@@ -1,4 +1,5 @@
-//! Header hygiene at the proxy boundary: hop-by-hop headers never cross it, in either direction.
+//! Header hygiene at both of the proxy's boundaries: hop-by-hop headers never cross them, in
+//! either direction (the proxy strips requests, the upstream client responses).
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 

@@ -1,0 +1,358 @@
+//! One request's exchange with its destination, start to end: the connection opened while it
+//! waits, its slot, the check that the slot is still good to send on, the send, the verdict
+//! read from the response (its body too, when a lockout status may be a throttle in
+//! disguise), the verdict applied to the budget, and a throttled idempotent request retried
+//! through a fresh slot. The proxy hands [`Pacer::exchange`] a request and the upstream client
+//! and gets a response or a refusal: lateness, retries and verdicts are decided here only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Response};
+use http_body_util::{BodyExt, Full};
+use tokio::time::Instant;
+
+use super::lane::Lane;
+use super::outgoing::Outgoing;
+use super::verdict::{self, Reading, Verdict};
+use super::{sniff, Admission, PaceError, Pacer, Route};
+use crate::budget::{Event, Lockout, Observation};
+use crate::class::Class;
+use crate::destination::Mode;
+use crate::upstream::{ProxyBody, Upstream, UpstreamError};
+
+/// A throttled response kept while its request is retried is read into memory up to this size;
+/// a larger one is handed to the client instead of retrying.
+const KEPT_BODY_LIMIT: usize = 64 * 1024;
+
+/// What an exchange adds to the canonical log line.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Note {
+    /// How long the request waited for its slots, every attempt together.
+    pub waited: Option<Duration>,
+    /// The last response's verdict.
+    pub verdict: Option<Verdict>,
+    /// How many times a throttled response was retried.
+    pub retries: u32,
+    /// The class the request waited in.
+    pub class: Option<Class>,
+}
+
+/// Why an exchange gave the client no upstream response.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    /// No slot: locked out, out of time, the store failed, or shutting down.
+    #[error(transparent)]
+    Paced(#[from] PaceError),
+    /// The upstream could not be reached or did not answer.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+}
+
+/// An exchange's end: the response or the refusal, and what the log line says of it.
+pub struct Exchanged {
+    /// The response to hand on (its body holds the slot's admission until it is done), or
+    /// why there is none.
+    pub response: Result<Response<ProxyBody>, ExchangeError>,
+    /// For the request log.
+    pub note: Note,
+}
+
+impl Pacer {
+    /// Carries `request` of `class` to `route`'s upstream through `upstream`, paced by the
+    /// destination's budget, and returns the response to hand on or the refusal.
+    pub async fn exchange(
+        self: &Arc<Self>,
+        upstream: &Upstream,
+        route: &Route,
+        class: Class,
+        mut request: Outgoing,
+    ) -> Exchanged {
+        let mut note = Note {
+            class: Some(class),
+            ..Note::default()
+        };
+        let response = self
+            .carry(upstream, route, class, &mut request, &mut note)
+            .await;
+        Exchanged { response, note }
+    }
+
+    async fn carry(
+        self: &Arc<Self>,
+        upstream: &Upstream,
+        route: &Route,
+        class: Class,
+        outgoing: &mut Outgoing,
+        note: &mut Note,
+    ) -> Result<Response<ProxyBody>, ExchangeError> {
+        let destination: &str = route.name();
+        // The keys as they are now; a reload meanwhile governs the next request.
+        let pace = route.pace();
+        // One deadline for the request and its retries; each retry waits in the same class.
+        let deadline = Instant::now() + route.max_wait(class);
+        let retryable = outgoing.retryable();
+        let mut last_throttled: Option<Response<ProxyBody>> = None;
+        // Shadow mode sends at once and never retries: clients see what they would without
+        // pacegate, while the pacer counts what it would have done.
+        let shadow = pace.mode == Mode::Shadow;
+        loop {
+            // The connection is opened while the request waits, not after its slot; to a
+            // cold upstream, before the slot is asked for.
+            let expecting = upstream.expect(outgoing.uri());
+            if !shadow && expecting.cold() {
+                landed(deadline, upstream.first_connection(outgoing.uri())).await?;
+            }
+            let admission = match self.enter(route, class, deadline).await {
+                Ok(a) => a,
+                // Out of time for another retry: the client gets the last throttled answer.
+                Err(_) if last_throttled.is_some() => {
+                    return Ok(last_throttled.take().expect("checked"))
+                }
+                Err(e) => return Err(e.into()),
+            };
+            drop(expecting);
+            *note.waited.get_or_insert_default() += admission.waited;
+            if !shadow && self.too_late(&admission) {
+                continue;
+            }
+            let req = if retryable {
+                outgoing.copy()
+            } else {
+                outgoing.lend()
+            };
+            // The same check where the client hands out the connection: a request that would
+            // wait for one past its slot is not sent on it.
+            let by = (!shadow).then(|| self.send_by(&admission));
+            let mut response = match upstream.send(req, by).await {
+                Err(UpstreamError::Late(late)) => {
+                    self.no_connection_in_time(&admission);
+                    if !outgoing.take_back() {
+                        return Err(UpstreamError::Late(late).into());
+                    }
+                    // The next slot, once the connection opened for this one is there.
+                    landed(deadline, upstream.opened(outgoing.uri())).await?;
+                    continue;
+                }
+                sent => sent?,
+            };
+            self.metrics
+                .upstream_responses
+                .with_label_values(&[destination, response.status().as_str()])
+                .inc();
+            let status = response.status().as_u16();
+            let mut reading = self.read(&admission, status, response.headers());
+            if reading.needs_body(&pace) {
+                let (whole, marked) = sniff::sniff(response, &pace.throttle_body).await;
+                response = whole;
+                if marked {
+                    reading = reading.marked_by_body();
+                }
+            }
+            let verdict = self
+                .observe(&admission, reading, status, || outgoing.request_line())
+                .await;
+            note.verdict = Some(verdict);
+            let throttled = matches!(verdict, Verdict::Throttled { .. });
+            if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
+                let Some(kept) = keep(response).await else {
+                    return Err(UpstreamError::Protocol(
+                        "the throttled response's body failed while it was read".into(),
+                    )
+                    .into());
+                };
+                note.retries += 1;
+                self.metrics.retries.with_label_values(&[destination]).inc();
+                last_throttled = Some(kept);
+                continue;
+            }
+            // The slot's concurrency permit and in-flight count last until the body is done.
+            let (parts, body) = response.into_parts();
+            let body = body.map_frame(move |frame| {
+                let _held = &admission;
+                frame
+            });
+            return Ok(Response::from_parts(parts, body.boxed()));
+        }
+    }
+
+    /// Whether `admission`'s slot is too late to send on now: the request was held up after
+    /// its slot was handed out (this process descheduled, an upstream connection slow to
+    /// come), and sent now it would bunch with the next slots, and could crowd a quota
+    /// window, which allows a slot used up to [`crate::budget::Rule::max_late`] late and no
+    /// more. Counted as a slot dropped; the caller waits for another.
+    pub(super) fn too_late(&self, admission: &Admission) -> bool {
+        let Some(late) = admission.lane.too_late(&admission.slot) else {
+            return false;
+        };
+        self.held_up(
+            admission,
+            late,
+            "a request held up past its slot waits for another",
+        );
+        true
+    }
+
+    /// The latest instant `admission`'s request may take its upstream connection and still
+    /// go on its slot: the upstream client waits for a connection no longer than this.
+    fn send_by(&self, admission: &Admission) -> Instant {
+        admission.lane.send_by(&admission.slot)
+    }
+
+    /// `admission`'s request had no upstream connection by [`Pacer::send_by`]: like
+    /// [`Pacer::too_late`], its slot is dropped and it waits for another.
+    fn no_connection_in_time(&self, admission: &Admission) {
+        let late = Lane::lateness(&admission.slot);
+        self.held_up(
+            admission,
+            late,
+            "a request without an upstream connection in time for its slot waits for another",
+        );
+    }
+
+    fn held_up(&self, admission: &Admission, late: Duration, why: &'static str) {
+        let lane = &admission.lane;
+        self.metrics
+            .slots_dropped
+            .with_label_values(&[&lane.name])
+            .inc();
+        tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
+    }
+
+    /// Reads a response to an admitted request by status and headers. A lockout may still
+    /// turn out a throttle by its body (see [`Reading::needs_body`]).
+    pub(super) fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
+        verdict::classify(status, headers, &admission.lane.keys().pace)
+    }
+
+    /// Applies the verdict of a response to an admitted request to the budget. `status` and
+    /// the request line, which `request` writes only for a lockout, are kept with a lockout.
+    pub(super) async fn observe(
+        &self,
+        admission: &Admission,
+        reading: Reading,
+        status: u16,
+        request: impl FnOnce() -> String,
+    ) -> Verdict {
+        let lane = &admission.lane;
+        let keys = lane.keys();
+        let verdict = reading.verdict;
+        // Written only when a lockout keeps it: a clean response costs no formatting.
+        let request = if verdict == Verdict::Lockout {
+            request()
+        } else {
+            String::new()
+        };
+        // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
+        let vendor = reading.signal.and_then(|(s, reset)| {
+            Some(Observation {
+                family: s.family,
+                remaining: s.remaining,
+                limit: s.limit,
+                reset: reset?,
+                spread: rand::random::<f64>(),
+            })
+        });
+        // A clean response to a budget at rest changes nothing the store keeps: the backoff
+        // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
+        // came between) and no block streak is left to clear. Not writing it halves the
+        // transactions on the destination's row, each of which holds the row through its
+        // commit while other instances' reservations queue behind it. Were the view stale,
+        // only a decay or a streak reset is missed: pacing can only be slower.
+        let nothing_to_write = verdict == Verdict::Clean
+            && vendor.is_none()
+            && lane.at_rest(admission.slot.generation);
+        let event = match verdict {
+            Verdict::Clean => Event::Clean {
+                success: (200..400).contains(&status),
+                generation: admission.slot.generation,
+            },
+            Verdict::Throttled {
+                retry_after, reset, ..
+            } => Event::Throttled {
+                generation: admission.slot.generation,
+                retry_after,
+                reset,
+                spread: rand::random::<f64>() * 2.0 - 1.0,
+            },
+            Verdict::Lockout => {
+                Event::Lockout(Lockout::new(status, request.clone(), self.instance.clone()))
+            }
+            Verdict::None if vendor.is_none() => return verdict,
+            Verdict::None => Event::None,
+        };
+        if verdict != Verdict::None {
+            self.metrics
+                .verdicts
+                .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
+                .inc();
+        }
+        if nothing_to_write {
+            return verdict;
+        }
+        match self
+            .store
+            .record(&lane.name, &keys.rule, event, vendor)
+            .await
+        {
+            Ok(view) => {
+                if verdict == Verdict::Lockout && keys.pace.mode == Mode::Shadow {
+                    tracing::warn!(
+                        destination = %lane.name,
+                        status,
+                        request = request.as_str(),
+                        "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
+                        lane.name
+                    );
+                } else if verdict == Verdict::Lockout {
+                    tracing::error!(
+                        destination = %lane.name,
+                        status,
+                        request = request.as_str(),
+                        "destination locked out: nothing more is sent until `pacegate unlock {}`",
+                        lane.name
+                    );
+                }
+                lane.note(view);
+            }
+            Err(e) => {
+                tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
+            }
+        }
+        verdict
+    }
+}
+
+/// Reads a throttled response into memory so that its connection is free while the request
+/// is retried. `None` when the body fails or is larger than [`KEPT_BODY_LIMIT`]: it cannot be
+/// kept, so the caller must not retry.
+async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
+    let (parts, mut body) = response.into_parts();
+    let mut kept = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Some(data) = frame.ok()?.data_ref() {
+            if kept.len() + data.len() > KEPT_BODY_LIMIT {
+                return None;
+            }
+            kept.extend_from_slice(data);
+        }
+    }
+    let body = Full::new(Bytes::from(kept))
+        .map_err(|never| match never {})
+        .boxed();
+    Some(Response::from_parts(parts, body))
+}
+
+/// Waits until `deadline` for the connection `landing` awaits: its failure is the request's
+/// (a 502, or a 504 at the connect timeout). Out of time, the pacer's own deadline refuses
+/// the request when it asks for its slot.
+async fn landed(
+    deadline: Instant,
+    landing: impl std::future::Future<Output = Result<(), UpstreamError>>,
+) -> Result<(), UpstreamError> {
+    match tokio::time::timeout_at(deadline, landing).await {
+        Ok(Err(unreachable)) => Err(unreachable),
+        _ => Ok(()),
+    }
+}

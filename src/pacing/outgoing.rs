@@ -1,0 +1,148 @@
+//! A request as an exchange holds it: kept as parts, so that a body-less request can be sent
+//! again after a throttle, and with its body lent to each attempt, so that one given up before
+//! it reached a connection leaves the body whole for the next.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Method, Request};
+use http_body::Body as _;
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use parking_lot::Mutex;
+
+use crate::upstream::{BoxError, ProxyBody};
+
+/// A request ready for the upstream client, kept as parts so that a body-less request can be
+/// sent again.
+pub struct Outgoing {
+    parts: Parts,
+    body: Option<Incoming>,
+    /// The body lent to the attempt under way ([`Outgoing::lend`]).
+    lent: Option<Arc<Mutex<Option<Incoming>>>>,
+}
+
+impl Outgoing {
+    /// A request rewritten for the upstream (absolute URI, HTTP/1.1, hop-by-hop headers
+    /// removed) with its body.
+    pub fn new(parts: Parts, body: Incoming) -> Self {
+        Self {
+            parts,
+            body: Some(body),
+            lent: None,
+        }
+    }
+
+    /// The request as it is, sent once: for a request that is not paced.
+    pub fn into_request(mut self) -> Request<ProxyBody> {
+        self.take()
+    }
+
+    /// The upstream URI.
+    pub(super) fn uri(&self) -> &http::Uri {
+        &self.parts.uri
+    }
+
+    /// Another copy of a body-less request.
+    pub(super) fn copy(&self) -> Request<ProxyBody> {
+        let mut req = Request::new(Empty::new().map_err(|never| match never {}).boxed());
+        *req.method_mut() = self.parts.method.clone();
+        *req.uri_mut() = self.parts.uri.clone();
+        *req.version_mut() = self.parts.version;
+        *req.headers_mut() = self.parts.headers.clone();
+        req
+    }
+
+    /// The request, sending the original body.
+    fn take(&mut self) -> Request<ProxyBody> {
+        let mut req = self.copy();
+        if let Some(body) = self.body.take() {
+            *req.body_mut() = body.map_err(BoxError::from).boxed();
+        }
+        req
+    }
+
+    /// The request, with the original body lent to it: until the upstream connection reads
+    /// from it, it can be taken back ([`Outgoing::take_back`]).
+    pub(super) fn lend(&mut self) -> Request<ProxyBody> {
+        let mut req = self.copy();
+        if let Some(body) = self.body.take() {
+            let cell = Arc::new(Mutex::new(Some(body)));
+            self.lent = Some(cell.clone());
+            *req.body_mut() = Lent { cell, body: None }.boxed();
+        }
+        req
+    }
+
+    /// Takes back the body lent to an attempt that never reached a connection. False when
+    /// the attempt began to send it: the request cannot be sent again.
+    pub(super) fn take_back(&mut self) -> bool {
+        if let Some(cell) = self.lent.take() {
+            self.body = cell.lock().take();
+            return self.body.is_some();
+        }
+        true
+    }
+
+    /// GET, HEAD and OPTIONS with no body may be sent again after a throttle.
+    pub(super) fn retryable(&self) -> bool {
+        matches!(
+            self.parts.method,
+            Method::GET | Method::HEAD | Method::OPTIONS
+        ) && self.body.as_ref().is_none_or(|b| b.is_end_stream())
+    }
+
+    /// The request line kept with a lockout: no query string, which may carry secrets.
+    pub(super) fn request_line(&self) -> String {
+        let uri = &self.parts.uri;
+        let scheme = uri.scheme_str().unwrap_or("http");
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        format!("{} {scheme}://{authority}{}", self.parts.method, uri.path())
+    }
+}
+
+/// A request body lent to one attempt at sending ([`Outgoing::lend`]). It stays in the
+/// shared cell until the upstream connection first asks for a frame, so an attempt given up
+/// before it had a connection leaves the body whole for the next.
+struct Lent {
+    cell: Arc<Mutex<Option<Incoming>>>,
+    body: Option<Incoming>,
+}
+
+impl http_body::Body for Lent {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.body.is_none() {
+            this.body = this.cell.lock().take();
+        }
+        match &mut this.body {
+            Some(body) => std::pin::Pin::new(body).poll_frame(cx).map_err(Into::into),
+            None => std::task::Poll::Ready(Some(Err("the request body was taken back".into()))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.body {
+            Some(body) => body.is_end_stream(),
+            None => self.cell.lock().as_ref().is_none_or(|b| b.is_end_stream()),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match &self.body {
+            Some(body) => body.size_hint(),
+            None => self
+                .cell
+                .lock()
+                .as_ref()
+                .map_or_else(http_body::SizeHint::default, |b| b.size_hint()),
+        }
+    }
+}
