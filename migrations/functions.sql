@@ -295,15 +295,15 @@ BEGIN
         RETURN;
     END IF;
     -- The caller asks: its waiting requests claim their places again.
-    UPDATE pacegate_waiting AS w SET claimed_until = now_ts + claim
+    UPDATE pacegate_waiting AS w SET claimed_until = now_ts + claim,
+            live_until = now_ts + make_interval(secs => p_lease)
         WHERE w.destination = p_destination AND w.instance = p_instance;
     -- The classes with waiting requests on live instances that keep asking (the caller is
     -- live and asking).
     SELECT array_agg(DISTINCT w.class ORDER BY w.class) INTO waiting
-        FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+        FROM pacegate_waiting AS w
         WHERE w.destination = p_destination
-          AND (w.instance = p_instance OR (l.last_seen > now_ts - make_interval(secs => p_lease)
-               AND w.claimed_until > now_ts));
+          AND (w.instance = p_instance OR (w.live_until > now_ts AND w.claimed_until > now_ts));
     cr := b.credits;
     chosen := NULL;
     -- Within a batch only the caller's list changes, and it keeps the chosen class: the
@@ -341,10 +341,9 @@ BEGIN
         IF chosen IS NULL THEN
             IF pick IS NOT NULL THEN
                 SELECT w.instance INTO first_instance
-                    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
+                    FROM pacegate_waiting AS w
                     WHERE w.destination = p_destination AND w.class = pick
-                      AND (w.instance = p_instance OR (l.last_seen > now_ts - make_interval(secs => p_lease)
-                           AND w.claimed_until > now_ts))
+                      AND (w.instance = p_instance OR (w.live_until > now_ts AND w.claimed_until > now_ts))
                     ORDER BY w.since, w.instance
                     LIMIT 1;
             END IF;
@@ -456,7 +455,8 @@ BEGIN
     UPDATE pacegate_waiting AS w
         SET count = w.count - cardinality(slots), since = coalesce(w.next_since, w.since), next_since = NULL
         WHERE w.destination = p_destination AND w.instance = p_instance AND w.class = chosen;
-    UPDATE pacegate_waiting AS w SET claimed_until = GREATEST(slots[cardinality(slots)], now_ts) + claim
+    UPDATE pacegate_waiting AS w SET claimed_until = GREATEST(slots[cardinality(slots)], now_ts) + claim,
+            live_until = now_ts + make_interval(secs => p_lease)
         WHERE w.destination = p_destination AND w.instance = p_instance;
     DELETE FROM pacegate_waiting AS w
         WHERE w.destination = p_destination AND w.instance = p_instance AND w.count <= 0;

@@ -473,6 +473,19 @@ pub trait Store: Send + Sync + 'static {
         queues: &'a [ClassQueue],
     ) -> StoreFuture<'a, Result<(), StoreError>>;
 
+    /// Renews the lease of this instance's wait lists (the store keeps them while it runs,
+    /// the fleet's `WAITER_LEASE` from the last renewal) and drops the lists whose lease ran
+    /// out: an instance gone without a word. Called once a heartbeat. A store of one
+    /// instance keeps no lease.
+    fn keep_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    /// Drops this instance's wait lists (a clean shutdown).
+    fn forget_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// Every instance's waiting requests of `destination` by class (live instances only):
     /// `(class, count, oldest wait)`.
     fn waiting<'a>(

@@ -31,7 +31,8 @@ use crate::status::InstanceStatus;
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// An instance whose last heartbeat is older than this no longer counts as live.
 pub const LIVE_WITHIN: Duration = Duration::from_secs(5);
-/// An instance whose heartbeat is older than this no longer holds its waiters' places.
+/// A wait list not renewed for this long (by its instance's reservations, or once a
+/// heartbeat: [`crate::budget::Store::keep_waiting`]) no longer holds its places.
 pub const WAITER_LEASE: Duration = Duration::from_secs(3);
 
 /// A pacegate process as the fleet knows it.
@@ -127,9 +128,9 @@ impl Peer {
 
 /// Where instances that share a store heartbeat and see each other: the membership seam.
 pub trait Membership: Send + Sync + 'static {
-    /// Records that `me` is alive now, with its `report` (renewing its waiters' lease), and
-    /// drops the waiting requests of instances whose lease ran out. Answers the other
-    /// instances whose heartbeat is younger than [`PEERS_WITHIN`].
+    /// Records that `me` is alive now, with its `report`. Answers the other instances whose
+    /// heartbeat is younger than [`PEERS_WITHIN`]. (Wait lists are the budgets' and keep
+    /// their own lease: [`crate::budget::Store::keep_waiting`].)
     fn heartbeat<'a>(
         &'a self,
         me: &'a Instance,
@@ -142,7 +143,7 @@ pub trait Membership: Send + Sync + 'static {
         within: Duration,
     ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>>;
 
-    /// Removes `me` from the live instances and its waiting requests (a clean shutdown).
+    /// Removes `me` from the live instances and their rules (a clean shutdown).
     fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>>;
 
     /// Writes `mine` (when `write`: this instance's rules, one per destination) and answers

@@ -156,6 +156,7 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
     /// Heartbeats this instance until `stop` (see [`heartbeat::supervise`]).
     pub async fn supervise(self: Arc<Self>, stop: CancellationToken) {
         heartbeat::supervise(&self.control, &self.me, &self.standing, &*self, stop).await;
+        let _ = tokio::time::timeout(HEARTBEAT, self.primary.forget_waiting()).await;
     }
 
     /// Calls other than reservations (verdicts, views, unlocks, write-backs) are off the
@@ -348,8 +349,12 @@ impl<B: Store, M: Membership, L: Fallback> Health for Failover<B, M, L> {
         self.recover()
     }
 
-    fn heard(&self) -> impl Future<Output = ()> + Send {
-        self.agreement.compare(&self.control, &self.me)
+    async fn heard(&self) {
+        // The wait lists' lease lives with the budgets, renewed once a heartbeat.
+        if let Err(e) = self.bounded(self.primary.keep_waiting()).await {
+            tracing::debug!("cannot renew this instance's wait lists: {e}");
+        }
+        self.agreement.compare(&self.control, &self.me).await;
     }
 }
 

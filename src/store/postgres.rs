@@ -342,6 +342,31 @@ impl Store for PostgresStore {
         })
     }
 
+    fn keep_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            client
+                .execute(
+                    SQL_KEEP_WAITING,
+                    &[&self.instance, &WAITER_LEASE.as_secs_f64()],
+                )
+                .await
+                .map_err(db)?;
+            Ok(())
+        })
+    }
+
+    fn forget_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            client
+                .execute(SQL_FORGET_WAITING, &[&self.instance])
+                .await
+                .map_err(db)?;
+            Ok(())
+        })
+    }
+
     fn waiting<'a>(
         &'a self,
         destination: &'a str,
@@ -349,10 +374,7 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             let rows = client
-                .query(
-                    SQL_WAITING,
-                    &[&destination, &self.instance, &WAITER_LEASE.as_secs_f64()],
-                )
+                .query(SQL_WAITING, &[&destination, &self.instance])
                 .await
                 .map_err(db)?;
             Ok(rows
@@ -507,16 +529,7 @@ impl Store for PostgresStore {
                 .unzip();
             let client = self.client().await?;
             let rows = client
-                .query(
-                    SQL_SNAPSHOT,
-                    &[
-                        &names,
-                        &windows,
-                        &pers,
-                        &self.instance,
-                        &WAITER_LEASE.as_secs_f64(),
-                    ],
-                )
+                .query(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
                 .await
                 .map_err(db)?;
             Ok(rows

@@ -8,7 +8,7 @@ use super::sql::*;
 use super::PostgresStore;
 use crate::budget::{StoreError, StoreFuture};
 use crate::fleet::{
-    Instance, Membership, Peer, Report, Theirs, Written, LIVE_WITHIN, PEERS_WITHIN, WAITER_LEASE,
+    Instance, Membership, Peer, Report, Theirs, Written, LIVE_WITHIN, PEERS_WITHIN,
 };
 use crate::status::InstanceStatus;
 
@@ -27,10 +27,6 @@ impl Membership for PostgresStore {
                     SQL_HEARTBEAT,
                     &[&me.id, &me.host, &me.pid, &me.version, &divisor, &alone_ms],
                 )
-                .await
-                .map_err(db)?;
-            client
-                .execute(SQL_EXPIRE_WAITING, &[&WAITER_LEASE.as_secs_f64()])
                 .await
                 .map_err(db)?;
             let rows = client
@@ -128,10 +124,6 @@ impl Membership for PostgresStore {
             client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
             client
                 .execute(SQL_FORGET_RULES, &[&me.id])
-                .await
-                .map_err(db)?;
-            client
-                .execute(SQL_FORGET_WAITING, &[&me.id])
                 .await
                 .map_err(db)?;
             Ok(())

@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "functions",
         include_str!("../../../migrations/0009_functions.sql"),
     ),
+    (
+        10,
+        "waiting_lease",
+        include_str!("../../../migrations/0010_waiting_lease.sql"),
+    ),
 ];
 
 /// Every SQL function of the store, each defined once, re-applied by every migration whose

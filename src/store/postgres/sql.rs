@@ -34,20 +34,22 @@ pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
     FROM pacegate_reserve_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
-/// Every live instance's waiting requests of a destination, by class.
+/// Every live instance's waiting requests of a destination, by class: this instance's (`$2`),
+/// and the lists whose lease runs.
 pub(super) const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
         extract(epoch FROM clock_timestamp() - min(w.since))::double precision
-    FROM pacegate_waiting AS w LEFT JOIN pacegate_instances AS l ON l.id = w.instance
-    WHERE w.destination = $1
-      AND (w.instance = $2 OR l.last_seen > clock_timestamp() - make_interval(secs => $3))
+    FROM pacegate_waiting AS w
+    WHERE w.destination = $1 AND (w.instance = $2 OR w.live_until > clock_timestamp())
     GROUP BY w.class ORDER BY w.class";
 pub(super) const SQL_QUOTA_USED: &str = "SELECT count(*) FROM pacegate_sends
     WHERE destination = $1 AND at > clock_timestamp() - make_interval(secs => $2)";
-/// Waiting requests of instances whose lease ran out: they no longer count, and would keep
-/// reservations off the one-statement path.
-pub(super) const SQL_EXPIRE_WAITING: &str = "DELETE FROM pacegate_waiting AS w
-    WHERE NOT EXISTS (SELECT 1 FROM pacegate_instances AS l
-        WHERE l.id = w.instance AND l.last_seen > clock_timestamp() - make_interval(secs => $1))";
+/// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
+/// lease ran out (an instance gone without a word): they no longer count, and would keep
+/// reservations off the one-statement path. One statement, once a heartbeat.
+pub(super) const SQL_KEEP_WAITING: &str = "WITH renewed AS (
+        UPDATE pacegate_waiting SET live_until = clock_timestamp() + make_interval(secs => $2)
+        WHERE instance = $1 RETURNING 1)
+    DELETE FROM pacegate_waiting WHERE live_until <= clock_timestamp() AND instance <> $1";
 pub(super) const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
 pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for,
         lock_since, lock_status, lock_request, lock_instance, paused_by, block_streak,
@@ -127,7 +129,7 @@ pub(super) const SQL_VIEW: &str = concat!(
 /// then whether the row exists, as `known`), every live instance's waiting requests by class
 /// (three arrays, by class), and each quota window's count. `$1`: the destinations; `$2`,
 /// `$3`: every quota window as (its destination, its length in seconds), in the rules' order;
-/// `$4`, `$5`: this instance and the waiters' lease, as for `SQL_WAITING`.
+/// `$4`: this instance, as for `SQL_WAITING`.
 pub(super) const SQL_SNAPSHOT: &str = concat!(
     "SELECT ",
     view_columns!(),
@@ -140,9 +142,9 @@ pub(super) const SQL_SNAPSHOT: &str = concat!(
             array_agg(g.oldest ORDER BY g.class) AS oldest
         FROM (SELECT wl.class, sum(wl.count)::bigint AS count,
                 extract(epoch FROM clock_timestamp() - min(wl.since))::double precision AS oldest
-            FROM pacegate_waiting AS wl LEFT JOIN pacegate_instances AS l ON l.id = wl.instance
+            FROM pacegate_waiting AS wl
             WHERE wl.destination = d.destination
-              AND (wl.instance = $4 OR l.last_seen > clock_timestamp() - make_interval(secs => $5))
+              AND (wl.instance = $4 OR wl.live_until > clock_timestamp())
             GROUP BY wl.class) AS g) AS w ON true
     LEFT JOIN LATERAL (
         SELECT array_agg((SELECT count(*) FROM pacegate_sends AS s

@@ -6,7 +6,10 @@ use crate::fleet::{Membership, Report};
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
-    assert_eq!(store.migrate().await.unwrap(), [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(
+        store.migrate().await.unwrap(),
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    );
     store
 }
 
@@ -149,7 +152,7 @@ async fn waiters_keep_their_place_only_while_their_instance_keeps_asking() {
 }
 
 #[tokio::test]
-async fn waiters_count_only_while_their_instance_heartbeats() {
+async fn wait_lists_count_only_while_their_lease_runs() {
     let (a, b) = pair().await;
     let r = contract::rule(100.0);
     let interactive = [contract::waiting(Class(0), 5, 1000)];
@@ -160,27 +163,55 @@ async fn waiters_count_only_while_their_instance_heartbeats() {
         most: 1,
     };
     a.wait_list("d", &interactive).await.unwrap();
+    let control = a.client().await.unwrap();
+    // a's requests keep their claim throughout (it would ask again meanwhile): only the lease
+    // is under test here.
+    control
+        .execute(
+            "UPDATE pacegate_waiting SET claimed_until = clock_timestamp() + interval '1 minute' WHERE instance = 'a'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let lapse = || {
+        control.execute(
+            "UPDATE pacegate_waiting SET live_until = clock_timestamp() - interval '1 millisecond' WHERE instance = 'a'",
+            &[],
+        )
+    };
     assert!(matches!(
         b.reserve("d", &r, ask(&backfill)).await,
         Err(ReserveError::Yield(_))
     ));
-    // a's lease runs out: its last heartbeat is just older than WAITER_LEASE.
-    a.client()
-        .await
-        .unwrap()
-        .execute(
-            "UPDATE pacegate_instances SET last_seen = last_seen - make_interval(secs => $1) WHERE id = 'a'",
-            &[&(WAITER_LEASE.as_secs_f64() + 0.5)],
-        )
-        .await
-        .unwrap();
+    // Renewed once a heartbeat, a lease that was about to lapse runs again.
+    lapse().await.unwrap();
+    a.keep_waiting().await.unwrap();
+    assert!(matches!(
+        b.reserve("d", &r, ask(&backfill)).await,
+        Err(ReserveError::Yield(_))
+    ));
+    assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(0));
+    // Not renewed, it no longer counts, whatever the instances' table says.
+    lapse().await.unwrap();
     assert_eq!(
         b.reserve("d", &r, ask(&backfill)).await.unwrap().class,
         Class(2)
     );
-    // Its rows are dropped at the next heartbeat of anyone.
-    b.heartbeat(&instance("b"), REPORT).await.unwrap();
     assert_eq!(b.waiting("d").await.unwrap()[0].0, Class(2));
+    // Its rows are dropped at the next renewal of anyone's.
+    b.keep_waiting().await.unwrap();
+    let left: i64 = control
+        .query_one(
+            "SELECT count(*) FROM pacegate_waiting WHERE instance = 'a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+    // A clean shutdown drops an instance's own.
+    b.forget_waiting().await.unwrap();
+    assert!(b.waiting("d").await.unwrap().is_empty());
 }
 
 #[tokio::test]
