@@ -6,9 +6,13 @@ use crate::support;
 use std::time::Duration;
 
 use base64::Engine;
+use support::config::{Dest, Setup};
 use support::{client, client_with, raw_exchange, Alpn, FakeUpstream, TestProxy};
 
-const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
+/// A forwarding proxy for localhost.
+fn local(upstream: &FakeUpstream) -> Setup {
+    TestProxy::with(upstream).destination(Dest::forwarding(&["localhost"]))
+}
 
 fn proxy_status(resp: &reqwest::Response) -> String {
     resp.headers()
@@ -20,7 +24,7 @@ fn proxy_status(resp: &reqwest::Response) -> String {
 #[tokio::test]
 async fn unconfigured_hosts_are_denied_by_default() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
     let resp = via
         .get(format!("{}/", upstream.http_url("127.0.0.1")))
@@ -61,13 +65,12 @@ async fn unconfigured_hosts_are_denied_by_default() {
 #[tokio::test]
 async fn private_upstreams_are_refused_by_resolved_address() {
     let upstream = FakeUpstream::start().await;
-    let dests = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
-    let proxy = TestProxy::start(
-        &upstream.ca.cert_path,
-        "allow_private_upstreams = false",
-        dests,
-    )
-    .await;
+    let dest = Dest::forwarding(&["localhost", "127.0.0.1"]);
+    let proxy = TestProxy::with(&upstream)
+        .proxy("allow_private_upstreams", false)
+        .destination(dest.clone())
+        .start()
+        .await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
     // An IP literal, a name that resolves to loopback, and the same through interception.
     for url in [
@@ -89,12 +92,12 @@ async fn private_upstreams_are_refused_by_resolved_address() {
     }
     assert!(upstream.recorded().is_empty());
     // Unmatched tunnels obey the same policy, before answering the CONNECT.
-    let tunnel = TestProxy::start(
-        &upstream.ca.cert_path,
-        "allow_private_upstreams = false\nunmatched = \"tunnel\"",
-        dests,
-    )
-    .await;
+    let tunnel = TestProxy::with(&upstream)
+        .proxy("allow_private_upstreams", false)
+        .proxy("unmatched", "tunnel")
+        .destination(dest)
+        .start()
+        .await;
     let connect = format!(
         "CONNECT [::1]:{0} HTTP/1.1\r\nHost: [::1]:{0}\r\n\r\n",
         upstream.https.port()
@@ -110,7 +113,7 @@ async fn proxy_authentication() {
     let upstream = FakeUpstream::start().await;
     let auth =
         "[proxy.auth]\nusers = [{ name = \"worker\", password_env = \"PACEGATE_TEST_AUTH_PW\" }]";
-    let proxy = TestProxy::start(&upstream.ca.cert_path, auth, LOCAL).await;
+    let proxy = local(&upstream).section(auth).start().await;
     let http_url = format!("{}/headers", upstream.http_url("localhost"));
     let https_url = format!("{}/headers", upstream.https_url("localhost"));
 
@@ -165,7 +168,7 @@ async fn unreachable_upstream_is_a_502() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
     for url in [
         format!("http://localhost:{port}/"),
@@ -187,12 +190,10 @@ async fn unreachable_upstream_is_a_502() {
 #[tokio::test]
 async fn slow_upstream_is_a_504() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(
-        &upstream.ca.cert_path,
-        "",
-        &format!("{LOCAL}\n[upstream]\nresponse_timeout = \"300ms\"\n"),
-    )
-    .await;
+    let proxy = local(&upstream)
+        .section("[upstream]\nresponse_timeout = \"300ms\"")
+        .start()
+        .await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
     for base in [
         upstream.http_url("localhost"),
@@ -207,7 +208,7 @@ async fn slow_upstream_is_a_504() {
 #[tokio::test]
 async fn upgrade_requests_get_a_clear_refusal() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let req = format!(
         "GET http://localhost:{0}/ws HTTP/1.1\r\nHost: localhost:{0}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
         upstream.http.port()
@@ -230,7 +231,7 @@ async fn upgrade_requests_get_a_clear_refusal() {
 #[tokio::test]
 async fn malformed_targets_are_bad_requests() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     for (request, why) in [
         ("GET / HTTP/1.1\r\nHost: x\r\n\r\n", "forward proxy"),
         (
@@ -261,7 +262,7 @@ async fn malformed_targets_are_bad_requests() {
 #[tokio::test]
 async fn a_paced_host_is_not_a_way_to_its_other_low_ports() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     // CONNECT to a configured host's SSH port: refused before anything is dialled.
     let connect = b"CONNECT localhost:22 HTTP/1.1\r\nHost: localhost:22\r\n\r\n";
     let answer = raw_exchange(proxy.addr, connect, Duration::from_secs(5)).await;
@@ -286,8 +287,10 @@ async fn a_paced_host_is_not_a_way_to_its_other_low_ports() {
 
     // Listed in `ports`, a low port is allowed: the request goes on (and fails to connect,
     // as nothing listens there), rather than being refused by the port rule.
-    let listed = format!("{LOCAL}ports = [25]\n");
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", &listed).await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(Dest::forwarding(&["localhost"]).key("ports", vec![25]))
+        .start()
+        .await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
     let resp = via.get("http://localhost:25/").send().await.unwrap();
     assert_ne!(resp.status(), 403, "{}", proxy_status(&resp));

@@ -7,13 +7,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustls_pki_types::ServerName;
+use support::config::{Dest, Setup};
 use support::{
     admin_client, client, raw_exchange, read_head, read_until_close, Alpn, FakeUpstream, TestProxy,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\", \"127.0.0.1\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
+/// A forwarding proxy for localhost and 127.0.0.1, its `[proxy.limits]` to be added.
+fn local(upstream: &FakeUpstream) -> Setup {
+    TestProxy::with(upstream).destination(Dest::forwarding(&["localhost", "127.0.0.1"]))
+}
 
 async fn still_serves(proxy: &TestProxy, upstream: &FakeUpstream) {
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
@@ -28,7 +32,7 @@ async fn still_serves(proxy: &TestProxy, upstream: &FakeUpstream) {
 #[tokio::test]
 async fn garbage_gets_a_400_and_the_connection_closed() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let answer = raw_exchange(
         proxy.addr,
         b"\x16\x03\x01garbage\x00\xff\r\n\r\n",
@@ -42,12 +46,10 @@ async fn garbage_gets_a_400_and_the_connection_closed() {
 #[tokio::test]
 async fn a_stalled_client_is_disconnected_after_the_header_timeout() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(
-        &upstream.ca.cert_path,
-        "[proxy.limits]\nheader_read_timeout = \"300ms\"",
-        LOCAL,
-    )
-    .await;
+    let proxy = local(&upstream)
+        .limit("header_read_timeout", "300ms")
+        .start()
+        .await;
     let started = Instant::now();
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
     stream
@@ -71,12 +73,10 @@ async fn a_stalled_client_is_disconnected_after_the_header_timeout() {
 #[tokio::test]
 async fn an_oversized_header_is_refused() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(
-        &upstream.ca.cert_path,
-        "[proxy.limits]\nmax_header_bytes = 8192",
-        LOCAL,
-    )
-    .await;
+    let proxy = local(&upstream)
+        .limit("max_header_bytes", 8192)
+        .start()
+        .await;
     let big = "a".repeat(20_000);
     let req = format!(
         "GET http://localhost:{}/ HTTP/1.1\r\nHost: localhost\r\nX-Big: {big}\r\n\r\n",
@@ -91,12 +91,10 @@ async fn an_oversized_header_is_refused() {
 #[tokio::test]
 async fn failed_tls_handshakes_are_counted_and_harmless() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(
-        &upstream.ca.cert_path,
-        "[proxy.limits]\nhandshake_timeout = \"500ms\"",
-        LOCAL,
-    )
-    .await;
+    let proxy = local(&upstream)
+        .limit("handshake_timeout", "500ms")
+        .start()
+        .await;
     // Bytes that are neither a ClientHello nor HTTP: the tunnel's HTTP server answers 400.
     // (Plain HTTP in a tunnel is served: clients that tunnel http:// send it.)
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
@@ -145,7 +143,7 @@ async fn failed_tls_handshakes_are_counted_and_harmless() {
 #[tokio::test]
 async fn the_leaf_is_for_the_connect_host_whatever_the_sni() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let tls = Arc::new(
         rustls::ClientConfig::builder_with_provider(pacegate::tls::provider())
             .with_safe_default_protocol_versions()
@@ -172,12 +170,7 @@ async fn the_leaf_is_for_the_connect_host_whatever_the_sni() {
 #[tokio::test]
 async fn connections_beyond_the_limit_get_a_503() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(
-        &upstream.ca.cert_path,
-        "[proxy.limits]\nmax_connections = 2",
-        LOCAL,
-    )
-    .await;
+    let proxy = local(&upstream).limit("max_connections", 2).start().await;
     let held_a = TcpStream::connect(proxy.addr).await.unwrap();
     let held_b = TcpStream::connect(proxy.addr).await.unwrap();
     support::eventually(Duration::from_secs(5), "two connections open", || async {
@@ -228,7 +221,7 @@ async fn expect_continue(addr: std::net::SocketAddr, target: &str) -> (String, S
 #[tokio::test]
 async fn expect_100_continue_works_like_direct() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     // `/status/201` reads the whole body before answering.
     let target = format!("{}/status/201", upstream.http_url("localhost"));
     let (interim, rest) = expect_continue(proxy.addr, &target).await;
@@ -247,7 +240,7 @@ async fn expect_100_continue_works_like_direct() {
 #[tokio::test]
 async fn admin_endpoints_answer() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let admin = reqwest::Client::builder().no_proxy().build().unwrap();
     for (path, status) in [
         ("/healthz", 200),
@@ -276,7 +269,7 @@ async fn admin_endpoints_answer() {
 #[tokio::test]
 async fn malformed_admin_paths_get_404_and_the_admin_listener_keeps_answering() {
     let upstream = FakeUpstream::start().await;
-    let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+    let proxy = local(&upstream).start().await;
     let admin = admin_client();
     for path in [
         "/destinations/unlock",
