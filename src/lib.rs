@@ -28,7 +28,8 @@
 //!   `pacing::rate` counts the achieved rate, `pacing::verdict` reads a response and
 //!   `pacing::sniff` the start of its body.
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
-//!   (`budget::schedule`), with the contract suite each store passes; no I/O.
+//!   (`budget::schedule`), with the contract suite and the model test (`budget::model`) each
+//!   store passes; no I/O.
 //! - [`fleet`]: this instance among the others sharing a store: its identity (made once,
 //!   passed in), the membership seam, heartbeats and its share of each rate
 //!   (`fleet::standing`), what happens while a shared store is lost (`fleet::failover`:
