@@ -486,21 +486,6 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(std::future::ready(Ok(())))
     }
 
-    /// Every instance's waiting requests of `destination` by class (live instances only):
-    /// `(class, count, oldest wait)`.
-    fn waiting<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>>;
-
-    /// Slots taken in each quota window of `destination` that ends now, counting those
-    /// reserved ahead (so at most the limit), in `rule.quota`'s order.
-    fn quota_used<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>>;
-
     /// Applies what the vendor said, if anything, then a verdict, and returns the budget
     /// after them.
     fn record<'a>(
@@ -521,9 +506,9 @@ pub trait Store: Send + Sync + 'static {
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
 
     /// What status shows of every destination in `destinations`, in their order, in one
-    /// round trip whatever their number: each budget ([`Store::view`]), every instance's
-    /// waiting requests ([`Store::waiting`]) and its quota windows' use
-    /// ([`Store::quota_used`]).
+    /// round trip whatever their number: each budget ([`Store::view`]), every live
+    /// instance's waiting requests by class, and its quota windows' use (the slots taken in
+    /// each window that ends now, counting those reserved ahead, so at most the limit).
     fn snapshot<'a>(
         &'a self,
         destinations: &'a [(&'a str, &'a Rule)],

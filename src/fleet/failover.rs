@@ -37,8 +37,8 @@ use super::heartbeat::{self, Health};
 use super::standing::{Alone, Split, Standing, StandingGauges};
 use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, ReserveError,
-    Rule, Snapshot, Store, StoreError, StoreFuture,
+    Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule, Snapshot,
+    Store, StoreError, StoreFuture,
 };
 use crate::config::OnUnavailable;
 use crate::destination::Quota;
@@ -431,27 +431,6 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         Box::pin(
             self.shared_or_local(self.primary.wait_list(destination, queues), || {
                 self.local.wait_list(destination, queues)
-            }),
-        )
-    }
-
-    fn waiting<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
-        Box::pin(self.shared_or_local(self.primary.waiting(destination), || {
-            self.local.waiting(destination)
-        }))
-    }
-
-    fn quota_used<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
-        Box::pin(
-            self.shared_or_local(self.primary.quota_used(destination, rule), || {
-                self.local.quota_used(destination, rule)
             }),
         )
     }

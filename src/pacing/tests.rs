@@ -679,13 +679,13 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
         list.iter().map(|w| (w.0, w.1)).collect::<Vec<_>>()
     };
     assert_eq!(
-        classes_waiting(other.waiting("d").await.unwrap()),
+        classes_waiting(crate::budget::contract::waiting_in(&other, "d").await),
         [(INTERACTIVE, 1), (BACKFILL, 1)]
     );
     waiting.abort();
     tokio::time::sleep(ms(1)).await;
     assert_eq!(
-        classes_waiting(other.waiting("d").await.unwrap()),
+        classes_waiting(crate::budget::contract::waiting_in(&other, "d").await),
         [(INTERACTIVE, 1)],
         "the request that gave up still counts"
     );
@@ -749,23 +749,6 @@ impl Store for Stalling {
         queues: &'a [crate::budget::ClassQueue],
     ) -> StoreFuture<'a, Result<(), StoreError>> {
         self.inner.wait_list(destination, queues)
-    }
-
-    fn waiting<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Vec<crate::budget::ClassWaiting>, StoreError>> {
-        self.read();
-        self.inner.waiting(destination)
-    }
-
-    fn quota_used<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a crate::budget::Rule,
-    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
-        self.read();
-        self.inner.quota_used(destination, rule)
     }
 
     fn record<'a>(

@@ -292,6 +292,35 @@ impl MemoryStore {
         }
     }
 
+    /// Every instance's waiting requests of `destination` by class.
+    fn waiting_now(&self, destination: &str) -> Vec<ClassWaiting> {
+        let now = self.now();
+        self.budgets
+            .lock()
+            .get(destination)
+            .map_or_else(Vec::new, |b| b.waiting_at(now))
+    }
+
+    /// The slots taken in each of `rule`'s quota windows that ends now.
+    fn quota_used_now(&self, destination: &str, rule: &Rule) -> Vec<u32> {
+        let now = self.now();
+        let budgets = self.budgets.lock();
+        rule.quota
+            .iter()
+            .map(|q| {
+                budgets.get(destination).map_or(0, |b| {
+                    let from = now.checked_sub(q.per);
+                    let n = b
+                        .sends
+                        .iter()
+                        .filter(|t| from.is_none_or(|f| **t > f))
+                        .count();
+                    (n as u32).min(q.limit)
+                })
+            })
+            .collect()
+    }
+
     async fn persist(&self) -> Result<(), StoreError> {
         let Some(path) = self.state_file.clone() else {
             return Ok(());
@@ -448,44 +477,6 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(Ok(())))
     }
 
-    fn waiting<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
-        let now = self.now();
-        let list = self
-            .budgets
-            .lock()
-            .get(destination)
-            .map_or_else(Vec::new, |b| b.waiting_at(now));
-        Box::pin(std::future::ready(Ok(list)))
-    }
-
-    fn quota_used<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
-        let now = self.now();
-        let budgets = self.budgets.lock();
-        let used = rule
-            .quota
-            .iter()
-            .map(|q| {
-                budgets.get(destination).map_or(0, |b| {
-                    let from = now.checked_sub(q.per);
-                    let n = b
-                        .sends
-                        .iter()
-                        .filter(|t| from.is_none_or(|f| **t > f))
-                        .count();
-                    (n as u32).min(q.limit)
-                })
-            })
-            .collect();
-        Box::pin(std::future::ready(Ok(used)))
-    }
-
     fn record<'a>(
         &'a self,
         destination: &'a str,
@@ -546,8 +537,8 @@ impl Store for MemoryStore {
             for (destination, rule) in destinations {
                 out.push(Snapshot {
                     view: self.view(destination).await?,
-                    waiting: self.waiting(destination).await?,
-                    quota_used: self.quota_used(destination, rule).await?,
+                    waiting: self.waiting_now(destination),
+                    quota_used: self.quota_used_now(destination, rule),
                 });
             }
             Ok(out)

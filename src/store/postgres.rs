@@ -33,8 +33,8 @@ use clock::DbClock;
 
 use crate::budget::after_grant;
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
-    ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, BATCH_HORIZON,
+    Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, Reservation, ReserveError,
+    Rule, Snapshot, Store, StoreError, StoreFuture, BATCH_HORIZON,
 };
 use crate::class::Class;
 use crate::fleet::{Instance, WAITER_LEASE};
@@ -364,48 +364,6 @@ impl Store for PostgresStore {
                 .await
                 .map_err(db)?;
             Ok(())
-        })
-    }
-
-    fn waiting<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            let rows = client
-                .query(SQL_WAITING, &[&destination, &self.instance])
-                .await
-                .map_err(db)?;
-            Ok(rows
-                .iter()
-                .map(|r| {
-                    (
-                        Class(u16::try_from(r.get::<_, i32>(0)).unwrap_or(0)),
-                        u32::try_from(r.get::<_, i64>(1)).unwrap_or(0),
-                        Duration::from_secs_f64(r.get::<_, f64>(2).max(0.0)),
-                    )
-                })
-                .collect())
-        })
-    }
-
-    fn quota_used<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            let mut used = Vec::new();
-            for q in &rule.quota {
-                let row = client
-                    .query_one(SQL_QUOTA_USED, &[&destination, &q.per.as_secs_f64()])
-                    .await
-                    .map_err(db)?;
-                used.push(u32::try_from(row.get::<_, i64>(0)).map_or(q.limit, |n| n.min(q.limit)));
-            }
-            Ok(used)
         })
     }
 

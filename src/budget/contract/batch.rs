@@ -70,7 +70,7 @@ pub(super) async fn a_batch_keeps_the_beat_within_the_horizon(store: &impl Store
         arrived,
     };
     // The requests served left the list, and the next slot follows the batch on the beat.
-    let left = store.waiting("d").await.unwrap();
+    let left = super::waiting_in(store, "d").await;
     assert_eq!((left[0].0, left[0].1), (BACKFILL, 49), "{left:?}");
     let (next, _) = read(store, "d", &r).await;
     apart(first, next, r.interval * 51, tol, "the slot after a batch");

@@ -83,11 +83,11 @@ async fn waiting_counts_every_instance<S: Store>((a, b): (S, S)) {
     )
     .await
     .unwrap();
-    let list = a.waiting("d").await.unwrap();
+    let list = super::waiting_in(&a, "d").await;
     assert_eq!(list.len(), 2, "{list:?}");
     assert_eq!((list[0].0, list[0].1), (INTERACTIVE, 1));
     assert_eq!((list[1].0, list[1].1), (BACKFILL, 5));
     assert!(list[1].2 >= Duration::from_millis(1_900), "{list:?}");
     b.wait_list("d", &[]).await.unwrap();
-    assert_eq!(b.waiting("d").await.unwrap()[0].1, 3);
+    assert_eq!(super::waiting_in(&b, "d").await[0].1, 3);
 }

@@ -118,21 +118,6 @@ impl Store for Fake {
         self.answer(self.inner.wait_list(destination, queues))
     }
 
-    fn waiting<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Vec<ClassWaiting>, StoreError>> {
-        self.answer(self.inner.waiting(destination))
-    }
-
-    fn quota_used<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-    ) -> StoreFuture<'a, Result<Vec<u32>, StoreError>> {
-        self.answer(self.inner.quota_used(destination, rule))
-    }
-
     fn record<'a>(
         &'a self,
         destination: &'a str,

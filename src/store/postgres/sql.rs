@@ -34,15 +34,6 @@ pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
     FROM pacegate_reserve_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
-/// Every live instance's waiting requests of a destination, by class: this instance's (`$2`),
-/// and the lists whose lease runs.
-pub(super) const SQL_WAITING: &str = "SELECT w.class, sum(w.count)::bigint,
-        extract(epoch FROM clock_timestamp() - min(w.since))::double precision
-    FROM pacegate_waiting AS w
-    WHERE w.destination = $1 AND (w.instance = $2 OR w.live_until > clock_timestamp())
-    GROUP BY w.class ORDER BY w.class";
-pub(super) const SQL_QUOTA_USED: &str = "SELECT count(*) FROM pacegate_sends
-    WHERE destination = $1 AND at > clock_timestamp() - make_interval(secs => $2)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep
 /// reservations off the one-statement path. One statement, once a heartbeat.
@@ -129,7 +120,7 @@ pub(super) const SQL_VIEW: &str = concat!(
 /// then whether the row exists, as `known`), every live instance's waiting requests by class
 /// (three arrays, by class), and each quota window's count. `$1`: the destinations; `$2`,
 /// `$3`: every quota window as (its destination, its length in seconds), in the rules' order;
-/// `$4`: this instance, as for `SQL_WAITING`.
+/// `$4`: this instance, whose lists count whatever their lease (the others' while it runs).
 pub(super) const SQL_SNAPSHOT: &str = concat!(
     "SELECT ",
     view_columns!(),
