@@ -34,7 +34,8 @@
 //!   passed in), the membership seam, heartbeats and its share of each rate
 //!   (`fleet::standing`), what happens while a shared store is lost (`fleet::failover`:
 //!   divide or refuse, lockout write-back), instances whose rules differ (`fleet::drift`).
-//! - [`store`]: the stores: `store::memory`, the embedded one, and `store::postgres`, the
+//! - [`store`]: the stores: `store::memory`, the embedded one (what survives a restart in
+//!   `memory::state_file`), and `store::postgres`, the
 //!   shared one (`sql`, `migrations`, `rows` apart, `clock`, which places its slots on this
 //!   instance's clock, and `membership`).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.

@@ -1,79 +1,29 @@
-//! The embedded store: budgets in process memory, for a single instance.
-//!
-//! Backoff, lockouts, block streaks and pauses survive a restart: whenever they change, every
-//! budget's backoff, generation, streaks, lock, pause and vendor view are written to the state
-//! file atomically (temp file, fsync, rename), times as wall-clock times. So are quota
-//! windows' latest slots, written at most every second by [`MemoryStore::keep_sends`]. The
-//! beat itself (`next_at`) is not kept: after a restart the schedule starts from now, which
-//! is what an idle destination does anyway.
+//! The embedded store: budgets in process memory, for a single instance. What survives a
+//! restart is written to a state file (`store::memory::state_file`).
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+mod state_file;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
-use crate::budget::schedule::{Budget, NoSlot, Vendor, Waiting};
+use crate::budget::schedule::{Budget, NoSlot, Waiting};
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, PauseCause,
-    Reservation, ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
+    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
+    ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
 };
 use crate::fleet::failover::Fallback;
 use crate::fleet::Instance;
-use crate::signals::Family;
-
-/// The file format of the state file.
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct StateFile {
-    version: u32,
-    destinations: BTreeMap<String, Persisted>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Persisted {
-    backoff: f64,
-    generation: u64,
-    clean_streak: u32,
-    lock: Option<Lockout>,
-    /// The quota windows' latest slots, as Unix times in seconds.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    sends: Vec<f64>,
-    #[serde(default, skip_serializing_if = "is_zero")]
-    block_streak: u32,
-    /// A pause still in force, as a Unix time in seconds, and its cause.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    paused_until: Option<(f64, PauseCause)>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    vendor: Option<PersistedVendor>,
-}
-
-fn is_zero(n: &u32) -> bool {
-    *n == 0
-}
-
-/// A vendor view, its times as Unix times in seconds.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct PersistedVendor {
-    family: String,
-    remaining: u64,
-    limit: Option<u64>,
-    observed: f64,
-    reset: f64,
-    taken: u64,
-}
 
 /// What the store's time 0 is before its epoch: far enough that slots taken before the store
 /// started (a quota window's sends from the state file, a request that waited before it)
 /// still have a place on its timeline.
 const ORIGIN: Duration = Duration::from_secs(1 << 32);
-
-/// How often changed quota windows are written to the state file.
-const SAVE_SENDS_EVERY: Duration = Duration::from_secs(1);
 
 /// Where the store reads the wall clock, which places pauses, vendor resets and the state
 /// file's times.
@@ -134,81 +84,6 @@ impl MemoryStore {
             writer: tokio::sync::Mutex::new(()),
             instance: instance.to_owned(),
             sends_changed: AtomicBool::new(false),
-        }
-    }
-
-    /// Opens a store persisted at `state_file`, loading what a previous run left there.
-    pub fn open(state_file: &Path) -> Result<Self, StoreError> {
-        let store = Self {
-            state_file: Some(state_file.to_owned()),
-            ..Self::ephemeral()
-        };
-        let text = match std::fs::read_to_string(state_file) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(store),
-            Err(e) => {
-                return Err(StoreError::File(format!(
-                    "cannot read state file {}: {e}",
-                    state_file.display()
-                )))
-            }
-        };
-        let file: StateFile = serde_json::from_str(&text).map_err(|e| {
-            StoreError::File(format!(
-                "state file {} is not valid ({e}); move it aside to start afresh (lockouts in it would be lost)",
-                state_file.display()
-            ))
-        })?;
-        let mut budgets = store.budgets.lock();
-        for (name, p) in file.destinations {
-            budgets.insert(
-                name,
-                Budget {
-                    backoff: p.backoff.max(1.0),
-                    generation: p.generation,
-                    clean_streak: p.clean_streak,
-                    lock: p.lock,
-                    sends: p.sends.iter().map(|t| store.at_unix(*t)).collect(),
-                    block_streak: p.block_streak,
-                    paused_until: p
-                        .paused_until
-                        .map_or(Duration::ZERO, |(t, _)| store.at_unix(t)),
-                    paused_by: p.paused_until.map(|(_, by)| by),
-                    vendor: p.vendor.and_then(|v| {
-                        Some(Vendor {
-                            family: Family::from_name(&v.family)?,
-                            remaining: v.remaining,
-                            limit: v.limit,
-                            observed: store.at_unix(v.observed),
-                            reset: store.at_unix(v.reset),
-                            taken: v.taken,
-                        })
-                    }),
-                    ..Budget::default()
-                },
-            );
-        }
-        drop(budgets);
-        Ok(store)
-    }
-
-    /// Writes the state file whenever a quota window took a slot, at most every second, and
-    /// once more when `stop` is cancelled. A crash loses at most the last second of them.
-    pub async fn keep_sends(self: Arc<Self>, stop: CancellationToken) {
-        loop {
-            let stopping = tokio::select! {
-                () = tokio::time::sleep(SAVE_SENDS_EVERY) => false,
-                () = stop.cancelled() => true,
-            };
-            if self.sends_changed.swap(false, Ordering::Relaxed) {
-                if let Err(e) = self.persist().await {
-                    self.sends_changed.store(true, Ordering::Relaxed);
-                    tracing::error!("cannot save quota windows: {e}");
-                }
-            }
-            if stopping {
-                return;
-            }
         }
     }
 
@@ -320,68 +195,6 @@ impl MemoryStore {
             })
             .collect()
     }
-
-    async fn persist(&self) -> Result<(), StoreError> {
-        let Some(path) = self.state_file.clone() else {
-            return Ok(());
-        };
-        let _writing = self.writer.lock().await;
-        let file = StateFile {
-            version: 1,
-            destinations: self
-                .budgets
-                .lock()
-                .iter()
-                .map(|(name, b)| {
-                    let now = self.now();
-                    let p = Persisted {
-                        backoff: b.backoff,
-                        generation: b.generation,
-                        clean_streak: b.clean_streak,
-                        lock: b.lock.clone(),
-                        sends: b.sends.iter().map(|t| self.unix_of(*t)).collect(),
-                        block_streak: b.block_streak,
-                        paused_until: b
-                            .paused_by
-                            .filter(|_| b.paused_until > now)
-                            .map(|by| (self.unix_of(b.paused_until), by)),
-                        vendor: b.vendor_at(now).map(|v| PersistedVendor {
-                            family: v.family.as_str().to_owned(),
-                            remaining: v.remaining,
-                            limit: v.limit,
-                            observed: self.unix_of(v.observed),
-                            reset: self.unix_of(v.reset),
-                            taken: v.taken,
-                        }),
-                    };
-                    (name.clone(), p)
-                })
-                .collect(),
-        };
-        let json = serde_json::to_vec_pretty(&file).map_err(|e| StoreError::File(e.to_string()))?;
-        tokio::task::spawn_blocking(move || write_atomically(&path, &json))
-            .await
-            .map_err(|e| StoreError::File(format!("state file writer failed: {e}")))?
-    }
-}
-
-fn write_atomically(path: &Path, data: &[u8]) -> Result<(), StoreError> {
-    use std::io::Write;
-    let fail = |what: &str, e: std::io::Error| {
-        StoreError::File(format!("cannot {what} state file {}: {e}", path.display()))
-    };
-    let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(|e| fail("create", e))?;
-    f.write_all(data).map_err(|e| fail("write", e))?;
-    f.sync_all().map_err(|e| fail("sync", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| fail("replace", e))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        // Make the rename itself durable.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    Ok(())
 }
 
 impl Store for MemoryStore {

@@ -3,6 +3,8 @@
 use super::*;
 use crate::budget::contract;
 use crate::budget::model::{self, Modelled, Row};
+use crate::budget::PauseCause;
+use tokio_util::sync::CancellationToken;
 
 /// The memory store in the model test, on paused time: the test moves its instant clock, and
 /// its wall clock follows.
