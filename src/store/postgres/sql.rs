@@ -36,10 +36,14 @@ pub(super) const SQL_RESERVE_MANY: &str =
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep
-/// reservations off the one-statement path. One statement, once a heartbeat.
+/// reservations off the one-statement path. One statement, once a heartbeat. Only a list
+/// past half its lease is renewed: an instance that keeps asking renews its own with every
+/// reservation, and rewriting them here too would take their row locks while its
+/// reservations want them (a stalled reservation places its slot late on the local clock).
 pub(super) const SQL_KEEP_WAITING: &str = "WITH renewed AS (
         UPDATE pacegate_waiting SET live_until = clock_timestamp() + make_interval(secs => $2)
-        WHERE instance = $1 RETURNING 1)
+        WHERE instance = $1 AND live_until < clock_timestamp() + make_interval(secs => $2::float8 / 2)
+        RETURNING 1)
     DELETE FROM pacegate_waiting WHERE live_until <= clock_timestamp() AND instance <> $1";
 pub(super) const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE instance = $1";
 pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for,
