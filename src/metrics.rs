@@ -457,6 +457,14 @@ impl Metrics {
         })
     }
 
+    /// Counts an upstream response to a request for `destination` (a configured name, or
+    /// [`UNMATCHED`]).
+    pub fn upstream_response(&self, destination: &str, status: http::StatusCode) {
+        self.upstream_responses
+            .with_label_values(&[destination, status.as_str()])
+            .inc();
+    }
+
     /// Sets every per-destination gauge from a status snapshot.
     pub fn set_destination(&self, s: &DestinationStatus, paused_for: Duration) {
         let d = [s.destination.as_str()];

@@ -390,10 +390,11 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
 
 /// Runs [`PACEGATE_MODEL_CASES`](self) random sequences, each on a destination of its own,
 /// through the model and the store `open` gives for it (`case` numbers them), on `rt`.
-pub(crate) fn check_store<M: Modelled>(
-    rt: &tokio::runtime::Runtime,
-    open: impl Fn(u64) -> (M, String),
-) {
+pub(crate) fn check_store<M, S>(rt: &tokio::runtime::Runtime, open: impl Fn(u64) -> (S, String))
+where
+    M: Modelled,
+    S: std::ops::Deref<Target = M>,
+{
     let cases = std::env::var("PACEGATE_MODEL_CASES")
         .ok()
         .and_then(|n| n.parse().ok())
@@ -411,7 +412,7 @@ pub(crate) fn check_store<M: Modelled>(
         rt.block_on(async {
             // Opened on the runtime, so that a store on paused time starts on its clock.
             let (store, destination) = open(case);
-            run(&store, &destination, &rule, &ops).await
+            run(&*store, &destination, &rule, &ops).await
         })
     });
     if let Err(e) = result {

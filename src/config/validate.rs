@@ -321,13 +321,9 @@ impl Validator<'_> {
     /// whatever the backend (a wrong value is wrong before the switch too), and otherwise left
     /// unused, except `url`: a database named under `backend = "memory"` is a shared budget
     /// that never was, every instance pacing alone.
-    pub(super) fn store(&mut self, raw: RawStore) -> StoreConfig {
+    pub(super) fn store(&mut self, mut raw: RawStore) -> StoreConfig {
         let backend = raw.backend.unwrap_or_default();
-        let state_file = self.path(
-            raw.state_file
-                .clone()
-                .unwrap_or_else(|| "pacegate-state.json".into()),
-        );
+        let state_file = raw.state_file.take();
         if backend == Backend::Memory && raw.url.is_some() {
             self.push(
                 "store.url",
@@ -336,17 +332,21 @@ impl Validator<'_> {
         }
         let postgres = self.postgres(raw, backend == Backend::Postgres);
         match backend {
-            Backend::Memory => StoreConfig::Memory(MemoryConfig { state_file }),
+            Backend::Memory => StoreConfig::Memory(MemoryConfig {
+                state_file: self.path(state_file.unwrap_or_else(|| "pacegate-state.json".into())),
+            }),
             Backend::Postgres => StoreConfig::Postgres(postgres),
         }
     }
 
     /// The postgres keys; `chosen` when it is the backend (only then is a URL required).
     fn postgres(&mut self, raw: RawStore, chosen: bool) -> PostgresConfig {
+        // The environment names the database of the backend chosen only.
         let url = raw.url.or_else(|| {
-            std::env::var("PACEGATE_STORE_URL")
-                .ok()
-                .filter(|u| !u.is_empty() && chosen)
+            chosen
+                .then(|| std::env::var("PACEGATE_STORE_URL").ok())
+                .flatten()
+                .filter(|u| !u.is_empty())
         });
         let url = match url {
             None if !chosen => String::new(),

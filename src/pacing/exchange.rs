@@ -138,9 +138,7 @@ impl Pacer {
                 sent => sent?,
             };
             self.metrics
-                .upstream_responses
-                .with_label_values(&[destination, response.status().as_str()])
-                .inc();
+                .upstream_response(destination, response.status());
             let status = response.status().as_u16();
             let mut reading = self.read(&admission, status, response.headers());
             if reading.needs_body(&pace) {

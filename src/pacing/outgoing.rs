@@ -34,9 +34,14 @@ impl Outgoing {
         }
     }
 
-    /// The request as it is, sent once: for a request that is not paced.
-    pub fn into_request(mut self) -> Request<ProxyBody> {
-        self.take()
+    /// The request as it is, sent once: for a request that is not paced. Its parts are
+    /// moved, not copied.
+    pub fn into_request(self) -> Request<ProxyBody> {
+        let body = match self.body {
+            Some(body) => body.map_err(BoxError::from).boxed(),
+            None => Empty::new().map_err(|never| match never {}).boxed(),
+        };
+        Request::from_parts(self.parts, body)
     }
 
     /// The upstream URI.
@@ -51,15 +56,6 @@ impl Outgoing {
         *req.uri_mut() = self.parts.uri.clone();
         *req.version_mut() = self.parts.version;
         *req.headers_mut() = self.parts.headers.clone();
-        req
-    }
-
-    /// The request, sending the original body.
-    fn take(&mut self) -> Request<ProxyBody> {
-        let mut req = self.copy();
-        if let Some(body) = self.body.take() {
-            *req.body_mut() = body.map_err(BoxError::from).boxed();
-        }
         req
     }
 

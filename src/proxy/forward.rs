@@ -99,9 +99,7 @@ impl Proxy {
             .await?;
         self.inner
             .metrics
-            .upstream_responses
-            .with_label_values(&[UNMATCHED, response.status().as_str()])
-            .inc();
+            .upstream_response(UNMATCHED, response.status());
         Ok(response)
     }
 }

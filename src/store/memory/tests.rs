@@ -68,7 +68,7 @@ fn computes_what_the_schedule_computes() {
         .start_paused(true)
         .build()
         .unwrap();
-    model::check_store(&rt, |_| (OnPausedTime::open(), "d".to_owned()));
+    model::check_store(&rt, |_| (Box::new(OnPausedTime::open()), "d".to_owned()));
 }
 
 #[tokio::test(start_paused = true)]

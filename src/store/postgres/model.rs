@@ -113,17 +113,3 @@ fn the_sql_computes_what_the_schedule_computes() {
     let db = std::sync::Arc::new(rt.block_on(Db::open()));
     model::check_store(&rt, |case| (db.clone(), format!("d{case}")));
 }
-
-impl Modelled for std::sync::Arc<Db> {
-    fn store(&self) -> &dyn Store {
-        (**self).store()
-    }
-
-    fn set_now(&self, now: Duration) -> StoreFuture<'_, ()> {
-        (**self).set_now(now)
-    }
-
-    fn row<'a>(&'a self, destination: &'a str, now: Duration) -> StoreFuture<'a, Option<Row>> {
-        (**self).row(destination, now)
-    }
-}
