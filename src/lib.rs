@@ -38,7 +38,8 @@
 //!   `memory::state_file`), and `store::postgres`, the
 //!   shared one (`sql`, `migrations`, `rows` apart, `clock`, which places its slots on this
 //!   instance's clock, and `membership`).
-//! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached, upstream roots.
+//! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached; the CA's files;
+//!   upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
 //!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
 //! - [`headers`]: hop-by-hop hygiene at both boundaries; a leaf.

@@ -1,28 +1,33 @@
 //! TLS: the local certificate authority, leaf certificates minted per CONNECT host (and cached),
-//! and the roots upstream servers are verified against.
+//! the CA's files (`ca_files`) and the roots upstream servers are verified against
+//! (`roots`).
 //!
 //! Every rustls config here is built with the ring provider explicitly, so the library never
 //! depends on a process-wide default provider having been installed.
 
-use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SerialNumber,
+    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair,
+    KeyUsagePurpose, PublicKeyData, SerialNumber,
 };
 use rustls::crypto::CryptoProvider;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls::ServerConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use time::OffsetDateTime;
 
 use crate::config::TlsConfig;
 
+mod ca_files;
 mod constraints;
+mod roots;
+
+use ca_files::{check_key_permissions, read};
+pub use ca_files::{write_new_ca, write_new_ca_for};
+pub use roots::{bundle_with_system_roots, upstream_client_config, upstream_roots};
 
 /// Why a TLS component could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -237,184 +242,12 @@ fn random_serial() -> SerialNumber {
     SerialNumber::from_slice(&bytes)
 }
 
-/// Creates a new CA: the key is written first, with mode 0600, and neither file may exist.
-pub fn write_new_ca(cert_path: &Path, key_path: &Path) -> Result<(), TlsError> {
-    write_new_ca_for(cert_path, key_path, None)
-}
-
-/// [`write_new_ca`], constrained to sign for `names` alone when given (hosts, `*.suffix`
-/// patterns as their suffix, or IP addresses; see `tls::constraints`).
-pub fn write_new_ca_for(
-    cert_path: &Path,
-    key_path: &Path,
-    names: Option<&[&str]>,
-) -> Result<(), TlsError> {
-    for p in [cert_path, key_path] {
-        if p.exists() {
-            return Err(TlsError::BadCa {
-                path: p.to_owned(),
-                reason: "already exists; refusing to overwrite a CA that clients may trust".into(),
-            });
-        }
-    }
-    let mut params = CertificateParams::default();
-    let mut dn = DistinguishedName::new();
-    dn.push(DnType::OrganizationName, "pacegate");
-    dn.push(
-        DnType::CommonName,
-        format!("pacegate local CA {:08x}", rand::random::<u32>()),
-    );
-    params.distinguished_name = dn;
-    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    params.serial_number = Some(random_serial());
-    params.name_constraints = names.map(constraints::permitting);
-    let now = OffsetDateTime::now_utc();
-    params.not_before = now - time::Duration::hours(1);
-    params.not_after = now + time::Duration::days(3650);
-    let key = KeyPair::generate()?;
-    let cert = params.self_signed(&key)?;
-    for p in [cert_path, key_path] {
-        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            fs::create_dir_all(dir).map_err(|source| TlsError::Io {
-                action: "cannot create directory",
-                path: dir.to_owned(),
-                source,
-            })?;
-        }
-    }
-    write_private(key_path, key.serialize_pem().as_bytes())?;
-    write_file(cert_path, cert.pem().as_bytes(), 0o644)
-}
-
-fn write_private(path: &Path, data: &[u8]) -> Result<(), TlsError> {
-    write_file(path, data, 0o600)
-}
-
-fn write_file(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
-    let io = |source| TlsError::Io {
-        action: "cannot write",
-        path: path.to_owned(),
-        source,
-    };
-    let mut opts = fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        // The mode is applied at creation, so the key is never readable by others, not even
-        // for an instant.
-        opts.mode(mode);
-    }
-    #[cfg(not(unix))]
-    let _ = mode;
-    let mut f = opts.open(path).map_err(io)?;
-    f.write_all(data).map_err(io)?;
-    f.sync_all().map_err(io)
-}
-
-fn read(path: &Path) -> Result<String, TlsError> {
-    fs::read_to_string(path).map_err(|source| TlsError::Io {
-        action: "cannot read",
-        path: path.to_owned(),
-        source,
-    })
-}
-
-fn check_key_permissions(path: &Path) -> Result<(), TlsError> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let meta = fs::metadata(path).map_err(|source| TlsError::Io {
-            action: "cannot read",
-            path: path.to_owned(),
-            source,
-        })?;
-        let mode = meta.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(TlsError::BadCa {
-                path: path.to_owned(),
-                reason: format!(
-                    "private key is readable by other users (mode {mode:04o}); run `chmod 600 {}`",
-                    path.display()
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The roots upstream servers are verified against: the system's (webpki-roots when the system
-/// has none) plus every certificate in `extra` PEM files.
-pub fn upstream_roots(extra: &[PathBuf]) -> Result<RootCertStore, TlsError> {
-    let mut roots = RootCertStore::empty();
-    let (added, _) =
-        roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-    if added == 0 {
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    }
-    for path in extra {
-        for cert in read_certs(path)? {
-            roots.add(cert)?;
-        }
-    }
-    Ok(roots)
-}
-
-/// The rustls client config for upstream connections (ALPN is set by the connector).
-pub fn upstream_client_config(roots: RootCertStore) -> Result<ClientConfig, TlsError> {
-    Ok(ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
-}
-
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let bad = |reason: String| TlsError::BadCa {
-        path: path.to_owned(),
-        reason,
-    };
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| bad(format!("cannot read certificates: {e}")))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(format!("not PEM certificates: {e}")))?;
-    if certs.is_empty() {
-        return Err(bad("holds no certificate".into()));
-    }
-    Ok(certs)
-}
-
-/// A PEM bundle of the system roots followed by `ca_pem`, for clients whose CA-bundle variable
-/// replaces the system store. Returns the bundle and how many system roots it holds.
-pub fn bundle_with_system_roots(ca_pem: &str) -> (String, usize) {
-    let system = rustls_native_certs::load_native_certs().certs;
-    let mut out = String::new();
-    for cert in &system {
-        out.push_str(&pem_encode("CERTIFICATE", cert));
-    }
-    out.push_str(ca_pem.trim_end());
-    out.push('\n');
-    (out, system.len())
-}
-
-fn pem_encode(label: &str, der: &[u8]) -> String {
-    use base64::Engine;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut out = format!("-----BEGIN {label}-----\n");
-    for line in b64.as_bytes().chunks(64) {
-        out.push_str(std::str::from_utf8(line).expect("base64 is ASCII"));
-        out.push('\n');
-    }
-    out.push_str(&format!("-----END {label}-----\n"));
-    out
-}
-
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
+    use rustls::RootCertStore;
+
     use super::*;
 
     fn new_ca(dir: &Path) -> Authority {
