@@ -226,6 +226,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
     let (admin_listener, admin_addr) = bind("admin", config.admin.listen).await?;
 
     let shutdown = Shutdown::new();
+    let gate = crate::server::Gate::new(&config.proxy.limits);
     let proxy = Proxy::new(ProxyParts {
         policy: arc_swap::ArcSwap::from_pointee(ClientPolicy::of(&config)),
         limits: config.proxy.limits.clone(),
@@ -234,10 +235,12 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         pacer: pacer.clone(),
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
+        gate: gate.clone(),
     });
     let proxy_task = tokio::spawn(crate::server::serve(
         proxy_listener,
         proxy.clone(),
+        gate,
         config.proxy.limits.clone(),
         metrics.clone(),
         shutdown.clone(),

@@ -238,19 +238,48 @@ impl fmt::Debug for User {
 pub struct Limits {
     /// Client connections open at once; more are answered 503 and closed. Default 1024.
     pub max_connections: usize,
+    /// Requests in flight at once over every connection and intercepted session, HTTP/2
+    /// streams included; more are answered 503. Default 4096.
+    pub max_requests: usize,
+    /// Concurrent streams one HTTP/2 connection may open. Default 100.
+    pub max_streams: u32,
     /// Largest request head (request line and headers) in bytes; at least 8192. Default 65536.
     pub max_header_bytes: usize,
-    /// Time a client has to send a complete request head, also the idle time allowed between
-    /// requests on a kept-alive HTTP/1 connection. Default 30 s.
+    /// Time a client has to send its first byte and then a complete request head; also the
+    /// idle time allowed between requests on a kept-alive HTTP/1 connection. Default 30 s.
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
+    /// Time a connection of either protocol may sit with no request in flight and no byte
+    /// moving before it is closed (HTTP/2 has no header timeout). Default 60 s.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// Time a response write may wait for a client that does not read; then the connection
+    /// is closed and its upstream connection and permits are given back. Default 60 s.
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: Duration,
     /// Time a client has to complete the TLS handshake of an intercepted CONNECT. Default 10 s.
     #[serde(with = "humantime_serde")]
     pub handshake_timeout: Duration,
-    /// Time a blind tunnel may carry no bytes in either direction before it is closed.
-    /// Default 5 min.
+    /// Time a blind tunnel may carry no bytes in either direction (or, once one side has
+    /// closed, in the direction still open) before it is closed. Default 5 min.
     #[serde(with = "humantime_serde")]
     pub tunnel_idle_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            max_requests: 4096,
+            max_streams: 100,
+            max_header_bytes: 64 * 1024,
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(60),
+            handshake_timeout: Duration::from_secs(10),
+            tunnel_idle_timeout: Duration::from_secs(300),
+        }
+    }
 }
 
 /// `[upstream]`: the outbound client.
@@ -519,16 +548,17 @@ impl Config {
                 }])
             }
         };
-        let proxy: Option<RawProxy> = section(table.remove("proxy"), "proxy", &mut problems);
-        let upstream: Option<RawUpstream> =
-            section(table.remove("upstream"), "upstream", &mut problems);
-        let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", &mut problems);
-        let tls: Option<RawTls> = section(table.remove("tls"), "tls", &mut problems);
-        let store: Option<RawStore> = section(table.remove("store"), "store", &mut problems);
-        let log: Option<RawLog> = section(table.remove("log"), "log", &mut problems);
+        let mut unreadable = Vec::new();
+        let (p, u) = (&mut problems, &mut unreadable);
+        let proxy: Option<RawProxy> = section(table.remove("proxy"), "proxy", p, u);
+        let upstream: Option<RawUpstream> = section(table.remove("upstream"), "upstream", p, u);
+        let admin: Option<RawAdmin> = section(table.remove("admin"), "admin", p, u);
+        let tls: Option<RawTls> = section(table.remove("tls"), "tls", p, u);
+        let store: Option<RawStore> = section(table.remove("store"), "store", p, u);
+        let log: Option<RawLog> = section(table.remove("log"), "log", p, u);
         let classes: Option<Option<RawClasses>> = match table.remove("classes") {
             None => Some(None),
-            some => section::<RawClasses>(some, "classes", &mut problems).map(Some),
+            some => section::<RawClasses>(some, "classes", p, u).map(Some),
         };
         let mut raw_dests = BTreeMap::new();
         match table.remove("destinations") {
@@ -536,7 +566,13 @@ impl Config {
             Some(toml::Value::Table(t)) => {
                 for (name, value) in t {
                     let path = format!("destinations.{name}");
-                    if let Some(d) = section::<RawDestination>(Some(value), &path, &mut problems) {
+                    let read = section::<RawDestination>(
+                        Some(value),
+                        &path,
+                        &mut problems,
+                        &mut unreadable,
+                    );
+                    if let Some(d) = read {
                         raw_dests.insert(name, d);
                     }
                 }
@@ -552,6 +588,7 @@ impl Config {
 
         let mut v = Validator {
             problems,
+            unreadable,
             base,
             ca_must_exist,
         };

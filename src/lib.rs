@@ -9,7 +9,8 @@
 //!   listeners; run and stop.
 //! - [`config`]: the typed [`config::Config`]; `config::file` is the TOML file model and
 //!   `config::validate` turns it into the config, reporting every problem with its key path.
-//! - [`server`]: accept loop on a bound listener, connection limit, one task per connection.
+//! - [`server`]: accept loop on a bound listener, connection and request limits, one task per
+//!   connection, every connection's deadlines (`server::watch`).
 //! - [`proxy`]: per request: authenticate, route, then forward / intercept / tunnel / refuse;
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
 //! - [`destination`]: host patterns, the routing table, a destination's pacing keys and

@@ -34,6 +34,10 @@ pub struct Metrics {
     pub connections_total: IntCounter,
     /// `pacegate_connections_rejected_total`: connections refused at `max_connections`.
     pub connections_rejected: IntCounter,
+    /// `pacegate_connections_expired_total{reason}`: connections (client connections and
+    /// intercepted sessions) closed at a deadline: `silent` (no first byte), `idle` (no
+    /// request), `write_timeout` (a client that did not read).
+    pub connections_expired: IntCounterVec,
     /// `pacegate_tunnels_open{kind}`: CONNECT sessions open now (`intercept` or `blind`).
     pub tunnels_open: IntGaugeVec,
     /// `pacegate_tunnels_total{kind}`: CONNECT sessions started.
@@ -162,6 +166,16 @@ impl Metrics {
             "pacegate_connections_rejected_total",
             "Client connections refused because max_connections were open",
         )?;
+        let connections_expired = IntCounterVec::new(
+            Opts::new(
+                "pacegate_connections_expired_total",
+                "Connections closed at a deadline, by reason (silent, idle, write_timeout)",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["silent", "idle", "write_timeout"] {
+            connections_expired.with_label_values(&[reason]);
+        }
         let tunnels_open = IntGaugeVec::new(
             Opts::new(
                 "pacegate_tunnels_open",
@@ -371,6 +385,7 @@ impl Metrics {
         register(Box::new(connections_open.clone()))?;
         register(Box::new(connections_total.clone()))?;
         register(Box::new(connections_rejected.clone()))?;
+        register(Box::new(connections_expired.clone()))?;
         register(Box::new(tunnels_open.clone()))?;
         register(Box::new(tunnels_total.clone()))?;
         register(Box::new(tls_handshake_failures.clone()))?;
@@ -418,6 +433,7 @@ impl Metrics {
             connections_open,
             connections_total,
             connections_rejected,
+            connections_expired,
             tunnels_open,
             tunnels_total,
             tls_handshake_failures,

@@ -71,6 +71,8 @@ pub struct ProxyParts {
     pub metrics: Arc<Metrics>,
     /// Shutdown handle (intercepted sessions and tunnels are tracked by it).
     pub shutdown: Shutdown,
+    /// The requests in flight, shared with the listener.
+    pub gate: crate::server::Gate,
 }
 
 /// The proxy service; cheap to clone.
@@ -82,6 +84,10 @@ pub struct Proxy {
 impl crate::server::Handler for Proxy {
     fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
         self.clone().handle(req)
+    }
+
+    fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        self.refuse_busy(&req)
     }
 }
 
@@ -131,6 +137,23 @@ impl Proxy {
             let handled = self.dispatch(req).await;
             self.finish(started, &method, handled)
         })
+    }
+
+    /// Answers a request that finds `max_requests` in flight, logged and counted like any.
+    fn refuse_busy(&self, req: &Request<Incoming>) -> Response<ProxyBody> {
+        let err = ProxyError::Busy {
+            limit: self.inner.limits.max_requests,
+        };
+        let target = req
+            .uri()
+            .authority()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        self.finish(
+            Instant::now(),
+            req.method(),
+            Handled::refused(err, None, target),
+        )
     }
 
     /// Handles one request inside an intercepted session; `target` is the CONNECT target.
@@ -379,6 +402,19 @@ pub fn parse_target(
             "`{authority}` is not a valid host name or IP address"
         ))
     })?;
+    // `http` reads a port it cannot parse (`:65536`) as none; that is not the default port.
+    let after_host = authority
+        .as_str()
+        .rsplit('@')
+        .next()
+        .and_then(|rest| rest.get(authority.host().len()..))
+        .and_then(|tail| tail.strip_prefix(':'))
+        .filter(|port| !port.is_empty());
+    if let (Some(written), None) = (after_host, authority.port_u16()) {
+        return Err(ProxyError::BadRequest(format!(
+            "`{authority}`: port {written} is not a port (1 to 65535)"
+        )));
+    }
     let port = match authority.port_u16() {
         Some(0) => {
             return Err(ProxyError::BadRequest(format!(

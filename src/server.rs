@@ -1,24 +1,30 @@
 //! The client-facing listener: an accept loop on an already-bound listener, one task per
-//! connection, a bound on open connections, and the drain on shutdown.
+//! connection, a bound on open connections and on requests in flight, every connection's
+//! deadlines ([`watch`]), and the drain on shutdown.
+
+pub mod watch;
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use prometheus::IntGauge;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Limits;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
-use crate::upstream::ProxyBody;
+use crate::upstream::{BoxError, ProxyBody};
+use watch::{InFlight, Watch};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
@@ -27,6 +33,140 @@ pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T
 pub trait Handler: Clone + Send + Sync + 'static {
     /// Answers one request.
     fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>>;
+    /// Answers, at once, a request that finds `max_requests` in flight already.
+    fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody>;
+}
+
+/// The requests in flight over every connection and intercepted session (`max_requests`):
+/// HTTP/2 multiplies requests per connection, so `max_connections` alone does not bound them.
+#[derive(Clone)]
+pub struct Gate {
+    permits: Arc<Semaphore>,
+}
+
+impl Gate {
+    /// A gate for `limits.max_requests`.
+    pub fn new(limits: &Limits) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(limits.max_requests)),
+        }
+    }
+}
+
+/// What a request in flight holds until its response body has been written or dropped.
+struct Held {
+    _permit: OwnedSemaphorePermit,
+    _in_flight: InFlight,
+}
+
+/// A response body that holds its request's place until it ends.
+struct Holding {
+    body: ProxyBody,
+    _held: Held,
+}
+
+impl Body for Holding {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// How a served connection ended.
+pub enum Ended {
+    /// The client closed it, or the drain did.
+    Closed,
+    /// It failed: a protocol error, a reset, a write the client did not take in time.
+    Failed(BoxError),
+    /// A deadline of its watch passed.
+    Expired(watch::Expired),
+}
+
+/// Serves one connection, a client's or an intercepted session's, with every deadline it has
+/// (see [`watch`]): hyper's header timeout and HTTP/2 pings, the watch's first-byte, idle and
+/// write deadlines, and the drain. `slot` goes with each request, for what outlives it.
+pub async fn serve_connection<I, H>(
+    io: I,
+    handler: H,
+    gate: Gate,
+    limits: &Limits,
+    metrics: &Metrics,
+    shutdown: &Shutdown,
+    slot: Option<ConnectionSlot>,
+) -> Ended
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Handler,
+{
+    let watch = Watch::new(limits);
+    let io = TokioIo::new(watch.io(io));
+    let service = {
+        let watch = watch.clone();
+        service_fn(move |mut req: Request<Incoming>| {
+            if let Some(slot) = &slot {
+                req.extensions_mut().insert(slot.clone());
+            }
+            let permit = gate.permits.clone().try_acquire_owned();
+            let handler = handler.clone();
+            let held = permit.map(|permit| Held {
+                _permit: permit,
+                _in_flight: watch.request(),
+            });
+            async move {
+                let Ok(held) = held else {
+                    return Ok::<_, Infallible>(handler.refuse_busy(req));
+                };
+                let response = handler.serve_request(req).await;
+                Ok(response
+                    .map(|body| http_body_util::BodyExt::boxed(Holding { body, _held: held })))
+            }
+        })
+    };
+    let builder = connection_builder(limits);
+    let conn = builder.serve_connection_with_upgrades(io, service);
+    // Boxing proves `Send` here, with concrete types; inside the spawned future the compiler
+    // cannot (rust-lang/rust#102211).
+    let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(conn));
+    tokio::select! {
+        ended = driven => match ended {
+            Ok(()) => Ended::Closed,
+            Err(e) => {
+                if is_write_timeout(&*e) {
+                    metrics.connections_expired.with_label_values(&["write_timeout"]).inc();
+                }
+                Ended::Failed(e)
+            }
+        },
+        why = watch.expired() => {
+            metrics.connections_expired.with_label_values(&[why.as_str()]).inc();
+            Ended::Expired(why)
+        }
+    }
+}
+
+/// Whether a connection failed because the client did not read (see [`watch::Watched`]).
+fn is_write_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::TimedOut;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// The hyper connection settings shared by client connections and intercepted sessions.
@@ -44,7 +184,7 @@ pub fn connection_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(256)
+        .max_concurrent_streams(limits.max_streams)
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20));
     builder
@@ -71,12 +211,13 @@ impl Drop for SlotGuard {
 pub async fn serve<H: Handler>(
     listener: TcpListener,
     handler: H,
+    gate: Gate,
     limits: Limits,
     metrics: Arc<Metrics>,
     shutdown: Shutdown,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
-    let builder = Arc::new(connection_builder(&limits));
+    let limits = Arc::new(limits);
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -103,20 +244,25 @@ pub async fn serve<H: Handler>(
             open: metrics.connections_open.clone(),
         }));
         let handler = handler.clone();
-        let builder = builder.clone();
+        let gate = gate.clone();
+        let limits = limits.clone();
+        let metrics = metrics.clone();
         let conn_shutdown = shutdown.clone();
         shutdown.spawn(async move {
-            let service = service_fn(move |mut req| {
-                req.extensions_mut().insert(slot.clone());
-                let response = handler.serve_request(req);
-                async move { Ok::<_, Infallible>(response.await) }
-            });
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            // Boxing proves `Send` here, with concrete types; inside the spawned future the
-            // compiler cannot (rust-lang/rust#102211).
-            let driven: BoxFuture<'_, Result<(), _>> = Box::pin(conn_shutdown.drive(conn));
-            if let Err(e) = driven.await {
-                tracing::debug!(%peer, "client connection ended with an error: {e}");
+            let ended = serve_connection(
+                stream,
+                handler,
+                gate,
+                &limits,
+                &metrics,
+                &conn_shutdown,
+                Some(slot),
+            )
+            .await;
+            match ended {
+                Ended::Closed => {}
+                Ended::Failed(e) => tracing::debug!(%peer, "client connection ended: {e}"),
+                Ended::Expired(why) => tracing::debug!(%peer, "client connection closed: {why}"),
             }
         });
     }

@@ -6,7 +6,7 @@
 //! the same as a private IP literal.
 
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -87,32 +87,71 @@ pub enum ConnectError {
 }
 
 /// Whether an address is loopback, private, shared (CGNAT), link-local, multicast, broadcast,
-/// unspecified or otherwise not a public unicast destination.
+/// unspecified, reserved or otherwise not a public unicast destination. An IPv6 address that
+/// carries an IPv4 one (mapped, compatible, NAT64, 6to4, Teredo) is judged by the IPv4 rules
+/// as well, since a gateway on the path delivers it there.
 pub fn is_forbidden(ip: IpAddr) -> bool {
     match ip {
-        IpAddr::V4(v4) => {
-            let o = v4.octets();
-            v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_multicast()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || o[0] == 0
-                || (o[0] == 100 && (o[1] & 0xc0) == 64)
-        }
+        IpAddr::V4(v4) => is_forbidden_v4(v4),
         IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_forbidden(IpAddr::V4(v4));
-            }
-            let first = v6.segments()[0];
-            v6.is_loopback()
+            let s = v6.segments();
+            let first = s[0];
+            let own = v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (first & 0xfe00) == 0xfc00
                 || (first & 0xffc0) == 0xfe80
+                // Site-local (deprecated, still routed by some), and the discard prefix.
+                || (first & 0xffc0) == 0xfec0
+                || s[..4] == [0x100, 0, 0, 0]
+                // NAT64 for local use (RFC 8215): whatever it embeds is a local network's.
+                || s[..3] == [0x64, 0xff9b, 1];
+            own || embedded_v4(v6).iter().any(|v4| is_forbidden_v4(*v4))
         }
     }
+}
+
+fn is_forbidden_v4(v4: Ipv4Addr) -> bool {
+    let o = v4.octets();
+    v4.is_loopback()
+        || v4.is_private()
+        || v4.is_link_local()
+        || v4.is_multicast()
+        || v4.is_unspecified()
+        || v4.is_broadcast()
+        || o[0] == 0
+        // Shared address space (CGNAT), 100.64.0.0/10.
+        || (o[0] == 100 && (o[1] & 0xc0) == 64)
+        // IETF protocol assignments, 192.0.0.0/24.
+        || (o[0] == 192 && o[1] == 0 && o[2] == 0)
+        // Benchmarking, 198.18.0.0/15.
+        || (o[0] == 198 && (o[1] & 0xfe) == 18)
+        // Reserved for future use, 240.0.0.0/4.
+        || o[0] >= 240
+}
+
+/// The IPv4 addresses an IPv6 address carries: IPv4-mapped (`::ffff:a.b.c.d`), IPv4-compatible
+/// (`::a.b.c.d`), NAT64 (`64:ff9b::/96`), 6to4 (`2002::/16`) and Teredo (`2001::/32`: its
+/// server, and its client, stored inverted).
+fn embedded_v4(v6: Ipv6Addr) -> Vec<Ipv4Addr> {
+    let s = v6.segments();
+    let v4 = |hi: u16, lo: u16| Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return vec![v4];
+    }
+    if s[..6] == [0; 6] {
+        return vec![v4(s[6], s[7])];
+    }
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        return vec![v4(s[6], s[7])];
+    }
+    if s[0] == 0x2002 {
+        return vec![v4(s[1], s[2])];
+    }
+    if s[..2] == [0x2001, 0] {
+        return vec![v4(s[2], s[3]), v4(!s[6], !s[7])];
+    }
+    Vec::new()
 }
 
 /// Opens TCP connections to upstreams under the address policy and connect timeout.
@@ -462,10 +501,42 @@ mod tests {
             "ff02::1",
             "::ffff:127.0.0.1",
             "::ffff:10.0.0.1",
+            // IPv4-compatible, NAT64, 6to4, Teredo (client 127.0.0.1, inverted; then server).
+            "::127.0.0.1",
+            "::10.1.2.3",
+            "64:ff9b::127.0.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b:1::808:808",
+            "2002:7f00:1::",
+            "2002:c0a8:101::1",
+            "2001:0:4136:e378:8000:63bf:80ff:fffe",
+            "2001:0:a00:1::808:808",
+            "fec0::1",
+            "100::1",
+            // Reserved IPv4 ranges.
+            "100.64.0.1",
+            "100.127.255.254",
+            "192.0.0.8",
+            "198.18.0.1",
+            "198.19.255.255",
+            "240.0.0.1",
+            "250.1.2.3",
         ] {
             assert!(is_forbidden(a.parse().unwrap()), "{a} should be forbidden");
         }
-        for a in ["203.0.113.9", "8.8.8.8", "2001:db8::1", "::ffff:8.8.8.8"] {
+        for a in [
+            "203.0.113.9",
+            "8.8.8.8",
+            "2001:db8::1",
+            "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+            "2002:808:808::1",
+            "2001:0:4136:e378:8000:63bf:f7f7:f7f7",
+            "100.128.0.1",
+            "198.20.0.1",
+            "223.255.255.1",
+            "2606:4700::1111",
+        ] {
             assert!(!is_forbidden(a.parse().unwrap()), "{a} should be allowed");
         }
     }

@@ -32,13 +32,19 @@ pub(super) fn key_name(key: &str) -> String {
     }
 }
 
-/// Deserialises one section, recording its unknown keys and its first type error as problems.
+/// Deserialises one section, recording its unknown keys and every type error as problems.
+///
+/// serde stops at the first error, so a key that fails is recorded, taken out, and the section
+/// read again: every key is optional, and one bad value must not hide the others' problems.
+/// The keys taken out are added to `unreadable`, so that validation does not report them again
+/// (as missing, say). `None` only when the section itself is not a table.
 pub(super) fn section<T: DeserializeOwned + Default>(
     value: Option<toml::Value>,
     path: &str,
     problems: &mut Vec<ConfigProblem>,
+    unreadable: &mut Vec<String>,
 ) -> Option<T> {
-    let Some(value) = value else {
+    let Some(mut value) = value else {
         return Some(T::default());
     };
     let join = |sub: &str| {
@@ -49,21 +55,77 @@ pub(super) fn section<T: DeserializeOwned + Default>(
         }
     };
     let mut unknown: Vec<String> = Vec::new();
-    let mut record = |p: serde_ignored::Path<'_>| unknown.push(p.to_string());
-    let de = serde_ignored::Deserializer::new(value, &mut record);
-    let result: Result<T, _> = serde_path_to_error::deserialize(de);
-    for key in unknown {
-        // An empty key (`"" = 1`) is a key all the same, not the section itself.
-        let key = if key.is_empty() { key_name("") } else { key };
-        problems.push(problem(&join(&key), "unknown key"));
-    }
-    match result {
-        Ok(v) => Some(v),
-        Err(e) => {
-            problems.push(problem(&join(&e.path().to_string()), e.inner().to_string()));
-            None
+    loop {
+        let mut record = |p: serde_ignored::Path<'_>| {
+            let key = p.to_string();
+            if !unknown.contains(&key) {
+                unknown.push(key);
+            }
+        };
+        let de = serde_ignored::Deserializer::new(value.clone(), &mut record);
+        let result: Result<T, _> = serde_path_to_error::deserialize(de);
+        match result {
+            Ok(v) => {
+                report_unknown(&unknown, &join, problems);
+                return Some(v);
+            }
+            Err(e) => {
+                problems.push(problem(&join(&e.path().to_string()), e.inner().to_string()));
+                if let Some(key) = remove(&mut value, e.path()) {
+                    unreadable.push(join(&key));
+                } else {
+                    report_unknown(&unknown, &join, problems);
+                    return None;
+                }
+            }
         }
     }
+}
+
+fn report_unknown(
+    unknown: &[String],
+    join: &dyn Fn(&str) -> String,
+    problems: &mut Vec<ConfigProblem>,
+) {
+    for key in unknown {
+        // An empty key (`"" = 1`) is a key all the same, not the section itself.
+        let key = if key.is_empty() {
+            key_name("")
+        } else {
+            key.clone()
+        };
+        problems.push(problem(&join(&key), "unknown key"));
+    }
+}
+
+/// Takes out of `value` the key an error's path ends at: the last table key on it, so an
+/// error inside an array takes the whole array. Returns that key's path within the section,
+/// or `None` when the path names no key (the section itself is wrong).
+fn remove(value: &mut toml::Value, path: &serde_path_to_error::Path) -> Option<String> {
+    use serde_path_to_error::Segment;
+    let segments: Vec<&Segment> = path.iter().collect();
+    let last_key = segments
+        .iter()
+        .rposition(|s| matches!(s, Segment::Map { .. }))?;
+    let mut at = value;
+    let mut taken = String::new();
+    for segment in &segments[..last_key] {
+        at = match segment {
+            Segment::Map { key } => at.get_mut(key.as_str())?,
+            Segment::Seq { index } => at.get_mut(*index)?,
+            _ => return None,
+        };
+        taken.push_str(&segment.to_string());
+    }
+    let Segment::Map { key } = segments[last_key] else {
+        return None;
+    };
+    at.as_table_mut()?.remove(key.as_str())?;
+    if !taken.is_empty() {
+        taken.push('.');
+    }
+    taken.push_str(&key_name(key));
+    Some(taken)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -96,9 +158,15 @@ pub(super) struct RawUser {
 #[derive(Debug, Default, Deserialize)]
 pub(super) struct RawLimits {
     pub(super) max_connections: Option<usize>,
+    pub(super) max_requests: Option<usize>,
+    pub(super) max_streams: Option<u32>,
     pub(super) max_header_bytes: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) header_read_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) idle_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) write_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) handshake_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]

@@ -381,3 +381,110 @@ fn a_parent_proxy_is_read_with_its_credentials_and_shown_without_its_password() 
     .unwrap_err();
     assert!(err[0].message.contains("without upstream.proxy"), "{err:?}");
 }
+
+#[test]
+fn one_bad_value_hides_no_other_problem_of_its_section() {
+    let err = parse(
+        r#"
+        [proxy]
+        unmatched = "maybe"
+        listen = "nowhere"
+        threads = 0
+        shutdown_grace = "2h"
+        [proxy.limits]
+        max_connections = 0
+        idle_timeout = "soon"
+        write_timeout = "300000000000y"
+        [tls]
+        generate_ca = true
+        [destinations.a]
+        hosts = ["a.example.com"]
+        rate = "fast"
+        burst = 0
+        max_wait = "300000000000y"
+        "#,
+    )
+    .unwrap_err();
+    let mut p = paths(&err);
+    p.sort_unstable();
+    assert_eq!(
+        p,
+        vec![
+            "destinations.a.burst",
+            "destinations.a.max_wait",
+            "destinations.a.rate",
+            "proxy.limits.idle_timeout",
+            "proxy.limits.max_connections",
+            "proxy.limits.write_timeout",
+            "proxy.listen",
+            "proxy.shutdown_grace",
+            "proxy.threads",
+            "proxy.unmatched",
+        ],
+        "each key once: {err:#?}"
+    );
+}
+
+#[test]
+fn every_duration_and_count_has_an_upper_bound() {
+    let huge = "\"300000000000y\"";
+    for (section, key, value) in [
+        ("proxy", "shutdown_grace", huge),
+        ("proxy.limits", "header_read_timeout", huge),
+        ("proxy.limits", "idle_timeout", huge),
+        ("proxy.limits", "write_timeout", huge),
+        ("proxy.limits", "handshake_timeout", huge),
+        ("proxy.limits", "tunnel_idle_timeout", huge),
+        ("proxy.limits", "max_connections", "9223372036854775807"),
+        ("proxy.limits", "max_requests", "9223372036854775807"),
+        ("proxy.limits", "max_streams", "4294967295"),
+        ("upstream", "connect_timeout", huge),
+        ("upstream", "response_timeout", huge),
+        ("upstream", "pool_idle_timeout", huge),
+        ("upstream", "pool_max_idle_per_host", "9223372036854775807"),
+        ("tls", "leaf_validity", huge),
+        ("classes.max_wait", "a", huge),
+        ("destinations.d", "max_wait", huge),
+        ("destinations.d", "burst", "4294967295"),
+        ("destinations.d", "max_concurrency", "9223372036854775807"),
+        ("destinations.d", "decay_after", "4294967295"),
+        ("destinations.d", "retry_throttled", "4294967295"),
+        ("destinations.d", "reserve", "4294967295"),
+    ] {
+        let text = format!(
+            "[tls]\ngenerate_ca = true\n[classes]\norder = [\"a\"]\ndefault = \"a\"\n[destinations.d]\nhosts = [\"d.example\"]\nrate = 1\n[{section}]\n{key} = {value}\n"
+        );
+        // A section may already be open above: TOML refuses it twice, so merge by hand.
+        let text = dedupe_sections(&text);
+        let err = parse(&text).expect_err(&format!("{section}.{key} = {value} was accepted"));
+        let path = format!("{section}.{key}");
+        assert_eq!(paths(&err), vec![path.as_str()], "{err:#?}");
+    }
+    let err = parse(&format!(
+        "{MINIMAL}[destinations.d]\nhosts = [\"d.example\"]\nrate = 1\nquota = [{{ limit = 5, per = {huge} }}]\n"
+    ))
+    .unwrap_err();
+    assert_eq!(paths(&err), vec!["destinations.d.quota[0].per"]);
+}
+
+/// Joins a TOML text's repeated `[section]` headers into the first of each.
+fn dedupe_sections(text: &str) -> String {
+    let mut sections: Vec<(String, Vec<String>)> = Vec::new();
+    let mut current = String::new();
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            current = name.to_owned();
+            if !sections.iter().any(|(n, _)| *n == current) {
+                sections.push((current.clone(), Vec::new()));
+            }
+            continue;
+        }
+        if let Some((_, lines)) = sections.iter_mut().find(|(n, _)| *n == current) {
+            lines.push(line.to_owned());
+        }
+    }
+    sections
+        .into_iter()
+        .map(|(name, lines)| format!("[{name}]\n{}\n", lines.join("\n")))
+        .collect()
+}

@@ -2,7 +2,9 @@
 //! with its key path.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -13,8 +15,16 @@ use crate::destination::{Destination, HostPattern};
 
 mod pace;
 
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+/// The most client connections, requests in flight or pooled connections a key may ask for:
+/// far above what one process's file descriptors allow.
+const MAX_CLIENTS: usize = 1_000_000;
+
 pub(super) struct Validator<'a> {
     pub(super) problems: Vec<ConfigProblem>,
+    /// Keys whose values could not be read (already reported): nothing more is said of them.
+    pub(super) unreadable: Vec<String>,
     pub(super) base: &'a Path,
     /// Whether the CA files must exist (not while a CA is being made for this config).
     pub(super) ca_must_exist: bool,
@@ -22,7 +32,15 @@ pub(super) struct Validator<'a> {
 
 impl Validator<'_> {
     fn push(&mut self, path: &str, message: impl Into<String>) {
-        self.problems.push(problem(path, message));
+        let within = |key: &String| {
+            path == key
+                || path
+                    .strip_prefix(key.as_str())
+                    .is_some_and(|rest| rest.starts_with(['.', '[']))
+        };
+        if !self.unreadable.iter().any(within) {
+            self.problems.push(problem(path, message));
+        }
     }
 
     fn addr(&mut self, path: &str, text: Option<String>, default: &str) -> SocketAddr {
@@ -51,15 +69,43 @@ impl Validator<'_> {
         d
     }
 
-    fn positive(&mut self, path: &str, value: Option<Duration>, default: Duration) -> Duration {
+    /// A duration key: longer than zero and at most `max`, so that no deadline computed from
+    /// it can overflow. A bad value is reported and the default kept in its place.
+    fn duration(
+        &mut self,
+        path: &str,
+        value: Option<Duration>,
+        default: Duration,
+        max: Duration,
+    ) -> Duration {
         let d = value.unwrap_or(default);
-        if d.is_zero() {
+        if d.is_zero() || d > max {
             self.push(
                 path,
-                "must be longer than zero (write it like \"250ms\" or \"30s\")",
+                format!(
+                    "must be longer than zero and at most {} (write it like \"250ms\" or \"30s\")",
+                    humantime::format_duration(max)
+                ),
             );
+            return default;
         }
         d
+    }
+
+    /// A count key within `range`. A bad value is reported and the default kept in its place.
+    fn count<T>(&mut self, path: &str, value: Option<T>, default: T, range: RangeInclusive<T>) -> T
+    where
+        T: PartialOrd + fmt::Display + Copy,
+    {
+        let n = value.unwrap_or(default);
+        if !range.contains(&n) {
+            self.push(
+                path,
+                format!("must be from {} to {}", range.start(), range.end()),
+            );
+            return default;
+        }
+        n
     }
 
     fn path(&self, p: PathBuf) -> PathBuf {
@@ -72,47 +118,76 @@ impl Validator<'_> {
 
     pub(super) fn proxy(&mut self, raw: RawProxy) -> ProxyConfig {
         let limits = raw.limits.unwrap_or_default();
-        let max_connections = limits.max_connections.unwrap_or(1024);
-        if max_connections == 0 {
-            self.push("proxy.limits.max_connections", "must be at least 1");
-        }
-        let max_header_bytes = limits.max_header_bytes.unwrap_or(64 * 1024);
-        if !(8192..=1024 * 1024).contains(&max_header_bytes) {
-            self.push(
-                "proxy.limits.max_header_bytes",
-                "must be between 8192 and 1048576",
-            );
-        }
+        let d = Limits::default();
         let threads = raw.threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
-        if !(1..=1024).contains(&threads) {
-            self.push("proxy.threads", "must be between 1 and 1024");
+        let shutdown_grace = raw.shutdown_grace.unwrap_or(Duration::from_secs(30));
+        if shutdown_grace > HOUR {
+            self.push("proxy.shutdown_grace", "must be at most 1h");
         }
+        let p = "proxy.limits";
         ProxyConfig {
             listen: self.addr("proxy.listen", raw.listen, "127.0.0.1:3128"),
             unmatched: raw.unmatched.unwrap_or_default(),
             allow_private_upstreams: raw.allow_private_upstreams.unwrap_or(false),
-            shutdown_grace: raw.shutdown_grace.unwrap_or(Duration::from_secs(30)),
-            threads,
+            shutdown_grace: shutdown_grace.min(HOUR),
+            threads: self.count("proxy.threads", Some(threads), 1, 1..=1024),
             auth: raw.auth.map(|a| self.auth(a)),
             limits: Limits {
-                max_connections,
-                max_header_bytes,
-                header_read_timeout: self.positive(
-                    "proxy.limits.header_read_timeout",
+                max_connections: self.count(
+                    &format!("{p}.max_connections"),
+                    limits.max_connections,
+                    d.max_connections,
+                    1..=MAX_CLIENTS,
+                ),
+                max_requests: self.count(
+                    &format!("{p}.max_requests"),
+                    limits.max_requests,
+                    d.max_requests,
+                    1..=MAX_CLIENTS,
+                ),
+                max_streams: self.count(
+                    &format!("{p}.max_streams"),
+                    limits.max_streams,
+                    d.max_streams,
+                    1..=10_000,
+                ),
+                max_header_bytes: self.count(
+                    &format!("{p}.max_header_bytes"),
+                    limits.max_header_bytes,
+                    d.max_header_bytes,
+                    8192..=1024 * 1024,
+                ),
+                header_read_timeout: self.duration(
+                    &format!("{p}.header_read_timeout"),
                     limits.header_read_timeout,
-                    Duration::from_secs(30),
+                    d.header_read_timeout,
+                    HOUR,
                 ),
-                handshake_timeout: self.positive(
-                    "proxy.limits.handshake_timeout",
+                idle_timeout: self.duration(
+                    &format!("{p}.idle_timeout"),
+                    limits.idle_timeout,
+                    d.idle_timeout,
+                    DAY,
+                ),
+                write_timeout: self.duration(
+                    &format!("{p}.write_timeout"),
+                    limits.write_timeout,
+                    d.write_timeout,
+                    DAY,
+                ),
+                handshake_timeout: self.duration(
+                    &format!("{p}.handshake_timeout"),
                     limits.handshake_timeout,
-                    Duration::from_secs(10),
+                    d.handshake_timeout,
+                    HOUR,
                 ),
-                tunnel_idle_timeout: self.positive(
-                    "proxy.limits.tunnel_idle_timeout",
+                tunnel_idle_timeout: self.duration(
+                    &format!("{p}.tunnel_idle_timeout"),
                     limits.tunnel_idle_timeout,
-                    Duration::from_secs(300),
+                    d.tunnel_idle_timeout,
+                    7 * DAY,
                 ),
             },
         }
@@ -187,22 +262,30 @@ impl Validator<'_> {
 
     pub(super) fn upstream(&mut self, raw: RawUpstream) -> UpstreamConfig {
         UpstreamConfig {
-            connect_timeout: self.positive(
+            connect_timeout: self.duration(
                 "upstream.connect_timeout",
                 raw.connect_timeout,
                 Duration::from_secs(10),
+                HOUR,
             ),
-            response_timeout: self.positive(
+            response_timeout: self.duration(
                 "upstream.response_timeout",
                 raw.response_timeout,
                 Duration::from_secs(60),
+                DAY,
             ),
-            pool_idle_timeout: self.positive(
+            pool_idle_timeout: self.duration(
                 "upstream.pool_idle_timeout",
                 raw.pool_idle_timeout,
                 Duration::from_secs(4),
+                HOUR,
             ),
-            pool_max_idle_per_host: raw.pool_max_idle_per_host.unwrap_or(256),
+            pool_max_idle_per_host: self.count(
+                "upstream.pool_max_idle_per_host",
+                raw.pool_max_idle_per_host,
+                256,
+                0..=MAX_CLIENTS,
+            ),
             proxy: raw.proxy.as_deref().and_then(|url| self.parent_proxy(url)),
             no_proxy: self.no_proxy(raw.proxy.is_some(), raw.no_proxy.unwrap_or_default()),
         }
@@ -368,12 +451,12 @@ impl Validator<'_> {
             }
         };
         let connections = raw.connections.unwrap_or(8);
-        if connections < 2 {
+        if !(2..=1000).contains(&connections) {
             // One connection is kept for heartbeats and probes, so that lockouts and the live
             // count stay current while reservations hold every other one.
             self.push(
                 "store.connections",
-                "must be at least 2: one is kept for heartbeats, the rest serve reservations",
+                "must be from 2 to 1000: one is kept for heartbeats, the rest serve reservations",
             );
         }
         PostgresConfig {
@@ -391,9 +474,14 @@ impl Validator<'_> {
             }),
             migrate: raw.migrate.unwrap_or(true),
             on_unavailable: raw.on_unavailable.unwrap_or_default(),
-            instances_hint: raw.instances_hint.unwrap_or(1).max(1),
+            instances_hint: self.count("store.instances_hint", raw.instances_hint, 1, 1..=10_000),
             divide_for: self.divide_for(raw.divide_for),
-            timeout: self.positive("store.timeout", raw.timeout, Duration::from_secs(1)),
+            timeout: self.duration(
+                "store.timeout",
+                raw.timeout,
+                Duration::from_secs(1),
+                Duration::from_secs(600),
+            ),
         }
     }
 
@@ -418,15 +506,10 @@ impl Validator<'_> {
     }
 
     pub(super) fn tls(&mut self, raw: RawTls) -> TlsConfig {
-        let leaf_validity = self.positive(
-            "tls.leaf_validity",
-            raw.leaf_validity,
-            Duration::from_secs(24 * 3600),
-        );
-        if leaf_validity < Duration::from_secs(3600)
-            || leaf_validity > Duration::from_secs(90 * 24 * 3600)
-        {
+        let mut leaf_validity = raw.leaf_validity.unwrap_or(DAY);
+        if !(HOUR..=90 * DAY).contains(&leaf_validity) {
             self.push("tls.leaf_validity", "must be between 1h and 90d");
+            leaf_validity = DAY;
         }
         let generate_ca = raw.generate_ca.unwrap_or(false);
         let ca_cert = self.path(raw.ca_cert.unwrap_or_else(|| "ca.pem".into()));
@@ -528,7 +611,7 @@ impl Validator<'_> {
             if !listed(&name) {
                 self.push(&path, "names no class in classes.order");
             }
-            max_wait.insert(name, self.positive(&path, Some(d), d));
+            max_wait.insert(name, self.duration(&path, Some(d), d.min(DAY), DAY));
         }
         Classes {
             order,

@@ -5,7 +5,6 @@
 //! awaiting the upgrade inside the service would deadlock, since hyper only completes it after
 //! the response has been written.
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +12,6 @@ use std::time::{Duration, Instant};
 use http::{Request, Response};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -24,7 +22,7 @@ use super::peek::Peeked;
 use super::respond::{Outcome, ProxyError};
 use super::{BoxFuture, Handled, Proxy, Target};
 use crate::pacing::{Admission, Note};
-use crate::server::{self, ConnectionSlot};
+use crate::server::{self, ConnectionSlot, Ended, Handler};
 use crate::tls::LeafSource;
 use crate::upstream::ProxyBody;
 
@@ -127,8 +125,7 @@ impl Proxy {
                 scheme: http::uri::Scheme::HTTP,
                 ..target
             };
-            self.serve_inner(TokioIo::new(peeked), target, INTERCEPT)
-                .await;
+            self.serve_inner(peeked, target, INTERCEPT).await;
             return;
         }
         let handshake = TlsAcceptor::from(config).accept(peeked);
@@ -148,30 +145,36 @@ impl Proxy {
                 return;
             }
         };
-        self.serve_inner(TokioIo::new(tls), target, INTERCEPT).await;
+        self.serve_inner(tls, target, INTERCEPT).await;
     }
 
-    /// Serves the HTTP inside a CONNECT tunnel: each request goes through `handle_inner`.
+    /// Serves the HTTP inside a CONNECT tunnel: each request goes through `handle_inner`,
+    /// with the deadlines and the request gate of any client connection.
     async fn serve_inner<I>(self, io: I, target: Target, kind: &'static str)
     where
-        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let metrics = self.inner.metrics.clone();
         metrics.tunnels_total.with_label_values(&[kind]).inc();
         let open = metrics.tunnels_open.with_label_values(&[kind]);
         open.inc();
         let shutdown = self.inner.shutdown.clone();
-        let builder = server::connection_builder(&self.inner.limits);
-        let service = service_fn(move |req| {
-            let proxy = self.clone();
-            let target = target.clone();
-            async move { Ok::<_, Infallible>(proxy.handle_inner(req, target).await) }
-        });
-        let conn = builder.serve_connection_with_upgrades(io, service);
-        // See `server::serve` for why this is boxed.
-        let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(conn));
-        if let Err(e) = driven.await {
-            tracing::debug!("intercepted session ended with an error: {e}");
+        let limits = self.inner.limits.clone();
+        let gate = self.inner.gate.clone();
+        let authority = target.authority();
+        let session = Session {
+            proxy: self,
+            target,
+        };
+        match server::serve_connection(io, session, gate, &limits, &metrics, &shutdown, None).await
+        {
+            Ended::Closed => {}
+            Ended::Failed(e) => {
+                tracing::debug!(target = %authority, "intercepted session ended: {e}");
+            }
+            Ended::Expired(why) => {
+                tracing::debug!(target = %authority, "intercepted session closed: {why}");
+            }
         }
         open.dec();
     }
@@ -240,8 +243,8 @@ impl Proxy {
     }
 }
 
-/// Copies bytes both ways until both sides have closed, either side fails, or no byte has
-/// moved in either direction for `idle`. Returns the bytes sent up and down.
+/// Copies bytes both ways until both sides have closed, either side fails, no byte has moved
+/// in either direction for `idle`, or a side has not taken a write for `idle`. Returns the bytes sent up and down.
 async fn relay<C>(client: C, upstream: TcpStream, idle: Duration) -> std::io::Result<(u64, u64)>
 where
     C: AsyncRead + AsyncWrite + Unpin,
@@ -290,8 +293,35 @@ where
             to.shutdown().await?;
             return Ok(total);
         }
-        to.write_all(&buf[..n]).await?;
+        // A side that stops reading stalls this write; after a half-close nothing else would
+        // notice, since the other way has ended.
+        match tokio::time::timeout(idle, to.write_all(&buf[..n])).await {
+            Ok(written) => written?,
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "tunnel idle timeout: the receiving side read nothing",
+                ))
+            }
+        }
         total += n as u64;
         last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The requests of one intercepted session, all bound for its CONNECT target.
+#[derive(Clone)]
+struct Session {
+    proxy: Proxy,
+    target: Target,
+}
+
+impl Handler for Session {
+    fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
+        self.proxy.clone().handle_inner(req, self.target.clone())
+    }
+
+    fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        self.proxy.refuse_busy(&req)
     }
 }

@@ -45,6 +45,8 @@ pub enum Outcome {
     Deadline,
     /// Refused: the pacing store is unavailable, or pacegate is shutting down.
     Unavailable,
+    /// Refused: `max_requests` requests were in flight already.
+    Busy,
 }
 
 impl Outcome {
@@ -65,6 +67,7 @@ impl Outcome {
             Self::Locked => "locked",
             Self::Deadline => "deadline",
             Self::Unavailable => "unavailable",
+            Self::Busy => "busy",
         }
     }
 
@@ -135,6 +138,12 @@ pub enum ProxyError {
     /// The pacer gave no slot.
     #[error("{}", paced_details(.0))]
     Paced(PaceError),
+    /// As many requests as `proxy.limits.max_requests` allows were in flight already.
+    #[error("pacegate has {limit} requests in flight (proxy.limits.max_requests); retry shortly or raise the limit")]
+    Busy {
+        /// The limit.
+        limit: usize,
+    },
     /// The request names a class that is not configured.
     #[error("{0}: name one of them in the Pacegate-Class header or the proxy URL's user name (http://CLASS@host:port), or none for the default")]
     UnknownClass(UnknownClass),
@@ -193,6 +202,11 @@ impl ProxyError {
                 S::NOT_IMPLEMENTED,
                 "http_upgrade_failed",
                 Outcome::UpgradeRefused,
+            ),
+            Self::Busy { .. } => (
+                S::SERVICE_UNAVAILABLE,
+                "connection_limit_reached",
+                Outcome::Busy,
             ),
             Self::Internal(_) => (
                 S::INTERNAL_SERVER_ERROR,
@@ -303,7 +317,9 @@ impl ProxyError {
             Self::Paced(PaceError::Deadline { retry_after, .. }) => {
                 Some(retry_after_secs(*retry_after))
             }
-            Self::Paced(PaceError::Store(_) | PaceError::ShuttingDown) => Some(1),
+            Self::Paced(PaceError::Store(_) | PaceError::ShuttingDown) | Self::Busy { .. } => {
+                Some(1)
+            }
             _ => None,
         };
         if let Some(secs) = retry_after {

@@ -5,7 +5,9 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod any_config;
 mod classes;
+mod deadlines;
 mod forwarding;
 mod fuzz;
 mod layering;

@@ -105,6 +105,25 @@ async fn private_upstreams_are_refused_by_resolved_address() {
     let answer = raw_exchange(tunnel.addr, connect.as_bytes(), Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
     assert!(answer.contains("destination_ip_prohibited"), "{answer}");
+    // IPv6 forms that carry a private IPv4 address, and reserved IPv4 ranges: refused before
+    // anything is dialled (else an unroutable address would be a 502).
+    for host in [
+        "[::127.0.0.1]",
+        "[64:ff9b::7f00:1]",
+        "[2002:7f00:1::1]",
+        "[2001:0:4136:e378:8000:63bf:80ff:fffe]",
+        "198.18.0.1",
+        "240.0.0.1",
+        "100.64.0.1",
+    ] {
+        let connect = format!("CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n");
+        let answer = raw_exchange(tunnel.addr, connect.as_bytes(), Duration::from_secs(5)).await;
+        assert!(answer.starts_with("HTTP/1.1 403"), "{host}: {answer}");
+        assert!(
+            answer.contains("destination_ip_prohibited"),
+            "{host}: {answer}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -240,6 +259,18 @@ async fn malformed_targets_are_bad_requests() {
         ),
         ("CONNECT localhost HTTP/1.1\r\n\r\n", "no port"),
         ("CONNECT localhost:0 HTTP/1.1\r\n\r\n", "port 0"),
+        (
+            "CONNECT localhost:65536 HTTP/1.1\r\n\r\n",
+            "port 65536 is not a port",
+        ),
+        (
+            "GET http://localhost:65536/ HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            "port 65536 is not a port",
+        ),
+        (
+            "GET http://[::1]:99999/ HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            "port 99999 is not a port",
+        ),
         (
             "GET https://localhost/ HTTP/1.1\r\nHost: localhost\r\n\r\n",
             "through CONNECT",

@@ -5,9 +5,14 @@ use std::time::Duration;
 
 use super::super::file::{RawBlock, RawDestination, RawSignals};
 use super::super::{MAX_BACKOFF, MAX_MARKER_BYTES, MAX_PAUSE, MAX_QUOTA_LIMIT, MIN_RATE};
-use super::Validator;
+use super::{Validator, DAY};
 use crate::destination::{Block, Pace};
 use crate::signals::{Families, Family};
+
+/// The longest a request may wait for its slot.
+const MAX_WAIT: Duration = DAY;
+/// The longest quota window: a year, leap day included.
+const MAX_QUOTA_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
 
 impl Validator<'_> {
     pub(super) fn pace(&mut self, path: &str, d: &RawDestination) -> Pace {
@@ -28,9 +33,24 @@ impl Validator<'_> {
         }
         let default = Pace::new(rate);
         let pace = Pace {
-            burst: d.burst.unwrap_or(default.burst),
-            max_concurrency: d.max_concurrency.unwrap_or(default.max_concurrency),
-            max_wait: self.positive(&format!("{path}.max_wait"), d.max_wait, default.max_wait),
+            burst: self.count(
+                &format!("{path}.burst"),
+                d.burst,
+                default.burst,
+                1..=100_000,
+            ),
+            max_concurrency: self.count(
+                &format!("{path}.max_concurrency"),
+                d.max_concurrency,
+                default.max_concurrency,
+                0..=1_000_000,
+            ),
+            max_wait: self.duration(
+                &format!("{path}.max_wait"),
+                d.max_wait,
+                default.max_wait,
+                MAX_WAIT,
+            ),
             throttle_statuses: d
                 .throttle_statuses
                 .clone()
@@ -41,18 +61,34 @@ impl Validator<'_> {
                 .unwrap_or(default.lockout_statuses.clone()),
             backoff_factor: d.backoff_factor.unwrap_or(default.backoff_factor),
             backoff_max: d.backoff_max.unwrap_or(default.backoff_max),
-            decay_after: d.decay_after.unwrap_or(default.decay_after),
-            retry_after_max: self.positive(
+            decay_after: self.count(
+                &format!("{path}.decay_after"),
+                d.decay_after,
+                default.decay_after,
+                1..=1_000_000,
+            ),
+            retry_after_max: self.duration(
                 &format!("{path}.retry_after_max"),
                 d.retry_after_max,
                 default.retry_after_max,
+                MAX_PAUSE,
             ),
-            retry_throttled: d.retry_throttled.unwrap_or(default.retry_throttled),
+            retry_throttled: self.count(
+                &format!("{path}.retry_throttled"),
+                d.retry_throttled,
+                default.retry_throttled,
+                0..=10,
+            ),
             intercept: d.intercept.unwrap_or(default.intercept),
             mode: d.mode.unwrap_or(default.mode),
             quota: d.quota.clone().unwrap_or_default(),
             signals: self.signals(path, d.signals.as_ref()),
-            reserve: d.reserve.unwrap_or(default.reserve),
+            reserve: self.count(
+                &format!("{path}.reserve"),
+                d.reserve,
+                default.reserve,
+                0..=MAX_QUOTA_LIMIT,
+            ),
             throttle_block: d.throttle_block.as_ref().map(|b| self.block(path, b)),
             throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
             rate,
@@ -64,15 +100,12 @@ impl Validator<'_> {
                     format!("must be 1 to {MAX_QUOTA_LIMIT}"),
                 );
             }
-            if q.per < Duration::from_millis(1) {
+            if q.per < Duration::from_millis(1) || q.per > MAX_QUOTA_WINDOW {
                 self.push(
                     &format!("{path}.quota[{i}].per"),
-                    "must be at least 1ms (write it like \"1m\" or \"1d\")",
+                    "must be from 1ms to 366d (write it like \"1m\" or \"1d\")",
                 );
             }
-        }
-        if pace.burst == 0 {
-            self.push(&format!("{path}.burst"), "must be at least 1");
         }
         if !(pace.backoff_factor.is_finite() && pace.backoff_factor > 1.0) {
             self.push(&format!("{path}.backoff_factor"), "must be above 1");
@@ -82,12 +115,6 @@ impl Validator<'_> {
                 &format!("{path}.backoff_max"),
                 format!("must be from 1 to {MAX_BACKOFF}"),
             );
-        }
-        if pace.retry_after_max > MAX_PAUSE {
-            self.push(&format!("{path}.retry_after_max"), "must be at most 7 days");
-        }
-        if pace.decay_after == 0 {
-            self.push(&format!("{path}.decay_after"), "must be at least 1");
         }
         for (key, list) in [
             ("throttle_statuses", &pace.throttle_statuses),

@@ -1,0 +1,306 @@
+//! The deadlines of a served connection that hyper does not keep: the wait for a client's
+//! first byte (hyper's header timeout starts only once it has chosen HTTP/1 or HTTP/2, and
+//! that needs the first bytes), idle time with no request in flight (HTTP/2 has no header
+//! timeout at all), and a response write that the client does not read.
+//!
+//! [`Watched`] wraps the connection's stream and notes when bytes move; [`Watch::expired`]
+//! resolves when a deadline has passed, and the connection is then dropped. Dropping it drops
+//! the requests still attached to it, and with them their upstream connections and permits.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+use crate::config::Limits;
+
+/// Why a connection was closed by its watch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expired {
+    /// The client sent nothing within `header_read_timeout` of connecting.
+    Silent,
+    /// No request in flight and no byte either way for `idle_timeout`.
+    Idle,
+}
+
+impl Expired {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Silent => "silent",
+            Self::Idle => "idle",
+        }
+    }
+}
+
+impl std::fmt::Display for Expired {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Silent => "the client sent nothing within proxy.limits.header_read_timeout",
+            Self::Idle => "no request for proxy.limits.idle_timeout",
+        })
+    }
+}
+
+/// One connection's deadlines and what it has been doing; cheap to clone.
+#[derive(Clone)]
+pub struct Watch {
+    inner: Arc<Activity>,
+}
+
+struct Activity {
+    since: Instant,
+    /// Milliseconds after `since` of the last byte read or written.
+    last_io: AtomicU64,
+    first_byte: AtomicBool,
+    in_flight: AtomicUsize,
+    first_byte_timeout: Duration,
+    idle_timeout: Duration,
+    write_timeout: Duration,
+}
+
+impl Watch {
+    /// A watch for a connection opened now.
+    pub fn new(limits: &Limits) -> Self {
+        Self {
+            inner: Arc::new(Activity {
+                since: Instant::now(),
+                last_io: AtomicU64::new(0),
+                first_byte: AtomicBool::new(false),
+                in_flight: AtomicUsize::new(0),
+                first_byte_timeout: limits.header_read_timeout,
+                idle_timeout: limits.idle_timeout,
+                write_timeout: limits.write_timeout,
+            }),
+        }
+    }
+
+    /// The connection's stream, watched.
+    pub fn io<I>(&self, io: I) -> Watched<I> {
+        Watched {
+            io,
+            watch: self.clone(),
+            write_deadline: None,
+        }
+    }
+
+    /// Marks a request in flight until the returned guard drops (with the response body).
+    pub fn request(&self) -> InFlight {
+        self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            watch: self.clone(),
+        }
+    }
+
+    fn moved(&self) {
+        let ms = u64::try_from(self.inner.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.inner.last_io.store(ms, Ordering::Relaxed);
+    }
+
+    /// When the connection must end unless something happens first, or `None` while a request
+    /// is in flight (its response write has a deadline of its own, and HTTP/2 pings find a
+    /// peer that is gone).
+    fn deadline(&self) -> Option<(Instant, Expired)> {
+        let a = &self.inner;
+        if !a.first_byte.load(Ordering::Relaxed) {
+            return Some((a.since + a.first_byte_timeout, Expired::Silent));
+        }
+        if a.in_flight.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let last = a.since + Duration::from_millis(a.last_io.load(Ordering::Relaxed));
+        Some((last + a.idle_timeout, Expired::Idle))
+    }
+
+    /// Resolves when a deadline has passed with nothing to put it off.
+    pub async fn expired(&self) -> Expired {
+        loop {
+            match self.deadline() {
+                Some((at, why)) if at <= Instant::now() => return why,
+                Some((at, _)) => tokio::time::sleep_until(at).await,
+                // Looked at again after an idle timeout's time: a request in flight then has
+                // either ended (and the idle time counts from its last byte) or still runs.
+                None => tokio::time::sleep(self.inner.idle_timeout).await,
+            }
+        }
+    }
+}
+
+/// A request in flight on a watched connection; the connection is not idle while one lives.
+pub struct InFlight {
+    watch: Watch,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.watch.inner.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // The idle time counts from the end of the last request, not from its last byte.
+        self.watch.moved();
+    }
+}
+
+/// A stream whose reads and writes its [`Watch`] sees. A write the client does not take for
+/// `write_timeout` fails with `TimedOut`, which ends the connection.
+pub struct Watched<I> {
+    io: I,
+    watch: Watch,
+    write_deadline: Option<Pin<Box<Sleep>>>,
+}
+
+impl<I> Watched<I> {
+    /// Notes a write's outcome. One that cannot proceed has until the deadline set at its
+    /// first such poll; one that proceeds clears it.
+    fn wrote<T>(
+        &mut self,
+        result: Poll<io::Result<T>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<T>> {
+        if result.is_ready() {
+            self.write_deadline = None;
+            self.watch.moved();
+            return result;
+        }
+        let timeout = self.watch.inner.write_timeout;
+        let deadline = self
+            .write_deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the client read nothing of the response for {} (proxy.limits.write_timeout)",
+                    humantime::format_duration(timeout)
+                ),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let result = Pin::new(&mut self.io).poll_read(cx, buf);
+        if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.watch.inner.first_byte.store(true, Ordering::Relaxed);
+            self.watch.moved();
+        }
+        result
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let result = Pin::new(&mut self.io).poll_write(cx, data);
+        self.wrote(result, cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let result = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.wrote(result, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let result = Pin::new(&mut self.io).poll_flush(cx);
+        self.wrote(result, cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn limits() -> Limits {
+        Limits {
+            header_read_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(5),
+            ..Limits::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_client_expires_at_the_header_timeout() {
+        let watch = Watch::new(&limits());
+        let started = Instant::now();
+        assert_eq!(watch.expired().await, Expired::Silent);
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_time_counts_from_the_last_byte_and_not_while_a_request_runs() {
+        let watch = Watch::new(&limits());
+        let (client, server) = tokio::io::duplex(64);
+        let mut server = watch.io(server);
+        let mut client = client;
+        client.write_all(b"GET").await.unwrap();
+        let mut buf = [0u8; 3];
+        server.read_exact(&mut buf).await.unwrap();
+        let started = Instant::now();
+        let request = watch.request();
+        // A request in flight for a minute: not idle.
+        let early = tokio::time::timeout(Duration::from_secs(60), watch.expired()).await;
+        assert!(early.is_err(), "expired while a request was in flight");
+        drop(request);
+        let ended = Instant::now();
+        assert_eq!(watch.expired().await, Expired::Idle);
+        assert_eq!(ended.elapsed(), Duration::from_secs(10));
+        assert!(started.elapsed() >= Duration::from_secs(70));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_the_client_does_not_take_fails_after_the_write_timeout() {
+        let watch = Watch::new(&limits());
+        let (_client, server) = tokio::io::duplex(16);
+        let mut server = watch.io(server);
+        let started = Instant::now();
+        let err = server.write_all(&[0u8; 64]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_progresses_keeps_its_deadline_fresh() {
+        let watch = Watch::new(&limits());
+        let (mut client, server) = tokio::io::duplex(16);
+        let mut server = watch.io(server);
+        let reader = tokio::spawn(async move {
+            // Reads 16 bytes every 3 s: slower than the data comes, faster than the deadline.
+            let mut total = 0;
+            let mut buf = [0u8; 16];
+            while total < 64 {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                total += client.read(&mut buf).await.unwrap();
+            }
+        });
+        server.write_all(&[0u8; 64]).await.unwrap();
+        reader.await.unwrap();
+    }
+}

@@ -1,0 +1,277 @@
+//! Every phase of a connection has a deadline: the first byte, the head, idle time on either
+//! protocol, a session inside CONNECT, a response the client does not read, a tunnel after a
+//! half-close; and HTTP/2 streams count against the requests in flight.
+
+use crate::support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustls_pki_types::ServerName;
+use support::config::{Dest, Setup};
+use support::{client, read_head, Alpn, FakeUpstream, TestProxy};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A forwarding proxy for localhost, with short deadlines.
+fn quick(upstream: &FakeUpstream) -> Setup {
+    TestProxy::with(upstream)
+        .destination(Dest::forwarding(&["localhost"]))
+        .limit("header_read_timeout", "300ms")
+        .limit("idle_timeout", "500ms")
+}
+
+async fn served(proxy: &TestProxy, upstream: &FakeUpstream) -> u16 {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    via.get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .map_or(0, |r| r.status().as_u16())
+}
+
+/// Waits until the peer closes `stream`; how long that took.
+async fn closed_after(stream: &mut TcpStream, limit: Duration) -> Duration {
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(limit, stream.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return started.elapsed(),
+            Ok(Ok(_)) => continue,
+            Err(_) => panic!("still open after {limit:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn sockets_that_say_nothing_are_closed_and_free_their_slots() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = quick(&upstream).limit("max_connections", 8).start().await;
+    // Six that send nothing, two that send only the HTTP/2 preface: every slot but none.
+    let mut silent = Vec::new();
+    for _ in 0..6 {
+        silent.push(TcpStream::connect(proxy.addr).await.unwrap());
+    }
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(H2_PREFACE).await.unwrap();
+        silent.push(s);
+    }
+    for s in &mut silent {
+        let held = closed_after(s, Duration::from_secs(10)).await;
+        assert!(held < Duration::from_secs(5), "held for {held:?}");
+    }
+    assert_eq!(
+        proxy
+            .metric("pacegate_connections_expired_total{reason=\"silent\"}")
+            .await,
+        6.0
+    );
+    // The preface is a first byte; with no request after it, the connection is idle.
+    assert_eq!(
+        proxy
+            .metric("pacegate_connections_expired_total{reason=\"idle\"}")
+            .await,
+        2.0
+    );
+    support::eventually(Duration::from_secs(5), "every slot back", || async {
+        (proxy.metric("pacegate_connections_open").await == 0.0).then_some(())
+    })
+    .await;
+    assert_eq!(served(&proxy, &upstream).await, 200);
+}
+
+#[tokio::test]
+async fn an_idle_h2_connection_is_closed_and_a_busy_one_is_not() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = quick(&upstream).start().await;
+    // Prior-knowledge HTTP/2 to the proxy: reqwest keeps the connection open while idle.
+    let via = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    // One request that takes longer than the idle timeout is not cut short.
+    let slow = via
+        .get(format!(
+            "{}/status/200?delay=1200",
+            upstream.http_url("localhost")
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(slow.status(), 200);
+    assert_eq!(
+        proxy
+            .metric("pacegate_connections_expired_total{reason=\"idle\"}")
+            .await,
+        0.0
+    );
+    support::eventually(
+        Duration::from_secs(5),
+        "the idle connection closed",
+        || async {
+            (proxy
+                .metric("pacegate_connections_expired_total{reason=\"idle\"}")
+                .await
+                == 1.0)
+                .then_some(())
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_silent_client_inside_an_intercepted_session_is_closed() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = quick(&upstream).start().await;
+    let tls = Arc::new(
+        rustls::ClientConfig::builder_with_provider(pacegate::tls::provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(support::roots(&[&proxy.ca_path()]))
+            .with_no_client_auth(),
+    );
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let connect = format!(
+        "CONNECT localhost:{} HTTP/1.1\r\n\r\n",
+        upstream.https.port()
+    );
+    stream.write_all(connect.as_bytes()).await.unwrap();
+    assert!(read_head(&mut stream).await.starts_with("HTTP/1.1 200"));
+    let mut session = tokio_rustls::TlsConnector::from(tls)
+        .connect(ServerName::try_from("localhost").unwrap(), stream)
+        .await
+        .expect("the handshake completes");
+    // Handshake done, then nothing: the session is closed at the header timeout.
+    let started = Instant::now();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(10), session.read(&mut buf)).await;
+    assert!(read.is_ok(), "the session was still open after 10 s");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_connections_expired_total{reason=\"silent\"}")
+            .await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_gives_back_its_upstream_and_its_permit() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(
+            Dest::forwarding(&["localhost"])
+                .key("max_concurrency", 1)
+                .key("max_wait", "2s"),
+        )
+        .limit("write_timeout", "500ms")
+        .start()
+        .await;
+    // 64 MiB asked for and none of it read: far more than the socket buffers take.
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let request = format!(
+        "GET {}/bytes/67108864 HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        upstream.http_url("localhost")
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    support::eventually(
+        Duration::from_secs(10),
+        "the stalled write timed out",
+        || async {
+            (proxy
+                .metric("pacegate_connections_expired_total{reason=\"write_timeout\"}")
+                .await
+                == 1.0)
+                .then_some(())
+        },
+    )
+    .await;
+    // The only permit is free again: the next request is served, not refused at max_wait.
+    assert_eq!(served(&proxy, &upstream).await, 200);
+    drop(stream);
+}
+
+#[tokio::test]
+async fn requests_past_max_requests_get_a_503_whatever_the_protocol() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(Dest::forwarding(&["localhost"]))
+        .limit("max_requests", 2)
+        .start()
+        .await;
+    // One HTTP/2 connection, three streams at once, each held a second at the upstream.
+    let via = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let url = format!("{}/status/200?delay=1000", upstream.http_url("localhost"));
+    let sent = (0..3).map(|_| {
+        let via = via.clone();
+        let url = url.clone();
+        async move { via.get(&url).send().await.unwrap() }
+    });
+    let answers = futures_util::future::join_all(sent).await;
+    let mut statuses: Vec<u16> = answers.iter().map(|r| r.status().as_u16()).collect();
+    statuses.sort_unstable();
+    assert_eq!(statuses, vec![200, 200, 503]);
+    let busy = answers.iter().find(|r| r.status() == 503).unwrap();
+    let proxy_status = busy.headers()["proxy-status"].to_str().unwrap();
+    assert!(
+        proxy_status.contains("error=connection_limit_reached")
+            && proxy_status.contains("max_requests"),
+        "{proxy_status}"
+    );
+    assert_eq!(busy.headers()["retry-after"], "1");
+    assert_eq!(
+        proxy
+            .metric("pacegate_requests_total{destination=\"unmatched\",outcome=\"busy\"}")
+            .await,
+        1.0
+    );
+    // Permits come back with the responses.
+    assert_eq!(served(&proxy, &upstream).await, 200);
+}
+
+#[tokio::test]
+async fn a_tunnel_ends_at_its_idle_timeout_after_a_half_close() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .proxy("unmatched", "tunnel")
+        .limit("tunnel_idle_timeout", "500ms")
+        .start()
+        .await;
+    // An upstream that sends without end and never closes.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let talker = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let chunk = vec![b'x'; 64 * 1024];
+        while s.write_all(&chunk).await.is_ok() {}
+    });
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    assert!(read_head(&mut stream).await.starts_with("HTTP/1.1 200"));
+    support::eventually(Duration::from_secs(5), "the tunnel open", || async {
+        (proxy.metric("pacegate_tunnels_open{kind=\"blind\"}").await == 1.0).then_some(())
+    })
+    .await;
+    // The client says all it has to say, then reads nothing: no byte moves either way.
+    stream.write_all(b"hello").await.unwrap();
+    stream.shutdown().await.unwrap();
+    support::eventually(Duration::from_secs(5), "the tunnel closed", || async {
+        (proxy.metric("pacegate_tunnels_open{kind=\"blind\"}").await == 0.0).then_some(())
+    })
+    .await;
+    talker.abort();
+}
