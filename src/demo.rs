@@ -120,7 +120,13 @@ impl Started {
             instances.stop().await;
         }
         if let Some(cluster) = self.cluster.take() {
-            // Stopping the server waits for pg_ctl.
+            // Every server process, for the closing line; dropping the cluster waits for
+            // pg_ctl and then for each of them to exit.
+            for pid in cluster.pids() {
+                if !self.pids.contains(&pid) {
+                    self.pids.push(pid);
+                }
+            }
             let _ = tokio::task::spawn_blocking(move || drop(cluster)).await;
         }
     }

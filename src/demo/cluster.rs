@@ -223,6 +223,25 @@ impl Cluster {
         )
     }
 
+    /// Every process of the server, its postmaster's children included: each works in the
+    /// data directory. Read from `/proc`; where that cannot be read, the postmaster alone.
+    pub fn pids(&self) -> Vec<u32> {
+        let data = std::fs::canonicalize(self.data()).unwrap_or_else(|_| self.data().into());
+        let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd == data)
+            })
+            .collect();
+        if pids.is_empty() {
+            pids.extend(self.pid());
+        }
+        pids
+    }
+
     /// The server's process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         let pidfile = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid")).ok()?;
@@ -237,8 +256,18 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // The temp dir goes with the rest of `self`, once the server no longer writes to it.
+        let running = self.pids();
         let _ = self.down();
+        // pg_ctl returns once the postmaster is gone; its children may take a moment longer.
+        // The temp dir goes with the rest of `self`, once none of them writes to it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while running
+            .iter()
+            .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 }
 

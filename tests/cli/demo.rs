@@ -183,8 +183,8 @@ fn three_processes_on_one_postgres_hold_the_ceiling_and_the_control_does_not() {
         "{stdout}"
     );
     assert_promise_shown(&stdout);
-    // The database, three instances for each run.
-    assert_stopped(&stdout, 7);
+    // The database (its postmaster and at least one child), three instances for each run.
+    assert_stopped(&stdout, 8);
     sandbox.assert_left_nothing(&["out"]);
 
     // The CSV holds every arrival: the worst windows it gives are the ones printed.
@@ -298,8 +298,9 @@ fn ctrl_c_stops_everything_the_demo_started_and_removes_its_files() {
     };
     assert_eq!(status.code(), Some(130), "{stdout}");
     assert!(!stdout.contains("Summary"), "{stdout}");
-    // The database and the shared run's three instances.
-    assert_stopped(&stdout, 4);
+    // The database (its postmaster and at least one child) and the shared run's three
+    // instances.
+    assert_stopped(&stdout, 5);
     // Interrupted before its end, it writes no --out.
     sandbox.assert_left_nothing(&[]);
 }

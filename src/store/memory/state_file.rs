@@ -1,6 +1,6 @@
 //! The memory store's state file: what survives a restart. Whenever backoff, a lockout, a
 //! block streak, a pause or the vendor's view changes, every budget's are written atomically
-//! (temp file, fsync, rename), times as wall-clock times; quota windows' latest slots at most
+//! (a temp file of its own, mode 0600, fsync, rename), times as wall-clock times; quota windows' latest slots at most
 //! every second ([`MemoryStore::keep_sends`]). The beat itself (`next_at`) is not kept: after a
 //! restart the schedule starts from now, which is what an idle destination does anyway.
 
@@ -182,21 +182,32 @@ impl MemoryStore {
     }
 }
 
+/// Writes `data` to `path` so that a reader sees the old file or the new one, never a part:
+/// through a temporary file of a unique name beside it (a fixed one could be a link planted
+/// by someone else, or raced by a second instance), readable by the owner alone (lockouts and
+/// the requests that caused them are in it), synced, then renamed over `path`.
 fn write_atomically(path: &Path, data: &[u8]) -> Result<(), StoreError> {
     use std::io::Write;
     let fail = |what: &str, e: std::io::Error| {
         StoreError::File(format!("cannot {what} state file {}: {e}", path.display()))
     };
-    let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(|e| fail("create", e))?;
-    f.write_all(data).map_err(|e| fail("write", e))?;
-    f.sync_all().map_err(|e| fail("sync", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| fail("replace", e))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        // Make the rename itself durable.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    // tempfile creates it with mode 0600 and a random name, failing rather than following
+    // anything already there.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".pacegate-state.")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(|e| fail("create a temporary file for", e))?;
+    tmp.write_all(data).map_err(|e| fail("write", e))?;
+    tmp.as_file().sync_all().map_err(|e| fail("sync", e))?;
+    tmp.persist(path).map_err(|e| fail("replace", e.error))?;
+    // Make the rename itself durable.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
     }
     Ok(())
 }

@@ -116,6 +116,49 @@ async fn quota_windows_survive_a_restart() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_state_file_is_private_and_written_through_a_name_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    // Someone else's file where a fixed temporary name would be: left alone, not followed.
+    let planted = dir.path().join("state.json.tmp");
+    std::fs::write(&planted, b"someone else's").unwrap();
+    let store = MemoryStore::open(&path).unwrap();
+    let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
+    let rule = contract::rule(10.0);
+    store
+        .record("a", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(
+            mode, 0o600,
+            "the state file is readable by others: {mode:o}"
+        );
+    }
+    assert_eq!(std::fs::read(&planted).unwrap(), b"someone else's");
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec!["state.json", "state.json.tmp"],
+        "no temporary file left"
+    );
+    assert!(MemoryStore::open(&path)
+        .unwrap()
+        .view("a")
+        .await
+        .unwrap()
+        .lock
+        .is_some());
+}
+
+#[tokio::test(start_paused = true)]
 async fn lockout_and_backoff_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.json");
