@@ -1,5 +1,12 @@
-//! The admin listener: `GET /metrics`, `GET /status`, `GET /healthz`, `GET /readyz` and
-//! `POST /destinations/NAME/unlock` (with the bearer token, when one is configured).
+//! The admin listener: `GET /metrics`, `GET /status`, `GET /healthz`, `GET /readyz` and the
+//! writes, `POST /reload` and `POST /destinations/NAME/unlock`.
+//!
+//! A write needs intent. With `[admin] token_env`, the bearer token. Without one (the listener
+//! is then on loopback), a request from loopback whose `Host` is this listener's address and
+//! whose `Origin`, if it sends one, is this listener: a web page open in the operator's browser
+//! can send a POST to 127.0.0.1, and DNS rebinding can make it same-origin by name, but neither
+//! makes those headers match. With `[admin] read_token_env`, reads but the probes need a token
+//! too. The listener holds at most [`MAX_CONNECTIONS`], each under deadlines of its own.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -13,13 +20,29 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::{AdminConfig, Limits};
 use crate::metrics::Metrics;
 use crate::pacing::{Pacer, UnlockError};
 use crate::reload::Reloader;
+use crate::server::watch::Watch;
+use crate::shutdown::Shutdown;
 use history::History;
 
 mod history;
-use crate::shutdown::Shutdown;
+
+/// Admin connections open at once; more are closed at once. Scrapes, `pacegate status` and
+/// a status page or two need a handful.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// The admin listener's deadlines: short, since its clients are scripts and one page.
+fn limits() -> Limits {
+    Limits {
+        header_read_timeout: std::time::Duration::from_secs(10),
+        idle_timeout: std::time::Duration::from_secs(30),
+        write_timeout: std::time::Duration::from_secs(10),
+        ..Limits::default()
+    }
+}
 
 /// What the admin endpoints read and act on.
 #[derive(Clone)]
@@ -28,6 +51,7 @@ pub struct Admin {
     pacer: Arc<Pacer>,
     shutdown: Shutdown,
     token: Option<Arc<str>>,
+    read_token: Option<Arc<str>>,
     /// Present when the config came from a file that can be read again.
     reloader: Option<Arc<Reloader>>,
     /// The last ten minutes of each destination's pace, for the status page.
@@ -69,29 +93,28 @@ fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Full<Byte
 }
 
 impl Admin {
-    /// `shutdown` tells readiness (not ready once draining); `token`, when set, must be sent
-    /// as `Authorization: Bearer TOKEN` on every POST.
+    /// `shutdown` tells readiness (not ready once draining); the config's tokens, when set,
+    /// must be sent as `Authorization: Bearer TOKEN` (see the module's doc).
     pub fn new(
         metrics: Arc<Metrics>,
         pacer: Arc<Pacer>,
         shutdown: Shutdown,
-        token: Option<String>,
+        config: &AdminConfig,
         reloader: Option<Arc<Reloader>>,
     ) -> Self {
         Self {
             metrics,
             pacer,
             shutdown,
-            token: token.map(Arc::from),
+            token: config.token.as_deref().map(Arc::from),
+            read_token: config.read_token.as_deref().map(Arc::from),
             reloader,
             history: Arc::default(),
         }
     }
 
-    fn authorized(&self, req: &Request<Incoming>) -> bool {
-        let Some(token) = &self.token else {
-            return true;
-        };
+    /// Whether the request carries `token` as its bearer token.
+    fn bears(req: &Request<Incoming>, token: &str) -> bool {
         let offered = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -104,8 +127,82 @@ impl Admin {
         bool::from(subtle::ConstantTimeEq::ct_eq(&offered[..], &token[..]))
     }
 
-    async fn route(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    /// Whether a write is meant (see the module's doc); `Err` says why not.
+    fn write_allowed(&self, req: &Request<Incoming>, at: &Peers) -> Result<(), &'static str> {
+        if let Some(token) = &self.token {
+            return if Self::bears(req, token) {
+                Ok(())
+            } else {
+                Err("send Authorization: Bearer TOKEN (the value of [admin] token_env)")
+            };
+        }
+        if !at.peer.ip().is_loopback() {
+            return Err("writes without [admin] token_env come from loopback only");
+        }
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("");
+        if !at.names_listener(host) {
+            return Err("the Host header does not name this admin listener (a page on another site, or DNS rebinding); send it to the listen address, or set [admin] token_env");
+        }
+        let foreign = req
+            .headers()
+            .get(header::ORIGIN)
+            .is_some_and(|o| o.as_bytes() != format!("http://{host}").as_bytes());
+        let cross_site = req
+            .headers()
+            .get("sec-fetch-site")
+            .is_some_and(|s| s != "same-origin" && s != "none");
+        if foreign || cross_site {
+            return Err("a write from another site's page is refused; set [admin] token_env to write from elsewhere");
+        }
+        Ok(())
+    }
+
+    /// Whether a read may be answered: always, but with a read token, which it (or the write
+    /// token) must then carry. The probes and the page itself need none.
+    fn read_allowed(&self, req: &Request<Incoming>) -> bool {
+        let Some(read) = &self.read_token else {
+            return true;
+        };
+        let open = matches!(req.uri().path(), "/healthz" | "/readyz" | "/");
+        open || Self::bears(req, read) || self.token.as_deref().is_some_and(|t| Self::bears(req, t))
+    }
+
+    async fn route(&self, req: Request<Incoming>, at: &Peers) -> Response<Full<Bytes>> {
         let path = req.uri().path().to_owned();
+        if req.method() == Method::GET && !self.read_allowed(&req) {
+            let mut resp = text(
+                StatusCode::UNAUTHORIZED,
+                "send Authorization: Bearer TOKEN (the value of [admin] read_token_env)\n",
+            );
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return resp;
+        }
+        let write =
+            req.method() == Method::POST && (path == "/reload" || unlock_target(&path).is_some());
+        if write {
+            if let Err(why) = self.write_allowed(&req, at) {
+                let code = if self.token.is_some() {
+                    StatusCode::UNAUTHORIZED
+                } else {
+                    StatusCode::FORBIDDEN
+                };
+                let mut resp = text(code, format!("{why}\n"));
+                if self.token.is_some() {
+                    resp.headers_mut().insert(
+                        header::WWW_AUTHENTICATE,
+                        header::HeaderValue::from_static("Bearer"),
+                    );
+                }
+                return resp;
+            }
+        }
         match (req.method(), path.as_str()) {
             (&Method::GET, "/metrics") => {
                 // Per-destination gauges are refreshed at scrape time, from what this instance
@@ -145,12 +242,6 @@ impl Admin {
                 None => text(StatusCode::NOT_FOUND, "this instance's config was not read from a file\n"),
                 Some(r) => text(StatusCode::OK, r.running().await),
             },
-            (&Method::POST, p) if !self.authorized(&req) && (p == "/reload" || unlock_target(p).is_some()) => {
-                let mut resp = text(StatusCode::UNAUTHORIZED, "send Authorization: Bearer TOKEN (the value of [admin] token_env)\n");
-                resp.headers_mut()
-                    .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
-                resp
-            }
             (&Method::POST, "/reload") => match &self.reloader {
                 None => text(StatusCode::NOT_FOUND, "this instance's config was not read from a file: it cannot be reloaded\n"),
                 Some(r) => {
@@ -199,10 +290,16 @@ impl Admin {
     /// Serves until `stop` is cancelled.
     pub async fn serve(self, listener: TcpListener, stop: CancellationToken) {
         tokio::spawn(self.history.clone().keep(self.pacer.clone(), stop.clone()));
+        let Ok(local) = listener.local_addr() else {
+            tracing::error!("the admin listener has no address");
+            return;
+        };
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let limits = limits();
         loop {
-            let stream = tokio::select! {
+            let (stream, peer) = tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok(conn) => conn,
                     Err(e) => {
                         tracing::warn!("admin accept failed: {e}");
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -211,23 +308,58 @@ impl Admin {
                 },
                 () = stop.cancelled() => return,
             };
+            let Ok(slot) = open.clone().try_acquire_owned() else {
+                tracing::warn!(%peer, "admin listener: {MAX_CONNECTIONS} connections open, closing another");
+                continue;
+            };
             let admin = self.clone();
             let stop = stop.clone();
+            let at = Arc::new(Peers { peer, local });
+            let watch = Watch::new(&limits);
             tokio::spawn(async move {
+                let _slot = slot;
+                let requests = watch.clone();
                 let service = service_fn(move |req| {
                     let admin = admin.clone();
-                    async move { Ok::<_, Infallible>(admin.route(req).await) }
+                    let at = at.clone();
+                    let in_flight = requests.request();
+                    async move {
+                        let resp = admin.route(req, &at).await;
+                        drop(in_flight);
+                        Ok::<_, Infallible>(resp)
+                    }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
-                    .header_read_timeout(std::time::Duration::from_secs(10))
-                    .serve_connection(TokioIo::new(stream), service);
+                    .header_read_timeout(limits.header_read_timeout)
+                    .serve_connection(TokioIo::new(watch.io(stream)), service);
                 tokio::select! {
                     _ = conn => {}
+                    _ = watch.expired() => {}
                     () = stop.cancelled() => {}
                 }
             });
         }
+    }
+}
+
+/// The two ends of an admin connection.
+struct Peers {
+    peer: std::net::SocketAddr,
+    local: std::net::SocketAddr,
+}
+
+impl Peers {
+    /// Whether `host` (a Host header) names this listener: its address, or `localhost`, with
+    /// its port.
+    fn names_listener(&self, host: &str) -> bool {
+        let port = self.local.port();
+        host == self.local.to_string()
+            || host == format!("localhost:{port}")
+            || (self.local.ip().is_loopback()
+                && host
+                    .parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.ip().is_loopback() && a.port() == port))
     }
 }
 

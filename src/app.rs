@@ -259,7 +259,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         metrics.clone(),
         pacer.clone(),
         shutdown.clone(),
-        config.admin.token.clone(),
+        &config.admin,
         reloader.clone(),
     );
     let admin_task = tokio::spawn(admin.serve(admin_listener, admin_stop.clone()));

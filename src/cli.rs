@@ -44,6 +44,10 @@ pub fn check_config(path: &Path, admin: Option<String>) -> ExitCode {
         }
     };
     let changed = crate::reload::differences(&running, &crate::reload::redacted(&config));
+    if config.proxy.auth.is_some() {
+        // The running instance never shows a password, so a changed one cannot be seen here.
+        println!("passwords are not compared: a running instance never shows them (a reload applies a changed one)");
+    }
     if changed.is_empty() {
         println!(
             "{} is the config {admin} runs: a reload changes nothing",
@@ -146,14 +150,18 @@ fn admin_call(
     path: &str,
 ) -> Result<(http::StatusCode, String), ExitCode> {
     let base = admin.unwrap_or_else(|| crate::admin::url_for(config.admin.listen));
+    // A read carries the read token where there is one; the write token serves for both.
+    let token = match method {
+        http::Method::GET => config
+            .admin
+            .read_token
+            .as_deref()
+            .or(config.admin.token.as_deref()),
+        _ => config.admin.token.as_deref(),
+    };
     let runtime = small_runtime()?;
     runtime
-        .block_on(crate::admin::call(
-            &base,
-            method,
-            path,
-            config.admin.token.as_deref(),
-        ))
+        .block_on(crate::admin::call(&base, method, path, token))
         .map_err(|e| fail(&e))
 }
 

@@ -371,6 +371,14 @@ pub struct AdminConfig {
     /// The token itself, read from `token_env` at load.
     #[serde(skip)]
     pub token: Option<String>,
+    /// The environment variable holding a bearer token every read but the probes and the
+    /// status page's HTML must carry (or the write token); none means reads are open to
+    /// whoever reaches the listener.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_token_env: Option<String>,
+    /// The read token itself, read from `read_token_env` at load.
+    #[serde(skip)]
+    pub read_token: Option<String>,
 }
 
 impl fmt::Debug for AdminConfig {
@@ -378,6 +386,7 @@ impl fmt::Debug for AdminConfig {
         f.debug_struct("AdminConfig")
             .field("listen", &self.listen)
             .field("token_env", &self.token_env)
+            .field("read_token_env", &self.read_token_env)
             .finish_non_exhaustive()
     }
 }

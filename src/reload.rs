@@ -74,7 +74,7 @@ impl Reloader {
         self.last.lock().clone()
     }
 
-    /// The config in force, normalised, secrets replaced by fingerprints ([`redacted`]).
+    /// The config in force, normalised, passwords not shown ([`redacted`]).
     pub async fn running(&self) -> String {
         toml::to_string_pretty(&redacted(&*self.running.lock().await)).unwrap_or_default()
     }
@@ -117,7 +117,7 @@ impl Reloader {
 
     async fn apply(&self, new: Config) -> ReloadStatus {
         let mut running = self.running.lock().await;
-        let changed = differences(&redacted(&running), &redacted(&new));
+        let changed = differences(&comparable(&running), &comparable(&new));
         let (applied, needs_restart): (Vec<String>, Vec<String>) =
             changed.into_iter().partition(|k| in_place(k));
         for key in &needs_restart {
@@ -176,22 +176,36 @@ pub fn in_place(key: &str) -> bool {
     under("destinations") || under("proxy.auth") || under("proxy.unmatched") || under("log")
 }
 
-/// A config as TOML, with each password digest replaced by a fingerprint of it: enough to
-/// tell that it changed, not to guess the password offline.
+/// A config as TOML, each proxy user's password shown as `(set)`.
 pub fn redacted(config: &Config) -> toml::Value {
+    // Nothing derived from a password: even a short digest lets a weak one be confirmed
+    // offline.
+    with_passwords(config, |_| toml::Value::String("(set)".into()))
+}
+
+/// The config as [`redacted`] shows it, with each user's password digest in place of
+/// `(set)`: for telling what a reload changes, never shown.
+fn comparable(config: &Config) -> toml::Value {
+    with_passwords(config, |u| {
+        toml::Value::String(hex::encode(u.password_sha256))
+    })
+}
+
+fn with_passwords(
+    config: &Config,
+    shown: impl Fn(&crate::config::User) -> toml::Value,
+) -> toml::Value {
     let mut value = toml::Value::try_from(config).unwrap_or(toml::Value::Table(Default::default()));
     let users = value
         .get_mut("proxy")
         .and_then(|p| p.get_mut("auth"))
         .and_then(|a| a.get_mut("users"))
         .and_then(toml::Value::as_array_mut);
-    for user in users.into_iter().flatten() {
-        if let Some(digest) = user.get_mut("password_sha256") {
-            let hash = ring::digest::digest(
-                &ring::digest::SHA256,
-                digest.as_str().unwrap_or_default().as_bytes(),
-            );
-            *digest = toml::Value::String(format!("fingerprint {}", &hex::encode(hash)[..12]));
+    let configured = config.proxy.auth.iter().flat_map(|a| a.users.iter());
+    for (user, configured) in users.into_iter().flatten().zip(configured) {
+        if let Some(table) = user.as_table_mut() {
+            table.remove("password_sha256");
+            table.insert("password".into(), shown(configured));
         }
     }
     value
@@ -263,7 +277,7 @@ mod tests {
     }
 
     #[test]
-    fn a_password_digest_is_shown_as_a_fingerprint_that_still_changes() {
+    fn a_password_is_never_shown_and_a_changed_one_is_still_a_reload() {
         let with = |digest: &str| {
             config(&format!(
                 "[[proxy.auth.users]]\nname = \"w\"\npassword_sha256 = \"{digest}\"\n"
@@ -272,10 +286,15 @@ mod tests {
         let a = with(&"a".repeat(64));
         let b = with(&"b".repeat(64));
         let shown = toml::to_string(&redacted(&a)).unwrap();
-        assert!(!shown.contains(&"a".repeat(64)), "{shown}");
-        assert!(shown.contains("fingerprint "), "{shown}");
+        assert!(!shown.contains("aaaa"), "{shown}");
+        assert!(shown.contains("password = \"(set)\""), "{shown}");
         assert_eq!(
-            differences(&redacted(&a), &redacted(&b)),
+            toml::to_string(&redacted(&b)).unwrap(),
+            shown,
+            "nothing of it shows"
+        );
+        assert_eq!(
+            differences(&comparable(&a), &comparable(&b)),
             ["proxy.auth.users"]
         );
     }

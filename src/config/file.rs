@@ -190,6 +190,7 @@ pub(super) struct RawUpstream {
 pub(super) struct RawAdmin {
     pub(super) listen: Option<String>,
     pub(super) token_env: Option<String>,
+    pub(super) read_token_env: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

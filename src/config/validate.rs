@@ -370,19 +370,8 @@ impl Validator<'_> {
     }
 
     pub(super) fn admin(&mut self, raw: RawAdmin) -> AdminConfig {
-        let token = raw
-            .token_env
-            .as_ref()
-            .and_then(|var| match std::env::var(var) {
-                Ok(t) if !t.is_empty() => Some(t),
-                _ => {
-                    self.push(
-                        "admin.token_env",
-                        format!("environment variable `{var}` is not set or empty"),
-                    );
-                    None
-                }
-            });
+        let token = self.secret("admin.token_env", raw.token_env.as_deref());
+        let read_token = self.secret("admin.read_token_env", raw.read_token_env.as_deref());
         let listen = self.addr("admin.listen", raw.listen, "127.0.0.1:9464");
         // Unlock changes what every instance does: beyond this machine, only with a token.
         if raw.token_env.is_none() && !listen.ip().is_loopback() {
@@ -397,6 +386,23 @@ impl Validator<'_> {
             listen,
             token_env: raw.token_env,
             token,
+            read_token_env: raw.read_token_env,
+            read_token,
+        }
+    }
+
+    /// A secret named by an environment variable key: the variable must be set and not empty.
+    fn secret(&mut self, path: &str, var: Option<&str>) -> Option<String> {
+        let var = var?;
+        match std::env::var(var) {
+            Ok(t) if !t.is_empty() => Some(t),
+            _ => {
+                self.push(
+                    path,
+                    format!("environment variable `{var}` is not set or empty"),
+                );
+                None
+            }
         }
     }
 

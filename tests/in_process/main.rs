@@ -5,6 +5,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod admin;
 mod any_config;
 mod classes;
 mod deadlines;
