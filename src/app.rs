@@ -242,6 +242,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         proxy.clone(),
         gate,
         config.proxy.limits.clone(),
+        config.proxy.clients.clone().map(Arc::from),
         metrics.clone(),
         shutdown.clone(),
     ));

@@ -180,6 +180,10 @@ pub struct ProxyConfig {
     /// Threads serving requests. Default: one per core. Fewer leaves cores to other work on
     /// the same host, at the price of a lower peak.
     pub threads: usize,
+    /// The source networks allowed to connect; `None`: any that can reach `listen` (which is
+    /// then loopback, or `auth` is set). Others are refused at once.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "ser_nets")]
+    pub clients: Option<Vec<ipnet::IpNet>>,
     /// `[proxy.auth]`; `None` means no proxy authentication.
     pub auth: Option<AuthConfig>,
     /// `[proxy.limits]`.
@@ -353,6 +357,14 @@ impl Serialize for ParentProxy {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&self.shown())
     }
+}
+
+fn ser_nets<S: serde::Serializer>(
+    nets: &Option<Vec<ipnet::IpNet>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    let shown: Vec<String> = nets.iter().flatten().map(ToString::to_string).collect();
+    shown.serialize(s)
 }
 
 fn ser_patterns<S: serde::Serializer>(patterns: &[HostPattern], s: S) -> Result<S::Ok, S::Error> {

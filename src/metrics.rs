@@ -34,6 +34,9 @@ pub struct Metrics {
     pub connections_total: IntCounter,
     /// `pacegate_connections_rejected_total`: connections refused at `max_connections`.
     pub connections_rejected: IntCounter,
+    /// `pacegate_clients_refused_total`: connections refused because their source is outside
+    /// `[proxy] clients`.
+    pub clients_refused: IntCounter,
     /// `pacegate_connections_expired_total{reason}`: connections (client connections and
     /// intercepted sessions) closed at a deadline: `silent` (no first byte), `idle` (no
     /// request), `write_timeout` (a client that did not read).
@@ -165,6 +168,10 @@ impl Metrics {
         let connections_rejected = IntCounter::new(
             "pacegate_connections_rejected_total",
             "Client connections refused because max_connections were open",
+        )?;
+        let clients_refused = IntCounter::new(
+            "pacegate_clients_refused_total",
+            "Client connections refused because their source is outside [proxy] clients",
         )?;
         let connections_expired = IntCounterVec::new(
             Opts::new(
@@ -386,6 +393,7 @@ impl Metrics {
         register(Box::new(connections_total.clone()))?;
         register(Box::new(connections_rejected.clone()))?;
         register(Box::new(connections_expired.clone()))?;
+        register(Box::new(clients_refused.clone()))?;
         register(Box::new(tunnels_open.clone()))?;
         register(Box::new(tunnels_total.clone()))?;
         register(Box::new(tls_handshake_failures.clone()))?;
@@ -434,6 +442,7 @@ impl Metrics {
             connections_total,
             connections_rejected,
             connections_expired,
+            clients_refused,
             tunnels_open,
             tunnels_total,
             tls_handshake_failures,

@@ -213,6 +213,7 @@ pub async fn serve<H: Handler>(
     handler: H,
     gate: Gate,
     limits: Limits,
+    clients: Option<Arc<[ipnet::IpNet]>>,
     metrics: Arc<Metrics>,
     shutdown: Shutdown,
 ) {
@@ -231,6 +232,15 @@ pub async fn serve<H: Handler>(
             },
             () = shutdown.draining() => break,
         };
+        let source = peer.ip().to_canonical();
+        if let Some(allowed) = &clients {
+            if !allowed.iter().any(|net| net.contains(&source)) {
+                metrics.clients_refused.inc();
+                tracing::info!(%peer, "refused a client outside [proxy] clients");
+                tokio::spawn(refuse_client(stream));
+                continue;
+            }
+        }
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             metrics.connections_rejected.inc();
             tokio::spawn(refuse_overloaded(stream, limits.max_connections));
@@ -267,6 +277,17 @@ pub async fn serve<H: Handler>(
         });
     }
     tracing::info!("proxy listener closed");
+}
+
+/// The answer to a connection from outside `[proxy] clients`, written before anything is read.
+async fn refuse_client(mut stream: TcpStream) {
+    let details = "pacegate does not serve this client address ([proxy] clients); ask its operator to add your network";
+    let body = format!("pacegate: {details}\n");
+    let head = format!(
+        "HTTP/1.1 403 Forbidden\r\nProxy-Status: pacegate; error=http_request_denied; details=\"{details}\"\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(head.as_bytes())).await;
 }
 
 async fn refuse_overloaded(mut stream: TcpStream, limit: usize) {

@@ -136,6 +136,7 @@ pub(super) struct RawProxy {
     #[serde(default, with = "humantime_serde")]
     pub(super) shutdown_grace: Option<Duration>,
     pub(super) threads: Option<usize>,
+    pub(super) clients: Option<Vec<String>>,
     pub(super) auth: Option<RawAuth>,
     pub(super) limits: Option<RawLimits>,
 }

@@ -488,3 +488,39 @@ fn dedupe_sections(text: &str) -> String {
         .map(|(name, lines)| format!("[{name}]\n{}\n", lines.join("\n")))
         .collect()
 }
+
+#[test]
+fn listening_beyond_loopback_needs_auth_or_a_client_list() {
+    let err = parse(&format!("[proxy]\nlisten = \"0.0.0.0:3128\"\n{MINIMAL}")).unwrap_err();
+    assert_eq!(paths(&err), vec!["proxy.listen"], "{err:#?}");
+    assert!(err[0].message.contains("clients"), "{err:#?}");
+    let listed = parse(&format!(
+        "[proxy]\nlisten = \"0.0.0.0:3128\"\nclients = [\"10.0.0.0/8\", \"192.168.1.7\", \"fd00::/8\", \"10.1.2.3/16\"]\n{MINIMAL}"
+    ))
+    .unwrap();
+    let shown: Vec<String> = listed
+        .proxy
+        .clients
+        .unwrap()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        shown,
+        ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8", "10.1.0.0/16"]
+    );
+    std::env::set_var("PACEGATE_TEST_BEYOND_PW", "pw");
+    parse(&format!(
+        "[proxy]\nlisten = \"0.0.0.0:3128\"\n[proxy.auth]\nusers = [{{ name = \"w\", password_env = \"PACEGATE_TEST_BEYOND_PW\" }}]\n{MINIMAL}"
+    ))
+    .unwrap();
+    let err = parse(&format!(
+        "[proxy]\nclients = [\"10.0.0.0/33\", \"everyone\"]\n{MINIMAL}"
+    ))
+    .unwrap_err();
+    assert_eq!(
+        paths(&err),
+        vec!["proxy.clients[0]", "proxy.clients[1]"],
+        "{err:#?}"
+    );
+}

@@ -127,8 +127,20 @@ impl Validator<'_> {
             self.push("proxy.shutdown_grace", "must be at most 1h");
         }
         let p = "proxy.limits";
+        let listen = self.addr("proxy.listen", raw.listen, "127.0.0.1:3128");
+        let clients = raw.clients.map(|list| self.clients(&list));
+        // Beyond loopback, anyone who reaches the port could use pacegate as their proxy.
+        if !listen.ip().is_loopback() && raw.auth.is_none() && clients.is_none() {
+            self.push(
+                "proxy.listen",
+                format!(
+                    "{listen} is beyond loopback, and without [proxy.auth] or [proxy] clients anyone who reaches it may use pacegate: list the networks allowed (clients = [\"10.0.0.0/8\"]), turn on [proxy.auth], or listen on 127.0.0.1"
+                ),
+            );
+        }
         ProxyConfig {
-            listen: self.addr("proxy.listen", raw.listen, "127.0.0.1:3128"),
+            listen,
+            clients,
             unmatched: raw.unmatched.unwrap_or_default(),
             allow_private_upstreams: raw.allow_private_upstreams.unwrap_or(false),
             shutdown_grace: shutdown_grace.min(HOUR),
@@ -191,6 +203,31 @@ impl Validator<'_> {
                 ),
             },
         }
+    }
+
+    /// `[proxy] clients`: networks (`10.0.0.0/8`, `fd00::/8`) or single addresses.
+    fn clients(&mut self, list: &[String]) -> Vec<ipnet::IpNet> {
+        let mut nets = Vec::new();
+        for (i, text) in list.iter().enumerate() {
+            let parsed = text
+                .parse::<ipnet::IpNet>()
+                .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from));
+            match parsed {
+                // `10.1.2.3/8` is taken as the network it names, `10.0.0.0/8`.
+                Ok(net) => nets.push(net.trunc()),
+                Err(_) => self.push(
+                    &format!("proxy.clients[{i}]"),
+                    format!("`{text}` is not a network like \"10.0.0.0/8\" or an address"),
+                ),
+            }
+        }
+        if list.is_empty() {
+            self.push(
+                "proxy.clients",
+                "lists no network: no client could connect; remove it to allow any that reaches proxy.listen",
+            );
+        }
+        nets
     }
 
     fn auth(&mut self, raw: RawAuth) -> AuthConfig {

@@ -326,3 +326,39 @@ async fn a_paced_host_is_not_a_way_to_its_other_low_ports() {
     let resp = via.get("http://localhost:25/").send().await.unwrap();
     assert_ne!(resp.status(), 403, "{}", proxy_status(&resp));
 }
+
+#[tokio::test]
+async fn a_client_outside_the_allowed_networks_is_refused_and_counted() {
+    let upstream = FakeUpstream::start().await;
+    let elsewhere = local(&upstream)
+        .proxy("clients", vec!["10.0.0.0/8", "fd00::/8"])
+        .start()
+        .await;
+    let request = format!(
+        "GET {}/ HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        upstream.http_url("localhost")
+    );
+    let answer = raw_exchange(elsewhere.addr, request.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(
+        answer.contains("Proxy-Status: pacegate; error=http_request_denied")
+            && answer.contains("[proxy] clients"),
+        "{answer}"
+    );
+    assert_eq!(
+        elsewhere.metric("pacegate_clients_refused_total").await,
+        1.0
+    );
+    assert!(
+        upstream.recorded().is_empty(),
+        "nothing of it went upstream"
+    );
+    // Loopback listed (as a single address): served.
+    let here = local(&upstream)
+        .proxy("clients", vec!["127.0.0.1"])
+        .start()
+        .await;
+    let answer = raw_exchange(here.addr, request.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(here.metric("pacegate_clients_refused_total").await, 0.0);
+}
