@@ -38,7 +38,7 @@ fn main() {
                 std::fs::write(
                     &config,
                     format!(
-                        "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\n[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n[destinations.local]\nhosts = [\"localhost\"]\nrate = {RATE}\n"
+                        "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\nports = [\"1024-65535\"]\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\n[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n[destinations.local]\nhosts = [\"localhost\"]\nrate = {RATE}\n"
                     ),
                 )
                 .unwrap();

@@ -14,6 +14,7 @@ cat > "$work/pacegate.toml" <<TOML
 [proxy]
 listen = "127.0.0.1:$proxy_port"
 allow_private_upstreams = true
+ports = ["1024-65535"]
 [proxy.limits]
 ${proxy_limits:-}
 [admin]

@@ -144,6 +144,7 @@ cat > "$work/pacegate.toml" <<TOML
 [proxy]
 listen = "127.0.0.1:$pg"
 allow_private_upstreams = true
+ports = ["1024-65535"]
 $threads_key
 [proxy.limits]
 max_connections = 20000

@@ -214,7 +214,8 @@ async fn paced(
             name: destination.clone(),
             hosts: vec![],
             pace: Pace::new(rate),
-            ports: vec![],
+            ports: Default::default(),
+            allow_private_upstreams: None,
         };
         let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
         let pacer = Arc::new(Pacer::new(

@@ -62,6 +62,7 @@ def start_instance(binary, db, port, workdir, i):
 [proxy]
 listen = "127.0.0.1:0"
 allow_private_upstreams = true
+ports = ["1024-65535"]
 [admin]
 listen = "127.0.0.1:0"
 [tls]

@@ -23,7 +23,7 @@ use crate::shutdown::{self, Shutdown};
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::PostgresStore;
 use crate::tls::{self, Authority, TlsError};
-use crate::upstream::Upstream;
+use crate::upstream::{AddressPolicy, Upstream};
 
 /// Why pacegate could not start.
 #[derive(Debug, thiserror::Error)]
@@ -205,13 +205,6 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
     // What only the store knows (every instance's waiting requests, quota windows), for the
     // gauges; it ends with the pacer.
     tokio::spawn(pacer.clone().keep_current());
-    let roots = tls::upstream_roots(&config.tls.extra_upstream_roots)?;
-    let upstream = Upstream::new(
-        &config.upstream,
-        config.proxy.allow_private_upstreams,
-        tls::upstream_client_config(roots)?,
-    );
-
     let bind = |what: &'static str, addr: SocketAddr| async move {
         let bound = async {
             let listener = TcpListener::bind(addr).await?;
@@ -224,6 +217,12 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
     };
     let (proxy_listener, proxy_addr) = bind("proxy", config.proxy.listen).await?;
     let (admin_listener, admin_addr) = bind("admin", config.admin.listen).await?;
+    let roots = tls::upstream_roots(&config.tls.extra_upstream_roots)?;
+    let upstream = Upstream::new(
+        &config.upstream,
+        AddressPolicy::of(&config, vec![proxy_addr, admin_addr]),
+        tls::upstream_client_config(roots)?,
+    );
 
     let shutdown = Shutdown::new();
     let gate = crate::server::Gate::new(&config.proxy.limits);

@@ -184,6 +184,10 @@ pub struct ProxyConfig {
     /// then loopback, or `auth` is set). Others are refused at once.
     #[serde(skip_serializing_if = "Option::is_none", serialize_with = "ser_nets")]
     pub clients: Option<Vec<ipnet::IpNet>>,
+    /// Ports, besides 80 for http and 443 (and 80) for CONNECT, that every destination's
+    /// port-less patterns, and unmatched traffic (`unmatched = "tunnel"`), may go to.
+    #[serde(skip_serializing_if = "crate::destination::Ports::is_empty")]
+    pub ports: crate::destination::Ports,
     /// `[proxy.auth]`; `None` means no proxy authentication.
     pub auth: Option<AuthConfig>,
     /// `[proxy.limits]`.

@@ -185,8 +185,72 @@ pub struct Destination {
     pub hosts: Vec<HostPattern>,
     /// The pacing keys.
     pub pace: Pace,
-    /// Ports below 1024, besides the scheme's default, that its port-less patterns allow.
-    pub ports: Vec<u16>,
+    /// Ports, besides the scheme's default, that its port-less patterns allow.
+    pub ports: Ports,
+    /// Whether its upstreams may be at private or loopback addresses; `None`: as
+    /// `[proxy] allow_private_upstreams` says.
+    pub allow_private_upstreams: Option<bool>,
+}
+
+/// Ports and port ranges (`[443, "8000-8999"]`), as `ports` keys list them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ports(Vec<std::ops::RangeInclusive<u16>>);
+
+impl Ports {
+    /// Parses one entry: a port (`8443`) or a range (`"8000-8999"`), each from 1 to 65535.
+    pub fn parse_one(text: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
+        let port = |t: &str| {
+            t.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| {
+                    format!("`{text}` is not a port from 1 to 65535 or a range like \"8000-8999\"")
+                })
+        };
+        match text.split_once('-') {
+            None => port(text).map(|p| p..=p),
+            Some((from, to)) => {
+                let (from, to) = (port(from)?, port(to)?);
+                if from > to {
+                    return Err(format!("`{text}`: the range ends before it starts"));
+                }
+                Ok(from..=to)
+            }
+        }
+    }
+
+    /// The ports of these ranges.
+    pub fn of(ranges: Vec<std::ops::RangeInclusive<u16>>) -> Self {
+        Self(ranges)
+    }
+
+    /// Whether `port` is listed.
+    pub fn contains(&self, port: u16) -> bool {
+        self.0.iter().any(|r| r.contains(&port))
+    }
+
+    /// Whether none is listed.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Serialize for Ports {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let shown: Vec<String> = self
+            .0
+            .iter()
+            .map(|r| {
+                if r.start() == r.end() {
+                    r.start().to_string()
+                } else {
+                    format!("{}-{}", r.start(), r.end())
+                }
+            })
+            .collect();
+        shown.serialize(s)
+    }
 }
 
 /// The names the local CA signs for: every host pattern of the destinations that intercept
@@ -271,23 +335,21 @@ pub struct Pace {
     pub throttle_body: Vec<String>,
 }
 
-/// Below this, a host pattern without a port matches only the scheme's default port (80 for
-/// http; 443 and 80 for CONNECT) and the destination's `ports`, as squid's `Safe_ports` does: a
-/// paced host is not a way to reach its SSH or SMTP port.
-pub const SAFE_PORTS_FROM: u16 = 1024;
-
-/// The low ports an `http://` request may go to without a `ports` entry.
+/// The ports an `http://` request may go to without a `ports` entry. As squid's `Safe_ports`
+/// and `SSL_ports` do, a host pattern without a port matches only its scheme's default ports
+/// and the destination's `ports`: a paced host is not a way to reach its SSH, SMTP or admin
+/// port.
 pub const HTTP: &[u16] = &[80];
-/// The low ports a CONNECT may go to without a `ports` entry: 443, and 80 for clients that
-/// tunnel their `http://` requests too (undici's `ProxyAgent`, which Node's
-/// `EnvHttpProxyAgent` uses).
+/// The ports a CONNECT may go to without a `ports` entry: 443, and 80 for clients that tunnel
+/// their `http://` requests too (undici's `ProxyAgent`, which Node's `EnvHttpProxyAgent` uses);
+/// port 80 of such a host is reachable by plain http anyway.
 pub const CONNECT: &[u16] = &[443, 80];
 
 /// The routing table: which destination, if any, a target host and port belong to. `T` is
 /// what routing yields for a destination (the pacer's handle to its lane).
 #[derive(Debug, Clone)]
 pub struct Routes<T> {
-    entries: Vec<(Vec<HostPattern>, Vec<u16>, T)>,
+    entries: Vec<(Vec<HostPattern>, Ports, T)>,
 }
 
 /// Where a target goes.
@@ -315,10 +377,10 @@ impl<T> Routed<&T> {
     }
 }
 
-impl<T> FromIterator<(Vec<HostPattern>, Vec<u16>, T)> for Routes<T> {
+impl<T> FromIterator<(Vec<HostPattern>, Ports, T)> for Routes<T> {
     /// Builds the table from each destination's patterns and extra `ports`; config
     /// validation guarantees that patterns do not overlap.
-    fn from_iter<I: IntoIterator<Item = (Vec<HostPattern>, Vec<u16>, T)>>(entries: I) -> Self {
+    fn from_iter<I: IntoIterator<Item = (Vec<HostPattern>, Ports, T)>>(entries: I) -> Self {
         Self {
             entries: entries.into_iter().collect(),
         }
@@ -328,7 +390,7 @@ impl<T> FromIterator<(Vec<HostPattern>, Vec<u16>, T)> for Routes<T> {
 impl<T> Routes<T> {
     /// Where a normalised host and port go, `default_ports` being the request's ([`HTTP`]
     /// or [`CONNECT`]). A pattern with a port matches that port only; one without matches
-    /// the default ports, any port from [`SAFE_PORTS_FROM`], and the destination's `ports`.
+    /// the default ports and the destination's `ports`.
     pub fn route(&self, host: &str, port: u16, default_ports: &[u16]) -> Routed<&T> {
         for (hosts, ports, to) in &self.entries {
             for p in hosts {
@@ -337,9 +399,7 @@ impl<T> Routes<T> {
                         return Routed::To(to);
                     }
                 } else if p.matches(host, port) {
-                    let safe = default_ports.contains(&port)
-                        || port >= SAFE_PORTS_FROM
-                        || ports.contains(&port);
+                    let safe = default_ports.contains(&port) || ports.contains(port);
                     return if safe {
                         Routed::To(to)
                     } else {
@@ -462,16 +522,20 @@ mod tests {
     }
 
     #[test]
-    fn low_ports_are_only_the_default_and_the_listed_ones() {
+    fn ports_are_only_the_default_and_the_listed_ones() {
+        let listed = Ports::of(vec![
+            Ports::parse_one("8").unwrap(),
+            Ports::parse_one("8000-8999").unwrap(),
+        ]);
         let routes: Routes<&str> = [
             (
                 vec![HostPattern::parse("api.example.com").unwrap()],
-                vec![8],
+                listed,
                 "api",
             ),
             (
                 vec![HostPattern::parse("ssh.example.com:22").unwrap()],
-                vec![],
+                Ports::default(),
                 "ssh",
             ),
         ]
@@ -483,12 +547,29 @@ mod tests {
         };
         assert_eq!(route("api.example.com", 443, 443), Routed::To(&"api"));
         assert_eq!(route("api.example.com", 80, 80), Routed::To(&"api"));
-        assert_eq!(route("api.example.com", 8443, 443), Routed::To(&"api"));
+        assert_eq!(
+            route("api.example.com", 8443, 443),
+            Routed::To(&"api"),
+            "in a range"
+        );
+        assert_eq!(route("api.example.com", 8000, 80), Routed::To(&"api"));
+        assert_eq!(route("api.example.com", 8999, 443), Routed::To(&"api"));
         assert_eq!(
             route("api.example.com", 8, 443),
             Routed::To(&"api"),
             "listed"
         );
+        // High ports are no exception: only the default and the listed ones.
+        for high in [1024, 7999, 9000, 9464, 65535] {
+            assert_eq!(
+                route("api.example.com", high, 443),
+                Routed::PortRefused(&"api")
+            );
+            assert_eq!(
+                route("api.example.com", high, 80),
+                Routed::PortRefused(&"api")
+            );
+        }
         assert_eq!(
             route("api.example.com", 22, 443),
             Routed::PortRefused(&"api")
@@ -503,6 +584,26 @@ mod tests {
         assert_eq!(route("ssh.example.com", 22, 443), Routed::To(&"ssh"));
         assert_eq!(route("ssh.example.com", 23, 443), Routed::Nowhere);
         assert_eq!(route("other.example.com", 443, 443), Routed::Nowhere);
+    }
+
+    #[test]
+    fn port_entries_are_ports_or_ranges() {
+        assert_eq!(Ports::parse_one("443"), Ok(443..=443));
+        assert_eq!(Ports::parse_one("8000-8999"), Ok(8000..=8999));
+        assert_eq!(Ports::parse_one(" 1 - 65535 "), Ok(1..=65535));
+        for bad in [
+            "0",
+            "65536",
+            "8999-8000",
+            "-",
+            "80-",
+            "a-b",
+            "",
+            "1-2-3",
+            "99999",
+        ] {
+            assert!(Ports::parse_one(bad).is_err(), "{bad:?} was accepted");
+        }
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub const REQUEST_LOG: &str = "pacegate::request";
 pub struct ClientPolicy {
     /// ClientPolicy for unmatched hosts.
     pub unmatched: Unmatched,
+    /// `[proxy] ports`: the ports every destination, and unmatched traffic, may go to besides
+    /// the defaults.
+    pub ports: crate::destination::Ports,
     /// Proxy authentication, if on.
     pub auth: Option<AuthConfig>,
     /// Which requests get the request log line.
@@ -49,6 +52,7 @@ impl ClientPolicy {
     pub fn of(config: &crate::config::Config) -> Self {
         Self {
             unmatched: config.proxy.unmatched,
+            ports: config.proxy.ports.clone(),
             auth: config.proxy.auth.clone(),
             log_requests: config.log.requests,
         }
@@ -125,6 +129,14 @@ impl Proxy {
     /// Takes a reloaded policy: requests that arrive from now on follow it.
     pub fn set_policy(&self, policy: ClientPolicy) {
         self.inner.policy.store(Arc::new(policy));
+    }
+
+    /// Takes a reloaded set of destinations' `allow_private_upstreams`.
+    pub fn set_private_hosts(&self, destinations: &[crate::destination::Destination]) {
+        self.inner
+            .upstream
+            .connector()
+            .set_hosts(crate::upstream::AddressPolicy::hosts_of(destinations));
     }
 
     /// Handles one request arriving on a client connection (absolute-form or CONNECT).
@@ -235,6 +247,18 @@ impl Proxy {
             };
             return Handled::refused(err, None, target.authority());
         }
+        let defaults = if req.method() == Method::CONNECT {
+            CONNECT
+        } else {
+            HTTP
+        };
+        if target.destination.is_none()
+            && !defaults.contains(&target.port)
+            && !policy.ports.contains(target.port)
+        {
+            let err = ProxyError::UnmatchedPortRefused { port: target.port };
+            return Handled::refused(err, None, target.authority());
+        }
         if req.method() == Method::CONNECT {
             self.connect(req, target).await
         } else {
@@ -280,6 +304,7 @@ impl Proxy {
     fn target_of(&self, req: &Request<Incoming>) -> Result<Target, ProxyError> {
         let connect = req.method() == Method::CONNECT;
         let (scheme, host, port) = parse_target(connect, req.uri())?;
+        let everywhere = &self.inner.policy.load().ports;
         let destination =
             match self
                 .inner
@@ -288,6 +313,7 @@ impl Proxy {
             {
                 Routed::To(route) => Some(route),
                 Routed::Nowhere => None,
+                Routed::PortRefused(route) if everywhere.contains(port) => Some(route),
                 Routed::PortRefused(route) => {
                     return Err(ProxyError::PortRefused {
                         destination: route.name().to_string(),

@@ -142,6 +142,7 @@ impl Reloader {
         running.proxy.auth = new.proxy.auth;
         running.log = new.log;
         self.proxy.set_policy(ClientPolicy::of(&running));
+        self.proxy.set_private_hosts(&running.destinations);
         tracing::info!(
             applied = ?applied,
             added = ?destinations.added,
@@ -173,7 +174,11 @@ pub fn in_place(key: &str) -> bool {
                 .strip_prefix(section)
                 .is_some_and(|rest| rest.starts_with('.'))
     };
-    under("destinations") || under("proxy.auth") || under("proxy.unmatched") || under("log")
+    under("destinations")
+        || under("proxy.auth")
+        || under("proxy.unmatched")
+        || under("proxy.ports")
+        || under("log")
 }
 
 /// A config as TOML, each proxy user's password shown as `(set)`.

@@ -46,12 +46,20 @@ pub enum ConnectError {
         source: std::io::Error,
     },
     /// Every resolved address is one the policy forbids.
-    #[error("{host} resolves to {addr}, a loopback, private, link-local, multicast or unspecified address, which is refused unless [proxy] allow_private_upstreams = true")]
+    #[error("{host} resolves to {addr}, a loopback, private, link-local, multicast, reserved or unspecified address, which is refused unless allow_private_upstreams = true ([proxy], or the destination's)")]
     Forbidden {
         /// The upstream host.
         host: String,
         /// The first forbidden address.
         addr: IpAddr,
+    },
+    /// The address is one of pacegate's own listeners.
+    #[error("{host} is {addr}, one of pacegate's own listeners: a request through pacegate never goes to pacegate itself")]
+    Own {
+        /// The upstream host.
+        host: String,
+        /// Its address.
+        addr: SocketAddr,
     },
     /// Connecting failed (refused, unreachable, reset).
     #[error("cannot connect to {host} ({addr}): {source}")]
@@ -154,10 +162,60 @@ fn embedded_v4(v6: Ipv6Addr) -> Vec<Ipv4Addr> {
     Vec::new()
 }
 
+/// Where upstreams may be: which hosts may resolve to private or loopback addresses, and
+/// the addresses nothing may reach (pacegate's own listeners).
+#[derive(Debug, Clone, Default)]
+pub struct AddressPolicy {
+    /// `[proxy] allow_private_upstreams`.
+    pub allow_private: bool,
+    /// Destinations' own `allow_private_upstreams`: their host patterns and what they say.
+    pub hosts: Vec<(HostPattern, bool)>,
+    /// pacegate's own listeners: never a destination, whatever the rest allows.
+    pub own: Vec<SocketAddr>,
+}
+
+impl AddressPolicy {
+    /// The policy a config gives, with pacegate's own listeners at `own`.
+    pub fn of(config: &crate::config::Config, own: Vec<SocketAddr>) -> Self {
+        Self {
+            allow_private: config.proxy.allow_private_upstreams,
+            hosts: Self::hosts_of(&config.destinations),
+            own,
+        }
+    }
+
+    /// The destinations' own `allow_private_upstreams`, by host pattern.
+    pub fn hosts_of(destinations: &[crate::destination::Destination]) -> Vec<(HostPattern, bool)> {
+        destinations
+            .iter()
+            .filter_map(|d| d.allow_private_upstreams.map(|allow| (d, allow)))
+            .flat_map(|(d, allow)| d.hosts.iter().map(move |h| (h.clone(), allow)))
+            .collect()
+    }
+
+    fn allows_private(&self, host: &str, port: u16) -> bool {
+        self.hosts
+            .iter()
+            .find(|(p, _)| p.matches(host, port))
+            .map_or(self.allow_private, |(_, allow)| *allow)
+    }
+
+    /// Whether `addr` is one of pacegate's own listeners: the same port on the same address,
+    /// or on any loopback one when the listener is loopback or unspecified.
+    fn is_own(&self, addr: SocketAddr) -> bool {
+        self.own.iter().any(|own| {
+            own.port() == addr.port()
+                && (own.ip() == addr.ip()
+                    || ((own.ip().is_unspecified() || own.ip().is_loopback())
+                        && addr.ip().to_canonical().is_loopback()))
+        })
+    }
+}
+
 /// Opens TCP connections to upstreams under the address policy and connect timeout.
 #[derive(Debug, Clone)]
 pub struct Connector {
-    allow_private: bool,
+    policy: Arc<arc_swap::ArcSwap<AddressPolicy>>,
     timeout: Duration,
     /// The parent proxy, and the hosts reached without it.
     parent: Option<Arc<(ParentProxy, Vec<HostPattern>)>>,
@@ -166,11 +224,32 @@ pub struct Connector {
 impl Connector {
     /// A connector; `allow_private` lifts the address policy.
     pub fn new(allow_private: bool, timeout: Duration) -> Self {
+        Self::with_policy(
+            AddressPolicy {
+                allow_private,
+                ..AddressPolicy::default()
+            },
+            timeout,
+        )
+    }
+
+    /// A connector under `policy`.
+    pub fn with_policy(policy: AddressPolicy, timeout: Duration) -> Self {
         Self {
-            allow_private,
+            policy: Arc::new(arc_swap::ArcSwap::from_pointee(policy)),
             timeout,
             parent: None,
         }
+    }
+
+    /// Takes the destinations' own `allow_private_upstreams` anew (a reload's): connections
+    /// opened from now on follow them.
+    pub fn set_hosts(&self, hosts: Vec<(HostPattern, bool)>) {
+        let current = self.policy.load();
+        self.policy.store(Arc::new(AddressPolicy {
+            hosts,
+            ..AddressPolicy::clone(&current)
+        }));
     }
 
     /// The same connector, going through `parent` to every host but the `direct` ones.
@@ -209,7 +288,7 @@ impl Connector {
     /// an address literal, or a name that resolves here to one. A name that does not resolve
     /// here is the parent's to resolve.
     async fn check_policy(&self, host: &str, port: u16) -> Result<(), ConnectError> {
-        if self.allow_private {
+        if self.policy.load().allows_private(host, port) {
             return Ok(());
         }
         let forbidden = match host.parse::<IpAddr>() {
@@ -239,8 +318,16 @@ impl Connector {
             .collect();
         let mut last = None;
         let mut forbidden = None;
+        let policy = self.policy.load();
+        let allow_private = policy.allows_private(host, port);
         for addr in addrs {
-            if !self.allow_private && is_forbidden(addr.ip()) {
+            if policy.is_own(addr) {
+                return Err(ConnectError::Own {
+                    host: host.to_owned(),
+                    addr,
+                });
+            }
+            if !allow_private && is_forbidden(addr.ip()) {
                 forbidden.get_or_insert(addr.ip());
                 continue;
             }
@@ -328,8 +415,8 @@ pub struct Upstream {
 
 impl Upstream {
     /// Builds the client. `tls` must carry no ALPN; the connector offers h2 and HTTP/1.1.
-    pub fn new(cfg: &UpstreamConfig, allow_private: bool, tls: rustls::ClientConfig) -> Self {
-        let mut connector = Connector::new(allow_private, cfg.connect_timeout);
+    pub fn new(cfg: &UpstreamConfig, policy: AddressPolicy, tls: rustls::ClientConfig) -> Self {
+        let mut connector = Connector::with_policy(policy, cfg.connect_timeout);
         if let Some(parent) = &cfg.proxy {
             connector = connector.through(parent.clone(), cfg.no_proxy.clone());
         }
@@ -453,6 +540,10 @@ fn clone_connect_error(e: &ConnectError) -> ConnectError {
             source: io(source),
         },
         ConnectError::Forbidden { host, addr } => ConnectError::Forbidden {
+            host: host.clone(),
+            addr: *addr,
+        },
+        ConnectError::Own { host, addr } => ConnectError::Own {
             host: host.clone(),
             addr: *addr,
         },

@@ -137,6 +137,7 @@ pub(super) struct RawProxy {
     pub(super) shutdown_grace: Option<Duration>,
     pub(super) threads: Option<usize>,
     pub(super) clients: Option<Vec<String>>,
+    pub(super) ports: Option<Vec<RawPort>>,
     pub(super) auth: Option<RawAuth>,
     pub(super) limits: Option<RawLimits>,
 }
@@ -245,11 +246,20 @@ pub(super) struct RawDestination {
     pub(super) intercept: Option<bool>,
     pub(super) mode: Option<crate::destination::Mode>,
     pub(super) quota: Option<Vec<Quota>>,
-    pub(super) ports: Option<Vec<u16>>,
+    pub(super) ports: Option<Vec<RawPort>>,
+    pub(super) allow_private_upstreams: Option<bool>,
     pub(super) signals: Option<RawSignals>,
     pub(super) reserve: Option<u32>,
     pub(super) throttle_block: Option<RawBlock>,
     pub(super) throttle_body: Option<Vec<String>>,
+}
+
+/// A `ports` entry: a port, or a range written `"8000-8999"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawPort {
+    Number(i64),
+    Text(String),
 }
 
 /// `signals = "auto"`, `"none"`, or a list of family names.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use super::file::*;
 use super::*;
 use crate::class::Classes;
-use crate::destination::{Destination, HostPattern};
+use crate::destination::{Destination, HostPattern, Ports};
 
 mod pace;
 
@@ -141,6 +141,7 @@ impl Validator<'_> {
         ProxyConfig {
             listen,
             clients,
+            ports: self.ports("proxy.ports", raw.ports.as_deref()),
             unmatched: raw.unmatched.unwrap_or_default(),
             allow_private_upstreams: raw.allow_private_upstreams.unwrap_or(false),
             shutdown_grace: shutdown_grace.min(HOUR),
@@ -203,6 +204,22 @@ impl Validator<'_> {
                 ),
             },
         }
+    }
+
+    /// A `ports` key: ports and ranges.
+    pub(super) fn ports(&mut self, path: &str, raw: Option<&[RawPort]>) -> Ports {
+        let mut ranges = Vec::new();
+        for (i, p) in raw.unwrap_or_default().iter().enumerate() {
+            let text = match p {
+                RawPort::Number(n) => n.to_string(),
+                RawPort::Text(t) => t.clone(),
+            };
+            match Ports::parse_one(&text) {
+                Ok(r) => ranges.push(r),
+                Err(e) => self.push(&format!("{path}[{i}]"), e),
+            }
+        }
+        Ports::of(ranges)
     }
 
     /// `[proxy] clients`: networks (`10.0.0.0/8`, `fd00::/8`) or single addresses.
@@ -703,20 +720,13 @@ impl Validator<'_> {
                 }
             }
             let pace = self.pace(&path, &d);
-            let ports = d.ports.clone().unwrap_or_default();
-            for (i, p) in ports.iter().enumerate() {
-                if *p == 0 {
-                    self.push(
-                        &format!("{path}.ports[{i}]"),
-                        "must be a port from 1 to 65535",
-                    );
-                }
-            }
+            let ports = self.ports(&format!("{path}.ports"), d.ports.as_deref());
             out.push(Destination {
                 name,
                 hosts: hosts.into_iter().map(|(_, p)| p).collect(),
                 pace,
                 ports,
+                allow_private_upstreams: d.allow_private_upstreams,
             });
         }
         out

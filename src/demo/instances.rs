@@ -52,6 +52,8 @@ generate_ca = true
 
 [destinations.vendor]
 hosts = ["127.0.0.1"]
+# The vendor listens on an ephemeral port.
+ports = ["1024-65535"]
 rate = {rate}
 max_wait = "{}ms"
 "#,

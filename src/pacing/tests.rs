@@ -449,7 +449,8 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
         name: "d".into(),
         hosts: vec![],
         pace: pace(0.1),
-        ports: vec![],
+        ports: Default::default(),
+        allow_private_upstreams: None,
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
@@ -507,7 +508,8 @@ async fn pacer_on(pace: Pace, classes: Classes, store: Arc<dyn Store>) -> Arc<Pa
         name: "d".into(),
         hosts: vec![],
         pace,
-        ports: vec![],
+        ports: Default::default(),
+        allow_private_upstreams: None,
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(&[dest], classes, store, metrics, "test".into()));
@@ -651,7 +653,8 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
         name: "d".into(),
         hosts: vec![],
         pace: pace(1.0),
-        ports: vec![],
+        ports: Default::default(),
+        allow_private_upstreams: None,
     };
     let store = MemoryStore::ephemeral();
     // Another instance has an older interactive request waiting, so this one yields.
@@ -856,7 +859,8 @@ async fn gauges_read_no_store_and_status_one_snapshot_a_second() {
             name: format!("d{i}"),
             hosts: vec![],
             pace: pace(10.0),
-            ports: vec![],
+            ports: Default::default(),
+            allow_private_upstreams: None,
         })
         .collect();
     let registry = Registry::new();

@@ -104,12 +104,18 @@ pub enum ProxyError {
         /// `host:port` as requested.
         target: String,
     },
-    /// A configured destination's host on a port below 1024 other than the scheme's default
-    /// and the destination's `ports`.
-    #[error("port {port} is not allowed for destination `{destination}`: below 1024 only the default ports (80 for http; 443 and 80 for CONNECT) are, unless [destinations.{destination}] lists it in `ports`")]
+    /// A configured destination's host on a port other than the scheme's default and the
+    /// destination's `ports`.
+    #[error("port {port} is not allowed for destination `{destination}`: only the default ports (80 for http; 443 and 80 for CONNECT) are, unless [destinations.{destination}] or [proxy] lists it in `ports` (ranges like \"8000-8999\" too)")]
     PortRefused {
         /// The destination whose host it is.
         destination: String,
+        /// The port asked for.
+        port: u16,
+    },
+    /// An unmatched host on a port other than the scheme's default and `[proxy] ports`.
+    #[error("port {port} is not allowed for hosts in no destination: only the default ports (80 for http; 443 and 80 for CONNECT) are, unless [proxy] ports lists it")]
+    UnmatchedPortRefused {
         /// The port asked for.
         port: u16,
     },
@@ -195,7 +201,10 @@ impl ProxyError {
                 "http_request_denied",
                 Outcome::AuthRequired,
             ),
-            Self::Unmatched { .. } | Self::PortRefused { .. } | Self::ClassNotAllowed { .. } => {
+            Self::Unmatched { .. }
+            | Self::PortRefused { .. }
+            | Self::UnmatchedPortRefused { .. }
+            | Self::ClassNotAllowed { .. } => {
                 (S::FORBIDDEN, "http_request_denied", Outcome::Denied)
             }
             Self::UpgradeUnsupported { .. } => (
@@ -235,7 +244,7 @@ impl ProxyError {
             },
             Self::Upstream(e) => match e {
                 UpstreamError::Connect(c) => match c {
-                    ConnectError::Forbidden { .. } => (
+                    ConnectError::Forbidden { .. } | ConnectError::Own { .. } => (
                         S::FORBIDDEN,
                         "destination_ip_prohibited",
                         Outcome::ForbiddenAddress,

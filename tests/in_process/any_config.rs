@@ -148,7 +148,7 @@ fn config_text(upstream: &FakeUpstream, keys: &[(&str, &str, String)]) -> String
             .collect()
     };
     format!(
-        "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\n{}\
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\nports = [\"1024-65535\"]\n{}\
          [proxy.limits]\n{}\
          [admin]\nlisten = \"127.0.0.1:0\"\n\
          [tls]\ngenerate_ca = true\nextra_upstream_roots = [\"{roots}\"]\n{}\

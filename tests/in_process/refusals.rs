@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use base64::Engine;
 use support::config::{Dest, Setup};
-use support::{client, client_with, raw_exchange, Alpn, FakeUpstream, TestProxy};
+use support::{client, client_with, raw_exchange, read_head, Alpn, FakeUpstream, TestProxy};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 /// A forwarding proxy for localhost.
 fn local(upstream: &FakeUpstream) -> Setup {
@@ -361,4 +363,138 @@ async fn a_client_outside_the_allowed_networks_is_refused_and_counted() {
     let answer = raw_exchange(here.addr, request.as_bytes(), Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(here.metric("pacegate_clients_refused_total").await, 0.0);
+}
+
+/// A proxy without the test config's blanket `[proxy] ports`: squid's rule alone.
+fn squid_ports(upstream: &FakeUpstream) -> Setup {
+    TestProxy::with(upstream).proxy("ports", Vec::<String>::new())
+}
+
+#[tokio::test]
+async fn ports_are_the_schemes_defaults_and_those_listed_high_ones_included() {
+    let upstream = FakeUpstream::start().await;
+    let (http, https) = (upstream.http.port(), upstream.https.port());
+    let proxy = squid_ports(&upstream)
+        .proxy("unmatched", "tunnel")
+        .destination(Dest::forwarding(&["localhost"]))
+        .start()
+        .await;
+    // A destination's host on a high port it does not list: refused, CONNECT and http alike.
+    let connect = format!("CONNECT localhost:{https} HTTP/1.1\r\nHost: localhost:{https}\r\n\r\n");
+    let answer = raw_exchange(proxy.addr, connect.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(
+        answer.contains(&format!("port {https} is not allowed")),
+        "{answer}"
+    );
+    let get = format!("GET http://localhost:{http}/ HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    let answer = raw_exchange(proxy.addr, get.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    // Unmatched traffic, the same: only 443 (and 80) for CONNECT, 80 for http.
+    let tunnel = format!("CONNECT 127.0.0.1:{https} HTTP/1.1\r\nHost: 127.0.0.1:{https}\r\n\r\n");
+    let answer = raw_exchange(proxy.addr, tunnel.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("[proxy] ports"), "{answer}");
+    assert!(upstream.recorded().is_empty());
+    // Listed, by number on the destination or as a range in [proxy]: allowed.
+    let listed = TestProxy::with(&upstream)
+        .proxy("unmatched", "tunnel")
+        .proxy("ports", vec![format!("{}-{}", https, https)])
+        .destination(Dest::forwarding(&["localhost"]).key("ports", vec![i64::from(http)]))
+        .start()
+        .await;
+    let answer = raw_exchange(listed.addr, get.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let mut stream = TcpStream::connect(listed.addr).await.unwrap();
+    stream.write_all(tunnel.as_bytes()).await.unwrap();
+    assert!(read_head(&mut stream).await.starts_with("HTTP/1.1 200"));
+}
+
+#[tokio::test]
+async fn nothing_goes_to_pacegates_own_listeners() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = local(&upstream).proxy("unmatched", "tunnel").start().await;
+    // A localhost destination, every high port allowed, loopback allowed: still not the
+    // admin listener, nor the proxy itself.
+    for (request, port) in [
+        (
+            format!(
+                "GET http://localhost:{0}/config HTTP/1.1\r\nHost: localhost:{0}\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
+        (
+            format!(
+                "CONNECT 127.0.0.1:{0} HTTP/1.1\r\nHost: 127.0.0.1:{0}\r\n\r\n",
+                proxy.addr.port()
+            ),
+            proxy.addr.port(),
+        ),
+        (
+            format!(
+                "GET http://[::ffff:127.0.0.1]:{0}/ HTTP/1.1\r\nHost: x\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
+    ] {
+        let answer = raw_exchange(proxy.addr, request.as_bytes(), Duration::from_secs(5)).await;
+        assert!(answer.starts_with("HTTP/1.1 403"), "{request}: {answer}");
+        assert!(
+            answer.contains("destination_ip_prohibited") && answer.contains("own listeners"),
+            "{request}: {answer}"
+        );
+        assert!(
+            !answer.contains("[destinations"),
+            "port {port}: the admin's /config leaked: {answer}"
+        );
+    }
+    // Through interception the CONNECT is answered, and its inner request refused.
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let inner = via
+        .get(format!("https://localhost:{}/config", proxy.admin.port()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(inner.status(), 403);
+    let ps = proxy_status(&inner);
+    assert!(
+        ps.contains("destination_ip_prohibited") && ps.contains("own listeners"),
+        "{ps}"
+    );
+}
+
+#[tokio::test]
+async fn a_destination_may_allow_private_upstreams_for_itself_alone() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .proxy("allow_private_upstreams", false)
+        .destination(
+            Dest::new("mine", &["localhost"])
+                .rate(1000.0)
+                .key("allow_private_upstreams", true),
+        )
+        .destination(Dest::new("other", &["127.0.0.1"]).rate(1000.0))
+        .start()
+        .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let mine = via
+        .get(format!("{}/", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(mine.status(), 200);
+    let other = via
+        .get(format!("{}/", upstream.http_url("127.0.0.1")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 403);
+    assert!(
+        proxy_status(&other).contains("destination_ip_prohibited"),
+        "{}",
+        proxy_status(&other)
+    );
+    assert_eq!(upstream.recorded().len(), 1);
 }

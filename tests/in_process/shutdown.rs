@@ -90,7 +90,7 @@ async fn the_binary_drains_and_exits_zero_on_sigterm() {
     std::fs::write(
         &config,
         format!(
-            "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\nextra_upstream_roots = [\"{}\"]\n{LOCAL}",
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\nports = [\"1024-65535\"]\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\nextra_upstream_roots = [\"{}\"]\n{LOCAL}",
             upstream.ca.cert_path.display()
         ),
     )

@@ -34,6 +34,7 @@ fn instance(dir: &Path, store: &str, keys: &str, env: &[(&str, &str)]) -> Instan
 [proxy]
 listen = "127.0.0.1:0"
 allow_private_upstreams = true
+ports = ["1024-65535"]
 [admin]
 listen = "127.0.0.1:0"
 [tls]

@@ -152,6 +152,8 @@ pub fn config_text(
     let defaults: String = [
         ("listen", "\"127.0.0.1:0\""),
         ("allow_private_upstreams", "true"),
+        // Test upstreams listen on ephemeral ports.
+        ("ports", "[\"1024-65535\"]"),
         ("shutdown_grace", "\"5s\""),
     ]
     .iter()
