@@ -187,6 +187,16 @@ impl Agreement {
         self.written.store(false, Ordering::SeqCst);
     }
 
+    /// Every destination announced, with this instance's rule for it.
+    pub fn announced(&self) -> Vec<(String, Rule)> {
+        let mine = self.mine.lock().clone();
+        mine.written
+            .iter()
+            .map(|w| w.destination.clone())
+            .zip(mine.rules.iter().cloned())
+            .collect()
+    }
+
     /// The store may no longer hold this instance's rules (it was lost): write them again.
     pub fn unwritten(&self) {
         self.written.store(false, Ordering::SeqCst);

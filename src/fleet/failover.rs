@@ -19,7 +19,12 @@
 //! that instances which may be pacing alone leave ([`Standing::shared`]).
 //!
 //! Lockouts taken meanwhile are kept and written to the store when it returns, so none is
-//! lost.
+//! lost. A lockout whose write fails while the store answers (its row held elsewhere, say)
+//! halts the destination here at once and is written again each heartbeat until it is in.
+//!
+//! Once a heartbeat, the budgets' shared state (lockouts, unlocks, pauses) is read back for
+//! every destination, so that an instance that then loses the store paces from what every
+//! instance last knew, not from what it happened to see itself.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -105,7 +110,8 @@ pub struct Failover<B, M, L> {
     last_slot_end: Mutex<HashMap<String, Instant>>,
     /// Each destination's largest quota limit, for destinations that have quota windows.
     quota_limits: Mutex<HashMap<String, u32>>,
-    /// Lockouts taken while degraded, to be written back.
+    /// Lockouts not yet in the shared store (taken while degraded, or whose write failed), to
+    /// be written back; each halts its destination here meanwhile.
     pending: Mutex<Vec<(String, Rule, Lockout)>>,
     degraded_gauge: IntGauge,
     /// This instance's rules beside the other instances'.
@@ -200,10 +206,18 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         // and the local schedule continues after the last slot taken, without a burst.
         let known = self.last_known.lock().clone();
         let ends = self.last_slot_end.lock().clone();
-        let fresh = BudgetView::default();
-        for dest in known.keys().chain(ends.keys()) {
-            let view = known.get(dest).unwrap_or(&fresh);
-            self.local.seed(dest, view, ends.get(dest).copied());
+        let unwritten: HashMap<String, Lockout> = self
+            .pending
+            .lock()
+            .iter()
+            .map(|(dest, _, lock)| (dest.clone(), lock.clone()))
+            .collect();
+        for dest in known.keys().chain(ends.keys()).chain(unwritten.keys()) {
+            let mut view = known.get(dest).cloned().unwrap_or_default();
+            if let Some(lock) = unwritten.get(dest) {
+                view.lock = Some(lock.clone());
+            }
+            self.local.seed(dest, &view, ends.get(dest).copied());
         }
         // How full the shared quota windows are cannot be known from here: assume them full
         // at the moment of loss, so that pacing alone cannot overfill one.
@@ -225,23 +239,57 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
     }
 
     async fn recover(&self) -> Result<(), StoreError> {
-        let pending: Vec<_> = std::mem::take(&mut *self.pending.lock());
-        for (i, (dest, rule, lock)) in pending.iter().enumerate() {
-            let event = Event::Lockout(lock.clone());
-            if let Err(e) = self
-                .bounded(self.primary.record(dest, rule, event, None))
-                .await
-            {
-                self.pending.lock().extend(pending[i..].iter().cloned());
-                return Err(e);
-            }
-        }
+        let written = self.write_back().await?;
         if self.degraded.swap(false, Ordering::SeqCst) {
             self.degraded_gauge.set(0);
             tracing::error!(
-                lockouts_written = pending.len(),
+                lockouts_written = written,
                 "pacing store is back; pacing on the shared budget again"
             );
+        }
+        Ok(())
+    }
+
+    /// Writes the lockouts not yet in the shared store; how many it wrote. Those left keep
+    /// their place for the next try.
+    async fn write_back(&self) -> Result<usize, StoreError> {
+        let pending: Vec<_> = std::mem::take(&mut *self.pending.lock());
+        for (i, (dest, rule, lock)) in pending.iter().enumerate() {
+            let event = Event::Lockout(lock.clone());
+            match self
+                .bounded(self.primary.record(dest, rule, event, None))
+                .await
+            {
+                Ok(view) => self.remember(dest, &view),
+                Err(e) => {
+                    self.pending.lock().extend(pending[i..].iter().cloned());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pending.len())
+    }
+
+    /// The lockout of `destination` not yet in the shared store, if any.
+    fn unwritten_lock(&self, destination: &str) -> Option<Lockout> {
+        self.pending
+            .lock()
+            .iter()
+            .find(|(dest, _, _)| dest == destination)
+            .map(|(_, _, lock)| lock.clone())
+    }
+
+    /// Reads back every destination's shared state (lockouts, unlocks, pauses) as the store
+    /// holds it now, for pacing alone should the store go.
+    async fn refresh_known(&self) -> Result<(), StoreError> {
+        let announced = self.agreement.announced();
+        if announced.is_empty() {
+            return Ok(());
+        }
+        let asked: Vec<(&str, &Rule)> = announced.iter().map(|(d, r)| (d.as_str(), r)).collect();
+        let snapshots = self.bounded(self.primary.snapshot(&asked)).await?;
+        for ((destination, _), s) in asked.iter().zip(&snapshots) {
+            self.remember(destination, &s.view);
         }
         Ok(())
     }
@@ -354,6 +402,16 @@ impl<B: Store, M: Membership, L: Fallback> Health for Failover<B, M, L> {
         if let Err(e) = self.bounded(self.primary.keep_waiting()).await {
             tracing::debug!("cannot renew this instance's wait lists: {e}");
         }
+        if !self.is_degraded() {
+            match self.write_back().await {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(lockouts_written = n, "lockouts written to the shared store after a failed write"),
+                Err(e) => tracing::warn!("a lockout is still not in the shared store ({e}); this instance keeps the destination halted and tries again"),
+            }
+            if let Err(e) = self.refresh_known().await {
+                tracing::debug!("cannot read the budgets' shared state back: {e}");
+            }
+        }
         self.agreement.compare(&self.control, &self.me).await;
     }
 }
@@ -391,6 +449,10 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 if limits.get(destination) != Some(&limit) {
                     limits.insert(destination.to_owned(), limit);
                 }
+            }
+            // A lockout not yet written halts its destination here all the same.
+            if let Some(lock) = self.unwritten_lock(destination) {
+                return Err(ReserveError::Locked(lock));
             }
             if !self.is_degraded() {
                 match self.shared(destination, rule, ask).await {
@@ -454,16 +516,35 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 self.remember(destination, &view);
                 Ok(view)
             };
-            self.shared_or_local(shared, move || {
-                // Written to the shared store when it is back, so that no lockout is lost.
-                if let Event::Lockout(lock) = &event {
-                    self.pending
-                        .lock()
-                        .push((destination.to_owned(), rule.clone(), lock.clone()));
+            let lockout = match &event {
+                Event::Lockout(lock) => Some(lock.clone()),
+                _ => None,
+            };
+            let keep = |lock: Lockout| {
+                self.pending
+                    .lock()
+                    .push((destination.to_owned(), rule.clone(), lock));
+            };
+            let local_event = event.clone();
+            let answer = self
+                .shared_or_local(shared, || {
+                    // Written to the shared store when it is back, so that no lockout is lost.
+                    if let Some(lock) = lockout.clone() {
+                        keep(lock);
+                    }
+                    self.local.record(destination, rule, local_event, vendor)
+                })
+                .await;
+            match (answer, lockout) {
+                // The store answers but did not take the lockout: this instance halts the
+                // destination now and writes it again each heartbeat.
+                (Err(e), Some(lock)) => {
+                    tracing::error!(destination, "cannot write a lockout to the shared store ({e}); the destination is halted here and the write is tried again each heartbeat");
+                    keep(lock);
+                    self.local.record(destination, rule, event, None).await
                 }
-                self.local.record(destination, rule, event, vendor)
-            })
-            .await
+                (answer, _) => answer,
+            }
         })
     }
 
@@ -482,6 +563,10 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
             if let Some(view) = self.last_known.lock().get_mut(destination) {
                 view.lock = None;
             }
+            // A lockout not yet written is cleared too, not written after the unlock.
+            self.pending
+                .lock()
+                .retain(|(dest, _, _)| dest != destination);
             Ok(cleared)
         })
     }

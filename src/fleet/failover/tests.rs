@@ -608,3 +608,81 @@ async fn a_quota_window_is_assumed_full_when_the_store_is_lost() {
     );
     stop.cancel();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_lockout_whose_write_fails_halts_here_at_once_and_is_written_within_a_heartbeat() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    f.announce(&[("d".to_owned(), rule.clone())]);
+    // The store answers, but not this write (its row held elsewhere past the bound, say).
+    fake.set(ODD);
+    let lock = Lockout::new(403, "GET https://d/x".into(), "here".into());
+    let view = f
+        .record("d", &rule, Event::Lockout(lock.clone()), None)
+        .await
+        .expect("the lockout stands here");
+    assert!(view.lock.is_some());
+    fake.set(UP);
+    assert!(!f.is_degraded(), "an odd answer is no lost store");
+    assert_eq!(
+        fake.inner.view("d").await.unwrap().lock,
+        None,
+        "not written yet"
+    );
+    assert!(
+        matches!(
+            contract::take(&*f, "d", &rule, None).await,
+            Err(ReserveError::Locked(_))
+        ),
+        "halted here although the shared store does not know it yet"
+    );
+    let stop = supervise(&f);
+    tokio::time::sleep(HEARTBEAT + ms(100)).await;
+    let shared = fake.inner.view("d").await.unwrap();
+    assert_eq!(
+        shared.lock.map(|l| l.request),
+        Some(lock.request),
+        "written by a heartbeat"
+    );
+    assert!(f.pending.lock().is_empty());
+    // An unlock clears it for good: no heartbeat writes it again.
+    f.unlock("d").await.unwrap();
+    tokio::time::sleep(HEARTBEAT * 2).await;
+    assert_eq!(fake.inner.view("d").await.unwrap().lock, None);
+    assert!(contract::take(&*f, "d", &rule, None).await.is_ok());
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unlock_elsewhere_is_known_within_a_heartbeat_and_outlives_the_store() {
+    let fake = Fake::new(1);
+    let f = failover(&fake, OnUnavailable::Divide);
+    let rule = contract::rule(10.0);
+    f.announce(&[("d".to_owned(), rule.clone())]);
+    // Another instance locks the destination; this one meets the lockout.
+    let lock = Lockout::new(403, "GET https://d/x".into(), "elsewhere".into());
+    fake.inner
+        .record("d", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    assert!(matches!(
+        contract::take(&*f, "d", &rule, None).await,
+        Err(ReserveError::Locked(_))
+    ));
+    let stop = supervise(&f);
+    // Cleared elsewhere; the store goes a heartbeat and a bit later.
+    fake.inner.unlock("d").await.unwrap();
+    tokio::time::sleep(HEARTBEAT + ms(100)).await;
+    fake.set(DOWN);
+    // Paced alone, from the truth: not locked.
+    let alone = tokio::time::timeout(
+        Duration::from_secs(20),
+        take_patiently(&f, "d", &rule, None),
+    )
+    .await
+    .expect("a slot while pacing alone");
+    assert!(alone.is_ok(), "{alone:?}");
+    assert!(f.is_degraded());
+    stop.cancel();
+}
