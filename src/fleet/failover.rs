@@ -540,7 +540,9 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 // destination now and writes it again each heartbeat.
                 (Err(e), Some(lock)) => {
                     tracing::error!(destination, "cannot write a lockout to the shared store ({e}); the destination is halted here and the write is tried again each heartbeat");
-                    keep(lock);
+                    if self.unwritten_lock(destination).is_none() {
+                        keep(lock);
+                    }
                     self.local.record(destination, rule, event, None).await
                 }
                 (answer, _) => answer,
