@@ -34,7 +34,8 @@
 //! - [`fleet`]: this instance among the others sharing a store: its identity (made once,
 //!   passed in), the membership seam, heartbeats and its share of each rate
 //!   (`fleet::standing`), what happens while a shared store is lost (`fleet::failover`:
-//!   divide or refuse, lockout write-back), instances whose rules differ (`fleet::drift`).
+//!   divide or refuse, lockout write-back, the shared state read back each heartbeat),
+//!   instances whose rules differ (`fleet::drift`).
 //! - [`store`]: the stores: `store::memory`, the embedded one (what survives a restart in
 //!   `memory::state_file`), and `store::postgres`, the
 //!   shared one (`sql`, `migrations`, `rows` apart, `clock`, which places its slots on this
@@ -49,8 +50,8 @@
 //! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can
 //!   change in place applied, the rest kept and named.
 //! - [`admin`]: the admin listener (the status page, `/metrics`, `/status`, `/history`,
-//!   `/store`, `/healthz`, `/readyz`, `/config`, reload, unlock) and the client the `status` and
-//!   `unlock` commands use.
+//!   `/store`, `/healthz`, `/readyz`, `/config`, reload, unlock; a write needs intent) and the
+//!   client the `status` and `unlock` commands use.
 //! - [`shutdown`]: signal, drain, task tracking, grace deadline.
 //! - [`demo`]: `pacegate demo`: a local vendor, three instances on one budget and a load past
 //!   the ceiling, then the control; `demo::cluster` is the throwaway PostgreSQL it (and the
