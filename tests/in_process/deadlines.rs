@@ -126,13 +126,7 @@ async fn an_idle_h2_connection_is_closed_and_a_busy_one_is_not() {
 async fn a_silent_client_inside_an_intercepted_session_is_closed() {
     let upstream = FakeUpstream::start().await;
     let proxy = quick(&upstream).start().await;
-    let tls = Arc::new(
-        rustls::ClientConfig::builder_with_provider(pacegate::tls::provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(support::roots(&[&proxy.ca_path()]))
-            .with_no_client_auth(),
-    );
+    let tls = Arc::new(support::client_tls(&[&proxy.ca_path()], Alpn::Http1));
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
     let connect = format!(
         "CONNECT localhost:{} HTTP/1.1\r\n\r\n",

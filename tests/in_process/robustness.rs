@@ -144,13 +144,7 @@ async fn failed_tls_handshakes_are_counted_and_harmless() {
 async fn the_leaf_is_for_the_connect_host_whatever_the_sni() {
     let upstream = FakeUpstream::start().await;
     let proxy = local(&upstream).start().await;
-    let tls = Arc::new(
-        rustls::ClientConfig::builder_with_provider(pacegate::tls::provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(support::roots(&[&proxy.ca_path()]))
-            .with_no_client_auth(),
-    );
+    let tls = Arc::new(support::client_tls(&[&proxy.ca_path()], Alpn::Http1));
     for (sni, ok) in [("localhost", true), ("evil.example", false)] {
         let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
         let connect = format!(

@@ -275,7 +275,8 @@ pub enum Alpn {
     H2,
 }
 
-fn client_tls(trust: &[&Path], alpn: Alpn) -> rustls::ClientConfig {
+/// A client TLS config trusting exactly the given CA files, offering `alpn`.
+pub fn client_tls(trust: &[&Path], alpn: Alpn) -> rustls::ClientConfig {
     let mut tls = rustls::ClientConfig::builder_with_provider(pacegate::tls::provider())
         .with_safe_default_protocol_versions()
         .unwrap()
