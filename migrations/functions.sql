@@ -223,6 +223,8 @@ $$;
 -- class left, the class is still the one chosen (no other class owed a share), the slot is
 -- within p_not_after and at most p_horizon seconds after the first. The budget row is written
 -- once, the sends in one INSERT, so a batch costs the database one statement.
+-- p_max_late is budget::Rule::quota_margin: the lateness a slot may still be sent with plus
+-- its way to the upstream (the name stays: CREATE OR REPLACE cannot rename a parameter).
 CREATE OR REPLACE FUNCTION pacegate_reserve_many(
     p_destination text,
     p_interval double precision,

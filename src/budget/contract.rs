@@ -375,13 +375,13 @@ async fn quota_windows_hold(store: &impl Store, tol: Duration) {
         let (slot, _) = read(store, "d", &r).await;
         beat.next(n, slot, r.interval, tol, "within the quota, the beat");
     }
-    // The fourth waits until the first has left the window, plus the lateness a slot may
-    // be used with.
+    // The fourth waits until the first has left the window, plus the quota margin (the
+    // lateness a slot may be sent with, and its way to the upstream).
     let (fourth, _) = read(store, "d", &r).await;
     apart(
         first,
         fourth,
-        Duration::from_millis(500) + r.max_late(),
+        Duration::from_millis(500) + r.quota_margin(),
         tol,
         "the fourth slot of a 3 per 500 ms quota",
     );

@@ -169,7 +169,8 @@ impl Budget {
     /// schedule restarts from `now`.
     ///
     /// With quota windows, a slot also waits until the oldest send of a full window has left
-    /// it, plus [`Rule::max_late`] so that a slot used late still cannot crowd a window.
+    /// it, plus [`Rule::quota_margin`] so that a slot used late, or slow to reach the upstream,
+    /// still cannot crowd a window there.
     ///
     /// With a vendor view, the k-th slot since it was said waits for its share of the window:
     /// `observed + k × (reset − observed) / (remaining − reserve)`, and past the last share,
@@ -193,7 +194,7 @@ impl Budget {
             let limit = q.limit as usize;
             if self.sends.len() >= limit {
                 let first = self.sends[self.sends.len() - limit];
-                slot = slot.max(first + q.per + rule.max_late());
+                slot = slot.max(first + q.per + rule.quota_margin());
             }
         }
         if let Some(last) = self.sends.back() {

@@ -232,7 +232,7 @@ impl Store for PostgresStore {
                         &&*rule.shares,
                         &limits,
                         &pers,
-                        &rule.max_late().as_secs_f64(),
+                        &rule.quota_margin().as_secs_f64(),
                         &classes,
                         &counts,
                         &oldest,

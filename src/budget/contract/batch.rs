@@ -107,7 +107,7 @@ pub(super) async fn a_batch_keeps_quota_windows_limits_and_pauses(
     apart(
         first,
         sixth,
-        Duration::from_millis(100) + r.max_late(),
+        Duration::from_millis(100) + r.quota_margin(),
         tol,
         "the slot after a batch that filled the window",
     );

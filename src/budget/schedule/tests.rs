@@ -290,7 +290,7 @@ fn quota_windows_are_exact_at_their_edges() {
         limit: 3,
         per: Duration::from_secs(10),
     }];
-    let margin = r.max_late();
+    let margin = r.quota_margin();
     let mut b = Budget::default();
     let slots: Vec<Duration> = (0..7)
         .map(|_| b.reserve(&r, Duration::ZERO, None).unwrap().0)
@@ -309,7 +309,7 @@ fn quota_windows_are_exact_at_their_edges() {
             20_000 + 2 * m
         ]
     );
-    // No window of 10 s holds more than 3, even with each slot used up to max_late late.
+    // No window of 10 s holds more than 3, even with each slot reaching the upstream up to the margin late.
     for (i, s) in slots.iter().enumerate() {
         let late_first = *s + margin;
         let after = |start: Duration| {

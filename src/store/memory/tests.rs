@@ -106,7 +106,7 @@ async fn quota_windows_survive_a_restart() {
     // A new process: the window is still full until the first slot leaves it.
     let store = MemoryStore::open(&path).unwrap();
     let third = contract::take(&store, "q", &rule, None).await.unwrap();
-    let expected = first + Duration::from_secs(10) + rule.max_late();
+    let expected = first + Duration::from_secs(10) + rule.quota_margin();
     let off = if third.at > expected {
         third.at - expected
     } else {
