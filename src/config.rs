@@ -257,10 +257,19 @@ pub struct Limits {
     /// idle time allowed between requests on a kept-alive HTTP/1 connection. Default 30 s.
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
-    /// Time a connection of either protocol may sit with no request in flight and no byte
-    /// moving before it is closed (HTTP/2 has no header timeout). Default 60 s.
+    /// Time a connection of either protocol may sit with no request in flight before it is
+    /// closed, counted from the end of its last request (or its first byte). Bytes that are
+    /// no request (HTTP/2 pings, settings, window updates) do not keep it open. Default 60 s.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
+    /// How long an HTTP/2 connection may go without a frame from the client before pacegate
+    /// pings it. Default 30 s.
+    #[serde(with = "humantime_serde")]
+    pub ping_interval: Duration,
+    /// Time the client has to answer a ping; an unanswered ping closes the connection, with
+    /// the requests still on it (a client gone without a word). Default 20 s.
+    #[serde(with = "humantime_serde")]
+    pub ping_timeout: Duration,
     /// Time a response write may wait for a client that does not read; then the connection
     /// is closed and its upstream connection and permits are given back. Default 60 s.
     #[serde(with = "humantime_serde")]
@@ -283,6 +292,8 @@ impl Default for Limits {
             max_header_bytes: 64 * 1024,
             header_read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
+            ping_interval: Duration::from_secs(30),
+            ping_timeout: Duration::from_secs(20),
             write_timeout: Duration::from_secs(60),
             handshake_timeout: Duration::from_secs(10),
             tunnel_idle_timeout: Duration::from_secs(300),

@@ -185,8 +185,8 @@ pub fn connection_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .max_concurrent_streams(limits.max_streams)
-        .keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_interval(limits.ping_interval)
+        .keep_alive_timeout(limits.ping_timeout);
     builder
 }
 

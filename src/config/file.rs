@@ -168,6 +168,10 @@ pub(super) struct RawLimits {
     #[serde(default, with = "humantime_serde")]
     pub(super) idle_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
+    pub(super) ping_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) ping_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
     pub(super) write_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) handshake_timeout: Option<Duration>,

@@ -432,6 +432,8 @@ fn every_duration_and_count_has_an_upper_bound() {
         ("proxy", "shutdown_grace", huge),
         ("proxy.limits", "header_read_timeout", huge),
         ("proxy.limits", "idle_timeout", huge),
+        ("proxy.limits", "ping_interval", huge),
+        ("proxy.limits", "ping_timeout", huge),
         ("proxy.limits", "write_timeout", huge),
         ("proxy.limits", "handshake_timeout", huge),
         ("proxy.limits", "tunnel_idle_timeout", huge),

@@ -184,6 +184,18 @@ impl Validator<'_> {
                     d.idle_timeout,
                     DAY,
                 ),
+                ping_interval: self.duration(
+                    &format!("{p}.ping_interval"),
+                    limits.ping_interval,
+                    d.ping_interval,
+                    HOUR,
+                ),
+                ping_timeout: self.duration(
+                    &format!("{p}.ping_timeout"),
+                    limits.ping_timeout,
+                    d.ping_timeout,
+                    HOUR,
+                ),
                 write_timeout: self.duration(
                     &format!("{p}.write_timeout"),
                     limits.write_timeout,

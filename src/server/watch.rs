@@ -3,7 +3,12 @@
 //! that needs the first bytes), idle time with no request in flight (HTTP/2 has no header
 //! timeout at all), and a response write that the client does not read.
 //!
-//! [`Watched`] wraps the connection's stream and notes when bytes move; [`Watch::expired`]
+//! Idle time counts from the end of the last request (or the first byte), not from the last
+//! byte: an HTTP/2 client answers the server's pings and sends settings and window updates
+//! while it has nothing to ask, and none of that is a reason to keep its connection.
+//!
+//! [`Watched`] wraps the connection's stream and notes its first byte and its writes;
+//! [`Watch::expired`]
 //! resolves when a deadline has passed, and the connection is then dropped. Dropping it drops
 //! the requests still attached to it, and with them their upstream connections and permits.
 
@@ -25,7 +30,7 @@ use crate::config::Limits;
 pub enum Expired {
     /// The client sent nothing within `header_read_timeout` of connecting.
     Silent,
-    /// No request in flight and no byte either way for `idle_timeout`.
+    /// No request in flight for `idle_timeout`.
     Idle,
 }
 
@@ -56,8 +61,8 @@ pub struct Watch {
 
 struct Activity {
     since: Instant,
-    /// Milliseconds after `since` of the last byte read or written.
-    last_io: AtomicU64,
+    /// Milliseconds after `since` of the first byte, or of the last request's start or end.
+    last_request: AtomicU64,
     first_byte: AtomicBool,
     in_flight: AtomicUsize,
     first_byte_timeout: Duration,
@@ -71,7 +76,7 @@ impl Watch {
         Self {
             inner: Arc::new(Activity {
                 since: Instant::now(),
-                last_io: AtomicU64::new(0),
+                last_request: AtomicU64::new(0),
                 first_byte: AtomicBool::new(false),
                 in_flight: AtomicUsize::new(0),
                 first_byte_timeout: limits.header_read_timeout,
@@ -93,14 +98,16 @@ impl Watch {
     /// Marks a request in flight until the returned guard drops (with the response body).
     pub fn request(&self) -> InFlight {
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.busy();
         InFlight {
             watch: self.clone(),
         }
     }
 
-    fn moved(&self) {
+    /// Notes that the connection did something the idle time counts from.
+    fn busy(&self) {
         let ms = u64::try_from(self.inner.since.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.inner.last_io.store(ms, Ordering::Relaxed);
+        self.inner.last_request.store(ms, Ordering::Relaxed);
     }
 
     /// When the connection must end unless something happens first, or `None` while a request
@@ -114,7 +121,7 @@ impl Watch {
         if a.in_flight.load(Ordering::Relaxed) > 0 {
             return None;
         }
-        let last = a.since + Duration::from_millis(a.last_io.load(Ordering::Relaxed));
+        let last = a.since + Duration::from_millis(a.last_request.load(Ordering::Relaxed));
         Some((last + a.idle_timeout, Expired::Idle))
     }
 
@@ -125,7 +132,7 @@ impl Watch {
                 Some((at, why)) if at <= Instant::now() => return why,
                 Some((at, _)) => tokio::time::sleep_until(at).await,
                 // Looked at again after an idle timeout's time: a request in flight then has
-                // either ended (and the idle time counts from its last byte) or still runs.
+                // either ended (and the idle time counts from its end) or still runs.
                 None => tokio::time::sleep(self.inner.idle_timeout).await,
             }
         }
@@ -139,9 +146,10 @@ pub struct InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        // Marked before the count drops, so that a watch that sees no request in flight
+        // also sees this one's end.
+        self.watch.busy();
         self.watch.inner.in_flight.fetch_sub(1, Ordering::Relaxed);
-        // The idle time counts from the end of the last request, not from its last byte.
-        self.watch.moved();
     }
 }
 
@@ -163,7 +171,6 @@ impl<I> Watched<I> {
     ) -> Poll<io::Result<T>> {
         if result.is_ready() {
             self.write_deadline = None;
-            self.watch.moved();
             return result;
         }
         let timeout = self.watch.inner.write_timeout;
@@ -191,9 +198,13 @@ impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let result = Pin::new(&mut self.io).poll_read(cx, buf);
-        if matches!(result, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+        if matches!(result, Poll::Ready(Ok(())))
+            && buf.filled().len() > before
+            && !self.watch.inner.first_byte.load(Ordering::Relaxed)
+        {
+            // The idle time counts from here until a request comes.
+            self.watch.busy();
             self.watch.inner.first_byte.store(true, Ordering::Relaxed);
-            self.watch.moved();
         }
         result
     }
@@ -255,7 +266,28 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn idle_time_counts_from_the_last_byte_and_not_while_a_request_runs() {
+    async fn bytes_that_are_no_request_do_not_put_the_idle_time_off() {
+        let watch = Watch::new(&limits());
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut server = watch.io(server);
+        let started = Instant::now();
+        let chatter = tokio::spawn(async move {
+            // A ping's answer every 3 s, both ways, for longer than the idle timeout.
+            let mut buf = [0u8; 8];
+            for _ in 0..10 {
+                client.write_all(b"PING-ACK").await.unwrap();
+                server.read_exact(&mut buf).await.unwrap();
+                server.write_all(b"PING").await.unwrap();
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            }
+        });
+        assert_eq!(watch.expired().await, Expired::Idle);
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+        chatter.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_time_counts_from_the_last_request_s_end_and_not_while_one_runs() {
         let watch = Watch::new(&limits());
         let (client, server) = tokio::io::duplex(64);
         let mut server = watch.io(server);

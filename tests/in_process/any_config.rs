@@ -78,6 +78,8 @@ fn keys() -> Vec<Key> {
         count(L, "max_header_bytes", 8192, 1_048_576),
         duration(L, "header_read_timeout", "1ms", "1h", "61min"),
         duration(L, "idle_timeout", "1ms", "1day", "25h"),
+        duration(L, "ping_interval", "1ms", "1h", "61min"),
+        duration(L, "ping_timeout", "1ms", "1h", "61min"),
         duration(L, "write_timeout", "1ms", "1day", "25h"),
         duration(L, "handshake_timeout", "1ms", "1h", "61min"),
         duration(L, "tunnel_idle_timeout", "1ms", "7days", "8days"),

@@ -1,6 +1,7 @@
 //! Every phase of a connection has a deadline: the first byte, the head, idle time on either
-//! protocol, a session inside CONNECT, a response the client does not read, a tunnel after a
-//! half-close; and HTTP/2 streams count against the requests in flight.
+//! protocol (HTTP/2 pings keep nothing open), an HTTP/2 client that stops answering pings, a
+//! session inside CONNECT, a response the client does not read, a tunnel after a half-close;
+//! and HTTP/2 streams count against the requests in flight.
 
 use crate::support;
 
@@ -85,7 +86,12 @@ async fn sockets_that_say_nothing_are_closed_and_free_their_slots() {
 #[tokio::test]
 async fn an_idle_h2_connection_is_closed_and_a_busy_one_is_not() {
     let upstream = FakeUpstream::start().await;
-    let proxy = quick(&upstream).start().await;
+    // Pinged every 100 ms: the client's answers are bytes, but no request.
+    let proxy = quick(&upstream)
+        .limit("ping_interval", "100ms")
+        .limit("ping_timeout", "5s")
+        .start()
+        .await;
     // Prior-knowledge HTTP/2 to the proxy: reqwest keeps the connection open while idle.
     let via = reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
@@ -119,6 +125,59 @@ async fn an_idle_h2_connection_is_closed_and_a_busy_one_is_not() {
                 .then_some(())
         },
     )
+    .await;
+}
+
+/// A client-side HTTP/2 frame: its header, then `payload`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+    let mut frame = vec![len[1], len[2], len[3], kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// An HPACK literal (not indexed) of the static table's name `index`, without Huffman coding.
+fn hpack_literal(index: u8, value: &str) -> Vec<u8> {
+    let mut out = vec![index, u8::try_from(value.len()).unwrap()];
+    out.extend_from_slice(value.as_bytes());
+    out
+}
+
+#[tokio::test]
+async fn an_h2_client_that_stops_answering_pings_is_closed_with_its_request() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = quick(&upstream)
+        .limit("ping_interval", "1s")
+        .limit("ping_timeout", "1s")
+        .start()
+        .await;
+    // A raw HTTP/2 client: the preface, its settings, and one GET that the upstream holds for
+    // 30 s. Then it reads what comes and answers nothing, not even a ping: a client gone.
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let mut headers = vec![0x82, 0x86]; // :method GET, :scheme http
+    headers.extend(hpack_literal(4, "/status/200?delay=30000")); // :path
+    let authority = upstream.http_url("localhost");
+    headers.extend(hpack_literal(1, authority.trim_start_matches("http://"))); // :authority
+    let mut hello = H2_PREFACE.to_vec();
+    hello.extend(h2_frame(0x4, 0, 0, &[])); // SETTINGS
+    hello.extend(h2_frame(0x1, 0x5, 1, &headers)); // HEADERS, END_STREAM | END_HEADERS
+    stream.write_all(&hello).await.unwrap();
+    support::eventually(Duration::from_secs(5), "the request upstream", || async {
+        (!upstream.arrivals().is_empty()).then_some(())
+    })
+    .await;
+    // A ping after 1 s of silence, 1 s to answer it: closed long before the upstream answers.
+    let took = closed_after(&mut stream, Duration::from_secs(10)).await;
+    assert!(took < Duration::from_secs(8), "closed after {took:?}");
+    // Its request went with it: nothing is in flight to the destination any more.
+    support::eventually(Duration::from_secs(5), "no request in flight", || async {
+        (proxy
+            .metric("pacegate_in_flight{destination=\"local\"}")
+            .await
+            == 0.0)
+            .then_some(())
+    })
     .await;
 }
 
