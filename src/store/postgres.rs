@@ -17,19 +17,19 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use tokio_postgres::types::ToSql;
-
 mod clock;
 mod membership;
 mod migrations;
 mod rows;
 mod sql;
+mod typed;
 
 pub use migrations::MIGRATIONS;
 use rows::{after, columns, db, lockout, pause_args, rows_of, snapshot_of, view_of, Row};
 use sql::*;
 
 use clock::DbClock;
+use typed::{Param, Unnamed};
 
 use crate::budget::after_grant;
 use crate::budget::{
@@ -112,9 +112,8 @@ impl PostgresStore {
             return Ok(());
         }
         self.statements.fetch_add(1, Ordering::Relaxed);
-        let statement = client.prepare_cached(SQL_NOW).await.map_err(db)?;
         let sent = Instant::now();
-        let row = client.query_one(&statement, &[]).await.map_err(db)?;
+        let row = client.one(SQL_NOW, &[]).await.map_err(db)?;
         self.clock.read(sent, Instant::now(), row.get(0));
         Ok(())
     }
@@ -158,7 +157,7 @@ impl PostgresStore {
     /// Every budget in the store, by destination name.
     pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
         let client = self.client().await?;
-        let rows = client.query(SQL_BUDGETS, &[]).await.map_err(db)?;
+        let rows = client.rows(SQL_BUDGETS, &[]).await.map_err(db)?;
         Ok(rows.iter().map(|r| (r.get(14), view_of(r))).collect())
     }
 }
@@ -185,10 +184,8 @@ impl Store for PostgresStore {
             let sent = Instant::now();
             if let [only] = ask.queues {
                 if only.count == 1 && rule.quota.is_empty() {
-                    let params: [&(dyn ToSql + Sync); 4] =
-                        [&destination, &interval, &burst, &limit];
-                    let fast = client.prepare_cached(SQL_RESERVE_FAST).await.map_err(db)?;
-                    if let Some(row) = client.query_opt(&fast, &params).await.map_err(db)? {
+                    let params: [&dyn Param; 4] = [&destination, &interval, &burst, &limit];
+                    if let Some(row) = client.opt(SQL_RESERVE_FAST, &params).await.map_err(db)? {
                         let arrived = Instant::now();
                         drop(client);
                         let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
@@ -218,10 +215,9 @@ impl Store for PostgresStore {
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
             let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
-            let statement = client.prepare_cached(SQL_RESERVE_MANY).await.map_err(db)?;
             let row = client
-                .query_one(
-                    &statement,
+                .one(
+                    SQL_RESERVE_MANY,
                     &[
                         &destination,
                         &interval,
@@ -322,10 +318,9 @@ impl Store for PostgresStore {
             }
             let (classes, counts, oldest, next) = columns(queues);
             let client = self.client().await?;
-            let statement = client.prepare_cached(SQL_TELL).await.map_err(db)?;
             client
-                .execute(
-                    &statement,
+                .rows(
+                    SQL_TELL,
                     &[
                         &destination,
                         &self.instance,
@@ -346,7 +341,7 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             client
-                .execute(
+                .rows(
                     SQL_KEEP_WAITING,
                     &[&self.instance, &WAITER_LEASE.as_secs_f64()],
                 )
@@ -360,7 +355,7 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             client
-                .execute(SQL_FORGET_WAITING, &[&self.instance])
+                .rows(SQL_FORGET_WAITING, &[&self.instance])
                 .await
                 .map_err(db)?;
             Ok(())
@@ -411,10 +406,9 @@ impl Store for PostgresStore {
             let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
             let vendor_reset = pause_args(vendor.map(|v| v.reset));
             let client = self.client().await?;
-            let statement = client.prepare_cached(SQL_RECORD).await.map_err(db)?;
             let row = client
-                .query_one(
-                    &statement,
+                .one(
+                    SQL_RECORD,
                     &[
                         &destination,
                         &kind,
@@ -456,10 +450,7 @@ impl Store for PostgresStore {
     ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let row = client
-                .query_opt(SQL_UNLOCK, &[&destination])
-                .await
-                .map_err(db)?;
+            let row = client.opt(SQL_UNLOCK, &[&destination]).await.map_err(db)?;
             Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
         })
     }
@@ -467,10 +458,7 @@ impl Store for PostgresStore {
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let row = client
-                .query_opt(SQL_VIEW, &[&destination])
-                .await
-                .map_err(db)?;
+            let row = client.opt(SQL_VIEW, &[&destination]).await.map_err(db)?;
             Ok(row.map_or(BudgetView::default(), |r| view_of(&r)))
         })
     }
@@ -487,7 +475,7 @@ impl Store for PostgresStore {
                 .unzip();
             let client = self.client().await?;
             let rows = client
-                .query(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
+                .rows(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
                 .await
                 .map_err(db)?;
             Ok(rows

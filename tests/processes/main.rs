@@ -1,7 +1,7 @@
 //! Scenarios on the real binary as OS processes: several `pacegate serve` instances on one
 //! throwaway PostgreSQL keeping one ceiling (through faults, in batches), and single processes
 //! for what only a process shows (reload by SIGHUP, the request log, shadow mode, a parent
-//! proxy). The timing scenarios run one at a time (`support::fleet::one_at_a_time`).
+//! proxy), and the store behind PgBouncer in transaction mode. The timing scenarios run one at a time (`support::fleet::one_at_a_time`).
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -12,5 +12,6 @@ mod faults;
 mod lockouts;
 mod logs;
 mod parent;
+mod pooler;
 mod reload;
 mod shadow;

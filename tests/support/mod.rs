@@ -2,6 +2,7 @@
 //! started in-process on port 0, real clients (reqwest, raw TCP), and bounded waits.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod bouncer;
 pub mod config;
 pub mod fleet;
 pub mod pg;

@@ -5,6 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use super::rows::db;
 use super::sql::*;
+use super::typed::Unnamed;
 use super::PostgresStore;
 use crate::budget::{StoreError, StoreFuture};
 use crate::fleet::{
@@ -23,14 +24,14 @@ impl Membership for PostgresStore {
             let divisor = i32::try_from(report.divisor).unwrap_or(i32::MAX);
             let alone_ms = i64::try_from(report.alone_for.as_millis()).unwrap_or(i64::MAX);
             client
-                .execute(
+                .rows(
                     SQL_HEARTBEAT,
                     &[&me.id, &me.host, &me.pid, &me.version, &divisor, &alone_ms],
                 )
                 .await
                 .map_err(db)?;
             let rows = client
-                .query(SQL_PEERS, &[&me.id, &PEERS_WITHIN.as_secs_f64()])
+                .rows(SQL_PEERS, &[&me.id, &PEERS_WITHIN.as_secs_f64()])
                 .await
                 .map_err(db)?;
             Ok(rows
@@ -56,7 +57,7 @@ impl Membership for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             let rows = client
-                .query(SQL_LIVE, &[&within.as_secs_f64()])
+                .rows(SQL_LIVE, &[&within.as_secs_f64()])
                 .await
                 .map_err(db)?;
             Ok(rows
@@ -87,7 +88,7 @@ impl Membership for PostgresStore {
             if write {
                 let rules: Vec<&str> = mine.iter().map(|w| w.rule.as_str()).collect();
                 client
-                    .execute(
+                    .rows(
                         SQL_WRITE_RULES,
                         &[&me.id, &destinations, &fingerprints, &rules],
                     )
@@ -95,7 +96,7 @@ impl Membership for PostgresStore {
                     .map_err(db)?;
             }
             let rows = client
-                .query(
+                .rows(
                     SQL_OTHER_RULES,
                     &[
                         &me.id,
@@ -121,11 +122,8 @@ impl Membership for PostgresStore {
     fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            client.execute(SQL_FORGET, &[&me.id]).await.map_err(db)?;
-            client
-                .execute(SQL_FORGET_RULES, &[&me.id])
-                .await
-                .map_err(db)?;
+            client.rows(SQL_FORGET, &[&me.id]).await.map_err(db)?;
+            client.rows(SQL_FORGET_RULES, &[&me.id]).await.map_err(db)?;
             Ok(())
         })
     }

@@ -5,6 +5,7 @@
 //! the database last applied. A schema newer than the binary is refused.
 
 use super::rows::db;
+use super::typed::Unnamed;
 use super::PostgresStore;
 use crate::budget::StoreError;
 
@@ -148,7 +149,7 @@ impl PostgresStore {
     pub async fn check_schema(&self) -> Result<(), StoreError> {
         let client = self.client().await?;
         let applied: Vec<i32> = match client
-            .query("SELECT version FROM pacegate_schema_migrations", &[])
+            .rows("SELECT version FROM pacegate_schema_migrations", &[])
             .await
         {
             Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
@@ -161,7 +162,7 @@ impl PostgresStore {
             )));
         }
         let current = client
-            .query_opt(FUNCTIONS_DIGEST, &[])
+            .opt(FUNCTIONS_DIGEST, &[])
             .await
             .map_err(db)?
             .map(|r| r.get::<_, String>(0));

@@ -1,0 +1,103 @@
+//! Statements sent unnamed, each in one round trip that carries its parameters' types (Parse,
+//! Bind, Execute, Sync together). Nothing is prepared under a name and nothing is left in the
+//! session, so a pooler in transaction mode (PgBouncer's usual setting), which may run each
+//! statement on another server connection, runs every one of them. A named statement would
+//! be prepared on one server connection and executed on another ("prepared statement "s2"
+//! does not exist"). It costs no round trip: a cached named statement also takes one, and
+//! the server parses these short calls of `migrations/functions.sql` in microseconds.
+//!
+//! A parameter's Postgres type follows from its Rust type ([`Param`]), so a call site lists
+//! its values as before and cannot name a type that does not fit them.
+
+use std::time::SystemTime;
+
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Error, Row};
+
+/// A statement parameter whose Postgres type follows from its Rust type.
+pub(super) trait Param: ToSql + Sync {
+    /// The type sent with the value.
+    fn pg_type(&self) -> Type;
+    /// The value, to encode.
+    fn as_sql(&self) -> &(dyn ToSql + Sync);
+}
+
+/// The Rust types the store's statements bind, with their Postgres types.
+trait Typed {
+    const TYPE: Type;
+}
+
+impl<T: Typed + ToSql + Sync> Param for T {
+    fn pg_type(&self) -> Type {
+        T::TYPE
+    }
+
+    fn as_sql(&self) -> &(dyn ToSql + Sync) {
+        self
+    }
+}
+
+macro_rules! typed {
+    ($($rust:ty => $pg:ident),* $(,)?) => {
+        $(impl Typed for $rust {
+            const TYPE: Type = Type::$pg;
+        })*
+    };
+}
+
+typed! {
+    bool => BOOL,
+    i32 => INT4,
+    i64 => INT8,
+    f64 => FLOAT8,
+    String => TEXT,
+    SystemTime => TIMESTAMPTZ,
+    Vec<i32> => INT4_ARRAY,
+    Vec<i64> => INT8_ARRAY,
+    Vec<f64> => FLOAT8_ARRAY,
+    Vec<Option<f64>> => FLOAT8_ARRAY,
+}
+
+impl Typed for &str {
+    const TYPE: Type = Type::TEXT;
+}
+
+impl Typed for Vec<&str> {
+    const TYPE: Type = Type::TEXT_ARRAY;
+}
+
+impl Typed for &[f64] {
+    const TYPE: Type = Type::FLOAT8_ARRAY;
+}
+
+impl<T: Typed> Typed for Option<T> {
+    const TYPE: Type = T::TYPE;
+}
+
+fn with_types<'a>(params: &'a [&'a dyn Param]) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
+    params.iter().map(|p| (p.as_sql(), p.pg_type())).collect()
+}
+
+/// Runs statements unnamed (see the module's note).
+pub(super) trait Unnamed {
+    /// Every row the statement returns.
+    async fn rows(&self, sql: &str, params: &[&dyn Param]) -> Result<Vec<Row>, Error>;
+    /// The one row it returns; an error if it returns none or more.
+    async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, Error>;
+    /// The row it returns, if any; an error if more.
+    async fn opt(&self, sql: &str, params: &[&dyn Param]) -> Result<Option<Row>, Error>;
+}
+
+impl Unnamed for Client {
+    async fn rows(&self, sql: &str, params: &[&dyn Param]) -> Result<Vec<Row>, Error> {
+        self.query_typed(sql, &with_types(params)).await
+    }
+
+    async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, Error> {
+        self.query_typed_one(sql, &with_types(params)).await
+    }
+
+    async fn opt(&self, sql: &str, params: &[&dyn Param]) -> Result<Option<Row>, Error> {
+        self.query_typed_opt(sql, &with_types(params)).await
+    }
+}
