@@ -216,6 +216,7 @@ async fn paced(
             pace: Pace::new(rate),
             ports: Default::default(),
             allow_private_upstreams: None,
+            groups: Vec::new(),
         };
         let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
         let pacer = Arc::new(Pacer::new(

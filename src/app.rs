@@ -117,7 +117,6 @@ pub async fn start_sharing(config: Config, store: MemoryStore) -> Result<Running
 
 async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new(Registry::new())?);
-    metrics.init_destinations(config.destinations.iter().map(|d| d.name.as_str()));
 
     let (authority, created) = Authority::load_or_create(&config.tls)?;
     if created {

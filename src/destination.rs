@@ -190,6 +190,60 @@ pub struct Destination {
     /// Whether its upstreams may be at private or loopback addresses; `None`: as
     /// `[proxy] allow_private_upstreams` says.
     pub allow_private_upstreams: Option<bool>,
+    /// Groups of its requests, each with a budget of its own (see [`group_of`]); a request
+    /// of none of them takes the destination's own budget.
+    pub groups: Vec<Group>,
+}
+
+/// `[destinations.NAME.groups.GROUP]`: requests of a destination, picked by path prefix and
+/// method, that have a budget of their own, as a vendor's separate buckets do (GitHub's
+/// `search` beside its `core`). The budget is named `NAME/GROUP` in the store, in metrics and
+/// in status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    /// The `GROUP` of the table's name.
+    pub name: String,
+    /// Path prefixes (each starting with `/`); empty: any path.
+    pub paths: Vec<String>,
+    /// Methods, upper case; empty: any method.
+    pub methods: Vec<String>,
+    /// The vendor's name for this bucket (`x-ratelimit-resource`): a response that names it
+    /// tells this group's budget what the vendor says, whichever budget sent the request.
+    pub resource: Option<String>,
+    /// Its pacing keys: its own, else the destination's.
+    pub pace: Pace,
+}
+
+impl Group {
+    /// Whether a request fits, and how closely: the length of the path prefix that matched
+    /// (0 without `paths`), then whether a listed method matched.
+    fn fits(&self, method: &str, path: &str) -> Option<(usize, bool)> {
+        if !self.methods.is_empty() && !self.methods.iter().any(|m| m == method) {
+            return None;
+        }
+        let prefix = if self.paths.is_empty() {
+            0
+        } else {
+            self.paths
+                .iter()
+                .filter(|p| path.starts_with(p.as_str()))
+                .map(String::len)
+                .max()?
+        };
+        Some((prefix, !self.methods.is_empty()))
+    }
+}
+
+/// The group of `groups` a request belongs to: of those it fits, the one with the longest
+/// matching path prefix, then one that lists its method over one that lists none, then the
+/// first by name. `None`: the destination's own budget.
+pub fn group_of(groups: &[Group], method: &str, path: &str) -> Option<usize> {
+    groups
+        .iter()
+        .enumerate()
+        .filter_map(|(i, g)| g.fits(method, path).map(|fit| (fit, std::cmp::Reverse(i))))
+        .max()
+        .map(|(_, std::cmp::Reverse(i))| i)
 }
 
 /// Ports and port ranges (`[443, "8000-8999"]`), as `ports` keys list them.
@@ -616,5 +670,36 @@ mod tests {
         ] {
             assert_eq!(pat(s).to_string(), s);
         }
+    }
+
+    fn group(name: &str, paths: &[&str], methods: &[&str]) -> Group {
+        Group {
+            name: name.into(),
+            paths: paths.iter().map(|p| p.to_string()).collect(),
+            methods: methods.iter().map(|m| m.to_string()).collect(),
+            resource: None,
+            pace: Pace::new(1.0),
+        }
+    }
+
+    #[test]
+    fn a_request_takes_the_most_specific_group_it_fits() {
+        let groups = [
+            group("search", &["/search/"], &[]),
+            group("code", &["/search/code"], &[]),
+            group("writes", &[], &["POST", "PATCH"]),
+            group("search_writes", &["/search/"], &["POST"]),
+        ];
+        let of = |m: &str, p: &str| group_of(&groups, m, p).map(|i| groups[i].name.as_str());
+        assert_eq!(of("GET", "/search/issues?q=x"), Some("search"));
+        // The longer prefix wins, whatever the order.
+        assert_eq!(of("GET", "/search/code"), Some("code"));
+        // At the same prefix, the group that lists the method.
+        assert_eq!(of("POST", "/search/issues"), Some("search_writes"));
+        // A method alone is the least specific match.
+        assert_eq!(of("POST", "/repos/a/b/issues"), Some("writes"));
+        // Neither: the destination's own budget.
+        assert_eq!(of("GET", "/repos/a/b"), None);
+        assert_eq!(of("GET", "/searching"), None);
     }
 }

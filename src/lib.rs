@@ -14,13 +14,13 @@
 //! - [`proxy`]: per request: authenticate, route, then forward / intercept / tunnel / refuse;
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
 //! - [`destination`]: host patterns, the routing table, a destination's pacing keys and
-//!   quota windows.
+//!   quota windows, and its groups (which of its requests take a budget of their own).
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
-//!   header family reduced to one signal.
+//!   header family reduced to one signal, and the bucket it names.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
-//!   destination's lane) that the request carries; `pacing::exchange` carries a request
-//!   through its budget (its slot, the check that the slot is still good to send on, the
+//!   destination's lanes, one per budget: its own and each group's) that the request carries;
+//!   `pacing::exchange` picks the request's group and carries it through that budget (its slot, the check that the slot is still good to send on, the
 //!   verdict, the retry of a throttled request), so the proxy hands it a request and the
 //!   upstream and gets a response or a refusal; `pacing::admit` gets a request its slot
 //!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting

@@ -38,7 +38,7 @@ use arc_swap::ArcSwap;
 
 use crate::budget::{Lockout, Reservation, Rule, Store, StoreError};
 use crate::class::{Class, Classes};
-use crate::destination::{Destination, Pace, Routed, Routes};
+use crate::destination::{group_of, Destination, Group, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
 use crate::status::InstanceStatus;
@@ -96,25 +96,94 @@ pub struct Changes {
     pub changed: Vec<String>,
 }
 
-/// A routed destination: a handle to its lane, carried with the request. Cheap to clone.
+/// A routed destination: a handle to the lane of the budget a request takes (the
+/// destination's own until [`Route::pick`] finds its group), carried with the request. Cheap
+/// to clone.
 #[derive(Clone)]
-pub struct Route(Arc<Lane>);
+pub struct Route {
+    lane: Arc<Lane>,
+    lanes: Arc<Lanes>,
+}
 
-impl Route {
-    /// The destination's name.
-    pub fn name(&self) -> &Arc<str> {
-        &self.0.name
+/// A destination's lanes: its own budget's, and one per group.
+pub(crate) struct Lanes {
+    own: Arc<Lane>,
+    groups: Vec<Group>,
+    /// `groups[i]`'s lane.
+    group_lanes: Vec<Arc<Lane>>,
+}
+
+impl Lanes {
+    fn new(d: &Destination, classes: &Arc<Classes>) -> Self {
+        Self {
+            own: Arc::new(Lane::new(d, classes.clone())),
+            groups: d.groups.clone(),
+            group_lanes: d
+                .groups
+                .iter()
+                .map(|g| Arc::new(Lane::group(d, g, classes.clone())))
+                .collect(),
+        }
     }
 
-    /// The destination's pacing keys as they are now (a reload may change them).
+    /// Every lane: the destination's own first.
+    fn all(&self) -> impl Iterator<Item = &Arc<Lane>> {
+        std::iter::once(&self.own).chain(&self.group_lanes)
+    }
+
+    /// Every lane but `lane`: what a lockout seen on `lane` halts too.
+    fn others<'a>(&'a self, lane: &'a Arc<Lane>) -> impl Iterator<Item = &'a Arc<Lane>> {
+        self.all().filter(move |l| !Arc::ptr_eq(l, lane))
+    }
+
+    /// The lane of the group whose `resource` is `named`, the vendor's name for a bucket.
+    fn named(&self, named: &str) -> Option<&Arc<Lane>> {
+        self.groups
+            .iter()
+            .position(|g| g.resource.as_deref() == Some(named))
+            .map(|i| &self.group_lanes[i])
+    }
+}
+
+impl Route {
+    fn of(lanes: Arc<Lanes>) -> Self {
+        Self {
+            lane: lanes.own.clone(),
+            lanes,
+        }
+    }
+
+    /// The budget's name: the destination's, or `DESTINATION/GROUP`.
+    pub fn name(&self) -> &Arc<str> {
+        &self.lane.name
+    }
+
+    /// The destination's name.
+    pub fn destination(&self) -> &Arc<str> {
+        &self.lane.destination
+    }
+
+    /// The budget's pacing keys as they are now (a reload may change them).
     pub fn pace(&self) -> PaceKeys {
-        PaceKeys(self.0.keys())
+        PaceKeys(self.lane.keys())
     }
 
     /// How long a request of `class` may wait for a slot: the class's `max_wait` if it has
-    /// one, else the destination's.
+    /// one, else the budget's.
     pub fn max_wait(&self, class: Class) -> Duration {
-        self.0.max_wait(class)
+        self.lane.max_wait(class)
+    }
+
+    /// The route of the group a request with `method` and `path` belongs to (see
+    /// [`crate::destination::group_of`]), or this one's own budget.
+    pub fn pick(&self, method: &str, path: &str) -> Route {
+        match group_of(&self.lanes.groups, method, path) {
+            Some(i) => Route {
+                lane: self.lanes.group_lanes[i].clone(),
+                lanes: self.lanes.clone(),
+            },
+            None => Route::of(self.lanes.clone()),
+        }
     }
 }
 
@@ -131,7 +200,7 @@ impl std::ops::Deref for PaceKeys {
 
 impl std::fmt::Debug for Route {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("Route").field(&self.0.name).finish()
+        f.debug_tuple("Route").field(&self.lane.name).finish()
     }
 }
 
@@ -139,6 +208,8 @@ impl std::fmt::Debug for Route {
 /// request as in flight; drop it when the exchange is over.
 pub struct Admission {
     lane: Arc<Lane>,
+    /// Every lane of its destination: a lockout halts them all.
+    lanes: Arc<Lanes>,
     /// The class the slot was granted to.
     pub class: Class,
     /// The slot it was granted, and the backoff generation it was reserved under.
@@ -184,10 +255,12 @@ impl Pacer {
         let routes = destinations
             .iter()
             .map(|d| {
-                let lane = Route(Arc::new(Lane::new(d, classes.clone())));
-                (d.hosts.clone(), d.ports.clone(), lane)
+                let route = Route::of(Arc::new(Lanes::new(d, &classes)));
+                (d.hosts.clone(), d.ports.clone(), route)
             })
             .collect();
+        let routes: Routes<Route> = routes;
+        metrics.init_destinations(routes.all().flat_map(|r| r.lanes.all()).map(|l| &*l.name));
         Self {
             routes: ArcSwap::from_pointee(routes),
             classes,
@@ -206,12 +279,17 @@ impl Pacer {
         self
     }
 
+    /// Every budget's lane, groups' included.
     fn lanes(&self) -> Vec<Arc<Lane>> {
-        self.routes.load().all().map(|r| r.0.clone()).collect()
+        self.routes
+            .load()
+            .all()
+            .flat_map(|r| r.lanes.all().cloned())
+            .collect()
     }
 
     /// Loads each budget (a lockout from before a restart applies at once) and spawns one
-    /// dispatcher per destination.
+    /// dispatcher per budget.
     pub async fn start(&self) -> Result<(), StoreError> {
         self.announce();
         for lane in self.lanes() {
@@ -241,43 +319,49 @@ impl Pacer {
         Ok(())
     }
 
-    /// Takes a reloaded config's destinations: new ones get a lane, removed ones stop taking
-    /// requests (those waiting are still served), changed ones take their new keys for the
-    /// next slot. Every budget (backoff, streaks, pauses, lockouts, quota windows) lives in
-    /// the store under the destination's name and is kept; so are the queues and the
-    /// requests in flight. Classes are not reloaded.
+    /// Takes a reloaded config's destinations and their groups: new budgets get a lane,
+    /// removed ones stop taking requests (those waiting are still served), changed ones take
+    /// their new keys for the next slot. Every budget (backoff, streaks, pauses, lockouts,
+    /// quota windows) lives in the store under its name and is kept; so are the queues and
+    /// the requests in flight. Classes are not reloaded.
     pub async fn reconfigure(&self, destinations: &[Destination]) -> Result<Changes, StoreError> {
         let before = self.routes.load_full();
+        let old: Vec<Arc<Lane>> = self.lanes();
         let mut changes = Changes::default();
         let mut routes = Vec::with_capacity(destinations.len());
+        let mut kept = Vec::new();
         for d in destinations {
-            let existing = before.all().find(|r| *r.0.name == *d.name).cloned();
-            let route = match existing {
-                Some(route) => {
-                    if route.0.keys().pace != d.pace {
-                        route.0.reconfigure(&d.pace);
-                        changes.changed.push(d.name.clone());
+            let mut lanes = Lanes::new(d, &self.classes);
+            let wanted = std::iter::once((&mut lanes.own, &d.pace)).chain(
+                lanes
+                    .group_lanes
+                    .iter_mut()
+                    .zip(d.groups.iter().map(|g| &g.pace)),
+            );
+            for (lane, pace) in wanted {
+                match old.iter().find(|l| l.name == lane.name) {
+                    Some(existing) => {
+                        if existing.keys().pace != *pace {
+                            existing.reconfigure(pace);
+                            changes.changed.push(existing.name.to_string());
+                        }
+                        *lane = existing.clone();
                     }
-                    route
+                    None => {
+                        self.metrics.init_destinations(std::iter::once(&*lane.name));
+                        self.open_lane(lane).await?;
+                        changes.added.push(lane.name.to_string());
+                    }
                 }
-                None => {
-                    let route = Route(Arc::new(Lane::new(d, self.classes.clone())));
-                    self.metrics
-                        .init_destinations(std::iter::once(d.name.as_str()));
-                    self.open_lane(&route.0).await?;
-                    changes.added.push(d.name.clone());
-                    route
-                }
-            };
-            routes.push((d.hosts.clone(), d.ports.clone(), route));
+                kept.push(lane.name.clone());
+            }
+            routes.push((d.hosts.clone(), d.ports.clone(), Route::of(Arc::new(lanes))));
         }
         self.routes.store(Arc::new(routes.into_iter().collect()));
-        for gone in before
-            .all()
-            .filter(|r| !destinations.iter().any(|d| *d.name == *r.0.name))
-        {
-            gone.0.retire();
-            changes.removed.push(gone.0.name.to_string());
+        drop(before);
+        for gone in old.iter().filter(|l| !kept.contains(&l.name)) {
+            gone.retire();
+            changes.removed.push(gone.name.to_string());
         }
         self.announce();
         Ok(changes)
@@ -302,7 +386,7 @@ impl Pacer {
         self.routes
             .load()
             .all()
-            .find(|r| *r.0.name == *name)
+            .find(|r| *r.lane.name == *name)
             .cloned()
     }
 
@@ -311,14 +395,20 @@ impl Pacer {
         &self.classes
     }
 
-    /// Clears a lockout. Returns the lockout cleared, or `None` if the destination was not
-    /// locked.
+    /// Clears a destination's lockout, on its own budget and every group's (a group's budget
+    /// name, `NAME/GROUP`, names its destination). Returns the lockout cleared, or `None` if
+    /// the destination was not locked.
     pub async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, UnlockError> {
+        let destination = destination.split('/').next().unwrap_or(destination);
         let route = self
             .destination(destination)
             .ok_or_else(|| UnlockError::Unknown(destination.to_owned()))?;
-        let cleared = self.store.unlock(destination).await?;
-        route.0.note(self.store.view(destination).await?);
+        let mut cleared = None;
+        for lane in route.lanes.all() {
+            let was = self.store.unlock(&lane.name).await?;
+            lane.note(self.store.view(&lane.name).await?);
+            cleared = cleared.or(was);
+        }
         if let Some(l) = &cleared {
             tracing::warn!(destination, was = %l.request, status = l.status, "lockout cleared by an operator");
         }

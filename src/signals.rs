@@ -171,6 +171,13 @@ pub fn read(headers: &HeaderMap, families: Families, now: SystemTime) -> Option<
     best.map(|(s, _)| s)
 }
 
+/// The vendor's name for the bucket a response's figures are about: GitHub's
+/// `x-ratelimit-resource` (`core`, `search`, `graphql`). A destination's group whose
+/// `resource` is this name gets what the response says.
+pub fn resource(headers: &HeaderMap) -> Option<&str> {
+    text(headers, "x-ratelimit-resource").filter(|r| !r.is_empty())
+}
+
 /// Whether any header could be a family's: every family's names start with one of these.
 /// One pass over the names, with no lookups, settles it for the many responses that carry
 /// none, before [`read`] looks up each family's names in turn.

@@ -57,7 +57,10 @@ pub(super) fn section<T: DeserializeOwned + Default>(
     let mut unknown: Vec<String> = Vec::new();
     loop {
         let mut record = |p: serde_ignored::Path<'_>| {
-            let key = p.to_string();
+            let key = match p {
+                serde_ignored::Path::Root => ".".to_owned(),
+                _ => ignored_key(&p),
+            };
             if !unknown.contains(&key) {
                 unknown.push(key);
             }
@@ -79,6 +82,25 @@ pub(super) fn section<T: DeserializeOwned + Default>(
                 }
             }
         }
+    }
+}
+
+/// An unknown key's path within its section, as config paths are written: table keys and
+/// indices joined by dots. serde_ignored writes a `?` for each optional value on the way
+/// (a group's table sits in an `Option`), which names no key.
+fn ignored_key(path: &serde_ignored::Path<'_>) -> String {
+    use serde_ignored::Path;
+    let (parent, segment) = match path {
+        Path::Root => return String::new(),
+        Path::Seq { parent, index } => (parent, index.to_string()),
+        Path::Map { parent, key } => (parent, key.clone()),
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => return ignored_key(parent),
+    };
+    match ignored_key(parent) {
+        above if above.is_empty() => segment,
+        above => format!("{above}.{segment}"),
     }
 }
 
@@ -231,7 +253,9 @@ pub(super) struct RawTls {
     pub(super) leaf_validity: Option<Duration>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// `[destinations.NAME]`, and `[destinations.NAME.groups.GROUP]`: a group takes the pacing
+/// keys, inheriting what it does not set, plus `paths`, `methods` and `resource`.
+#[derive(Debug, Default, Clone, Deserialize)]
 pub(super) struct RawDestination {
     pub(super) hosts: Option<Vec<String>>,
     pub(super) rate: Option<f64>,
@@ -256,6 +280,43 @@ pub(super) struct RawDestination {
     pub(super) reserve: Option<u32>,
     pub(super) throttle_block: Option<RawBlock>,
     pub(super) throttle_body: Option<Vec<String>>,
+    pub(super) groups: Option<BTreeMap<String, RawDestination>>,
+    pub(super) paths: Option<Vec<String>>,
+    pub(super) methods: Option<Vec<String>>,
+    pub(super) resource: Option<String>,
+}
+
+impl RawDestination {
+    /// A group's keys: what it sets, else what its destination sets.
+    pub(super) fn inherit(&self, destination: &RawDestination) -> RawDestination {
+        macro_rules! or {
+            ($($key:ident),*) => {
+                RawDestination {
+                    $($key: self.$key.clone().or_else(|| destination.$key.clone()),)*
+                    ..self.clone()
+                }
+            };
+        }
+        or!(
+            rate,
+            burst,
+            max_concurrency,
+            max_wait,
+            throttle_statuses,
+            lockout_statuses,
+            backoff_factor,
+            backoff_max,
+            decay_after,
+            retry_after_max,
+            retry_throttled,
+            mode,
+            quota,
+            signals,
+            reserve,
+            throttle_block,
+            throttle_body
+        )
+    }
 }
 
 /// A `ports` entry: a port, or a range written `"8000-8999"`.
@@ -267,14 +328,14 @@ pub(super) enum RawPort {
 }
 
 /// `signals = "auto"`, `"none"`, or a list of family names.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub(super) enum RawSignals {
     One(String),
     List(Vec<String>),
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 pub(super) struct RawBlock {
     #[serde(default, with = "humantime_serde")]
     pub(super) min: Option<Duration>,

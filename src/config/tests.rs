@@ -526,3 +526,78 @@ fn listening_beyond_loopback_needs_auth_or_a_client_list() {
         "{err:#?}"
     );
 }
+
+#[test]
+fn a_group_takes_its_own_keys_and_inherits_the_rest() {
+    let c = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.github]
+        hosts = ["api.github.com"]
+        rate = 20
+        max_wait = "30s"
+        quota = [{{ limit = 5000, per = "1h" }}]
+        [destinations.github.groups.search]
+        paths = ["/search/"]
+        resource = "search"
+        rate = 0.5
+        [destinations.github.groups.writes]
+        methods = ["post", "PATCH"]
+        "#
+    ))
+    .unwrap();
+    let d = &c.destinations[0];
+    assert_eq!(d.pace.rate, 20.0);
+    let search = &d.groups[0];
+    assert_eq!(search.name, "search");
+    assert_eq!(search.paths, vec!["/search/"]);
+    assert_eq!(search.resource.as_deref(), Some("search"));
+    assert_eq!(search.pace.rate, 0.5);
+    // What the group does not set, it inherits.
+    assert_eq!(search.pace.max_wait, Duration::from_secs(30));
+    assert_eq!(search.pace.quota, d.pace.quota);
+    let writes = &d.groups[1];
+    assert_eq!(writes.methods, vec!["POST", "PATCH"]);
+    assert_eq!(writes.pace.rate, 20.0);
+}
+
+#[test]
+fn group_mistakes_are_reported_with_their_key_paths() {
+    let err = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.github]
+        hosts = ["api.github.com"]
+        rate = 20
+        paths = ["/search/"]
+        [destinations.github.groups.search]
+        paths = ["search/"]
+        hosts = ["other.example"]
+        intercept = false
+        rate = -1
+        [destinations.github.groups.empty]
+        resource = "core"
+        [destinations.github.groups."bad name"]
+        methods = ["GET"]
+        [destinations.github.groups.verbs]
+        methods = ["GE T"]
+        colour = "blue"
+        "#
+    ))
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        vec![
+            "destinations.github.groups.bad name",
+            "destinations.github.groups.empty",
+            "destinations.github.groups.search.hosts",
+            "destinations.github.groups.search.intercept",
+            "destinations.github.groups.search.paths[0]",
+            "destinations.github.groups.search.rate",
+            "destinations.github.groups.verbs.colour",
+            "destinations.github.groups.verbs.methods[0]",
+            "destinations.github.paths",
+        ],
+        "{err:#?}"
+    );
+}

@@ -38,7 +38,7 @@ impl Pacer {
         class: Class,
         deadline: Instant,
     ) -> Result<Admission, PaceError> {
-        let lane = &route.0;
+        let lane = &route.lane;
         let started = Instant::now();
         self.open(lane).await?;
         let _admitting = lane.admitting();
@@ -55,7 +55,7 @@ impl Pacer {
             .wait_seconds
             .with_label_values(&[&lane.name])
             .observe(waited.as_secs_f64());
-        Ok(self.sent(lane, granted, waited, permit))
+        Ok(self.sent(route, granted, waited, permit))
     }
 
     /// Shadow mode: lets the request go at once, while a stand-in waits for the slot the
@@ -63,7 +63,7 @@ impl Pacer {
     /// have made) and counts how long it would have waited, or why it would have been
     /// refused. `max_concurrency` is not applied.
     fn shadow(self: &Arc<Self>, route: &Route, class: Class, deadline: Instant) -> Admission {
-        let lane = route.0.clone();
+        let lane = route.lane.clone();
         let pacer = self.clone();
         let stand_in = lane.clone();
         tokio::spawn(async move {
@@ -105,7 +105,7 @@ impl Pacer {
                 unseen_late: Duration::ZERO,
             },
         };
-        self.sent(&lane, granted, Duration::ZERO, None)
+        self.sent(route, granted, Duration::ZERO, None)
     }
 
     /// Refuses at once while pacegate stops or the destination is locked.
@@ -155,11 +155,12 @@ impl Pacer {
     /// Counts a request sent now on `granted` and makes its admission.
     fn sent(
         &self,
-        lane: &Arc<Lane>,
+        route: &Route,
         granted: lane::Grant,
         waited: Duration,
         permit: Option<OwnedSemaphorePermit>,
     ) -> Admission {
+        let lane = &route.lane;
         let now = Instant::now();
         lane.sends.lock().record(now);
         if let Some(log) = lane.granted.lock().get_mut(usize::from(granted.class.0)) {
@@ -172,6 +173,7 @@ impl Pacer {
         lane.in_flight.fetch_add(1, Ordering::Relaxed);
         Admission {
             lane: lane.clone(),
+            lanes: route.lanes.clone(),
             class: granted.class,
             slot: granted.slot,
             waited,

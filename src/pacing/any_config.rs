@@ -152,7 +152,7 @@ async fn exercise(config: &Config) {
             };
             let reading = pacer.read(&a, *status, h);
             pacer
-                .observe(&a, reading, *status, || "GET https://d/".to_owned())
+                .observe(&a, reading, *status, None, || "GET https://d/".to_owned())
                 .await;
         }
     }

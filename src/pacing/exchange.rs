@@ -20,6 +20,7 @@ use super::{sniff, Admission, PaceError, Pacer, Route};
 use crate::budget::{Event, Lockout, Observation};
 use crate::class::Class;
 use crate::destination::Mode;
+use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 
 /// A throttled response kept while its request is retried is read into memory up to this size;
@@ -87,6 +88,8 @@ impl Pacer {
         outgoing: &mut Outgoing,
         note: &mut Note,
     ) -> Result<Response<ProxyBody>, ExchangeError> {
+        // The budget of the group the request belongs to, or the destination's own.
+        let route = &route.pick(outgoing.method().as_str(), outgoing.uri().path());
         let destination: &str = route.name();
         // The keys as they are now; a reload meanwhile governs the next request.
         let pace = route.pace();
@@ -148,8 +151,11 @@ impl Pacer {
                     reading = reading.marked_by_body();
                 }
             }
+            let resource = signals::resource(response.headers());
             let verdict = self
-                .observe(&admission, reading, status, || outgoing.request_line())
+                .observe(&admission, reading, status, resource, || {
+                    outgoing.request_line()
+                })
                 .await;
             note.verdict = Some(verdict);
             let throttled = matches!(verdict, Verdict::Throttled { .. });
@@ -225,12 +231,15 @@ impl Pacer {
     }
 
     /// Applies the verdict of a response to an admitted request to the budget. `status` and
-    /// the request line, which `request` writes only for a lockout, are kept with a lockout.
+    /// the request line, which `request` writes only for a lockout, are kept with a lockout,
+    /// which halts every budget of the destination. What the vendor says goes to the budget
+    /// of the group whose `resource` the response names (`resource`), else to this one.
     pub(super) async fn observe(
         &self,
         admission: &Admission,
         reading: Reading,
         status: u16,
+        resource: Option<&str>,
         request: impl FnOnce() -> String,
     ) -> Verdict {
         let lane = &admission.lane;
@@ -243,7 +252,7 @@ impl Pacer {
             String::new()
         };
         // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
-        let vendor = reading.signal.and_then(|(s, reset)| {
+        let mut vendor = reading.signal.and_then(|(s, reset)| {
             Some(Observation {
                 family: s.family,
                 remaining: s.remaining,
@@ -252,6 +261,14 @@ impl Pacer {
                 spread: rand::random::<f64>(),
             })
         });
+        let named = resource
+            .and_then(|r| admission.lanes.named(r))
+            .filter(|l| !Arc::ptr_eq(l, lane));
+        if let Some(other) = named {
+            if let Some(v) = vendor.take() {
+                self.tell(other, Event::None, Some(v)).await;
+            }
+        }
         // A clean response to a budget at rest changes nothing the store keeps: the backoff
         // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
         // came between) and no block streak is left to clear. Not writing it halves the
@@ -318,7 +335,26 @@ impl Pacer {
                 tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
             }
         }
+        if verdict == Verdict::Lockout {
+            // A lockout is the IP's, not one bucket's: every budget of the destination halts.
+            for other in admission.lanes.others(lane) {
+                let lock = Lockout::new(status, request.clone(), self.instance.clone());
+                self.tell(other, Event::Lockout(lock), None).await;
+            }
+        }
         verdict
+    }
+
+    /// Records `event` and what the vendor said on `lane`'s budget, other than the one that
+    /// sent the request.
+    async fn tell(&self, lane: &Arc<Lane>, event: Event, vendor: Option<Observation>) {
+        let rule = lane.keys().rule.clone();
+        match self.store.record(&lane.name, &rule, event, vendor).await {
+            Ok(view) => lane.note(view),
+            Err(e) => {
+                tracing::error!(destination = %lane.name, "cannot record what another budget's response said: {e}")
+            }
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use super::rate::SendLog;
 use super::PaceError;
 use crate::budget::{BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule};
 use crate::class::{Class, Classes};
-use crate::destination::{Destination, Pace};
+use crate::destination::{Destination, Group, Pace};
 
 /// What a waiter is handed: a slot, for `class`.
 pub(super) struct Grant {
@@ -120,9 +120,12 @@ impl Queue {
     }
 }
 
-/// One destination's lane.
+/// One budget's lane: a destination's own, or one of its groups'.
 pub(crate) struct Lane {
+    /// The budget's name: the destination's, or `DESTINATION/GROUP` for a group's.
     pub(super) name: Arc<str>,
+    /// The destination's name: what a lockout halts and an operator unlocks.
+    pub(super) destination: Arc<str>,
     /// The destination's keys: swapped whole by a reload, read whole by each use.
     keys: ArcSwap<Keys>,
     pub(super) classes: Arc<Classes>,
@@ -182,10 +185,21 @@ impl Keys {
 }
 
 impl Lane {
+    /// The lane of `d`'s own budget.
     pub(super) fn new(d: &Destination, classes: Arc<Classes>) -> Self {
+        Self::of(&d.name, &d.name, &d.pace, classes)
+    }
+
+    /// The lane of `d`'s group `g`.
+    pub(super) fn group(d: &Destination, g: &Group, classes: Arc<Classes>) -> Self {
+        Self::of(&format!("{}/{}", d.name, g.name), &d.name, &g.pace, classes)
+    }
+
+    fn of(name: &str, destination: &str, pace: &Pace, classes: Arc<Classes>) -> Self {
         Self {
-            name: Arc::from(d.name.as_str()),
-            keys: ArcSwap::from_pointee(Keys::new(&d.pace, &classes, None)),
+            name: Arc::from(name),
+            destination: Arc::from(destination),
+            keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None)),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
@@ -254,7 +268,7 @@ impl Lane {
 
     pub(super) fn locked_error(&self, lock: Lockout) -> PaceError {
         PaceError::Locked {
-            destination: self.name.to_string(),
+            destination: self.destination.to_string(),
             lock,
         }
     }

@@ -49,6 +49,11 @@ impl Outgoing {
         &self.parts.uri
     }
 
+    /// The method.
+    pub(super) fn method(&self) -> &http::Method {
+        &self.parts.method
+    }
+
     /// Another copy of a body-less request.
     pub(super) fn copy(&self) -> Request<ProxyBody> {
         let mut req = Request::new(Empty::new().map_err(|never| match never {}).boxed());

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::budget::{Event, ReserveError, StoreFuture};
-use crate::destination::{Destination, Pace};
+use crate::destination::{Destination, Group, Pace};
 use crate::pacing::verdict::Verdict;
 use crate::store::memory::MemoryStore;
 
@@ -34,7 +34,8 @@ impl Pacer {
     /// for a response whose body needs no look.
     async fn answer(&self, a: &Admission, status: u16, h: &HeaderMap, request: &str) -> Verdict {
         let reading = self.read(a, status, h);
-        self.observe(a, reading, status, || request.to_owned())
+        let resource = crate::signals::resource(h);
+        self.observe(a, reading, status, resource, || request.to_owned())
             .await
     }
 }
@@ -451,6 +452,7 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
         pace: pace(0.1),
         ports: Default::default(),
         allow_private_upstreams: None,
+        groups: Vec::new(),
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
@@ -467,7 +469,7 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
     tokio::time::sleep(ms(100)).await;
     let lock = Lockout::new(403, "GET https://d/".into(), "elsewhere".into());
     store
-        .record("d", &d(&p).0.keys().rule, Event::Lockout(lock), None)
+        .record("d", &d(&p).lane.keys().rule, Event::Lockout(lock), None)
         .await
         .unwrap();
     let started = Instant::now();
@@ -510,6 +512,7 @@ async fn pacer_on(pace: Pace, classes: Classes, store: Arc<dyn Store>) -> Arc<Pa
         pace,
         ports: Default::default(),
         allow_private_upstreams: None,
+        groups: Vec::new(),
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(&[dest], classes, store, metrics, "test".into()));
@@ -655,6 +658,7 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
         pace: pace(1.0),
         ports: Default::default(),
         allow_private_upstreams: None,
+        groups: Vec::new(),
     };
     let store = MemoryStore::ephemeral();
     // Another instance has an older interactive request waiting, so this one yields.
@@ -861,6 +865,7 @@ async fn gauges_read_no_store_and_status_one_snapshot_a_second() {
             pace: pace(10.0),
             ports: Default::default(),
             allow_private_upstreams: None,
+            groups: Vec::new(),
         })
         .collect();
     let registry = Registry::new();
@@ -916,4 +921,45 @@ async fn gauges_read_no_store_and_status_one_snapshot_a_second() {
 
 fn contract_rule() -> Rule {
     crate::budget::contract::rule(10.0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_that_adds_and_removes_a_group_keeps_every_other_budget() {
+    let store = Arc::new(MemoryStore::ephemeral());
+    let p = pacer_on(pace(100.0), Classes::default(), store).await;
+    let a = p.admit(&d(&p), ONE, far()).await.unwrap();
+    p.answer(&a, 429, &HeaderMap::new(), "GET /").await;
+    drop(a);
+    let with_group = |groups: Vec<Group>| Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace: pace(100.0),
+        ports: Default::default(),
+        allow_private_upstreams: None,
+        groups,
+    };
+    let search = Group {
+        name: "search".into(),
+        paths: vec!["/search/".into()],
+        methods: Vec::new(),
+        resource: None,
+        pace: pace(2.0),
+    };
+    let changes = p.reconfigure(&[with_group(vec![search])]).await.unwrap();
+    assert_eq!(changes.added, vec!["d/search"]);
+    assert!(changes.changed.is_empty() && changes.removed.is_empty());
+    // The destination's own budget kept its backoff; the group's is new.
+    let route = d(&p);
+    assert_eq!(route.pick("GET", "/search/x").name().as_ref(), "d/search");
+    assert_eq!(route.pick("GET", "/core").name().as_ref(), "d");
+    let status = p.status().await;
+    let of = |name: &str| status.iter().find(|s| s.destination == name).unwrap().clone();
+    assert_eq!(of("d").backoff, 2.0);
+    assert_eq!(of("d/search").backoff, 1.0);
+    assert_eq!(of("d/search").rate, 2.0);
+    let changes = p.reconfigure(&[with_group(Vec::new())]).await.unwrap();
+    assert_eq!(changes.removed, vec!["d/search"]);
+    assert_eq!(d(&p).pick("GET", "/search/x").name().as_ref(), "d");
+    assert_eq!(p.status().await.len(), 1);
+    assert_eq!(p.status().await[0].backoff, 2.0);
 }

@@ -11,6 +11,7 @@ mod classes;
 mod deadlines;
 mod forwarding;
 mod fuzz;
+mod groups;
 mod layering;
 mod pacing;
 mod refusals;

@@ -9,6 +9,7 @@ mod support;
 mod batches;
 mod ceiling;
 mod faults;
+mod groups;
 mod lockouts;
 mod logs;
 mod parent;

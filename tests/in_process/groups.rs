@@ -1,0 +1,181 @@
+//! Budgets shaped like the vendor's: a destination's groups (by path prefix or method) each
+//! pace on a budget of their own, so one bucket's slow pace or pause does not stall the
+//! others; what the vendor says of a bucket goes to the budget it names; a lockout halts
+//! every budget of the destination, and one unlock clears them all.
+
+use crate::support;
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::config::Dest;
+use support::fleet::arrivals_of;
+use support::{admin_client, burst_of, busiest, FakeUpstream, TestProxy};
+
+/// `github` on localhost at 50/s, with `search` (`/search/`, 2/s, the vendor's `search`
+/// bucket) and `writes` (POST, 10/s).
+async fn github(upstream: &FakeUpstream) -> TestProxy {
+    TestProxy::with(upstream)
+        .destination(
+            Dest::new("github", &["localhost"])
+                .rate(50.0)
+                .key("retry_throttled", 0),
+        )
+        .section(
+            "[destinations.github.groups.search]\npaths = [\"/search/\"]\nresource = \"search\"\nrate = 2\n\
+             [destinations.github.groups.writes]\nmethods = [\"POST\"]\nrate = 10\n",
+        )
+        .start()
+        .await
+}
+
+#[tokio::test]
+async fn the_search_bucket_paces_itself_and_core_keeps_its_own_rate() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = github(&upstream).await;
+    let base = upstream.http_url("localhost");
+    // 5 searches and 20 core requests at once.
+    let mut urls: Vec<String> = (0..5)
+        .map(|i| format!("{base}/search/issues?i={i}"))
+        .collect();
+    urls.extend((0..20).map(|i| format!("{base}/core/repos?i={i}")));
+    let started = Instant::now();
+    let statuses = burst_of(&proxy, urls).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let (search, core) = (
+        arrivals_of(&upstream, "search"),
+        arrivals_of(&upstream, "core"),
+    );
+    // Core at 50/s: 20 requests in about 0.4 s, not behind the searches' 2 s.
+    let core_took = *core.last().unwrap() - core[0];
+    assert!(
+        core_took < Duration::from_millis(1500),
+        "core took {core_took:?} behind the search bucket"
+    );
+    assert!(busiest(&core, Duration::from_secs(1)) <= 51);
+    // Search at 2/s: a slot every 500 ms, whatever core does.
+    for pair in search.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= Duration::from_millis(450), "searches {gap:?} apart");
+    }
+    assert!(started.elapsed() >= Duration::from_millis(1900));
+    // Each budget is shown on its own.
+    let s = proxy.destination("github/search").await;
+    assert_eq!(s["rate"], 2.0, "{s}");
+    assert_eq!(proxy.destination("github").await["rate"], 50.0);
+}
+
+#[tokio::test]
+async fn a_lockout_in_one_group_halts_every_budget_and_one_unlock_clears_them_all() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = github(&upstream).await;
+    let via = support::client(
+        Some(&proxy.url()),
+        &[&proxy.ca_path()],
+        support::Alpn::Http1,
+    );
+    let base = upstream.http_url("localhost");
+    // A write answered with a plain 403: the IP's lockout, not the write bucket's.
+    let locked = via.post(format!("{base}/status/403")).send().await.unwrap();
+    assert_eq!(locked.status(), 403);
+    let seen = upstream.recorded().len();
+    for url in [
+        format!("{base}/core/repos"),
+        format!("{base}/search/issues"),
+    ] {
+        let refused = via.get(&url).send().await.unwrap();
+        assert_eq!(refused.status(), 403, "{url}");
+        let why = refused.headers()["proxy-status"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            why.contains("locked out") && why.contains("pacegate unlock github "),
+            "{why}"
+        );
+    }
+    assert_eq!(
+        upstream.recorded().len(),
+        seen,
+        "a locked budget sent a request"
+    );
+    // One unlock of the destination clears every budget.
+    let unlock = format!("http://{}/destinations/github/unlock", proxy.admin);
+    assert_eq!(
+        admin_client().post(unlock).send().await.unwrap().status(),
+        200
+    );
+    for url in [
+        format!("{base}/core/repos"),
+        format!("{base}/search/issues"),
+    ] {
+        assert_eq!(via.get(&url).send().await.unwrap().status(), 200, "{url}");
+    }
+    assert_eq!(
+        via.post(format!("{base}/core/issues"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn what_the_vendor_says_of_a_bucket_goes_to_the_budget_it_names() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = github(&upstream).await;
+    let via = support::client(
+        Some(&proxy.url()),
+        &[&proxy.ca_path()],
+        support::Alpn::Http1,
+    );
+    let base = upstream.http_url("localhost");
+    // A core request whose answer says the search bucket is spent until 3 s from now.
+    let reset = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3;
+    let said = format!(
+        "{base}/status/200?h=x-ratelimit-resource:search&h=x-ratelimit-limit:30&h=x-ratelimit-remaining:0&h=x-ratelimit-reset:{reset}"
+    );
+    assert_eq!(via.get(&said).send().await.unwrap().status(), 200);
+    // Core is not paused by it...
+    let asked = Instant::now();
+    assert_eq!(
+        via.get(format!("{base}/core/repos"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        asked.elapsed()
+    );
+    // ...and the search budget waits for the reset.
+    assert_eq!(
+        proxy.destination("github/search").await["vendor"]["remaining"],
+        0
+    );
+    let asked = Instant::now();
+    assert_eq!(
+        via.get(format!("{base}/search/issues"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert!(
+        asked.elapsed() >= Duration::from_millis(1500),
+        "search went {:?} after the vendor said its bucket was spent",
+        asked.elapsed()
+    );
+    assert_eq!(
+        proxy.destination("github").await["vendor"],
+        serde_json::Value::Null
+    );
+}
