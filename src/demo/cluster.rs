@@ -28,14 +28,20 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
     move |source| ClusterError::Io { what, source }
 }
 
-/// The directory of `initdb` and `pg_ctl`, if this machine has them.
+/// The directory of `initdb` and `pg_ctl`, if this machine has them: the server's own bin
+/// directory, where the other tools (`pg_basebackup`) are too, even when the PATH holds
+/// links to the two (as `/usr/local/bin` may).
 pub fn server_binaries() -> Option<PathBuf> {
     let on_path = std::env::var_os("PATH").and_then(|path| {
         std::env::split_paths(&path)
             .find(|d| d.join("initdb").is_file() && d.join("pg_ctl").is_file())
     });
-    if on_path.is_some() {
-        return on_path;
+    if let Some(dir) = on_path {
+        let real = std::fs::canonicalize(dir.join("initdb"))
+            .ok()
+            .and_then(|initdb| initdb.parent().map(Path::to_path_buf))
+            .filter(|real| real.join("pg_ctl").is_file());
+        return Some(real.unwrap_or(dir));
     }
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .map(|d| {
@@ -100,6 +106,51 @@ impl Cluster {
         }
         cluster.up()?;
         Ok(cluster)
+    }
+
+    /// A streaming standby of `primary` (`pg_basebackup -R`), started on a port of its own:
+    /// it answers reads, refuses writes, and replays what the primary commits until it is
+    /// promoted ([`Cluster::promote`]).
+    pub fn standby_of(primary: &Cluster) -> Result<Self, ClusterError> {
+        let dir = tempfile::Builder::new()
+            .prefix("pacegate-pg-standby.")
+            .tempdir()
+            .map_err(io("cannot create a temp dir"))?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(io("cannot find a free port"))?
+            .port();
+        let standby = Self {
+            dir,
+            bin: primary.bin.clone(),
+            run_as: primary.run_as.clone(),
+            port,
+        };
+        standby.hand_over(standby.dir.path())?;
+        let from = primary.port.to_string();
+        standby.run(
+            "pg_basebackup",
+            &[
+                "-D",
+                &standby.data(),
+                "-R",
+                "-X",
+                "stream",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &from,
+                "-U",
+                "pacegate",
+            ],
+        )?;
+        standby.up()?;
+        Ok(standby)
+    }
+
+    /// Promotes a standby: it takes writes from now on.
+    pub fn promote(&self) -> Result<(), ClusterError> {
+        self.run("pg_ctl", &["-D", &self.data(), "-w", "promote"])
     }
 
     fn serve_tls(&self, cert: &str, key: &str) -> Result<(), ClusterError> {

@@ -953,7 +953,13 @@ async fn a_reload_that_adds_and_removes_a_group_keeps_every_other_budget() {
     assert_eq!(route.pick("GET", "/search/x").name().as_ref(), "d/search");
     assert_eq!(route.pick("GET", "/core").name().as_ref(), "d");
     let status = p.status().await;
-    let of = |name: &str| status.iter().find(|s| s.destination == name).unwrap().clone();
+    let of = |name: &str| {
+        status
+            .iter()
+            .find(|s| s.destination == name)
+            .unwrap()
+            .clone()
+    };
     assert_eq!(of("d").backoff, 2.0);
     assert_eq!(of("d/search").backoff, 1.0);
     assert_eq!(of("d/search").rate, 2.0);

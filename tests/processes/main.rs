@@ -16,3 +16,4 @@ mod parent;
 mod pooler;
 mod reload;
 mod shadow;
+mod standby;

@@ -20,6 +20,25 @@ impl Cluster {
         )
     }
 
+    /// A streaming standby of `primary`, on a port of its own (see
+    /// `pacegate::demo::cluster::Cluster::standby_of`).
+    pub fn standby_of(primary: &Cluster) -> Self {
+        Self(
+            pacegate::demo::cluster::Cluster::standby_of(&primary.0)
+                .unwrap_or_else(|e| panic!("{e}")),
+        )
+    }
+
+    /// Promotes a standby.
+    pub fn promote(&self) {
+        self.0.promote().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Its loopback port.
+    pub fn port(&self) -> u16 {
+        self.0.port
+    }
+
     /// Starts the server (again), on the same port.
     pub fn up(&self) {
         self.0.up().unwrap_or_else(|e| panic!("{e}"));
