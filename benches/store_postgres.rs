@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use pacegate::budget::{Ask, ClassQueue, Rule, Store};
 use pacegate::class::{Class, Classes};
+use pacegate::config::Statements;
 use pacegate::destination::{Destination, Pace};
 use pacegate::metrics::Metrics;
 use pacegate::pacing::Pacer;
@@ -106,7 +107,7 @@ async fn latency_among_waiters(
     )
     .await
     .unwrap();
-    let store = PostgresStore::new(url, 2).unwrap().with_instance("bench");
+    let store = store_at(url, 2).with_instance("bench");
     let rule = rule();
     // A long queue here, so that it never runs dry: request k arrived k µs before `start`.
     let start = tokio::time::Instant::now();
@@ -157,7 +158,7 @@ async fn latency_among_waiters(
 }
 
 async fn throughput(url: &str, reservers: usize, destinations: usize, run: Duration) -> f64 {
-    let store = Arc::new(PostgresStore::new(url, reservers).unwrap());
+    let store = Arc::new(store_at(url, reservers));
     let rule = Arc::new(rule());
     let stop_at = Instant::now() + run;
     let tasks: Vec<_> = (0..reservers)
@@ -205,11 +206,7 @@ async fn paced(
     let mut stores = Vec::new();
     let mut pacers = Vec::new();
     for i in 1..=instances {
-        let store = Arc::new(
-            PostgresStore::new(url, 4)
-                .unwrap()
-                .with_instance(&format!("{destination}{i}")),
-        );
+        let store = Arc::new(store_at(url, 4).with_instance(&format!("{destination}{i}")));
         let d = Destination {
             name: destination.clone(),
             hosts: vec![],
@@ -277,6 +274,18 @@ async fn paced(
     }
 }
 
+/// A store over `connections` connections to `url`, sending its statements as
+/// `PACEGATE_BENCH_STATEMENTS` says (`prepared`, the default, or `unnamed`).
+fn store_at(url: &str, connections: usize) -> PostgresStore {
+    let mode = match std::env::var("PACEGATE_BENCH_STATEMENTS").as_deref() {
+        Ok("unnamed") => Statements::Unnamed,
+        _ => Statements::Prepared,
+    };
+    PostgresStore::new(url, connections)
+        .unwrap()
+        .with_statements(mode)
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -286,7 +295,7 @@ fn main() {
         .unwrap();
     rt.block_on(async {
         let (_cluster, url) = support::database().await;
-        let store = PostgresStore::new(&url, 2).unwrap();
+        let store = store_at(&url, 2);
         store.migrate().await.unwrap();
         let calls = if full { 2000 } else { 50 };
         let s = latency(&store, calls).await;

@@ -153,7 +153,8 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
             let url = &postgres.url;
             let roots = tls::upstream_roots(postgres.ca_file.as_slice())?;
             let store = PostgresStore::with_roots(url, postgres.connections - 1, roots.clone())?
-                .with_instance(&me.id);
+                .with_instance(&me.id)
+                .with_statements(postgres.statements);
             if postgres.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
@@ -163,7 +164,9 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
                 store.check_schema().await?;
             }
             // One connection of the configured ones is kept for heartbeats (see Failover).
-            let control = PostgresStore::with_roots(url, 1, roots)?.with_instance(&me.id);
+            let control = PostgresStore::with_roots(url, 1, roots)?
+                .with_instance(&me.id)
+                .with_statements(postgres.statements);
             let policy = Policy {
                 on_unavailable: postgres.on_unavailable,
                 instances_hint: postgres.instances_hint,

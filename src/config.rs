@@ -106,6 +106,21 @@ pub enum OnUnavailable {
     Refuse,
 }
 
+/// `[store] statements`: how the postgres store sends its statements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Statements {
+    /// Each prepared once per connection, then only bound and executed: the least work for
+    /// the database. A pooler in transaction mode cannot run them (it may execute a statement
+    /// on a server connection that never prepared it).
+    #[default]
+    Prepared,
+    /// Each sent unnamed with its parameters' types, in one round trip, and parsed and
+    /// planned anew every time: what PgBouncer in transaction mode needs. It costs the
+    /// database more work per reservation (see `docs/benchmarks.md`).
+    Unnamed,
+}
+
 /// `[log] requests`: which requests get the request log line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -456,6 +471,9 @@ pub struct PostgresConfig {
     pub url: String,
     /// Connections the store may open. Default 8.
     pub connections: usize,
+    /// How statements are sent: `prepared` (default) or `unnamed`, for a pooler in
+    /// transaction mode.
+    pub statements: Statements,
     /// PEM roots trusted for the store's TLS certificate, beside the system roots.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
@@ -482,6 +500,7 @@ impl fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresConfig")
             .field("connections", &self.connections)
+            .field("statements", &self.statements)
             .field("ca_file", &self.ca_file)
             .field("migrate", &self.migrate)
             .field("on_unavailable", &self.on_unavailable)

@@ -38,9 +38,9 @@
 //!   instances whose rules differ (`fleet::drift`).
 //! - [`store`]: the stores: `store::memory`, the embedded one (what survives a restart in
 //!   `memory::state_file`), and `store::postgres`, the
-//!   shared one (`sql`, `migrations`, `rows` apart, `typed`, which sends every statement
-//!   unnamed so that a pooler in transaction mode can run it, `clock`, which places its slots
-//!   on this instance's clock, and `membership`).
+//!   shared one (`sql`, `migrations`, `rows` apart, `typed`, which sends statements prepared
+//!   or, for a pooler in transaction mode, unnamed, `clock`, which places its slots on this
+//!   instance's clock, and `membership`).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached; the CA's files;
 //!   upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request

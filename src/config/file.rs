@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
-use super::{Backend, ConfigProblem, OnUnavailable, Unmatched};
+use super::{Backend, ConfigProblem, OnUnavailable, Statements, Unmatched};
 use crate::destination::Quota;
 
 pub(super) fn problem(path: &str, message: impl Into<String>) -> ConfigProblem {
@@ -232,6 +232,7 @@ pub(super) struct RawStore {
     pub(super) state_file: Option<PathBuf>,
     pub(super) url: Option<String>,
     pub(super) connections: Option<usize>,
+    pub(super) statements: Option<Statements>,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) migrate: Option<bool>,
     pub(super) on_unavailable: Option<OnUnavailable>,

@@ -534,6 +534,7 @@ impl Validator<'_> {
         PostgresConfig {
             url,
             connections,
+            statements: raw.statements.unwrap_or_default(),
             ca_file: raw.ca_file.map(|p| {
                 let p = self.path(p);
                 if !p.is_file() {

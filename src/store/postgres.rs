@@ -29,7 +29,7 @@ use rows::{after, columns, db, lockout, pause_args, rows_of, snapshot_of, view_o
 use sql::*;
 
 use clock::DbClock;
-use typed::{Param, Unnamed};
+use typed::{Conn, Param};
 
 use crate::budget::after_grant;
 use crate::budget::{
@@ -37,6 +37,7 @@ use crate::budget::{
     Rule, Snapshot, Store, StoreError, StoreFuture, BATCH_HORIZON,
 };
 use crate::class::Class;
+use crate::config::Statements;
 use crate::fleet::{Instance, WAITER_LEASE};
 
 /// Budgets in Postgres.
@@ -54,6 +55,8 @@ pub struct PostgresStore {
     /// Round trips sent to the database, for benches and tests that count what a request
     /// costs it (one per operation, two when a reservation leaves the one-statement path).
     statements: AtomicU64,
+    /// How statements are sent.
+    mode: Statements,
 }
 
 impl PostgresStore {
@@ -102,12 +105,13 @@ impl PostgresStore {
             instance: Instance::new().id,
             written: Mutex::new(HashMap::new()),
             statements: AtomicU64::new(0),
+            mode: Statements::default(),
         })
     }
 
     /// Narrows the database clock's span with a read-only round trip, which has no commit
     /// to flush, when it has grown too wide to place slots closely (see [`clock`]).
-    async fn probe_clock(&self, client: &deadpool_postgres::Object) -> Result<(), StoreError> {
+    async fn probe_clock(&self, client: &Conn) -> Result<(), StoreError> {
         if !self.clock.probe_due(Instant::now()) {
             return Ok(());
         }
@@ -146,12 +150,19 @@ impl PostgresStore {
         self.statements.load(Ordering::Relaxed)
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+    async fn client(&self) -> Result<Conn, StoreError> {
         self.statements.fetch_add(1, Ordering::Relaxed);
-        self.pool.get().await.map_err(|e| match e {
+        let client = self.pool.get().await.map_err(|e| match e {
             PoolError::Backend(e) => db(e),
             other => StoreError::Unreachable(format!("postgres pool: {other}")),
-        })
+        })?;
+        Ok(Conn::new(client, self.mode))
+    }
+
+    /// Sends statements as `mode` says (see [`typed`]); prepared by default.
+    pub fn with_statements(mut self, mode: Statements) -> Self {
+        self.mode = mode;
+        self
     }
 
     /// Every budget in the store, by destination name.

@@ -1,8 +1,8 @@
 //! The store behind PgBouncer in transaction mode, as operators run it: two `pacegate serve`
-//! instances reach Postgres only through the pooler, which holds fewer server connections
-//! than they open, and keep one ceiling, one backoff and one lockout. The control shows that
-//! the pooler does what makes this hard: a statement prepared under a name on one server
-//! connection is gone on the next.
+//! instances with `[store] statements = "unnamed"` reach Postgres only through the pooler,
+//! which holds fewer server connections than they open, and keep one ceiling, one backoff and
+//! one lockout. The control shows that the pooler does what makes this hard: a
+//! statement prepared under a name on one server connection is gone on the next.
 
 use crate::support;
 
@@ -14,8 +14,10 @@ use support::{admin_client, busiest, status_of, FakeUpstream};
 
 const RATE: f64 = 20.0;
 
-fn store(url: &str) -> String {
-    format!("[store]\nbackend = \"postgres\"\nurl = \"{url}\"\nconnections = 4\n")
+fn store(url: &str, statements: &str) -> String {
+    format!(
+        "[store]\nbackend = \"postgres\"\nurl = \"{url}\"\nconnections = 4\nstatements = \"{statements}\"\n"
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,7 +31,7 @@ async fn through_pgbouncer_in_transaction_mode_two_instances_keep_one_ceiling_ba
     // Migrations, heartbeats and every reservation go through the pooler.
     let fleet = Fleet::start_n(
         2,
-        &store(&bouncer.fresh().await),
+        &store(&bouncer.fresh().await, "unnamed"),
         &format!("rate = {RATE}\nretry_throttled = 0"),
     )
     .await;

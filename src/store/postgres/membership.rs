@@ -5,7 +5,6 @@ use std::time::{Duration, SystemTime};
 
 use super::rows::db;
 use super::sql::*;
-use super::typed::Unnamed;
 use super::PostgresStore;
 use crate::budget::{StoreError, StoreFuture};
 use crate::fleet::{

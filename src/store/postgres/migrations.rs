@@ -5,7 +5,6 @@
 //! the database last applied. A schema newer than the binary is refused.
 
 use super::rows::db;
-use super::typed::Unnamed;
 use super::PostgresStore;
 use crate::budget::StoreError;
 

@@ -30,6 +30,11 @@ pub(super) fn db(e: tokio_postgres::Error) -> StoreError {
         }
         // An undefined table or function: the schema is not this binary's.
         Some("42P01" | "42883") => StoreError::Schema(msg),
+        // A prepared statement the server connection does not know, or knows already: a
+        // pooler in transaction mode ran it on another server connection.
+        Some("26000" | "42P05") => StoreError::Refused(format!(
+            "{msg} (is the store behind a pooler in transaction mode, such as PgBouncer? set [store] statements = \"unnamed\")"
+        )),
         Some(_) => StoreError::Refused(msg),
         // No answer from the server at all: the connection failed or closed, or its TLS
         // handshake did. (tokio-postgres does not expose its error kinds; an I/O cause, a

@@ -1,18 +1,24 @@
-//! Statements sent unnamed, each in one round trip that carries its parameters' types (Parse,
-//! Bind, Execute, Sync together). Nothing is prepared under a name and nothing is left in the
-//! session, so a pooler in transaction mode (PgBouncer's usual setting), which may run each
-//! statement on another server connection, runs every one of them. A named statement would
-//! be prepared on one server connection and executed on another ("prepared statement "s2"
-//! does not exist"). It costs no round trip: a cached named statement also takes one, and
-//! the server parses these short calls of `migrations/functions.sql` in microseconds.
+//! How the store's statements reach the database, by `[store] statements`:
+//!
+//! - `prepared` (the default): each statement is prepared once per pooled connection and then
+//!   only bound and executed, so the database parses and plans it once.
+//! - `unnamed`: each is sent unnamed, in one round trip that carries its parameters' types
+//!   (Parse, Bind, Execute, Sync together). Nothing is prepared under a name and nothing is
+//!   left in the session, so a pooler in transaction mode (PgBouncer's usual setting), which
+//!   may run each statement on another server connection, runs every one of them; a named
+//!   statement would be prepared on one server connection and executed on another
+//!   ("prepared statement "s2" does not exist"). The database parses and plans each anew.
 //!
 //! A parameter's Postgres type follows from its Rust type ([`Param`]), so a call site lists
-//! its values as before and cannot name a type that does not fit them.
+//! its values once for both ways and cannot name a type that does not fit them.
 
 use std::time::SystemTime;
 
+use deadpool_postgres::Object;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Error, Row};
+use tokio_postgres::{Error, Row};
+
+use crate::config::Statements;
 
 /// A statement parameter whose Postgres type follows from its Rust type.
 pub(super) trait Param: ToSql + Sync {
@@ -78,26 +84,65 @@ fn with_types<'a>(params: &'a [&'a dyn Param]) -> Vec<(&'a (dyn ToSql + Sync), T
     params.iter().map(|p| (p.as_sql(), p.pg_type())).collect()
 }
 
-/// Runs statements unnamed (see the module's note).
-pub(super) trait Unnamed {
-    /// Every row the statement returns.
-    async fn rows(&self, sql: &str, params: &[&dyn Param]) -> Result<Vec<Row>, Error>;
-    /// The one row it returns; an error if it returns none or more.
-    async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, Error>;
-    /// The row it returns, if any; an error if more.
-    async fn opt(&self, sql: &str, params: &[&dyn Param]) -> Result<Option<Row>, Error>;
+fn values<'a>(params: &'a [&'a dyn Param]) -> Vec<&'a (dyn ToSql + Sync)> {
+    params.iter().map(|p| p.as_sql()).collect()
 }
 
-impl Unnamed for Client {
-    async fn rows(&self, sql: &str, params: &[&dyn Param]) -> Result<Vec<Row>, Error> {
-        self.query_typed(sql, &with_types(params)).await
+/// A pooled connection that sends statements as `[store] statements` says.
+pub(super) struct Conn {
+    client: Object,
+    mode: Statements,
+}
+
+impl Conn {
+    pub(super) fn new(client: Object, mode: Statements) -> Self {
+        Self { client, mode }
     }
 
-    async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, Error> {
-        self.query_typed_one(sql, &with_types(params)).await
+    /// Every row the statement returns.
+    pub(super) async fn rows(&self, sql: &str, params: &[&dyn Param]) -> Result<Vec<Row>, Error> {
+        match self.mode {
+            Statements::Prepared => {
+                let statement = self.client.prepare_cached(sql).await?;
+                self.client.query(&statement, &values(params)).await
+            }
+            Statements::Unnamed => self.client.query_typed(sql, &with_types(params)).await,
+        }
     }
 
-    async fn opt(&self, sql: &str, params: &[&dyn Param]) -> Result<Option<Row>, Error> {
-        self.query_typed_opt(sql, &with_types(params)).await
+    /// The one row it returns; an error if it returns none or more.
+    pub(super) async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, Error> {
+        match self.mode {
+            Statements::Prepared => {
+                let statement = self.client.prepare_cached(sql).await?;
+                self.client.query_one(&statement, &values(params)).await
+            }
+            Statements::Unnamed => self.client.query_typed_one(sql, &with_types(params)).await,
+        }
+    }
+
+    /// The row it returns, if any; an error if more.
+    pub(super) async fn opt(&self, sql: &str, params: &[&dyn Param]) -> Result<Option<Row>, Error> {
+        match self.mode {
+            Statements::Prepared => {
+                let statement = self.client.prepare_cached(sql).await?;
+                self.client.query_opt(&statement, &values(params)).await
+            }
+            Statements::Unnamed => self.client.query_typed_opt(sql, &with_types(params)).await,
+        }
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Object;
+
+    fn deref(&self) -> &Object {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut Object {
+        &mut self.client
     }
 }
