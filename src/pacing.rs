@@ -158,11 +158,6 @@ impl Route {
         &self.lane.name
     }
 
-    /// The destination's name.
-    pub fn destination(&self) -> &Arc<str> {
-        &self.lane.destination
-    }
-
     /// The budget's pacing keys as they are now (a reload may change them).
     pub fn pace(&self) -> PaceKeys {
         PaceKeys(self.lane.keys())
@@ -325,7 +320,6 @@ impl Pacer {
     /// quota windows) lives in the store under its name and is kept; so are the queues and
     /// the requests in flight. Classes are not reloaded.
     pub async fn reconfigure(&self, destinations: &[Destination]) -> Result<Changes, StoreError> {
-        let before = self.routes.load_full();
         let old: Vec<Arc<Lane>> = self.lanes();
         let mut changes = Changes::default();
         let mut routes = Vec::with_capacity(destinations.len());
@@ -358,7 +352,6 @@ impl Pacer {
             routes.push((d.hosts.clone(), d.ports.clone(), Route::of(Arc::new(lanes))));
         }
         self.routes.store(Arc::new(routes.into_iter().collect()));
-        drop(before);
         for gone in old.iter().filter(|l| !kept.contains(&l.name)) {
             gone.retire();
             changes.removed.push(gone.name.to_string());

@@ -348,8 +348,12 @@ impl Pacer {
     /// Records `event` and what the vendor said on `lane`'s budget, other than the one that
     /// sent the request.
     async fn tell(&self, lane: &Arc<Lane>, event: Event, vendor: Option<Observation>) {
-        let rule = lane.keys().rule.clone();
-        match self.store.record(&lane.name, &rule, event, vendor).await {
+        let keys = lane.keys();
+        match self
+            .store
+            .record(&lane.name, &keys.rule, event, vendor)
+            .await
+        {
             Ok(view) => lane.note(view),
             Err(e) => {
                 tracing::error!(destination = %lane.name, "cannot record what another budget's response said: {e}")

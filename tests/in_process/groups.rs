@@ -28,6 +28,17 @@ async fn github(upstream: &FakeUpstream) -> TestProxy {
         .await
 }
 
+/// [`github`], and a client through it.
+async fn github_via(upstream: &FakeUpstream) -> (TestProxy, reqwest::Client) {
+    let proxy = github(upstream).await;
+    let via = support::client(
+        Some(&proxy.url()),
+        &[&proxy.ca_path()],
+        support::Alpn::Http1,
+    );
+    (proxy, via)
+}
+
 #[tokio::test]
 async fn the_search_bucket_paces_itself_and_core_keeps_its_own_rate() {
     let upstream = FakeUpstream::start().await;
@@ -67,12 +78,7 @@ async fn the_search_bucket_paces_itself_and_core_keeps_its_own_rate() {
 #[tokio::test]
 async fn a_lockout_in_one_group_halts_every_budget_and_one_unlock_clears_them_all() {
     let upstream = FakeUpstream::start().await;
-    let proxy = github(&upstream).await;
-    let via = support::client(
-        Some(&proxy.url()),
-        &[&proxy.ca_path()],
-        support::Alpn::Http1,
-    );
+    let (proxy, via) = github_via(&upstream).await;
     let base = upstream.http_url("localhost");
     // A write answered with a plain 403: the IP's lockout, not the write bucket's.
     let locked = via.post(format!("{base}/status/403")).send().await.unwrap();
@@ -123,12 +129,7 @@ async fn a_lockout_in_one_group_halts_every_budget_and_one_unlock_clears_them_al
 #[tokio::test]
 async fn what_the_vendor_says_of_a_bucket_goes_to_the_budget_it_names() {
     let upstream = FakeUpstream::start().await;
-    let proxy = github(&upstream).await;
-    let via = support::client(
-        Some(&proxy.url()),
-        &[&proxy.ca_path()],
-        support::Alpn::Http1,
-    );
+    let (proxy, via) = github_via(&upstream).await;
     let base = upstream.http_url("localhost");
     // A core request whose answer says the search bucket is spent until 3 s from now.
     let reset = SystemTime::now()

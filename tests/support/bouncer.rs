@@ -35,15 +35,14 @@ impl Bouncer {
                 "PACEGATE_TEST_DATABASE_URL is not set: run the tests through scripts/test",
             )
         });
-        let server: tokio_postgres::Config = admin.parse().unwrap();
-        let (host, port) = match (server.get_hosts().first(), server.get_ports().first()) {
-            (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => (h.clone(), *p),
-            _ => panic!("PACEGATE_TEST_DATABASE_URL must name a TCP host and port"),
-        };
-        let user = server.get_user().unwrap_or("postgres");
-        let password = server
-            .get_password()
-            .map(|p| format!(" password={}", String::from_utf8_lossy(p)))
+        let testdb::Server {
+            host,
+            port,
+            user,
+            password,
+        } = testdb::Server::of(&admin);
+        let password = password
+            .map(|p| format!(" password={p}"))
             .unwrap_or_default();
         let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let bouncer_port = listen.local_addr().unwrap().port();

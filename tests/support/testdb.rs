@@ -43,18 +43,41 @@ pub async fn fresh() -> String {
         .batch_execute(&format!("CREATE DATABASE {name}"))
         .await
         .unwrap();
-    let mut config: tokio_postgres::Config = admin.parse().unwrap();
-    config.dbname(&name);
-    let (host, port) = match (config.get_hosts().first(), config.get_ports().first()) {
-        (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => (h.clone(), *p),
-        _ => panic!("PACEGATE_TEST_DATABASE_URL must name a TCP host and port"),
-    };
-    let user = config.get_user().unwrap_or("postgres");
-    let password = config
-        .get_password()
-        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
-        .unwrap_or_default();
-    format!("postgres://{user}{password}@{host}:{port}/{name}")
+    let s = Server::of(&admin);
+    let password = s.password.map(|p| format!(":{p}")).unwrap_or_default();
+    format!(
+        "postgres://{}{password}@{}:{}/{name}",
+        s.user, s.host, s.port
+    )
+}
+
+/// Where the test server listens and who logs in, read from its URL.
+#[allow(dead_code, unreachable_pub)]
+pub struct Server {
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub password: Option<String>,
+}
+
+impl Server {
+    /// Reads `url` (`PACEGATE_TEST_DATABASE_URL`), which must name a TCP host and port.
+    #[allow(dead_code, unreachable_pub)]
+    pub fn of(url: &str) -> Self {
+        let config: tokio_postgres::Config = url.parse().unwrap();
+        let (host, port) = match (config.get_hosts().first(), config.get_ports().first()) {
+            (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => (h.clone(), *p),
+            _ => panic!("PACEGATE_TEST_DATABASE_URL must name a TCP host and port"),
+        };
+        Self {
+            host,
+            port,
+            user: config.get_user().unwrap_or("postgres").to_owned(),
+            password: config
+                .get_password()
+                .map(|p| String::from_utf8_lossy(p).into_owned()),
+        }
+    }
 }
 
 /// Fails the test with `why` as its one line of output: no panic message, no backtrace
