@@ -207,7 +207,7 @@ pub struct Group {
     pub paths: Vec<String>,
     /// Methods, upper case; empty: any method.
     pub methods: Vec<String>,
-    /// The vendor's name for this bucket (`x-ratelimit-resource`): a response that names it
+    /// The vendor's name for this bucket (`x-ratelimit-resource`, or the IETF `pk`): a response that names it
     /// tells this group's budget what the vendor says, whichever budget sent the request.
     pub resource: Option<String>,
     /// Its pacing keys: its own, else the destination's.

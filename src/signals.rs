@@ -172,10 +172,23 @@ pub fn read(headers: &HeaderMap, families: Families, now: SystemTime) -> Option<
 }
 
 /// The vendor's name for the bucket a response's figures are about: GitHub's
-/// `x-ratelimit-resource` (`core`, `search`, `graphql`). A destination's group whose
-/// `resource` is this name gets what the response says.
-pub fn resource(headers: &HeaderMap) -> Option<&str> {
-    text(headers, "x-ratelimit-resource").filter(|r| !r.is_empty())
+/// `x-ratelimit-resource` (`core`, `search`, `graphql`), else the partition key (`pk`, a byte
+/// sequence read as UTF-8) of the first IETF `RateLimit` item that has one. A destination's
+/// group whose `resource` is this name gets what the response says.
+pub fn resource(headers: &HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
+    if let Some(named) = text(headers, "x-ratelimit-resource").filter(|r| !r.is_empty()) {
+        return Some(std::borrow::Cow::Borrowed(named));
+    }
+    let value = headers.get(HeaderName::from_static("ratelimit"))?;
+    let mut limits = Members::default();
+    Parser::new(value.as_bytes())
+        .parse_list_with_visitor(&mut limits)
+        .ok()?;
+    let pk = limits.0.into_iter().find_map(|m| m.pk)?;
+    String::from_utf8(pk)
+        .ok()
+        .filter(|r| !r.is_empty())
+        .map(std::borrow::Cow::Owned)
 }
 
 /// Whether any header could be a family's: every family's names start with one of these.
@@ -405,6 +418,8 @@ struct Member<'de> {
     q: Option<u64>,
     /// A `qu` other than `requests`.
     other_unit: bool,
+    /// The partition key, which names the bucket (see [`resource`]).
+    pk: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -477,6 +492,7 @@ impl<'de> ParameterVisitor<'de> for Params<'_, 'de> {
             "r" => self.0.r = count(),
             "t" => self.0.t = count(),
             "q" => self.0.q = count(),
+            "pk" => self.0.pk = value.as_byte_sequence().map(<[u8]>::to_vec),
             "qu" => {
                 let unit = value
                     .as_string()

@@ -153,7 +153,7 @@ impl Pacer {
             }
             let resource = signals::resource(response.headers());
             let verdict = self
-                .observe(&admission, reading, status, resource, || {
+                .observe(&admission, reading, status, resource.as_deref(), || {
                     outgoing.request_line()
                 })
                 .await;

@@ -35,8 +35,10 @@ impl Pacer {
     async fn answer(&self, a: &Admission, status: u16, h: &HeaderMap, request: &str) -> Verdict {
         let reading = self.read(a, status, h);
         let resource = crate::signals::resource(h);
-        self.observe(a, reading, status, resource, || request.to_owned())
-            .await
+        self.observe(a, reading, status, resource.as_deref(), || {
+            request.to_owned()
+        })
+        .await
     }
 }
 

@@ -302,3 +302,37 @@ proptest! {
         prop_assert_eq!(s.reset, Some(Reset::In(Duration::from_secs(reset))));
     }
 }
+
+mod resource {
+    use super::*;
+
+    #[test]
+    fn github_names_its_bucket_in_x_ratelimit_resource() {
+        let h = headers(&[
+            ("x-ratelimit-resource", "search"),
+            ("x-ratelimit-remaining", "9"),
+        ]);
+        assert_eq!(resource(&h).as_deref(), Some("search"));
+    }
+
+    #[test]
+    fn the_ietf_fields_name_it_in_the_partition_key() {
+        // `pk` is a byte sequence: `c2VhcmNo` is "search".
+        let h = headers(&[(
+            "ratelimit",
+            "\"burst\";r=3;t=10, \"day\";r=40;t=86400;pk=:c2VhcmNo:",
+        )]);
+        assert_eq!(resource(&h).as_deref(), Some("search"));
+    }
+
+    #[test]
+    fn no_name_a_blank_one_or_a_malformed_field_names_nothing() {
+        assert_eq!(resource(&headers(&[("x-ratelimit-remaining", "9")])), None);
+        assert_eq!(resource(&headers(&[("x-ratelimit-resource", " ")])), None);
+        assert_eq!(
+            resource(&headers(&[("ratelimit", "\"a\";r=3;pk=:not base64")])),
+            None
+        );
+        assert_eq!(resource(&headers(&[("ratelimit", "\"a\";r=3;t=1")])), None);
+    }
+}
