@@ -169,6 +169,12 @@ impl Route {
         self.lane.max_wait(class)
     }
 
+    /// Whether a group of the destination names a vendor's bucket (`resource`), so that
+    /// responses are worth looking at for the bucket they name.
+    pub(crate) fn names_buckets(&self) -> bool {
+        self.lanes.groups.iter().any(|g| g.resource.is_some())
+    }
+
     /// The route of the group a request with `method` and `path` belongs to (see
     /// [`crate::destination::group_of`]), or this one's own budget.
     pub fn pick(&self, method: &str, path: &str) -> Route {
@@ -247,14 +253,13 @@ impl Pacer {
         instance: String,
     ) -> Self {
         let classes = Arc::new(classes);
-        let routes = destinations
+        let routes: Routes<Route> = destinations
             .iter()
             .map(|d| {
                 let route = Route::of(Arc::new(Lanes::new(d, &classes)));
                 (d.hosts.clone(), d.ports.clone(), route)
             })
             .collect();
-        let routes: Routes<Route> = routes;
         metrics.init_destinations(routes.all().flat_map(|r| r.lanes.all()).map(|l| &*l.name));
         Self {
             routes: ArcSwap::from_pointee(routes),

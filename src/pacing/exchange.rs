@@ -151,7 +151,11 @@ impl Pacer {
                     reading = reading.marked_by_body();
                 }
             }
-            let resource = signals::resource(response.headers());
+            // Only where a group names a bucket: the lookup costs every other response nothing.
+            let resource = route
+                .names_buckets()
+                .then(|| signals::resource(response.headers()))
+                .flatten();
             let verdict = self
                 .observe(&admission, reading, status, resource.as_deref(), || {
                     outgoing.request_line()

@@ -117,7 +117,7 @@ impl PostgresStore {
         }
         self.statements.fetch_add(1, Ordering::Relaxed);
         let sent = Instant::now();
-        let row = client.one(SQL_NOW, &[]).await.map_err(db)?;
+        let row = client.one(SQL_NOW, &[]).await?;
         self.clock.read(sent, Instant::now(), row.get(0));
         Ok(())
     }
@@ -168,7 +168,7 @@ impl PostgresStore {
     /// Every budget in the store, by destination name.
     pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
         let client = self.client().await?;
-        let rows = client.rows(SQL_BUDGETS, &[]).await.map_err(db)?;
+        let rows = client.rows(SQL_BUDGETS, &[]).await?;
         Ok(rows.iter().map(|r| (r.get(14), view_of(r))).collect())
     }
 }
@@ -196,7 +196,7 @@ impl Store for PostgresStore {
             if let [only] = ask.queues {
                 if only.count == 1 && rule.quota.is_empty() {
                     let params: [&dyn Param; 4] = [&destination, &interval, &burst, &limit];
-                    if let Some(row) = client.opt(SQL_RESERVE_FAST, &params).await.map_err(db)? {
+                    if let Some(row) = client.opt(SQL_RESERVE_FAST, &params).await? {
                         let arrived = Instant::now();
                         drop(client);
                         let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
@@ -250,8 +250,7 @@ impl Store for PostgresStore {
                         &BATCH_HORIZON.as_secs_f64(),
                     ],
                 )
-                .await
-                .map_err(db)?;
+                .await?;
             let arrived = Instant::now();
             drop(client);
             let outcome: &str = row.get(0);
@@ -341,8 +340,7 @@ impl Store for PostgresStore {
                         &next,
                     ],
                 )
-                .await
-                .map_err(db)?;
+                .await?;
             self.wrote(destination, rows);
             Ok(())
         })
@@ -356,8 +354,7 @@ impl Store for PostgresStore {
                     SQL_KEEP_WAITING,
                     &[&self.instance, &WAITER_LEASE.as_secs_f64()],
                 )
-                .await
-                .map_err(db)?;
+                .await?;
             Ok(())
         })
     }
@@ -365,10 +362,7 @@ impl Store for PostgresStore {
     fn forget_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            client
-                .rows(SQL_FORGET_WAITING, &[&self.instance])
-                .await
-                .map_err(db)?;
+            client.rows(SQL_FORGET_WAITING, &[&self.instance]).await?;
             Ok(())
         })
     }
@@ -449,8 +443,7 @@ impl Store for PostgresStore {
                         &vendor.map_or(0, |v| us(v.jitter())),
                     ],
                 )
-                .await
-                .map_err(db)?;
+                .await?;
             Ok(view_of(&row))
         })
     }
@@ -461,7 +454,7 @@ impl Store for PostgresStore {
     ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let row = client.opt(SQL_UNLOCK, &[&destination]).await.map_err(db)?;
+            let row = client.opt(SQL_UNLOCK, &[&destination]).await?;
             Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
         })
     }
@@ -469,7 +462,7 @@ impl Store for PostgresStore {
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let row = client.opt(SQL_VIEW, &[&destination]).await.map_err(db)?;
+            let row = client.opt(SQL_VIEW, &[&destination]).await?;
             Ok(row.map_or(BudgetView::default(), |r| view_of(&r)))
         })
     }
@@ -487,8 +480,7 @@ impl Store for PostgresStore {
             let client = self.client().await?;
             let rows = client
                 .rows(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
-                .await
-                .map_err(db)?;
+                .await?;
             Ok(rows
                 .iter()
                 .zip(destinations)

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use support::config::Dest;
 use support::fleet::arrivals_of;
-use support::{admin_client, burst_of, busiest, FakeUpstream, TestProxy};
+use support::{admin_client, burst_of, busiest, status_of, FakeUpstream, TestProxy};
 
 /// `github` on localhost at 50/s, with `search` (`/search/`, 2/s, the vendor's `search`
 /// bucket) and `writes` (POST, 10/s).
@@ -114,7 +114,7 @@ async fn a_lockout_in_one_group_halts_every_budget_and_one_unlock_clears_them_al
         format!("{base}/core/repos"),
         format!("{base}/search/issues"),
     ] {
-        assert_eq!(via.get(&url).send().await.unwrap().status(), 200, "{url}");
+        assert_eq!(status_of(&via, &url).await, 200, "{url}");
     }
     assert_eq!(
         via.post(format!("{base}/core/issues"))
@@ -140,17 +140,10 @@ async fn what_the_vendor_says_of_a_bucket_goes_to_the_budget_it_names() {
     let said = format!(
         "{base}/status/200?h=x-ratelimit-resource:search&h=x-ratelimit-limit:30&h=x-ratelimit-remaining:0&h=x-ratelimit-reset:{reset}"
     );
-    assert_eq!(via.get(&said).send().await.unwrap().status(), 200);
+    assert_eq!(status_of(&via, &said).await, 200);
     // Core is not paused by it...
     let asked = Instant::now();
-    assert_eq!(
-        via.get(format!("{base}/core/repos"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(status_of(&via, format!("{base}/core/repos")).await, 200);
     assert!(
         asked.elapsed() < Duration::from_secs(1),
         "{:?}",
@@ -162,14 +155,7 @@ async fn what_the_vendor_says_of_a_bucket_goes_to_the_budget_it_names() {
         0
     );
     let asked = Instant::now();
-    assert_eq!(
-        via.get(format!("{base}/search/issues"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(status_of(&via, format!("{base}/search/issues")).await, 200);
     assert!(
         asked.elapsed() >= Duration::from_millis(1500),
         "search went {:?} after the vendor said its bucket was spent",

@@ -3,7 +3,6 @@
 
 use std::time::{Duration, SystemTime};
 
-use super::rows::db;
 use super::sql::*;
 use super::PostgresStore;
 use crate::budget::{StoreError, StoreFuture};
@@ -27,12 +26,10 @@ impl Membership for PostgresStore {
                     SQL_HEARTBEAT,
                     &[&me.id, &me.host, &me.pid, &me.version, &divisor, &alone_ms],
                 )
-                .await
-                .map_err(db)?;
+                .await?;
             let rows = client
                 .rows(SQL_PEERS, &[&me.id, &PEERS_WITHIN.as_secs_f64()])
-                .await
-                .map_err(db)?;
+                .await?;
             Ok(rows
                 .iter()
                 .map(|r| Peer {
@@ -55,10 +52,7 @@ impl Membership for PostgresStore {
     ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            let rows = client
-                .rows(SQL_LIVE, &[&within.as_secs_f64()])
-                .await
-                .map_err(db)?;
+            let rows = client.rows(SQL_LIVE, &[&within.as_secs_f64()]).await?;
             Ok(rows
                 .iter()
                 .map(|r| InstanceStatus {
@@ -91,8 +85,7 @@ impl Membership for PostgresStore {
                         SQL_WRITE_RULES,
                         &[&me.id, &destinations, &fingerprints, &rules],
                     )
-                    .await
-                    .map_err(db)?;
+                    .await?;
             }
             let rows = client
                 .rows(
@@ -104,8 +97,7 @@ impl Membership for PostgresStore {
                         &LIVE_WITHIN.as_secs_f64(),
                     ],
                 )
-                .await
-                .map_err(db)?;
+                .await?;
             Ok(rows
                 .iter()
                 .map(|r| Theirs {
@@ -121,8 +113,8 @@ impl Membership for PostgresStore {
     fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
-            client.rows(SQL_FORGET, &[&me.id]).await.map_err(db)?;
-            client.rows(SQL_FORGET_RULES, &[&me.id]).await.map_err(db)?;
+            client.rows(SQL_FORGET, &[&me.id]).await?;
+            client.rows(SQL_FORGET_RULES, &[&me.id]).await?;
             Ok(())
         })
     }

@@ -162,8 +162,7 @@ impl PostgresStore {
         }
         let current = client
             .opt(FUNCTIONS_DIGEST, &[])
-            .await
-            .map_err(db)?
+            .await?
             .map(|r| r.get::<_, String>(0));
         if current != Some(functions_digest()) {
             return Err(StoreError::Schema(

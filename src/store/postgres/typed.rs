@@ -16,8 +16,10 @@ use std::time::SystemTime;
 
 use deadpool_postgres::Object;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Error, Row};
+use tokio_postgres::Row;
 
+use super::rows::db;
+use crate::budget::StoreError;
 use crate::config::Statements;
 
 /// A statement parameter whose Postgres type follows from its Rust type.
@@ -100,36 +102,35 @@ impl Conn {
     }
 
     /// Every row the statement returns.
-    pub(super) async fn rows(&self, sql: &str, params: &[&dyn Param]) -> Result<Vec<Row>, Error> {
-        match self.mode {
-            Statements::Prepared => {
-                let statement = self.client.prepare_cached(sql).await?;
-                self.client.query(&statement, &values(params)).await
-            }
+    pub(super) async fn rows(
+        &self,
+        sql: &str,
+        params: &[&dyn Param],
+    ) -> Result<Vec<Row>, StoreError> {
+        let rows = match self.mode {
+            Statements::Prepared => match self.client.prepare_cached(sql).await {
+                Ok(statement) => self.client.query(&statement, &values(params)).await,
+                Err(e) => Err(e),
+            },
             Statements::Unnamed => self.client.query_typed(sql, &with_types(params)).await,
-        }
+        };
+        rows.map_err(db)
     }
 
-    /// The one row it returns; an error if it returns none or more.
-    pub(super) async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, Error> {
-        match self.mode {
-            Statements::Prepared => {
-                let statement = self.client.prepare_cached(sql).await?;
-                self.client.query_one(&statement, &values(params)).await
-            }
-            Statements::Unnamed => self.client.query_typed_one(sql, &with_types(params)).await,
-        }
+    /// The row the statement returns, if any (each of the store's returns at most one).
+    pub(super) async fn opt(
+        &self,
+        sql: &str,
+        params: &[&dyn Param],
+    ) -> Result<Option<Row>, StoreError> {
+        Ok(self.rows(sql, params).await?.into_iter().next())
     }
 
-    /// The row it returns, if any; an error if more.
-    pub(super) async fn opt(&self, sql: &str, params: &[&dyn Param]) -> Result<Option<Row>, Error> {
-        match self.mode {
-            Statements::Prepared => {
-                let statement = self.client.prepare_cached(sql).await?;
-                self.client.query_opt(&statement, &values(params)).await
-            }
-            Statements::Unnamed => self.client.query_typed_opt(sql, &with_types(params)).await,
-        }
+    /// The row the statement returns; refused if it returns none.
+    pub(super) async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, StoreError> {
+        self.opt(sql, params)
+            .await?
+            .ok_or_else(|| StoreError::Refused(format!("postgres: no row from `{sql}`")))
     }
 }
 
