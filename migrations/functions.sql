@@ -259,6 +259,7 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_many(
 ) LANGUAGE plpgsql AS $$
 DECLARE
     b pacegate_budgets%ROWTYPE;
+    parent pacegate_budgets%ROWTYPE;
     now_ts timestamptz;
     t interval;
     s timestamptz;
@@ -295,6 +296,18 @@ BEGIN
         RETURN QUERY SELECT 'locked'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
             b.backoff, b.lock_since, b.lock_status, b.lock_request, b.lock_instance, NULL::timestamptz[];
         RETURN;
+    END IF;
+    -- A key's budget (PARENT#KEY) is halted by its parent's lockout: a lockout is the IP's,
+    -- kept on the parent alone, and halts every key however new.
+    IF position('#' in p_destination) > 0 THEN
+        SELECT * INTO parent FROM pacegate_budgets AS x
+            WHERE x.destination = split_part(p_destination, '#', 1) AND x.lock_status IS NOT NULL;
+        IF FOUND THEN
+            RETURN QUERY SELECT 'locked'::text, NULL::timestamptz, now_ts, b.generation, NULL::integer,
+                b.backoff, parent.lock_since, parent.lock_status, parent.lock_request,
+                parent.lock_instance, NULL::timestamptz[];
+            RETURN;
+        END IF;
     END IF;
     -- The caller asks: its waiting requests claim their places again.
     UPDATE pacegate_waiting AS w SET claimed_until = now_ts + claim,

@@ -28,6 +28,17 @@ use crate::destination::{Block, Quota};
 use crate::signals::Family;
 use crate::status::LockStatus;
 
+/// What joins a keyed budget's name to its key: `PARENT#KEY`, where `PARENT` is the budget
+/// (a destination's, or `DESTINATION/GROUP`) split by key. Names in the config cannot hold it.
+pub const KEY_MARK: char = '#';
+
+/// The budget whose lockout halts `budget` too: a key's parent (`PARENT` of `PARENT#KEY`). A
+/// lockout is the IP's, so it is kept on the parent alone, and every key, on any instance and
+/// however new, is halted by it.
+pub fn halted_by(budget: &str) -> Option<&str> {
+    budget.split_once(KEY_MARK).map(|(parent, _)| parent)
+}
+
 /// A boxed, sendable future borrowing the store.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -519,6 +530,23 @@ pub trait Store: Send + Sync + 'static {
 
     /// The budget as it stands.
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+
+    /// The secret that keys the hash of a credential taken as a key: made once, the same for
+    /// every instance that shares the store, so that they all name a key's budget alike.
+    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>>;
+
+    /// Deletes the budgets of `parent`'s keys (see [`KEY_MARK`]) that have been idle for
+    /// `idle`: no slot, no quota window's send, no pause and no request waiting anywhere for
+    /// that long. Returns how many went. Run by a background sweep, never on a request's way.
+    fn forget_keys<'a>(
+        &'a self,
+        parent: &'a str,
+        idle: Duration,
+    ) -> StoreFuture<'a, Result<u64, StoreError>>;
+
+    /// This instance no longer paces `budget` (a key gone idle): whatever it holds of it in
+    /// memory goes. What is shared stays until [`Store::forget_keys`].
+    fn forget_budget(&self, _budget: &str) {}
 
     /// What status shows of every destination in `destinations`, in their order, in one
     /// round trip whatever their number: each budget ([`Store::view`]), every live

@@ -35,7 +35,63 @@ impl Pace {
             reserve: 0,
             throttle_block: None,
             throttle_body: vec!["rate limit".into(), "too many requests".into()],
+            key: None,
+            max_keys: 10_000,
+            key_idle: Duration::from_secs(600),
         }
+    }
+}
+
+/// What splits a budget into one budget per distinct value (`key`): the request's host, the
+/// proxy user, or a request header. A request without the value takes the budget of the
+/// empty value, one more key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyFrom {
+    /// `host`: the target host, as routed (lower case).
+    Host,
+    /// `proxy-user`: the user name of the client's `Proxy-Authorization`.
+    ProxyUser,
+    /// `header:NAME`: a request header's value (the first, if repeated).
+    Header(http::HeaderName),
+}
+
+impl KeyFrom {
+    /// Parses `host`, `proxy-user` or `header:NAME`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text {
+            "host" => Ok(Self::Host),
+            "proxy-user" => Ok(Self::ProxyUser),
+            _ => match text.strip_prefix("header:") {
+                Some(name) => http::HeaderName::try_from(name)
+                    .map(Self::Header)
+                    .map_err(|_| format!("`{name}` is not a header name")),
+                None => Err(format!(
+                    "`{text}` is not a key: write \"host\", \"proxy-user\" or \"header:NAME\""
+                )),
+            },
+        }
+    }
+
+    /// Whether the value may be a credential (a user name, a header such as
+    /// `Authorization`): kept only as a keyed hash, never as it came.
+    pub fn is_credential(&self) -> bool {
+        !matches!(self, Self::Host)
+    }
+}
+
+impl fmt::Display for KeyFrom {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Host => f.write_str("host"),
+            Self::ProxyUser => f.write_str("proxy-user"),
+            Self::Header(name) => write!(f, "header:{name}"),
+        }
+    }
+}
+
+impl Serialize for KeyFrom {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -387,6 +443,15 @@ pub struct Pace {
     /// Lower-case markers that make a lockout-status body a throttle. Default "rate limit",
     /// "too many requests".
     pub throttle_body: Vec<String>,
+    /// One budget per distinct value of this, each with every key above; default none: one
+    /// budget.
+    pub key: Option<KeyFrom>,
+    /// The most keys this instance keeps a budget for at once; a request with a new key past
+    /// it is refused. Default 10,000.
+    pub max_keys: usize,
+    /// How long a key's budget is kept after its last request. Default 10 min.
+    #[serde(with = "humantime_serde")]
+    pub key_idle: Duration,
 }
 
 /// The ports an `http://` request may go to without a `ports` entry. As squid's `Safe_ports`

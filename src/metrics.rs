@@ -60,6 +60,14 @@ pub struct Metrics {
     /// `pacegate_slots_dropped_total{destination}`: slots not used because they came too late
     /// (a stalled process or store); each costs one slot of pace, never adds one.
     pub slots_dropped: IntCounterVec,
+    /// `pacegate_keys{destination}`: the keys a budget split by key keeps here now.
+    pub keys: GaugeVec,
+    /// `pacegate_key_wait_max_seconds{destination}`: the oldest wait for a slot over the
+    /// budget's keys here: what the most limited key costs.
+    pub key_wait_max: GaugeVec,
+    /// `pacegate_keys_refused_total{destination}`: requests refused for a new key past
+    /// `max_keys`.
+    pub keys_refused: IntCounterVec,
     /// `pacegate_wait_seconds{destination}`: time from arrival to slot.
     pub wait_seconds: HistogramVec,
     /// `pacegate_shadow_wait_seconds{destination}`: in shadow mode, how long each request
@@ -224,6 +232,13 @@ impl Metrics {
             ),
             &["destination"],
         )?;
+        let keys_refused = IntCounterVec::new(
+            Opts::new(
+                "pacegate_keys_refused_total",
+                "Requests refused because their key would pass max_keys, by destination",
+            ),
+            &["destination"],
+        )?;
         let retries = IntCounterVec::new(
             Opts::new(
                 "pacegate_retries_total",
@@ -345,6 +360,14 @@ impl Metrics {
             "pacegate_in_flight",
             "Requests admitted and not yet answered",
         )?;
+        let keys = gauge(
+            "pacegate_keys",
+            "Keys a budget split by key keeps on this instance now",
+        )?;
+        let key_wait_max = gauge(
+            "pacegate_key_wait_max_seconds",
+            "The oldest wait for a slot over a split budget's keys on this instance",
+        )?;
         let store_degraded = IntGauge::new(
             "pacegate_store_degraded",
             "1 while the shared pacing store is unreachable and on_unavailable applies",
@@ -403,6 +426,7 @@ impl Metrics {
             &verdicts,
             &retries,
             &slots_dropped,
+            &keys_refused,
             &granted,
             &shadow_refusals,
         ] {
@@ -428,6 +452,8 @@ impl Metrics {
             &oldest_wait,
             &quota_used,
             &in_flight,
+            &keys,
+            &key_wait_max,
         ] {
             register(Box::new(g.clone()))?;
         }
@@ -451,6 +477,9 @@ impl Metrics {
             verdicts,
             retries,
             slots_dropped,
+            keys,
+            key_wait_max,
+            keys_refused,
             wait_seconds,
             shadow_wait,
             shadow_refusals,

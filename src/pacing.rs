@@ -19,6 +19,7 @@
 mod admit;
 mod dispatch;
 mod exchange;
+mod keys;
 mod lane;
 mod outgoing;
 mod rate;
@@ -43,6 +44,7 @@ use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
 use crate::status::InstanceStatus;
 pub use exchange::{ExchangeError, Exchanged, Note};
+pub use keys::Asking;
 use lane::Lane;
 pub use outgoing::Outgoing;
 
@@ -68,6 +70,16 @@ pub enum PaceError {
         max_wait: Duration,
         /// A hint for the client: when a slot is likely to be free.
         retry_after: Duration,
+    },
+    /// A new key past the budget's `max_keys`.
+    #[error("budget `{budget}` keeps {max_keys} keys already")]
+    TooManyKeys {
+        /// The budget split by key.
+        budget: String,
+        /// Its `max_keys`.
+        max_keys: usize,
+        /// Its `key_idle`: how long until an idle key makes room.
+        key_idle: Duration,
     },
     /// The store failed.
     #[error("{0}")]
@@ -153,9 +165,15 @@ impl Route {
         }
     }
 
-    /// The budget's name: the destination's, or `DESTINATION/GROUP`.
+    /// The budget's name: the destination's, `DESTINATION/GROUP`, or `PARENT#KEY` for a
+    /// key's.
     pub fn name(&self) -> &Arc<str> {
         &self.lane.name
+    }
+
+    /// The budget's name as metrics know it: a key's counts as its parent's.
+    pub fn label(&self) -> &Arc<str> {
+        &self.lane.label
     }
 
     /// The budget's pacing keys as they are now (a reload may change them).
@@ -222,7 +240,7 @@ pub struct Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.lane.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.lane.tally.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -239,6 +257,8 @@ pub struct Pacer {
     /// When the store's last snapshot for status was taken (see `pacing::status`); held
     /// while one is taken, so that readers at once share it.
     snapshot_taken: tokio::sync::Mutex<Option<Instant>>,
+    /// Keys the hash that names a credential's key, read from the store on first need.
+    key_secret: tokio::sync::OnceCell<ring::hmac::Key>,
     stop: CancellationToken,
 }
 
@@ -269,6 +289,7 @@ impl Pacer {
             metrics,
             instance,
             snapshot_taken: tokio::sync::Mutex::new(None),
+            key_secret: tokio::sync::OnceCell::new(),
             stop: CancellationToken::new(),
         }
     }
@@ -310,13 +331,18 @@ impl Pacer {
 
     async fn open_lane(&self, lane: &Arc<Lane>) -> Result<(), StoreError> {
         lane.note(self.store.view(&lane.name).await?);
+        self.dispatch(lane);
+        Ok(())
+    }
+
+    /// Starts `lane`'s dispatcher.
+    fn dispatch(&self, lane: &Arc<Lane>) {
         tokio::spawn(dispatch::dispatch(
             lane.clone(),
             self.store.clone(),
             self.metrics.clone(),
             self.stop.clone(),
         ));
-        Ok(())
     }
 
     /// Takes a reloaded config's destinations and their groups: new budgets get a lane,
@@ -370,6 +396,9 @@ impl Pacer {
         self.stop.cancel();
         for lane in self.lanes() {
             lane.refuse_all(&PaceError::ShuttingDown);
+            for key in lane.key_lanes() {
+                key.refuse_all(&PaceError::ShuttingDown);
+            }
         }
     }
 
@@ -405,6 +434,9 @@ impl Pacer {
         for lane in route.lanes.all() {
             let was = self.store.unlock(&lane.name).await?;
             lane.note(self.store.view(&lane.name).await?);
+            for key in lane.key_lanes() {
+                key.set_lock(None);
+            }
             cleared = cleared.or(was);
         }
         if let Some(l) = &cleared {

@@ -230,6 +230,7 @@ impl Proxy {
         };
         // The class named on the proxy connection: header, else the proxy user name.
         let user = auth::user_name(req.headers());
+        target.user = user.as_deref().map(Arc::from);
         target.allowed = allowed_classes(&policy, &self.inner.pacer, user.as_deref());
         match self.class_of(
             &req,
@@ -328,6 +329,7 @@ impl Proxy {
             destination,
             class: self.inner.pacer.classes().default_class(),
             allowed: None,
+            user: None,
         })
     }
 

@@ -59,6 +59,44 @@ pub struct DestinationStatus {
     /// `shadow` while the destination's pace is only computed and counted, else `enforce`.
     #[serde(default = "enforce")]
     pub mode: String,
+    /// A budget split by key: how many keys this instance keeps now, and the most limited
+    /// of them (see [`KeysStatus`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<KeysStatus>,
+}
+
+/// The keys of a budget split by key, on this instance.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct KeysStatus {
+    /// `host`, `proxy-user` or `header:NAME`.
+    pub key: String,
+    /// Keys kept now.
+    pub live: usize,
+    /// The `max_keys` bound.
+    pub max_keys: usize,
+    /// The [`TOP_KEYS`] most limited keys: the longest waits first, then the most waiting,
+    /// then the widest backoff, then the latest used.
+    pub top: Vec<KeyStatus>,
+}
+
+/// How many keys status shows of a budget split by key.
+pub const TOP_KEYS: usize = 20;
+
+/// One key of a budget split by key. A key taken from a credential shows as its keyed hash.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct KeyStatus {
+    /// The key: a host, or 16 hex digits of a credential's keyed hash.
+    pub key: String,
+    /// Requests waiting for a slot here.
+    pub waiting: usize,
+    /// Seconds the oldest of them has waited.
+    pub oldest_wait_seconds: f64,
+    /// Its backoff, as last seen.
+    pub backoff: f64,
+    /// Seconds left in its pause (0 when none).
+    pub paused_for_seconds: f64,
+    /// Seconds since a request last took it.
+    pub idle_seconds: f64,
 }
 
 /// The vendor's budget as the store holds it, for status.

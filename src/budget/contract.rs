@@ -22,6 +22,7 @@ use crate::class::Class;
 use crate::destination::Quota;
 
 mod batch;
+mod keys;
 mod shared;
 mod vendor;
 
@@ -233,6 +234,8 @@ where
     batch::a_batch_keeps_the_beat_within_the_horizon(&fresh().await, tol).await;
     batch::a_batch_keeps_quota_windows_limits_and_pauses(&fresh().await, tol).await;
     a_snapshot_says_what_each_call_says(&fresh().await).await;
+    keys::a_parent_lockout_halts_every_key(&fresh().await).await;
+    keys::idle_keys_are_forgotten_and_no_others(&fresh().await).await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

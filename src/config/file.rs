@@ -281,6 +281,10 @@ pub(super) struct RawDestination {
     pub(super) reserve: Option<u32>,
     pub(super) throttle_block: Option<RawBlock>,
     pub(super) throttle_body: Option<Vec<String>>,
+    pub(super) key: Option<String>,
+    pub(super) max_keys: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) key_idle: Option<Duration>,
     pub(super) groups: Option<BTreeMap<String, RawDestination>>,
     pub(super) paths: Option<Vec<String>>,
     pub(super) methods: Option<Vec<String>>,
@@ -315,7 +319,10 @@ impl RawDestination {
             signals,
             reserve,
             throttle_block,
-            throttle_body
+            throttle_body,
+            key,
+            max_keys,
+            key_idle
         )
     }
 }

@@ -1,7 +1,7 @@
 //! Loading configs: defaults, every problem with its key path, and the normalised output.
 
 use super::*;
-use crate::destination::Block;
+use crate::destination::{Block, KeyFrom};
 use crate::signals::{Families, Family};
 
 fn parse(text: &str) -> Result<Config, Vec<ConfigProblem>> {
@@ -452,6 +452,8 @@ fn every_duration_and_count_has_an_upper_bound() {
         ("destinations.d", "decay_after", "4294967295"),
         ("destinations.d", "retry_throttled", "4294967295"),
         ("destinations.d", "reserve", "4294967295"),
+        ("destinations.d", "max_keys", "9223372036854775807"),
+        ("destinations.d", "key_idle", huge),
     ] {
         let text = format!(
             "[tls]\ngenerate_ca = true\n[classes]\norder = [\"a\"]\ndefault = \"a\"\n[destinations.d]\nhosts = [\"d.example\"]\nrate = 1\n[{section}]\n{key} = {value}\n"
@@ -600,4 +602,83 @@ fn group_mistakes_are_reported_with_their_key_paths() {
         ],
         "{err:#?}"
     );
+}
+
+#[test]
+fn keys_are_read_inherited_and_checked() {
+    let c = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.github]
+        hosts = ["api.github.com"]
+        rate = 20
+        key = "header:Authorization"
+        max_keys = 500
+        [destinations.github.groups.search]
+        paths = ["/search/"]
+        rate = 0.5
+        key_idle = "1h"
+        [destinations.crawl]
+        hosts = ["*.example.org"]
+        rate = 2
+        key = "host"
+        [destinations.tenants]
+        hosts = ["api.example.net"]
+        rate = 2
+        key = "proxy-user"
+        "#
+    ))
+    .unwrap();
+    let by = |name: &str| c.destinations.iter().find(|d| d.name == name).unwrap();
+    let github = by("github");
+    let header = KeyFrom::Header(http::HeaderName::from_static("authorization"));
+    assert_eq!(github.pace.key.as_ref(), Some(&header));
+    assert_eq!((github.pace.max_keys, github.pace.key_idle), (500, Duration::from_secs(600)));
+    let search = &github.groups[0].pace;
+    assert_eq!(search.key.as_ref(), Some(&header), "inherited");
+    assert_eq!((search.max_keys, search.key_idle), (500, Duration::from_secs(3600)));
+    assert_eq!(by("crawl").pace.key, Some(KeyFrom::Host));
+    assert!(!KeyFrom::Host.is_credential());
+    assert_eq!(by("tenants").pace.key, Some(KeyFrom::ProxyUser));
+    assert!(KeyFrom::ProxyUser.is_credential());
+
+    let err = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.a]
+        hosts = ["a.example"]
+        rate = 1
+        key = "cookie"
+        [destinations.b]
+        hosts = ["b.example"]
+        rate = 1
+        key = "header:bad name"
+        max_keys = 0
+        [destinations.c]
+        hosts = ["c.example"]
+        rate = 0.1
+        key = "host"
+        key_idle = "5s"
+        [destinations.d]
+        hosts = ["d.example"]
+        rate = 10
+        key = "host"
+        key_idle = "1m"
+        quota = [{{ limit = 100, per = "1h" }}]
+        "#
+    ))
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [
+            "destinations.a.key",
+            "destinations.b.key",
+            "destinations.b.max_keys",
+            "destinations.c.key_idle",
+            "destinations.d.key_idle",
+        ],
+        "{err:#?}"
+    );
+    let text = format!("{err:?}");
+    assert!(text.contains("header:NAME") && text.contains("start afresh"), "{text}");
 }

@@ -42,7 +42,7 @@ use super::heartbeat::{self, Health};
 use super::standing::{Alone, Split, Standing, StandingGauges};
 use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule, Snapshot,
+    halted_by, Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule, Snapshot,
     Store, StoreError, StoreFuture,
 };
 use crate::config::OnUnavailable;
@@ -562,8 +562,11 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 ));
             }
             let cleared = self.bounded(self.primary.unlock(destination)).await?;
-            if let Some(view) = self.last_known.lock().get_mut(destination) {
-                view.lock = None;
+            // Its keys hold the lockout they met at a reservation (see `halted_by`).
+            for (name, view) in self.last_known.lock().iter_mut() {
+                if name == destination || halted_by(name) == Some(destination) {
+                    view.lock = None;
+                }
             }
             // A lockout not yet written is cleared too, not written after the unlock.
             self.pending
@@ -580,6 +583,34 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
             Ok(view)
         };
         Box::pin(self.shared_or_local(shared, || self.local.view(destination)))
+    }
+
+    /// Only the shared store's: a secret of this instance's own would name keys' budgets
+    /// apart from the others'.
+    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
+        Box::pin(self.bounded(self.primary.key_secret()))
+    }
+
+    fn forget_keys<'a>(
+        &'a self,
+        parent: &'a str,
+        idle: Duration,
+    ) -> StoreFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let local = self.local.forget_keys(parent, idle).await?;
+            if self.is_degraded() {
+                return Ok(local);
+            }
+            self.bounded(self.primary.forget_keys(parent, idle)).await
+        })
+    }
+
+    fn forget_budget(&self, budget: &str) {
+        self.last_known.lock().remove(budget);
+        self.last_slot_end.lock().remove(budget);
+        self.quota_limits.lock().remove(budget);
+        self.local.forget_budget(budget);
+        self.primary.forget_budget(budget);
     }
 
     fn snapshot<'a>(

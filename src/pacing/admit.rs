@@ -53,7 +53,7 @@ impl Pacer {
         let waited = started.elapsed();
         self.metrics
             .wait_seconds
-            .with_label_values(&[&lane.name])
+            .with_label_values(&[&lane.label])
             .observe(waited.as_secs_f64());
         Ok(self.sent(route, granted, waited, permit))
     }
@@ -68,7 +68,7 @@ impl Pacer {
         let stand_in = lane.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let name = [&*stand_in.name];
+            let name = [&*stand_in.label];
             let waited = async {
                 pacer.open(&stand_in).await?;
                 let _admitting = stand_in.admitting();
@@ -115,9 +115,7 @@ impl Pacer {
         }
         if lane.locked.borrow().is_some() {
             // Confirm with the store: another instance may have unlocked it.
-            if let Ok(view) = self.store.view(&lane.name).await {
-                lane.note(view);
-            }
+            lane.read_lock(&*self.store).await;
             if let Some(lock) = lane.locked.borrow().clone() {
                 return Err(lane.locked_error(lock));
             }
@@ -162,15 +160,15 @@ impl Pacer {
     ) -> Admission {
         let lane = &route.lane;
         let now = Instant::now();
-        lane.sends.lock().record(now);
-        if let Some(log) = lane.granted.lock().get_mut(usize::from(granted.class.0)) {
+        lane.tally.sends.lock().record(now);
+        if let Some(log) = lane.tally.granted.lock().get_mut(usize::from(granted.class.0)) {
             log.record(now);
         }
         self.metrics
             .granted
-            .with_label_values(&[&lane.name, self.classes.name(granted.class)])
+            .with_label_values(&[&lane.label, self.classes.name(granted.class)])
             .inc();
-        lane.in_flight.fetch_add(1, Ordering::Relaxed);
+        lane.tally.in_flight.fetch_add(1, Ordering::Relaxed);
         Admission {
             lane: lane.clone(),
             lanes: route.lanes.clone(),

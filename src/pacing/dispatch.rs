@@ -68,7 +68,7 @@ pub(super) async fn dispatch(
         reservation_seconds: metrics
             .reservation_seconds
             .with_label_values(&[store.kind()]),
-        slots_dropped: metrics.slots_dropped.with_label_values(&[&lane.name]),
+        slots_dropped: metrics.slots_dropped.with_label_values(&[&lane.label]),
         lane,
         store,
         stop,
@@ -469,9 +469,7 @@ impl Dispatcher {
             }
             if Instant::now() >= poll_at {
                 poll_at = Instant::now() + LOCK_POLL;
-                if let Ok(view) = self.store.view(&lane.name).await {
-                    lane.note(view);
-                }
+                lane.read_lock(&*self.store).await;
             }
         }
     }

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::lane::Lane;
 use super::outgoing::Outgoing;
 use super::verdict::{self, Reading, Verdict};
-use super::{sniff, Admission, PaceError, Pacer, Route};
+use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
 use crate::budget::{Event, Lockout, Observation};
 use crate::class::Class;
 use crate::destination::Mode;
@@ -88,9 +88,16 @@ impl Pacer {
         outgoing: &mut Outgoing,
         note: &mut Note,
     ) -> Result<Response<ProxyBody>, ExchangeError> {
-        // The budget of the group the request belongs to, or the destination's own.
-        let route = &route.pick(outgoing.method().as_str(), outgoing.uri().path());
-        let destination: &str = route.name();
+        // The budget of the group the request belongs to, or the destination's own; within
+        // it, its key's.
+        let route = route.pick(outgoing.method().as_str(), outgoing.uri().path());
+        let asking = Asking {
+            host: outgoing.uri().host().unwrap_or_default(),
+            user: outgoing.user(),
+            headers: outgoing.headers(),
+        };
+        let route = &self.keyed(route, &asking).await?;
+        let destination: &str = route.label();
         // The keys as they are now; a reload meanwhile governs the next request.
         let pace = route.pace();
         // One deadline for the request and its retries; each retry waits in the same class.
@@ -223,7 +230,7 @@ impl Pacer {
         let lane = &admission.lane;
         self.metrics
             .slots_dropped
-            .with_label_values(&[&lane.name])
+            .with_label_values(&[&lane.label])
             .inc();
         tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
     }
@@ -265,14 +272,25 @@ impl Pacer {
                 spread: rand::random::<f64>(),
             })
         });
+        // The named group's budget for this request's key, where both are split by key.
         let named = resource
             .and_then(|r| admission.lanes.named(r))
+            .and_then(|l| match lane.key_name() {
+                Some(key) if l.keys().pace.key.is_some() => self.key_lane(l, key).ok(),
+                _ => Some(l.clone()),
+            })
             .filter(|l| !Arc::ptr_eq(l, lane));
-        if let Some(other) = named {
+        if let Some(other) = &named {
             if let Some(v) = vendor.take() {
                 self.tell(other, Event::None, Some(v)).await;
             }
         }
+        // A lockout is kept on the budget split by key, which halts every key.
+        let lane = match verdict {
+            Verdict::Lockout => admission.lane.lock_holder_arc(),
+            _ => admission.lane.clone(),
+        };
+        let lane = &lane;
         // A clean response to a budget at rest changes nothing the store keeps: the backoff
         // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
         // came between) and no block streak is left to clear. Not writing it halves the
@@ -304,7 +322,7 @@ impl Pacer {
         if verdict != Verdict::None {
             self.metrics
                 .verdicts
-                .with_label_values(&[&lane.name, verdict.as_str(), verdict.reason()])
+                .with_label_values(&[&lane.label, verdict.as_str(), verdict.reason()])
                 .inc();
         }
         if nothing_to_write {
@@ -340,10 +358,17 @@ impl Pacer {
             }
         }
         if verdict == Verdict::Lockout {
-            // A lockout is the IP's, not one bucket's: every budget of the destination halts.
+            // A lockout is the IP's, not one bucket's: every budget of the destination halts,
+            // and with each its keys here at once (elsewhere, at their next reservation).
             for other in admission.lanes.others(lane) {
                 let lock = Lockout::new(status, request.clone(), self.instance.clone());
                 self.tell(other, Event::Lockout(lock), None).await;
+            }
+            for budget in admission.lanes.all() {
+                let lock = budget.locked.borrow().clone();
+                for key in budget.key_lanes() {
+                    key.set_lock(lock.clone());
+                }
             }
         }
         verdict

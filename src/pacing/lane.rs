@@ -1,7 +1,7 @@
 //! A destination's lane: its rule, the queue of requests waiting for a slot (one FIFO per
 //! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +13,9 @@ use tokio::time::Instant;
 
 use super::rate::SendLog;
 use super::PaceError;
-use crate::budget::{BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule};
+use crate::budget::{
+    BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule, Store, KEY_MARK,
+};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Group, Pace};
 
@@ -120,12 +122,24 @@ impl Queue {
     }
 }
 
-/// One budget's lane: a destination's own, or one of its groups'.
+/// One budget's lane: a destination's own, one of its groups', or one of their keys'.
 pub(crate) struct Lane {
-    /// The budget's name: the destination's, or `DESTINATION/GROUP` for a group's.
+    /// The budget's name: the destination's, `DESTINATION/GROUP` for a group's, and
+    /// `PARENT#KEY` for a key's.
     pub(super) name: Arc<str>,
     /// The destination's name: what a lockout halts and an operator unlocks.
     pub(super) destination: Arc<str>,
+    /// The budget's name as metrics and status know it: a key's lane counts as its parent,
+    /// so that keys add no label values.
+    pub(super) label: Arc<str>,
+    /// A key's lane: the lane of the budget split by key, whose lockout halts it.
+    pub(super) parent: Option<Arc<Lane>>,
+    /// A budget split by key: its keys' lanes, by key, made on first use (`pacing::keys`).
+    pub(super) children: Mutex<HashMap<Arc<str>, Arc<Lane>>>,
+    /// When a request last took this lane (a key's lane is forgotten after `key_idle`).
+    pub(super) last_used: Mutex<Instant>,
+    /// What status counts: a key's lane counts into its parent's.
+    pub(super) tally: Arc<Tally>,
     /// The destination's keys: swapped whole by a reload, read whole by each use.
     keys: ArcSwap<Keys>,
     pub(super) classes: Arc<Classes>,
@@ -141,6 +155,13 @@ pub(crate) struct Lane {
     /// Bumped whenever the budget seen turns stricter (a widening, a pause): the rest of a
     /// batch reserved before it is not used.
     pub(super) turns: AtomicU64,
+    /// What only the store knows, as its last snapshot said (see `pacing::status`).
+    pub(super) store_said: Mutex<StoreSaid>,
+}
+
+/// What status counts of a budget. A key's lane counts into its parent's, so that a budget
+/// split by key shows as one, whatever its number of keys.
+pub(super) struct Tally {
     /// Requests between admission and the end of their exchange.
     pub(super) in_flight: AtomicUsize,
     /// Requests in `admit`: waiting for a concurrency permit or a slot.
@@ -148,8 +169,17 @@ pub(crate) struct Lane {
     pub(super) sends: Mutex<SendLog>,
     /// Slots granted per class, for status.
     pub(super) granted: Mutex<Vec<SendLog>>,
-    /// What only the store knows, as its last snapshot said (see `pacing::status`).
-    pub(super) store_said: Mutex<StoreSaid>,
+}
+
+impl Tally {
+    fn new(classes: &Classes) -> Self {
+        Self {
+            in_flight: AtomicUsize::new(0),
+            admitting: AtomicUsize::new(0),
+            sends: Mutex::new(SendLog::new()),
+            granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
+        }
+    }
 }
 
 /// What only the store knows of a destination, for status and metrics.
@@ -196,23 +226,72 @@ impl Lane {
     }
 
     fn of(name: &str, destination: &str, pace: &Pace, classes: Arc<Classes>) -> Self {
+        let name: Arc<str> = Arc::from(name);
         Self {
-            name: Arc::from(name),
+            label: name.clone(),
+            name,
             destination: Arc::from(destination),
+            parent: None,
+            children: Mutex::default(),
+            last_used: Mutex::new(Instant::now()),
+            tally: Arc::new(Tally::new(&classes)),
             keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None)),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
-            granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
             classes,
             work: Notify::new(),
             locked: watch::channel(None).0,
             seen: Mutex::new(BudgetView::default()),
             turns: AtomicU64::new(0),
-            in_flight: AtomicUsize::new(0),
-            admitting: AtomicUsize::new(0),
-            sends: Mutex::new(SendLog::new()),
             store_said: Mutex::default(),
         }
+    }
+
+    /// The lane of `parent`'s key `key` (see [`crate::budget::KEY_MARK`]): its rule, its
+    /// counts and its lockout are the parent's; its schedule, backoff, pauses and quota
+    /// windows its own. It starts halted if the parent is.
+    pub(super) fn key(parent: &Arc<Lane>, key: &str) -> Self {
+        let pace = parent.keys().pace.clone();
+        let classes = parent.classes.clone();
+        Self {
+            name: Arc::from(format!("{}{KEY_MARK}{key}", parent.name)),
+            destination: parent.destination.clone(),
+            label: parent.name.clone(),
+            parent: Some(parent.clone()),
+            children: Mutex::default(),
+            last_used: Mutex::new(Instant::now()),
+            tally: parent.tally.clone(),
+            keys: ArcSwap::from_pointee(Keys::new(&pace, &classes, None)),
+            retired: AtomicBool::new(false),
+            queue: Mutex::new(Queue::new(classes.len())),
+            classes,
+            work: Notify::new(),
+            locked: watch::channel(parent.locked.borrow().clone()).0,
+            seen: Mutex::new(BudgetView::default()),
+            turns: AtomicU64::new(0),
+            store_said: Mutex::default(),
+        }
+    }
+
+    /// The lanes of this budget's keys, as they are now.
+    pub(super) fn key_lanes(&self) -> Vec<Arc<Lane>> {
+        self.children.lock().values().cloned().collect()
+    }
+
+    /// The budget a lockout seen on this lane is kept on: a key's parent, else its own.
+    pub(super) fn lock_holder(&self) -> &Lane {
+        self.parent.as_deref().unwrap_or(self)
+    }
+
+    /// [`Lane::lock_holder`], as a handle.
+    pub(super) fn lock_holder_arc(self: &Arc<Self>) -> Arc<Lane> {
+        self.parent.clone().unwrap_or_else(|| self.clone())
+    }
+
+    /// A key's lane: its key.
+    pub(super) fn key_name(&self) -> Option<&str> {
+        self.parent.as_ref()?;
+        self.name.split_once(KEY_MARK).map(|(_, key)| key)
     }
 
     /// The keys now in force.
@@ -253,6 +332,9 @@ impl Lane {
             .store(Arc::new(Keys::new(pace, &self.classes, Some(&before))));
         // A dispatcher sleeping on the old interval re-reads the rule.
         self.work.notify_one();
+        for key in self.key_lanes() {
+            key.reconfigure(pace);
+        }
     }
 
     /// Takes the lane out of service (a reload removed its destination): no new request is
@@ -260,6 +342,10 @@ impl Lane {
     pub(super) fn retire(&self) {
         self.retired.store(true, Ordering::Relaxed);
         self.work.notify_one();
+        // The keys go with their budget; taking them out of the map breaks their link back.
+        for key in std::mem::take(&mut *self.children.lock()).into_values() {
+            key.retire();
+        }
     }
 
     pub(super) fn is_retired(&self) -> bool {
@@ -318,7 +404,11 @@ impl Lane {
     /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.
     /// A widening or a pause seen here counts as a turn (see [`Lane::turns`]).
     pub(super) fn note(&self, view: BudgetView) {
-        let lock_now = view.lock.clone();
+        // A key's budget holds no lockout: its parent's halts it (see `set_lock`).
+        let lock_now = match self.parent {
+            None => Some(view.lock.clone()),
+            Some(_) => None,
+        };
         {
             let mut seen = self.seen.lock();
             let paused = |v: &BudgetView| !v.paused_for.is_zero();
@@ -327,15 +417,40 @@ impl Lane {
             }
             *seen = view;
         }
+        if let Some(lock) = lock_now {
+            self.set_lock(lock);
+        }
+    }
+
+    /// Takes in the lockout that halts this lane now (none: cleared); a change wakes the
+    /// dispatcher.
+    pub(super) fn set_lock(&self, lock: Option<Lockout>) {
+        if self.parent.is_some() {
+            self.seen.lock().lock = lock.clone();
+        }
         self.locked.send_if_modified(|current| {
-            let changed = *current != lock_now;
-            *current = lock_now;
+            let changed = *current != lock;
+            *current = lock;
             changed
         });
     }
 
+    /// Reads the lockout that halts this lane from `store`: its own budget's, or for a key's
+    /// lane its parent's.
+    pub(super) async fn read_lock(&self, store: &dyn Store) {
+        let holder = self.lock_holder();
+        if let Ok(view) = store.view(&holder.name).await {
+            let lock = view.lock.clone();
+            holder.note(view);
+            self.set_lock(lock);
+        }
+    }
+
     /// Takes in a lockout met while reserving.
     pub(super) fn note_lock(&self, lock: Lockout) {
+        if self.parent.is_some() {
+            return self.set_lock(Some(lock));
+        }
         let seen = self.seen.lock().clone();
         self.note(BudgetView {
             lock: Some(lock),
@@ -418,7 +533,7 @@ impl Lane {
 
     /// Counts a request as admitting until the returned guard is dropped.
     pub(super) fn admitting(&self) -> Admitting<'_> {
-        self.admitting.fetch_add(1, Ordering::Relaxed);
+        self.tally.admitting.fetch_add(1, Ordering::Relaxed);
         Admitting(self)
     }
 }
@@ -466,6 +581,6 @@ pub(super) struct Admitting<'a>(&'a Lane);
 
 impl Drop for Admitting<'_> {
     fn drop(&mut self) {
-        self.0.admitting.fetch_sub(1, Ordering::Relaxed);
+        self.0.tally.admitting.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -21,6 +21,8 @@ pub struct Outgoing {
     body: Option<Incoming>,
     /// The body lent to the attempt under way ([`Outgoing::lend`]).
     lent: Option<Arc<Mutex<Option<Incoming>>>>,
+    /// The proxy user the client authenticated as, if any: a key (`key = "proxy-user"`).
+    user: Option<Arc<str>>,
 }
 
 impl Outgoing {
@@ -31,7 +33,24 @@ impl Outgoing {
             parts,
             body: Some(body),
             lent: None,
+            user: None,
         }
+    }
+
+    /// The request, sent on behalf of proxy user `user`.
+    pub fn with_user(mut self, user: Option<Arc<str>>) -> Self {
+        self.user = user;
+        self
+    }
+
+    /// The proxy user the request is sent for.
+    pub(super) fn user(&self) -> Option<&str> {
+        self.user.as_deref()
+    }
+
+    /// The request's headers, as they go upstream.
+    pub(super) fn headers(&self) -> &http::HeaderMap {
+        &self.parts.headers
     }
 
     /// The request as it is, sent once: for a request that is not paced. Its parts are

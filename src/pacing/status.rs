@@ -13,7 +13,11 @@ use tokio::time::Instant;
 use super::lane::StoreSaid;
 use super::Pacer;
 use crate::budget::{BudgetView, PauseCause, Rule};
-use crate::status::{ClassStatus, DestinationStatus, LockStatus, QuotaStatus, VendorStatus};
+use super::lane::Lane;
+use crate::status::{
+    ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus, QuotaStatus, VendorStatus,
+    TOP_KEYS,
+};
 
 /// The oldest snapshot of the store that status shows: at most one statement a second,
 /// whatever the number of destinations and of readers.
@@ -31,7 +35,7 @@ impl Pacer {
             .iter()
             .map(|lane| {
                 let backoff = lane.seen.lock().backoff;
-                let achieved = lane.sends.lock().rate(now, 10);
+                let achieved = lane.tally.sends.lock().rate(now, 10);
                 (
                     lane.name.to_string(),
                     lane.keys().pace.rate / backoff,
@@ -115,7 +119,7 @@ impl Pacer {
             let everywhere = said.waiting;
             let here = lane.waiting_here(now);
             let classes: Vec<ClassStatus> = {
-                let granted = lane.granted.lock();
+                let granted = lane.tally.granted.lock();
                 self.classes
                     .all()
                     .zip(&here)
@@ -153,10 +157,10 @@ impl Pacer {
                 })
                 .collect();
             let (rate_10, rate_60) = {
-                let sends = lane.sends.lock();
+                let sends = lane.tally.sends.lock();
                 (sends.rate(now, 10), sends.rate(now, 60))
             };
-            let s = DestinationStatus {
+            let mut s = DestinationStatus {
                 destination: lane.name.to_string(),
                 rate: keys.pace.rate,
                 effective_rate: keys.pace.rate / seen.backoff,
@@ -170,8 +174,8 @@ impl Pacer {
                         .to_string()
                 }),
                 lock: seen.lock.as_ref().map(LockStatus::from),
-                waiting: lane.admitting.load(Ordering::Relaxed).max(waiting),
-                in_flight: lane.in_flight.load(Ordering::Relaxed),
+                waiting: lane.tally.admitting.load(Ordering::Relaxed).max(waiting),
+                in_flight: lane.tally.in_flight.load(Ordering::Relaxed),
                 oldest_wait_seconds: oldest.as_secs_f64(),
                 classes,
                 quota,
@@ -186,13 +190,87 @@ impl Pacer {
                 config_mismatch: self.fleet.drift(&lane.name),
                 mode: keys.pace.mode.as_str().to_owned(),
                 max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
+                keys: self.keys_status(&lane, now),
             };
+            // A split budget's requests wait in its keys' queues.
+            if let Some(top) = s.keys.as_ref().and_then(|k| k.top.first()) {
+                s.oldest_wait_seconds = s.oldest_wait_seconds.max(top.oldest_wait_seconds);
+            }
             self.metrics.set_destination(&s, seen.paused_for);
             out.push(s);
         }
         out.sort_by(|a, b| a.destination.cmp(&b.destination));
         out
     }
+}
+
+impl Pacer {
+    /// A budget split by key: its keys here, the most limited first, and their gauges.
+    fn keys_status(&self, lane: &Lane, now: Instant) -> Option<KeysStatus> {
+        let keys = lane.keys();
+        let key_lanes = lane.key_lanes();
+        if keys.pace.key.is_none() && key_lanes.is_empty() {
+            return None;
+        }
+        let mut top: Vec<KeyStatus> = key_lanes
+            .iter()
+            .map(|k| {
+                let here = k.waiting_here(now);
+                let seen = k.seen.lock();
+                KeyStatus {
+                    key: k.key_name().unwrap_or_default().to_owned(),
+                    waiting: here.iter().map(|h| h.0).sum(),
+                    oldest_wait_seconds: here
+                        .iter()
+                        .map(|h| h.1)
+                        .max()
+                        .unwrap_or_default()
+                        .as_secs_f64(),
+                    backoff: seen.backoff,
+                    paused_for_seconds: seen.paused_for.as_secs_f64(),
+                    idle_seconds: now.duration_since(*k.last_used.lock()).as_secs_f64(),
+                }
+            })
+            .collect();
+        let label = [&*lane.label];
+        self.metrics
+            .keys
+            .with_label_values(&label)
+            .set(top.len() as f64);
+        let longest = top
+            .iter()
+            .map(|k| k.oldest_wait_seconds)
+            .fold(0.0, f64::max);
+        self.metrics
+            .key_wait_max
+            .with_label_values(&label)
+            .set(longest);
+        let rank = |k: &KeyStatus| {
+            (
+                std::cmp::Reverse(ordered(k.oldest_wait_seconds)),
+                std::cmp::Reverse(k.waiting),
+                std::cmp::Reverse(ordered(k.backoff + k.paused_for_seconds)),
+                ordered(k.idle_seconds),
+            )
+        };
+        let cut = TOP_KEYS.min(top.len());
+        if cut > 0 {
+            top.select_nth_unstable_by_key(cut - 1, rank);
+            top.truncate(cut);
+            top.sort_by_key(rank);
+        }
+        Some(KeysStatus {
+            key: keys.pace.key.as_ref().map(ToString::to_string).unwrap_or_default(),
+            live: key_lanes.len(),
+            max_keys: keys.pace.max_keys,
+            top,
+        })
+    }
+}
+
+/// A non-negative, finite `f64` as a key that sorts like it (in microseconds).
+fn ordered(x: f64) -> u64 {
+    (x * 1e6) as u64
 }
 
 /// Why a destination's pace is what it is (see [`DestinationStatus::pace_limited_by`]).

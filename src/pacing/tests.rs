@@ -787,6 +787,18 @@ impl Store for Stalling {
         self.inner.view(destination)
     }
 
+    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
+        self.inner.key_secret()
+    }
+
+    fn forget_keys<'a>(
+        &'a self,
+        parent: &'a str,
+        idle: Duration,
+    ) -> StoreFuture<'a, Result<u64, StoreError>> {
+        self.inner.forget_keys(parent, idle)
+    }
+
     fn snapshot<'a>(
         &'a self,
         destinations: &'a [(&'a str, &'a crate::budget::Rule)],

@@ -21,7 +21,7 @@ use tokio_rustls::TlsAcceptor;
 use super::peek::Peeked;
 use super::respond::{Outcome, ProxyError};
 use super::{BoxFuture, Handled, Proxy, Target};
-use crate::pacing::{Admission, Note};
+use crate::pacing::{Admission, Asking, Note};
 use crate::server::{self, ConnectionSlot, Ended, Handler};
 use crate::tls::LeafSource;
 use crate::upstream::ProxyBody;
@@ -42,7 +42,19 @@ impl Proxy {
         if route.pace().intercept {
             return self.intercept(req, target);
         }
-        // `intercept = false`: the tunnel takes one slot and sees no verdicts.
+        // `intercept = false`: the tunnel takes one slot (of its key's budget, by what the
+        // CONNECT shows) and sees no verdicts.
+        let asking = Asking {
+            host: &target.host,
+            user: target.user.as_deref(),
+            headers: req.headers(),
+        };
+        let route = match self.inner.pacer.keyed(route, &asking).await {
+            Ok(route) => route,
+            Err(e) => {
+                return Handled::refused(ProxyError::Paced(e), target.name(), target.authority())
+            }
+        };
         let deadline = Deadline::now() + route.max_wait(target.class);
         match self.inner.pacer.enter(&route, target.class, deadline).await {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,

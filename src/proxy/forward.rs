@@ -35,6 +35,8 @@ pub struct Target {
     pub class: Class,
     /// The classes the authenticated user may use, when its config lists them.
     pub allowed: Option<Arc<[Class]>>,
+    /// The proxy user named on the proxy connection (CONNECT or absolute-form request).
+    pub user: Option<Arc<str>>,
 }
 
 impl Target {
@@ -138,5 +140,5 @@ fn prepare(
     parts.headers.remove(HOST);
     parts.headers.remove(EXPECT);
     parts.extensions = http::Extensions::new();
-    Ok(Outgoing::new(parts, body))
+    Ok(Outgoing::new(parts, body).with_user(target.user.clone()))
 }

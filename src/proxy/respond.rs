@@ -43,6 +43,8 @@ pub enum Outcome {
     Locked,
     /// Refused: no slot within `max_wait`.
     Deadline,
+    /// Refused: the request's key would be one more than `max_keys`.
+    TooManyKeys,
     /// Refused: the pacing store is unavailable, or pacegate is shutting down.
     Unavailable,
     /// Refused: `max_requests` requests were in flight already.
@@ -56,6 +58,7 @@ impl Outcome {
             Self::Forwarded => "forwarded",
             Self::Intercepted => "intercepted",
             Self::Tunneled => "tunneled",
+            Self::TooManyKeys => "too_many_keys",
             Self::Denied => "denied",
             Self::ForbiddenAddress => "forbidden_address",
             Self::AuthRequired => "auth_required",
@@ -178,6 +181,10 @@ fn paced_details(e: &PaceError) -> String {
             humantime::format_duration(*max_wait),
             retry_after_secs(*retry_after)
         ),
+        PaceError::TooManyKeys { budget, max_keys, key_idle } => format!(
+            "budget `{budget}` is split by key and keeps {max_keys} keys already (max_keys); a request with a new key is refused, never sent unpaced. A key idle for {} (key_idle) makes room: retry later, or raise max_keys",
+            humantime::format_duration(*key_idle)
+        ),
         PaceError::Store(e) => format!("pacing store unavailable: {e}"),
         PaceError::ShuttingDown => "pacegate is shutting down; retry on another instance or after the restart".into(),
     }
@@ -230,6 +237,11 @@ impl ProxyError {
                     S::SERVICE_UNAVAILABLE,
                     "destination_unavailable",
                     Outcome::Deadline,
+                ),
+                PaceError::TooManyKeys { .. } => (
+                    S::SERVICE_UNAVAILABLE,
+                    "destination_unavailable",
+                    Outcome::TooManyKeys,
                 ),
                 PaceError::Store(_) => (
                     S::SERVICE_UNAVAILABLE,
@@ -328,6 +340,10 @@ impl ProxyError {
             }
             Self::Paced(PaceError::Store(_) | PaceError::ShuttingDown) | Self::Busy { .. } => {
                 Some(1)
+            }
+            // A key makes room once one idles out; the sweep runs at least every minute.
+            Self::Paced(PaceError::TooManyKeys { key_idle, .. }) => {
+                Some(retry_after_secs((*key_idle).min(std::time::Duration::from_secs(60))))
             }
             _ => None,
         };

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use crate::budget::schedule::{Budget, NoSlot, Waiting};
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
+    halted_by, Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
     ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
 };
 use crate::fleet::failover::Fallback;
@@ -50,6 +50,9 @@ pub struct MemoryStore {
     instance: String,
     /// A quota window took a slot since the state file was last written.
     sends_changed: AtomicBool,
+    /// Keys the hash of credentials taken as keys ([`Store::key_secret`]); kept in the state
+    /// file, so that a key's budget keeps its name over a restart.
+    key_secret: Arc<[u8; 32]>,
 }
 
 impl MemoryStore {
@@ -63,6 +66,7 @@ impl MemoryStore {
             writer: tokio::sync::Mutex::new(()),
             instance: Instance::new().id,
             sends_changed: AtomicBool::new(false),
+            key_secret: Arc::new(rand::random()),
         }
     }
 
@@ -84,6 +88,7 @@ impl MemoryStore {
             writer: tokio::sync::Mutex::new(()),
             instance: instance.to_owned(),
             sends_changed: AtomicBool::new(false),
+            key_secret: self.key_secret.clone(),
         }
     }
 
@@ -224,6 +229,9 @@ impl Store for MemoryStore {
                 }
             };
             let mut budgets = self.budgets.lock();
+            if let Some(lock) = parent_lock(&budgets, destination) {
+                return Box::pin(std::future::ready(Err(ReserveError::Locked(lock))));
+            }
             let budget = budgets.entry(destination.to_owned()).or_default();
             match budget.reserve_for(rule, now, &self.instance, list, limit, ask.most) {
                 Ok(granted) => {
@@ -256,6 +264,9 @@ impl Store for MemoryStore {
     fn take_now(&self, destination: &str, rule: &Rule) -> Option<Reservation> {
         let now = self.now();
         let mut budgets = self.budgets.lock();
+        if parent_lock(&budgets, destination).is_some() {
+            return None;
+        }
         let budget = budgets.get_mut(destination)?;
         if !budget.waiting.is_empty() || budget.credits.iter().any(|c| *c != 0.0) {
             return None;
@@ -341,6 +352,27 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(Ok(view)))
     }
 
+    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.key_secret.to_vec())))
+    }
+
+    fn forget_keys<'a>(
+        &'a self,
+        parent: &'a str,
+        idle: Duration,
+    ) -> StoreFuture<'a, Result<u64, StoreError>> {
+        let now = self.now();
+        let mut budgets = self.budgets.lock();
+        let before = budgets.len();
+        budgets.retain(|name, b| halted_by(name) != Some(parent) || !b.idle_for(now, idle));
+        let gone = (before - budgets.len()) as u64;
+        Box::pin(std::future::ready(Ok(gone)))
+    }
+
+    fn forget_budget(&self, budget: &str) {
+        self.budgets.lock().remove(budget);
+    }
+
     fn snapshot<'a>(
         &'a self,
         destinations: &'a [(&'a str, &'a Rule)],
@@ -357,6 +389,12 @@ impl Store for MemoryStore {
             Ok(out)
         })
     }
+}
+
+/// The lockout of the budget that halts `destination` too, a key's parent (see
+/// [`halted_by`]), if it is locked.
+fn parent_lock(budgets: &HashMap<String, Budget>, destination: &str) -> Option<Lockout> {
+    budgets.get(halted_by(destination)?)?.lock.clone()
 }
 
 /// The store a failover paces on while the shared one is lost.

@@ -467,6 +467,26 @@ impl Store for PostgresStore {
         })
     }
 
+    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            Ok(client.one(SQL_KEY_SECRET, &[]).await?.get(0))
+        })
+    }
+
+    fn forget_keys<'a>(
+        &'a self,
+        parent: &'a str,
+        idle: Duration,
+    ) -> StoreFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let secs = idle.as_secs_f64();
+            let row = client.one(SQL_FORGET_KEYS, &[&parent, &secs]).await?;
+            Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+        })
+    }
+
     fn snapshot<'a>(
         &'a self,
         destinations: &'a [(&'a str, &'a Rule)],

@@ -105,6 +105,8 @@ fn keys() -> Vec<Key> {
         count(D, "retry_throttled", 0, 10),
         duration(D, "retry_after_max", "1ms", "7days", "8days"),
         count(D, "decay_after", 1, 1_000_000),
+        count(D, "max_keys", 1, 1_000_000),
+        duration(D, "key_idle", "1ms", "30days", "31days"),
     ]
 }
 

@@ -19,6 +19,14 @@ where
     first_come_first_served_within_a_class_anywhere(pair().await).await;
     waiting_counts_every_instance(pair().await).await;
     batch::a_batch_stops_for_a_more_urgent_class_or_an_owed_share(pair().await).await;
+    the_key_secret_is_one_for_every_instance(pair().await).await;
+}
+
+async fn the_key_secret_is_one_for_every_instance<S: Store>((a, b): (S, S)) {
+    let secret = a.key_secret().await.unwrap();
+    assert!(secret.len() >= 16, "{} bytes", secret.len());
+    assert_eq!(b.key_secret().await.unwrap(), secret, "another instance's");
+    assert_eq!(a.key_secret().await.unwrap(), secret, "asked again");
 }
 
 async fn the_most_urgent_request_anywhere_goes_first<S: Store>((a, b): (S, S)) {

@@ -6,11 +6,15 @@ use std::time::Duration;
 use super::super::file::{RawBlock, RawDestination, RawSignals};
 use super::super::{MAX_BACKOFF, MAX_MARKER_BYTES, MAX_PAUSE, MAX_QUOTA_LIMIT, MIN_RATE};
 use super::{Validator, DAY};
-use crate::destination::{Block, Pace};
+use crate::destination::{Block, KeyFrom, Pace};
 use crate::signals::{Families, Family};
 
 /// The longest a request may wait for its slot.
 const MAX_WAIT: Duration = DAY;
+/// The most keys a budget may be split into, per instance.
+const MAX_KEYS: usize = 1_000_000;
+/// The longest a key's idle budget may be kept.
+const MAX_KEY_IDLE: Duration = Duration::from_secs(30 * 24 * 3600);
 /// The longest quota window: a year, leap day included.
 const MAX_QUOTA_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
 
@@ -91,8 +95,43 @@ impl Validator<'_> {
             ),
             throttle_block: d.throttle_block.as_ref().map(|b| self.block(path, b)),
             throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
+            key: d.key.as_deref().and_then(|text| {
+                KeyFrom::parse(text)
+                    .map_err(|e| self.push(&format!("{path}.key"), e))
+                    .ok()
+            }),
+            max_keys: self.count(
+                &format!("{path}.max_keys"),
+                d.max_keys,
+                default.max_keys,
+                1..=MAX_KEYS,
+            ),
+            key_idle: self.duration(
+                &format!("{path}.key_idle"),
+                d.key_idle,
+                default.key_idle,
+                MAX_KEY_IDLE,
+            ),
             rate,
         };
+        // A key's budget forgotten sooner than its interval or a quota window would let the
+        // key start afresh while its last slots still count.
+        let longest = pace
+            .quota
+            .iter()
+            .map(|q| q.per)
+            .chain([Duration::from_secs_f64(1.0 / rate.max(MIN_RATE))])
+            .max()
+            .unwrap_or_default();
+        if pace.key.is_some() && pace.key_idle < longest {
+            self.push(
+                &format!("{path}.key_idle"),
+                format!(
+                    "must be at least the interval and every quota window ({}): a key forgotten sooner would start afresh while its last slots still count",
+                    humantime::format_duration(longest)
+                ),
+            );
+        }
         for (i, q) in pace.quota.iter().enumerate() {
             if !(1..=MAX_QUOTA_LIMIT).contains(&q.limit) {
                 self.push(

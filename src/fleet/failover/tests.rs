@@ -118,6 +118,18 @@ impl Store for Fake {
         self.answer(self.inner.wait_list(destination, queues))
     }
 
+    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
+        self.answer(self.inner.key_secret())
+    }
+
+    fn forget_keys<'a>(
+        &'a self,
+        parent: &'a str,
+        idle: Duration,
+    ) -> StoreFuture<'a, Result<u64, StoreError>> {
+        self.answer(self.inner.forget_keys(parent, idle))
+    }
+
     fn record<'a>(
         &'a self,
         destination: &'a str,

@@ -23,6 +23,9 @@ use crate::signals::Family;
 struct StateFile {
     version: u32,
     destinations: BTreeMap<String, Persisted>,
+    /// The secret that keys credentials' hashes, in hex (see `Store::key_secret`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    key_secret: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,7 +67,7 @@ const SAVE_SENDS_EVERY: Duration = Duration::from_secs(1);
 impl MemoryStore {
     /// Opens a store persisted at `state_file`, loading what a previous run left there.
     pub fn open(state_file: &Path) -> Result<Self, StoreError> {
-        let store = Self {
+        let mut store = Self {
             state_file: Some(state_file.to_owned()),
             ..Self::ephemeral()
         };
@@ -84,6 +87,18 @@ impl MemoryStore {
                 state_file.display()
             ))
         })?;
+        if let Some(secret) = &file.key_secret {
+            let bytes: [u8; 32] = hex::decode(secret)
+                .ok()
+                .and_then(|b| b.try_into().ok())
+                .ok_or_else(|| {
+                    StoreError::File(format!(
+                        "state file {}: key_secret is not 32 bytes in hex; move the file aside to start afresh",
+                        state_file.display()
+                    ))
+                })?;
+            store.key_secret = Arc::new(bytes);
+        }
         let mut budgets = store.budgets.lock();
         for (name, p) in file.destinations {
             budgets.insert(
@@ -145,6 +160,7 @@ impl MemoryStore {
         let _writing = self.writer.lock().await;
         let file = StateFile {
             version: 1,
+            key_secret: Some(hex::encode(*self.key_secret)),
             destinations: self
                 .budgets
                 .lock()

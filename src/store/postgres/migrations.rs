@@ -60,6 +60,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "waiting_lease",
         include_str!("../../../migrations/0010_waiting_lease.sql"),
     ),
+    (
+        11,
+        "key_secret",
+        include_str!("../../../migrations/0011_key_secret.sql"),
+    ),
 ];
 
 /// Every SQL function of the store, each defined once, re-applied by every migration whose

@@ -3,7 +3,7 @@
 
 /// The common case of a reservation, as one UPDATE: one request waits here and none anywhere
 /// else (so it deserves the slot, and no share is owed), the destination has no quota
-/// window, the row exists, is not locked, and the slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
+/// window, the row exists, is not locked (nor is its parent, for a key's budget), and the slot is within the limit. `t` is `$2 * backoff` seconds and the burst tolerance
 /// `($3 - 1) * t`; the slot is returned from the new row as `GREATEST(now, next_at - t -
 /// tolerance, paused_until)`, which equals the slot the SET computed from the old row.
 /// When no row comes back (missing row, lockout, slot too late), `SQL_RESERVE` runs and says
@@ -21,6 +21,8 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
       AND b.credits = '{}'
       AND (b.vendor_reset IS NULL OR b.vendor_reset <= c.now)
       AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = $1)
+      AND NOT EXISTS (SELECT 1 FROM pacegate_budgets AS p WHERE position('#' in $1) > 0
+          AND p.destination = split_part($1, '#', 1) AND p.lock_status IS NOT NULL)
       AND ($4::float8 IS NULL OR
            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
                <= c.now + make_interval(secs => $4::float8))
@@ -150,3 +152,21 @@ pub(super) const SQL_SNAPSHOT: &str = concat!(
         WHERE qw.destination = d.destination) AS q ON true
     ORDER BY d.n"
 );
+/// The secret that keys credentials' hashes (made once by migration 0011).
+pub(super) const SQL_KEY_SECRET: &str = "SELECT secret FROM pacegate_key_secret";
+/// Deletes the budgets of `$1`'s keys idle for `$2` seconds (see `Store::forget_keys`), with
+/// their quota windows' sends and any wait list left, and counts them. A reservation that
+/// holds a row keeps it: the delete waits for the row, then sees its new slot.
+pub(super) const SQL_FORGET_KEYS: &str = "WITH gone AS (
+        DELETE FROM pacegate_budgets AS b
+        WHERE starts_with(b.destination, $1 || '#')
+          AND b.lock_status IS NULL
+          AND greatest(b.next_at, b.paused_until) < clock_timestamp() - make_interval(secs => $2)
+          AND NOT EXISTS (SELECT 1 FROM pacegate_sends AS s WHERE s.destination = b.destination
+              AND s.at > clock_timestamp() - make_interval(secs => $2))
+          AND NOT EXISTS (SELECT 1 FROM pacegate_waiting AS w WHERE w.destination = b.destination
+              AND w.live_until > clock_timestamp())
+        RETURNING b.destination),
+    sends AS (DELETE FROM pacegate_sends AS s USING gone WHERE s.destination = gone.destination),
+    waiting AS (DELETE FROM pacegate_waiting AS w USING gone WHERE w.destination = gone.destination)
+    SELECT count(*) FROM gone";

@@ -1,0 +1,161 @@
+//! Budgets split by key (`key = "host"`, `"proxy-user"` or `"header:NAME"`): the key a
+//! request takes, its lane made on first use and bounded by `max_keys`, a credential named
+//! only by a keyed hash, and the sweep that forgets keys gone idle, here and in the store.
+//!
+//! A key's lane is a lane like any other (its own dispatcher, schedule, backoff, pauses and
+//! quota windows, shared by every instance through the store under `PARENT#KEY`), with its
+//! parent's rule, counts and lockout (see [`Lane::key`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+use ring::hmac;
+use tokio::time::Instant;
+
+use super::lane::Lane;
+use super::{PaceError, Pacer, Route};
+use crate::destination::KeyFrom;
+
+/// How much of a credential's keyed hash names its key: 64 bits, written as 16 hex digits.
+/// Among a million keys the chance that two share a name is below one in 30 million.
+const KEY_BYTES: usize = 8;
+
+/// The sweep's period: a quarter of the shortest `key_idle`, within these bounds.
+const SWEEP_MIN: Duration = Duration::from_secs(1);
+const SWEEP_MAX: Duration = Duration::from_secs(60);
+
+/// What a request offers to be keyed by.
+pub struct Asking<'a> {
+    /// The target host, as routed.
+    pub host: &'a str,
+    /// The proxy user the client authenticated as.
+    pub user: Option<&'a str>,
+    /// The request's headers.
+    pub headers: &'a HeaderMap,
+}
+
+impl Pacer {
+    /// The route of the budget `asking`'s key takes in `route`'s budget, its lane made on
+    /// first use; `route` itself where the budget is not split by key. A new key past
+    /// `max_keys` is refused, never sent unpaced.
+    pub(crate) async fn keyed(&self, route: Route, asking: &Asking<'_>) -> Result<Route, PaceError> {
+        let keys = route.lane.keys();
+        let Some(from) = &keys.pace.key else {
+            return Ok(route);
+        };
+        let key = self.key_of(from, asking).await?;
+        let lane = self.key_lane(&route.lane, &key)?;
+        Ok(Route {
+            lane,
+            lanes: route.lanes,
+        })
+    }
+
+    /// The lane of `parent`'s key `key`, made (and its dispatcher started) if it is new.
+    pub(super) fn key_lane(&self, parent: &Arc<Lane>, key: &str) -> Result<Arc<Lane>, PaceError> {
+        let lane = {
+            let mut children = parent.children.lock();
+            match children.get(key) {
+                Some(lane) => lane.clone(),
+                None => {
+                    let max_keys = parent.keys().pace.max_keys;
+                    if children.len() >= max_keys {
+                        self.metrics
+                            .keys_refused
+                            .with_label_values(&[&parent.label])
+                            .inc();
+                        return Err(PaceError::TooManyKeys {
+                            budget: parent.name.to_string(),
+                            max_keys,
+                            key_idle: parent.keys().pace.key_idle,
+                        });
+                    }
+                    let lane = Arc::new(Lane::key(parent, key));
+                    children.insert(Arc::from(key), lane.clone());
+                    self.dispatch(&lane);
+                    lane
+                }
+            }
+        };
+        *lane.last_used.lock() = Instant::now();
+        Ok(lane)
+    }
+
+    /// The key `asking` takes by `from`: the host as it is, anything else as its keyed hash.
+    async fn key_of(&self, from: &KeyFrom, asking: &Asking<'_>) -> Result<String, PaceError> {
+        let value: &[u8] = match from {
+            KeyFrom::Host => return Ok(asking.host.to_ascii_lowercase()),
+            KeyFrom::ProxyUser => asking.user.unwrap_or_default().as_bytes(),
+            KeyFrom::Header(name) => asking
+                .headers
+                .get(name)
+                .map_or(&b""[..], |v| v.as_bytes()),
+        };
+        let secret = self
+            .key_secret
+            .get_or_try_init(|| async {
+                let bytes = self.store.key_secret().await?;
+                Ok::<_, PaceError>(hmac::Key::new(hmac::HMAC_SHA256, &bytes))
+            })
+            .await?;
+        Ok(hex::encode(&hmac::sign(secret, value).as_ref()[..KEY_BYTES]))
+    }
+
+    /// Forgets, every so often, the keys gone idle for their budget's `key_idle`: here, their
+    /// lanes (none that a request holds), and in the store, their budgets (every instance's).
+    /// Runs until the pacer stops.
+    pub async fn keep_keys(self: Arc<Self>) {
+        loop {
+            let split: Vec<Arc<Lane>> = self
+                .lanes()
+                .into_iter()
+                .filter(|l| l.keys().pace.key.is_some() || !l.children.lock().is_empty())
+                .collect();
+            let every = split
+                .iter()
+                .map(|l| l.keys().pace.key_idle / 4)
+                .min()
+                .unwrap_or(SWEEP_MAX)
+                .clamp(SWEEP_MIN, SWEEP_MAX);
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                () = self.stop.cancelled() => return,
+            }
+            for parent in split {
+                let idle = parent.keys().pace.key_idle;
+                for gone in forget_idle(&parent, idle) {
+                    gone.retire();
+                    self.store.forget_budget(&gone.name);
+                }
+                match self.store.forget_keys(&parent.name, idle).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(budget = %parent.name, n, "idle keys forgotten"),
+                    Err(e) => {
+                        tracing::warn!(budget = %parent.name, "cannot forget idle keys: {e}")
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Takes the lanes of `parent`'s keys idle for `idle` out of its map: none that a request
+/// holds (a route or an admission: only the map and the dispatcher hold an idle lane) or
+/// waits in.
+fn forget_idle(parent: &Lane, idle: Duration) -> Vec<Arc<Lane>> {
+    let mut gone = Vec::new();
+    parent.children.lock().retain(|_, lane| {
+        let idle = Arc::strong_count(lane) <= 2
+            && lane.queue.lock().len() == 0
+            && lane.last_used.lock().elapsed() >= idle;
+        if idle {
+            gone.push(lane.clone());
+        }
+        !idle
+    });
+    gone
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,205 @@
+//! Budgets split by key, on paused time with the memory store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+use prometheus::Registry;
+use tokio::time::Instant;
+
+use super::*;
+use crate::budget::{Event, Lockout, Store};
+use crate::class::{Class, Classes};
+use crate::destination::{Destination, Pace};
+use crate::metrics::Metrics;
+use crate::store::memory::MemoryStore;
+
+const ONE: Class = Class(0);
+
+fn split(rate: f64, key: &str) -> Pace {
+    Pace {
+        key: Some(KeyFrom::parse(key).unwrap()),
+        key_idle: Duration::from_secs(10),
+        ..Pace::new(rate)
+    }
+}
+
+async fn pacer(pace: Pace, store: Arc<dyn Store>) -> Arc<Pacer> {
+    let dest = Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace,
+        ports: Default::default(),
+        allow_private_upstreams: None,
+        groups: Vec::new(),
+    };
+    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
+    let p = Arc::new(Pacer::new(
+        &[dest],
+        Classes::default(),
+        store,
+        metrics,
+        "test".into(),
+    ));
+    p.start().await.unwrap();
+    p
+}
+
+fn token(value: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert("authorization", value.parse().unwrap());
+    h
+}
+
+/// The route of a request to host `host` with `headers`.
+async fn route(p: &Pacer, host: &str, headers: &HeaderMap) -> Result<Route, PaceError> {
+    let asking = Asking {
+        host,
+        user: None,
+        headers,
+    };
+    p.keyed(p.destination("d").unwrap(), &asking).await
+}
+
+/// Admits `n` requests of `route` at once; returns when each was granted, from `start`.
+async fn grants(p: &Arc<Pacer>, route: &Route, n: usize, start: Instant) -> Vec<Duration> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (p, route) = (p.clone(), route.clone());
+            tokio::spawn(async move {
+                let far = Instant::now() + Duration::from_secs(3600);
+                drop(p.admit(&route, ONE, far).await.unwrap());
+                Instant::now() - start
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_key_keeps_its_own_pace_and_none_waits_for_another() {
+    let p = pacer(split(2.0, "header:authorization"), Arc::new(MemoryStore::ephemeral())).await;
+    let start = Instant::now();
+    let t1 = route(&p, "h", &token("Bearer one")).await.unwrap();
+    let t2 = route(&p, "h", &token("Bearer two")).await.unwrap();
+    assert_ne!(t1.name(), t2.name());
+    let (a, b) = tokio::join!(grants(&p, &t1, 4, start), grants(&p, &t2, 4, start));
+    let ms = |v: &[u64]| v.iter().map(|m| Duration::from_millis(*m)).collect::<Vec<_>>();
+    assert_eq!(a, ms(&[0, 500, 1000, 1500]), "token one at 2/s");
+    assert_eq!(b, ms(&[0, 500, 1000, 1500]), "token two beside it, not behind it");
+    let again = route(&p, "h", &token("Bearer one")).await.unwrap();
+    assert_eq!(again.name(), t1.name(), "the same credential, the same budget");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_credential_is_named_by_its_keyed_hash_the_same_for_every_instance() {
+    let store = MemoryStore::ephemeral();
+    let other = Arc::new(store.instance("other"));
+    let p = pacer(split(2.0, "header:authorization"), Arc::new(store)).await;
+    let q = pacer(split(2.0, "header:authorization"), other).await;
+    let secret = "Bearer s3cr3t-token";
+    let r = route(&p, "h", &token(secret)).await.unwrap();
+    let name = r.name().to_string();
+    let key = name.strip_prefix("d#").expect("PARENT#KEY");
+    assert_eq!(key.len(), 16, "{name}");
+    assert!(key.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+    assert!(!name.contains("s3cr3t"), "{name}");
+    assert_eq!(
+        route(&q, "h", &token(secret)).await.unwrap().name().to_string(),
+        name,
+        "another instance on the store names it alike"
+    );
+    let status = serde_json::to_string(&p.status().await).unwrap();
+    assert!(status.contains(key) && !status.contains("s3cr3t"), "{status}");
+    // A host is no secret: it names its key as it is.
+    let hosts = pacer(split(2.0, "host"), Arc::new(MemoryStore::ephemeral())).await;
+    let r = route(&hosts, "API.example.com", &HeaderMap::new()).await.unwrap();
+    assert_eq!(&**r.name(), "d#api.example.com");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_key_past_max_keys_is_refused_until_one_idles_out() {
+    let p = pacer(
+        Pace {
+            max_keys: 2,
+            ..split(10.0, "host")
+        },
+        Arc::new(MemoryStore::ephemeral()),
+    )
+    .await;
+    tokio::spawn(p.clone().keep_keys());
+    let none = HeaderMap::new();
+    let a = route(&p, "a", &none).await.unwrap();
+    route(&p, "b", &none).await.unwrap();
+    match route(&p, "c", &none).await {
+        Err(PaceError::TooManyKeys { budget, max_keys, .. }) => {
+            assert_eq!((budget.as_str(), max_keys), ("d", 2))
+        }
+        other => panic!("expected TooManyKeys, got {other:?}"),
+    }
+    assert!(route(&p, "a", &none).await.is_ok(), "a kept key still goes");
+    assert_eq!(p.metrics.keys_refused.with_label_values(&["d"]).get(), 1);
+    // `b` idles out after key_idle (10 s); `a`, held by a route, does not.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    let c = route(&p, "c", &none).await.expect("room made by b");
+    assert_eq!(&**c.name(), "d#c");
+    let live: Vec<String> = {
+        let lane = &p.destination("d").unwrap().lane;
+        let mut keys: Vec<String> = lane.children.lock().keys().map(|k| k.to_string()).collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(live, ["a", "c"], "b forgotten, a held");
+    drop(a);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lockout_on_one_key_halts_every_key_even_new_ones() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::ephemeral());
+    let p = pacer(split(10.0, "host"), store.clone()).await;
+    let none = HeaderMap::new();
+    let a = route(&p, "a", &none).await.unwrap();
+    let b = route(&p, "b", &none).await.unwrap();
+    let far = Instant::now() + Duration::from_secs(3600);
+    let admission = p.admit(&a, ONE, far).await.unwrap();
+    let reading = p.read(&admission, 403, &HeaderMap::new());
+    p.observe(&admission, reading, 403, None, || "GET http://a/".into())
+        .await;
+    drop(admission);
+    for r in [&a, &b, &route(&p, "new", &none).await.unwrap()] {
+        match p.admit(r, ONE, far).await {
+            Err(PaceError::Locked { destination, lock }) => {
+                assert_eq!((destination.as_str(), lock.status), ("d", 403), "{r:?}")
+            }
+            Ok(_) => panic!("{r:?} was admitted while locked"),
+            Err(e) => panic!("{r:?}: {e}"),
+        }
+    }
+    assert!(store.view("d").await.unwrap().lock.is_some(), "kept on the parent");
+    assert!(store.view("d#a").await.unwrap().lock.is_none(), "not on the key");
+    p.unlock("d").await.unwrap();
+    assert!(p.admit(&b, ONE, far).await.is_ok(), "unlocked: every key goes again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lockout_taken_elsewhere_halts_a_key_at_its_next_reservation() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::ephemeral());
+    let p = pacer(split(10.0, "host"), store.clone()).await;
+    let a = route(&p, "a", &HeaderMap::new()).await.unwrap();
+    let lock = Lockout::new(403, "GET http://b/".into(), "another".into());
+    let rule = p.destination("d").unwrap().lane.keys().rule.clone();
+    store
+        .record("d", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    let far = Instant::now() + Duration::from_secs(3600);
+    assert!(matches!(
+        p.admit(&a, ONE, far).await,
+        Err(PaceError::Locked { .. })
+    ));
+}
