@@ -10,6 +10,7 @@ mod batches;
 mod ceiling;
 mod faults;
 mod groups;
+mod keys;
 mod lockouts;
 mod logs;
 mod parent;

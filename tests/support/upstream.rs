@@ -155,6 +155,12 @@ impl FakeUpstream {
 
     /// Starts; `h2` decides whether TLS offers h2 besides HTTP/1.1.
     pub async fn start_with(h2: bool) -> Self {
+        Self::start_on("127.0.0.1", h2).await
+    }
+
+    /// Starts on loopback address `ip` (any of 127.0.0.0/8): another host for a test that
+    /// needs several.
+    pub async fn start_on(ip: &str, h2: bool) -> Self {
         super::init();
         let ca = TestCa::new();
         let state = Arc::new(State {
@@ -165,8 +171,8 @@ impl FakeUpstream {
             gate: Notify::new(),
             slow_start_ms: AtomicU64::new(0),
         });
-        let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let https_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_listener = TcpListener::bind((ip, 0)).await.unwrap();
+        let https_listener = TcpListener::bind((ip, 0)).await.unwrap();
         super::stamped::keep_on();
         // Every accepted socket has them.
         super::stamped::enable(&http_listener);
