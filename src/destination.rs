@@ -38,6 +38,7 @@ impl Pace {
             key: None,
             max_keys: 10_000,
             key_idle: Duration::from_secs(600),
+            total_rate: None,
         }
     }
 }
@@ -452,6 +453,9 @@ pub struct Pace {
     /// How long a key's budget is kept after its last request. Default 10 min.
     #[serde(with = "humantime_serde")]
     pub key_idle: Duration,
+    /// With `key`: a ceiling over every key together (requests per second); each request
+    /// takes a slot in its key's budget and one in the total. Default none.
+    pub total_rate: Option<f64>,
 }
 
 /// The ports an `http://` request may go to without a `ports` entry. As squid's `Safe_ports`

@@ -285,6 +285,7 @@ pub(super) struct RawDestination {
     pub(super) max_keys: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) key_idle: Option<Duration>,
+    pub(super) total_rate: Option<f64>,
     pub(super) groups: Option<BTreeMap<String, RawDestination>>,
     pub(super) paths: Option<Vec<String>>,
     pub(super) methods: Option<Vec<String>>,
@@ -322,7 +323,8 @@ impl RawDestination {
             throttle_body,
             key,
             max_keys,
-            key_idle
+            key_idle,
+            total_rate
         )
     }
 }

@@ -613,6 +613,7 @@ fn keys_are_read_inherited_and_checked() {
         rate = 20
         key = "header:Authorization"
         max_keys = 500
+        total_rate = 60
         [destinations.github.groups.search]
         paths = ["/search/"]
         rate = 0.5
@@ -633,6 +634,7 @@ fn keys_are_read_inherited_and_checked() {
     let header = KeyFrom::Header(http::HeaderName::from_static("authorization"));
     assert_eq!(github.pace.key.as_ref(), Some(&header));
     assert_eq!((github.pace.max_keys, github.pace.key_idle), (500, Duration::from_secs(600)));
+    assert_eq!(github.pace.total_rate, Some(60.0));
     let search = &github.groups[0].pace;
     assert_eq!(search.key.as_ref(), Some(&header), "inherited");
     assert_eq!((search.max_keys, search.key_idle), (500, Duration::from_secs(3600)));
@@ -663,6 +665,15 @@ fn keys_are_read_inherited_and_checked() {
         key = "host"
         key_idle = "1m"
         quota = [{{ limit = 100, per = "1h" }}]
+        [destinations.e]
+        hosts = ["e.example"]
+        rate = 1
+        total_rate = 5
+        [destinations.f]
+        hosts = ["f.example"]
+        rate = 1
+        key = "host"
+        total_rate = 0
         "#
     ))
     .unwrap_err();
@@ -676,6 +687,8 @@ fn keys_are_read_inherited_and_checked() {
             "destinations.b.max_keys",
             "destinations.c.key_idle",
             "destinations.d.key_idle",
+            "destinations.e.total_rate",
+            "destinations.f.total_rate",
         ],
         "{err:#?}"
     );

@@ -49,13 +49,46 @@ impl Pacer {
                 () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
             },
         };
-        let granted = self.slot(lane, class, started, deadline).await?;
+        let granted = self.both_slots(lane, class, started, deadline).await?;
         let waited = started.elapsed();
         self.metrics
             .wait_seconds
             .with_label_values(&[&lane.label])
             .observe(waited.as_secs_f64());
         Ok(self.sent(route, granted, waited, permit))
+    }
+
+    /// A slot of `lane`, and where its parent paces the keys' total (`total_rate`), one of
+    /// the total too, taken while the key's slot can still be used ([`Lane::send_by`]): the
+    /// request goes on both or on neither. A key's slot the total had no room for by then is
+    /// dropped (counted with the slots dropped), and the request waits for another.
+    async fn both_slots(
+        &self,
+        lane: &Lane,
+        class: Class,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<lane::Grant, PaceError> {
+        loop {
+            let granted = self.slot(lane, class, started, deadline).await?;
+            let Some(total) = lane.total() else {
+                return Ok(granted);
+            };
+            let by = lane.send_by(&granted.slot).min(deadline);
+            match self.slot(total, class, started, by).await {
+                Ok(_) => return Ok(granted),
+                Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
+                    self.metrics
+                        .slots_dropped
+                        .with_label_values(&[&lane.label])
+                        .inc();
+                }
+                Err(PaceError::Deadline { .. }) => {
+                    return Err(lane.deadline_error(class, lane.estimated_wait()))
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Shadow mode: lets the request go at once, while a stand-in waits for the slot the

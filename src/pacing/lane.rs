@@ -200,14 +200,16 @@ pub(crate) struct Keys {
 }
 
 impl Keys {
-    fn new(pace: &Pace, classes: &Classes, before: Option<&Keys>) -> Self {
+    /// The keys of a lane by `pace`; `of_key` for a key's lane. The lane of a budget split
+    /// by key paces the keys' total: at `total_rate`, where one is set.
+    fn new(pace: &Pace, classes: &Classes, before: Option<&Keys>, of_key: bool) -> Self {
         // The same semaphore while the bound is the same, so that the permits held count.
         let concurrency = match before {
             Some(k) if k.pace.max_concurrency == pace.max_concurrency => k.concurrency.clone(),
             _ => (pace.max_concurrency > 0).then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
         };
         Self {
-            rule: rule_of(pace, classes),
+            rule: rule_of(pace, classes, of_key),
             pace: pace.clone(),
             concurrency,
         }
@@ -235,7 +237,7 @@ impl Lane {
             children: Mutex::default(),
             last_used: Mutex::new(Instant::now()),
             tally: Arc::new(Tally::new(&classes)),
-            keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None)),
+            keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None, false)),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             classes,
@@ -261,7 +263,7 @@ impl Lane {
             children: Mutex::default(),
             last_used: Mutex::new(Instant::now()),
             tally: parent.tally.clone(),
-            keys: ArcSwap::from_pointee(Keys::new(&pace, &classes, None)),
+            keys: ArcSwap::from_pointee(Keys::new(&pace, &classes, None, true)),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             classes,
@@ -286,6 +288,14 @@ impl Lane {
     /// [`Lane::lock_holder`], as a handle.
     pub(super) fn lock_holder_arc(self: &Arc<Self>) -> Arc<Lane> {
         self.parent.clone().unwrap_or_else(|| self.clone())
+    }
+
+    /// A key's lane whose parent paces the keys' total (`total_rate`): that parent, in which
+    /// each request takes a slot too.
+    pub(super) fn total(&self) -> Option<&Arc<Lane>> {
+        self.parent
+            .as_ref()
+            .filter(|p| p.keys().pace.total_rate.is_some())
     }
 
     /// A key's lane: its key.
@@ -329,7 +339,12 @@ impl Lane {
     pub(super) fn reconfigure(&self, pace: &Pace) {
         let before = self.keys();
         self.keys
-            .store(Arc::new(Keys::new(pace, &self.classes, Some(&before))));
+            .store(Arc::new(Keys::new(
+                pace,
+                &self.classes,
+                Some(&before),
+                self.parent.is_some(),
+            )));
         // A dispatcher sleeping on the old interval re-reads the rule.
         self.work.notify_one();
         for key in self.key_lanes() {
@@ -538,12 +553,17 @@ impl Lane {
     }
 }
 
-/// The budget arithmetic's rule for a destination's pacing keys and the classes' shares.
-fn rule_of(pace: &Pace, classes: &Classes) -> Rule {
+/// The budget arithmetic's rule for a destination's pacing keys and the classes' shares:
+/// `of_key` for a key's budget; else, for a budget split by key, the keys' total.
+fn rule_of(pace: &Pace, classes: &Classes, of_key: bool) -> Rule {
+    let rate = match pace.total_rate {
+        Some(total) if !of_key && pace.key.is_some() => total,
+        _ => pace.rate,
+    };
     Rule {
         shares: Arc::from(classes.shares()),
         quota: pace.quota.clone(),
-        interval: Duration::from_secs_f64(1.0 / pace.rate),
+        interval: Duration::from_secs_f64(1.0 / rate),
         burst: pace.burst,
         backoff_factor: pace.backoff_factor,
         backoff_max: pace.backoff_max,

@@ -314,3 +314,83 @@ async fn max_keys_refuses_a_new_key_until_idle_ones_are_forgotten_here_and_in_th
     })
     .await;
 }
+
+/// Through each instance at once: 2 requests with each of three tokens, to `/total/...`.
+/// Returns every arrival, and each token's.
+async fn three_tokens(fleet: &Fleet, upstream: &FakeUpstream) -> (Vec<Instant>, Vec<Vec<Instant>>) {
+    let base = upstream.http_url("localhost");
+    let mut tasks = Vec::new();
+    for i in 0..2 {
+        for t in 0..3 {
+            for k in 0..2 {
+                let (via, url) = (fleet.client(i), format!("{base}/total/t{t}/{i}/{k}"));
+                tasks.push(tokio::spawn(async move {
+                    via.get(url)
+                        .header("authorization", format!("Bearer {t}"))
+                        .send()
+                        .await
+                        .unwrap()
+                        .status()
+                }));
+            }
+        }
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let each = (0..3)
+        .map(|t| {
+            let prefix = format!("/total/t{t}/");
+            let mut at: Vec<Instant> = upstream
+                .recorded()
+                .iter()
+                .filter(|r| r.path.starts_with(&prefix))
+                .map(|r| r.at)
+                .collect();
+            at.sort();
+            at
+        })
+        .collect();
+    (arrivals_of(upstream, "total"), each)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn total_rate_holds_over_every_key_and_each_key_keeps_its_own() {
+    let _alone = alone().await;
+    let upstream = FakeUpstream::start().await;
+    let fleet = Fleet::start_n(
+        2,
+        &postgres(&testdb::fresh().await),
+        "rate = 5\nkey = \"header:authorization\"\ntotal_rate = 3",
+    )
+    .await;
+    let (all, each) = three_tokens(&fleet, &upstream).await;
+    // 12 requests at a total of 3/s over both instances: 3.67 s, at most 4 in any second.
+    assert!(
+        busiest(&all, Duration::from_secs(1)) <= 4,
+        "{}",
+        fleet.explain(&upstream)
+    );
+    assert!(span(&all) >= Duration::from_millis(3300), "{:?}", span(&all));
+    for (t, at) in each.iter().enumerate() {
+        assert!(busiest(at, Duration::from_secs(1)) <= 6, "token {t}: {at:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_without_total_rate_the_keys_together_go_past_it() {
+    let _alone = alone().await;
+    let upstream = FakeUpstream::start().await;
+    let fleet = Fleet::start_n(
+        2,
+        &postgres(&testdb::fresh().await),
+        "rate = 5\nkey = \"header:authorization\"",
+    )
+    .await;
+    let (all, _) = three_tokens(&fleet, &upstream).await;
+    assert!(
+        busiest(&all, Duration::from_secs(1)) > 4,
+        "three keys at 5/s each stayed within 4 a second: {}",
+        fleet.explain(&upstream)
+    );
+}

@@ -112,8 +112,22 @@ impl Validator<'_> {
                 default.key_idle,
                 MAX_KEY_IDLE,
             ),
+            total_rate: d.total_rate,
             rate,
         };
+        if let Some(total) = pace.total_rate {
+            if pace.key.is_none() {
+                self.push(
+                    &format!("{path}.total_rate"),
+                    "applies only with `key`: without it, `rate` is the one ceiling",
+                );
+            } else if !(total.is_finite() && (MIN_RATE..=1_000_000.0).contains(&total)) {
+                self.push(
+                    &format!("{path}.total_rate"),
+                    format!("must be a number from {MIN_RATE} to 1000000"),
+                );
+            }
+        }
         // A key's budget forgotten sooner than its interval or a quota window would let the
         // key start afresh while its last slots still count.
         let longest = pace

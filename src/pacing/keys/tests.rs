@@ -203,3 +203,44 @@ async fn a_lockout_taken_elsewhere_halts_a_key_at_its_next_reservation() {
         Err(PaceError::Locked { .. })
     ));
 }
+
+/// The most instants of `at` (sorted) within any `window`.
+fn busiest(at: &[Duration], window: Duration) -> usize {
+    (0..at.len())
+        .map(|i| at[i..].iter().take_while(|t| **t - at[i] < window).count())
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_total_rate_each_request_takes_a_slot_of_its_key_and_of_the_total() {
+    let p = pacer(
+        Pace {
+            total_rate: Some(3.0),
+            ..split(2.0, "host")
+        },
+        Arc::new(MemoryStore::ephemeral()),
+    )
+    .await;
+    let start = Instant::now();
+    let none = HeaderMap::new();
+    let mut keys = Vec::new();
+    for host in ["a", "b", "c"] {
+        keys.push(route(&p, host, &none).await.unwrap());
+    }
+    let (a, b, c) = tokio::join!(
+        grants(&p, &keys[0], 3, start),
+        grants(&p, &keys[1], 3, start),
+        grants(&p, &keys[2], 3, start)
+    );
+    let second = Duration::from_secs(1);
+    for (key, at) in [("a", &a), ("b", &b), ("c", &c)] {
+        assert!(busiest(at, second) <= 3, "key {key} at 2/s: {at:?}");
+    }
+    let mut all = [a, b, c].concat();
+    all.sort();
+    // 9 requests at a total of 3/s: a slot every 333 ms, the last after 2.67 s.
+    assert!(busiest(&all, second) <= 4, "{all:?}");
+    assert!(all[8] >= Duration::from_millis(2660), "{all:?}");
+    // Without the total, the three keys would be done in 1 s.
+}
