@@ -155,10 +155,14 @@ impl Budget {
     /// Whether nothing has happened on the budget for `idle` by `now`: its next slot, its
     /// latest quota window's send and any pause lie that far back, and nobody waits for it.
     pub fn idle_for(&self, now: Duration, idle: Duration) -> bool {
-        let last = [self.next_at, self.paused_until, self.sends.back().copied().unwrap_or_default()]
-            .into_iter()
-            .max()
-            .unwrap_or_default();
+        let last = [
+            self.next_at,
+            self.paused_until,
+            self.sends.back().copied().unwrap_or_default(),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or_default();
         self.waiting.values().all(Vec::is_empty) && last + idle <= now
     }
 

@@ -633,11 +633,17 @@ fn keys_are_read_inherited_and_checked() {
     let github = by("github");
     let header = KeyFrom::Header(http::HeaderName::from_static("authorization"));
     assert_eq!(github.pace.key.as_ref(), Some(&header));
-    assert_eq!((github.pace.max_keys, github.pace.key_idle), (500, Duration::from_secs(600)));
+    assert_eq!(
+        (github.pace.max_keys, github.pace.key_idle),
+        (500, Duration::from_secs(600))
+    );
     assert_eq!(github.pace.total_rate, Some(60.0));
     let search = &github.groups[0].pace;
     assert_eq!(search.key.as_ref(), Some(&header), "inherited");
-    assert_eq!((search.max_keys, search.key_idle), (500, Duration::from_secs(3600)));
+    assert_eq!(
+        (search.max_keys, search.key_idle),
+        (500, Duration::from_secs(3600))
+    );
     assert_eq!(by("crawl").pace.key, Some(KeyFrom::Host));
     assert!(!KeyFrom::Host.is_credential());
     assert_eq!(by("tenants").pace.key, Some(KeyFrom::ProxyUser));
@@ -693,5 +699,8 @@ fn keys_are_read_inherited_and_checked() {
         "{err:#?}"
     );
     let text = format!("{err:?}");
-    assert!(text.contains("header:NAME") && text.contains("start afresh"), "{text}");
+    assert!(
+        text.contains("header:NAME") && text.contains("start afresh"),
+        "{text}"
+    );
 }

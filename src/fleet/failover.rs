@@ -42,8 +42,8 @@ use super::heartbeat::{self, Health};
 use super::standing::{Alone, Split, Standing, StandingGauges};
 use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
 use crate::budget::{
-    halted_by, Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule, Snapshot,
-    Store, StoreError, StoreFuture,
+    halted_by, Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule,
+    Snapshot, Store, StoreError, StoreFuture,
 };
 use crate::config::OnUnavailable;
 use crate::destination::Quota;

@@ -194,7 +194,12 @@ impl Pacer {
         let lane = &route.lane;
         let now = Instant::now();
         lane.tally.sends.lock().record(now);
-        if let Some(log) = lane.tally.granted.lock().get_mut(usize::from(granted.class.0)) {
+        if let Some(log) = lane
+            .tally
+            .granted
+            .lock()
+            .get_mut(usize::from(granted.class.0))
+        {
             log.record(now);
         }
         self.metrics

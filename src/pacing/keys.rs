@@ -39,7 +39,11 @@ impl Pacer {
     /// The route of the budget `asking`'s key takes in `route`'s budget, its lane made on
     /// first use; `route` itself where the budget is not split by key. A new key past
     /// `max_keys` is refused, never sent unpaced.
-    pub(crate) async fn keyed(&self, route: Route, asking: &Asking<'_>) -> Result<Route, PaceError> {
+    pub(crate) async fn keyed(
+        &self,
+        route: Route,
+        asking: &Asking<'_>,
+    ) -> Result<Route, PaceError> {
         let keys = route.lane.keys();
         let Some(from) = &keys.pace.key else {
             return Ok(route);
@@ -87,10 +91,7 @@ impl Pacer {
         let value: &[u8] = match from {
             KeyFrom::Host => return Ok(asking.host.to_ascii_lowercase()),
             KeyFrom::ProxyUser => asking.user.unwrap_or_default().as_bytes(),
-            KeyFrom::Header(name) => asking
-                .headers
-                .get(name)
-                .map_or(&b""[..], |v| v.as_bytes()),
+            KeyFrom::Header(name) => asking.headers.get(name).map_or(&b""[..], |v| v.as_bytes()),
         };
         let secret = self
             .key_secret
@@ -99,7 +100,9 @@ impl Pacer {
                 Ok::<_, PaceError>(hmac::Key::new(hmac::HMAC_SHA256, &bytes))
             })
             .await?;
-        Ok(hex::encode(&hmac::sign(secret, value).as_ref()[..KEY_BYTES]))
+        Ok(hex::encode(
+            &hmac::sign(secret, value).as_ref()[..KEY_BYTES],
+        ))
     }
 
     /// Forgets, every so often, the keys gone idle for their budget's `key_idle`: here, their

@@ -338,13 +338,12 @@ impl Lane {
     /// takes a fresh semaphore: requests in flight keep the permits of the old one.
     pub(super) fn reconfigure(&self, pace: &Pace) {
         let before = self.keys();
-        self.keys
-            .store(Arc::new(Keys::new(
-                pace,
-                &self.classes,
-                Some(&before),
-                self.parent.is_some(),
-            )));
+        self.keys.store(Arc::new(Keys::new(
+            pace,
+            &self.classes,
+            Some(&before),
+            self.parent.is_some(),
+        )));
         // A dispatcher sleeping on the old interval re-reads the rule.
         self.work.notify_one();
         for key in self.key_lanes() {

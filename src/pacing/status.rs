@@ -10,10 +10,10 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
+use super::lane::Lane;
 use super::lane::StoreSaid;
 use super::Pacer;
 use crate::budget::{BudgetView, PauseCause, Rule};
-use super::lane::Lane;
 use crate::status::{
     ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus, QuotaStatus, VendorStatus,
     TOP_KEYS,
@@ -260,7 +260,12 @@ impl Pacer {
             top.sort_by_key(rank);
         }
         Some(KeysStatus {
-            key: keys.pace.key.as_ref().map(ToString::to_string).unwrap_or_default(),
+            key: keys
+                .pace
+                .key
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
             live: key_lanes.len(),
             max_keys: keys.pace.max_keys,
             top,

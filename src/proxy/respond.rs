@@ -342,9 +342,9 @@ impl ProxyError {
                 Some(1)
             }
             // A key makes room once one idles out; the sweep runs at least every minute.
-            Self::Paced(PaceError::TooManyKeys { key_idle, .. }) => {
-                Some(retry_after_secs((*key_idle).min(std::time::Duration::from_secs(60))))
-            }
+            Self::Paced(PaceError::TooManyKeys { key_idle, .. }) => Some(retry_after_secs(
+                (*key_idle).min(std::time::Duration::from_secs(60)),
+            )),
             _ => None,
         };
         if let Some(secs) = retry_after {

@@ -14,8 +14,8 @@ use tokio::time::Instant;
 
 use crate::budget::schedule::{Budget, NoSlot, Waiting};
 use crate::budget::{
-    halted_by, Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation, Reservation,
-    ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
+    halted_by, Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation,
+    Reservation, ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
 };
 use crate::fleet::failover::Fallback;
 use crate::fleet::Instance;

@@ -69,7 +69,11 @@ async fn two_tokens_each_keep_their_own_budget_over_both_instances_and_stay_secr
             "token {t}: {}",
             fleet.explain(&upstream)
         );
-        assert!(span(at) >= Duration::from_millis(2200), "token {t}: {:?}", span(at));
+        assert!(
+            span(at) >= Duration::from_millis(2200),
+            "token {t}: {:?}",
+            span(at)
+        );
     }
     // Side by side, not one after the other (which takes 5.5 s, as the control shows).
     let all: Vec<Instant> = tokens.concat();
@@ -99,7 +103,10 @@ async fn two_tokens_each_keep_their_own_budget_over_both_instances_and_stay_secr
             serde_json::to_string(&instance.logs.json()).unwrap(),
         ];
         for text in everything {
-            assert!(!text.contains("SECRETVALUE"), "instance {i} shows a token: {text}");
+            assert!(
+                !text.contains("SECRETVALUE"),
+                "instance {i} shows a token: {text}"
+            );
         }
     }
     assert_eq!(shown[0], shown[1], "both instances name the keys alike");
@@ -143,7 +150,10 @@ async fn to_each_host(fleet: &Fleet, upstreams: &[FakeUpstream]) -> Vec<Vec<Inst
         for (h, upstream) in upstreams.iter().enumerate() {
             let ip = upstream.http.ip().to_string();
             for k in 0..3 {
-                let (via, url) = (fleet.client(i), format!("{}/h{h}/{i}/{k}", upstream.http_url(&ip)));
+                let (via, url) = (
+                    fleet.client(i),
+                    format!("{}/h{h}/{i}/{k}", upstream.http_url(&ip)),
+                );
                 tasks.push(tokio::spawn(async move {
                     via.get(url).send().await.unwrap().status()
                 }));
@@ -172,7 +182,11 @@ async fn three_hosts_each_keep_their_own_pace() {
         assert_eq!(at.len(), 6);
         // 6 requests per host at 4/s over both instances: 1.25 s.
         assert!(busiest(at, Duration::from_secs(1)) <= 5, "host {h}: {at:?}");
-        assert!(span(at) >= Duration::from_millis(1000), "host {h}: {:?}", span(at));
+        assert!(
+            span(at) >= Duration::from_millis(1000),
+            "host {h}: {:?}",
+            span(at)
+        );
     }
     let all = hosts.concat();
     assert!(
@@ -195,7 +209,13 @@ async fn control_without_keys_three_hosts_wait_for_each_other() {
 }
 
 /// A GET of `path` with token `token` through instance `i`: its status and `Proxy-Status`.
-async fn get(fleet: &Fleet, upstream: &FakeUpstream, i: usize, token: &str, path: &str) -> (u16, String) {
+async fn get(
+    fleet: &Fleet,
+    upstream: &FakeUpstream,
+    i: usize,
+    token: &str,
+    path: &str,
+) -> (u16, String) {
     let resp = fleet
         .client(i)
         .get(format!("{}/{path}", upstream.http_url("localhost")))
@@ -224,7 +244,11 @@ async fn a_lockout_halts_every_key_on_every_instance_and_a_throttle_only_its_own
     // The control first: a throttle with a long Retry-After pauses its own key only.
     let (status, _) = get(&fleet, &upstream, 0, "a", "status/429?h=Retry-After:30").await;
     assert_eq!(status, 429);
-    assert_eq!(get(&fleet, &upstream, 1, "b", "b-goes").await.0, 200, "b is not paused");
+    assert_eq!(
+        get(&fleet, &upstream, 1, "b", "b-goes").await.0,
+        200,
+        "b is not paused"
+    );
     let waiting_a = {
         let via = fleet.client(1);
         let url = format!("{}/a-paused", upstream.http_url("localhost"));
@@ -247,11 +271,21 @@ async fn a_lockout_halts_every_key_on_every_instance_and_a_throttle_only_its_own
         assert_eq!(status, 403, "instance {i}, token {token}");
         assert!(proxy_status.contains("locked out"), "{proxy_status}");
     }
-    assert_eq!(upstream.recorded().len(), before, "nothing reached the upstream");
+    assert_eq!(
+        upstream.recorded().len(),
+        before,
+        "nothing reached the upstream"
+    );
 
     // One unlock frees every key.
-    let unlock = format!("http://{}/destinations/local/unlock", fleet.instances[1].admin);
-    assert_eq!(admin_client().post(unlock).send().await.unwrap().status(), 200);
+    let unlock = format!(
+        "http://{}/destinations/local/unlock",
+        fleet.instances[1].admin
+    );
+    assert_eq!(
+        admin_client().post(unlock).send().await.unwrap().status(),
+        200
+    );
     for (i, token) in [(0, "c-new"), (1, "d-new")] {
         eventually(Duration::from_secs(5), "unlocked", || async {
             (get(&fleet, &upstream, i, token, "again").await.0 == 200).then_some(())
@@ -288,7 +322,9 @@ async fn max_keys_refuses_a_new_key_until_idle_ones_are_forgotten_here_and_in_th
     assert!(proxy_status.contains("max_keys"), "{proxy_status}");
     assert!(arrivals_of(&upstream, "refused").is_empty());
     assert_eq!(
-        fleet.metric(0, "pacegate_keys_refused_total{destination=\"local\"}").await,
+        fleet
+            .metric(0, "pacegate_keys_refused_total{destination=\"local\"}")
+            .await,
         1.0
     );
     // Once a and b idle out (2 s, swept every second), c goes, and their budgets are gone
@@ -301,17 +337,21 @@ async fn max_keys_refuses_a_new_key_until_idle_ones_are_forgotten_here_and_in_th
         .await
         .unwrap();
     tokio::spawn(conn);
-    eventually(Duration::from_secs(10), "idle keys deleted from the store", || async {
-        let left = client
-            .query_one(
-                "SELECT count(*) FROM pacegate_budgets WHERE destination = ANY($1)",
-                &[&idle],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0);
-        (left == 0).then_some(())
-    })
+    eventually(
+        Duration::from_secs(10),
+        "idle keys deleted from the store",
+        || async {
+            let left = client
+                .query_one(
+                    "SELECT count(*) FROM pacegate_budgets WHERE destination = ANY($1)",
+                    &[&idle],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0);
+            (left == 0).then_some(())
+        },
+    )
     .await;
 }
 
@@ -371,9 +411,16 @@ async fn total_rate_holds_over_every_key_and_each_key_keeps_its_own() {
         "{}",
         fleet.explain(&upstream)
     );
-    assert!(span(&all) >= Duration::from_millis(3300), "{:?}", span(&all));
+    assert!(
+        span(&all) >= Duration::from_millis(3300),
+        "{:?}",
+        span(&all)
+    );
     for (t, at) in each.iter().enumerate() {
-        assert!(busiest(at, Duration::from_secs(1)) <= 6, "token {t}: {at:?}");
+        assert!(
+            busiest(at, Duration::from_secs(1)) <= 6,
+            "token {t}: {at:?}"
+        );
     }
 }
 

@@ -50,10 +50,22 @@ pub(super) async fn idle_keys_are_forgotten_and_no_others(store: &impl Store) {
         .wait_list("d#waits", &[waiting(super::INTERACTIVE, 1, 0)])
         .await
         .unwrap();
-    assert_eq!(store.forget_keys("d", idle).await.unwrap(), 1, "only d#idle");
-    assert_eq!(store.view("d#idle").await.unwrap().backoff, 1.0, "forgotten");
+    assert_eq!(
+        store.forget_keys("d", idle).await.unwrap(),
+        1,
+        "only d#idle"
+    );
+    assert_eq!(
+        store.view("d#idle").await.unwrap().backoff,
+        1.0,
+        "forgotten"
+    );
     assert!(!store.view("d#paused").await.unwrap().paused_for.is_zero());
-    assert_eq!(store.forget_keys("d", idle).await.unwrap(), 0, "nothing left");
+    assert_eq!(
+        store.forget_keys("d", idle).await.unwrap(),
+        0,
+        "nothing left"
+    );
     assert_eq!(
         store.forget_keys("dx", idle).await.unwrap(),
         1,

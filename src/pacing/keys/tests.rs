@@ -83,17 +83,33 @@ async fn grants(p: &Arc<Pacer>, route: &Route, n: usize, start: Instant) -> Vec<
 
 #[tokio::test(start_paused = true)]
 async fn each_key_keeps_its_own_pace_and_none_waits_for_another() {
-    let p = pacer(split(2.0, "header:authorization"), Arc::new(MemoryStore::ephemeral())).await;
+    let p = pacer(
+        split(2.0, "header:authorization"),
+        Arc::new(MemoryStore::ephemeral()),
+    )
+    .await;
     let start = Instant::now();
     let t1 = route(&p, "h", &token("Bearer one")).await.unwrap();
     let t2 = route(&p, "h", &token("Bearer two")).await.unwrap();
     assert_ne!(t1.name(), t2.name());
     let (a, b) = tokio::join!(grants(&p, &t1, 4, start), grants(&p, &t2, 4, start));
-    let ms = |v: &[u64]| v.iter().map(|m| Duration::from_millis(*m)).collect::<Vec<_>>();
+    let ms = |v: &[u64]| {
+        v.iter()
+            .map(|m| Duration::from_millis(*m))
+            .collect::<Vec<_>>()
+    };
     assert_eq!(a, ms(&[0, 500, 1000, 1500]), "token one at 2/s");
-    assert_eq!(b, ms(&[0, 500, 1000, 1500]), "token two beside it, not behind it");
+    assert_eq!(
+        b,
+        ms(&[0, 500, 1000, 1500]),
+        "token two beside it, not behind it"
+    );
     let again = route(&p, "h", &token("Bearer one")).await.unwrap();
-    assert_eq!(again.name(), t1.name(), "the same credential, the same budget");
+    assert_eq!(
+        again.name(),
+        t1.name(),
+        "the same credential, the same budget"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -110,15 +126,24 @@ async fn a_credential_is_named_by_its_keyed_hash_the_same_for_every_instance() {
     assert!(key.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
     assert!(!name.contains("s3cr3t"), "{name}");
     assert_eq!(
-        route(&q, "h", &token(secret)).await.unwrap().name().to_string(),
+        route(&q, "h", &token(secret))
+            .await
+            .unwrap()
+            .name()
+            .to_string(),
         name,
         "another instance on the store names it alike"
     );
     let status = serde_json::to_string(&p.status().await).unwrap();
-    assert!(status.contains(key) && !status.contains("s3cr3t"), "{status}");
+    assert!(
+        status.contains(key) && !status.contains("s3cr3t"),
+        "{status}"
+    );
     // A host is no secret: it names its key as it is.
     let hosts = pacer(split(2.0, "host"), Arc::new(MemoryStore::ephemeral())).await;
-    let r = route(&hosts, "API.example.com", &HeaderMap::new()).await.unwrap();
+    let r = route(&hosts, "API.example.com", &HeaderMap::new())
+        .await
+        .unwrap();
     assert_eq!(&**r.name(), "d#api.example.com");
 }
 
@@ -137,7 +162,9 @@ async fn a_new_key_past_max_keys_is_refused_until_one_idles_out() {
     let a = route(&p, "a", &none).await.unwrap();
     route(&p, "b", &none).await.unwrap();
     match route(&p, "c", &none).await {
-        Err(PaceError::TooManyKeys { budget, max_keys, .. }) => {
+        Err(PaceError::TooManyKeys {
+            budget, max_keys, ..
+        }) => {
             assert_eq!((budget.as_str(), max_keys), ("d", 2))
         }
         other => panic!("expected TooManyKeys, got {other:?}"),
@@ -180,10 +207,19 @@ async fn a_lockout_on_one_key_halts_every_key_even_new_ones() {
             Err(e) => panic!("{r:?}: {e}"),
         }
     }
-    assert!(store.view("d").await.unwrap().lock.is_some(), "kept on the parent");
-    assert!(store.view("d#a").await.unwrap().lock.is_none(), "not on the key");
+    assert!(
+        store.view("d").await.unwrap().lock.is_some(),
+        "kept on the parent"
+    );
+    assert!(
+        store.view("d#a").await.unwrap().lock.is_none(),
+        "not on the key"
+    );
     p.unlock("d").await.unwrap();
-    assert!(p.admit(&b, ONE, far).await.is_ok(), "unlocked: every key goes again");
+    assert!(
+        p.admit(&b, ONE, far).await.is_ok(),
+        "unlocked: every key goes again"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -243,4 +279,72 @@ async fn with_total_rate_each_request_takes_a_slot_of_its_key_and_of_the_total()
     assert!(busiest(&all, second) <= 4, "{all:?}");
     assert!(all[8] >= Duration::from_millis(2660), "{all:?}");
     // Without the total, the three keys would be done in 1 s.
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
+    use crate::destination::Group;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::ephemeral());
+    let pace = split(20.0, "header:authorization");
+    let dest = Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace: pace.clone(),
+        ports: Default::default(),
+        allow_private_upstreams: None,
+        groups: vec![Group {
+            name: "search".into(),
+            paths: vec!["/search/".into()],
+            methods: vec![],
+            resource: Some("search".into()),
+            pace: Pace { rate: 0.5, ..pace },
+        }],
+    };
+    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
+    let p = Arc::new(Pacer::new(
+        &[dest],
+        Classes::default(),
+        store.clone(),
+        metrics,
+        "t".into(),
+    ));
+    p.start().await.unwrap();
+    let headers = token("Bearer one");
+    let asking = Asking {
+        host: "h",
+        user: None,
+        headers: &headers,
+    };
+    let core = p.destination("d").unwrap().pick("GET", "/core/repos");
+    let core = p.keyed(core, &asking).await.unwrap();
+    let key = core.name().strip_prefix("d#").unwrap().to_owned();
+    let far = Instant::now() + Duration::from_secs(3600);
+    let admission = p.admit(&core, ONE, far).await.unwrap();
+    let reset = (std::time::SystemTime::now() + Duration::from_secs(30))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        .to_string();
+    let mut said = HeaderMap::new();
+    for (name, value) in [
+        ("x-ratelimit-resource", "search"),
+        ("x-ratelimit-limit", "30"),
+        ("x-ratelimit-remaining", "0"),
+        ("x-ratelimit-reset", reset.as_str()),
+    ] {
+        said.insert(name, value.parse().unwrap());
+    }
+    let reading = p.read(&admission, 200, &said);
+    p.observe(&admission, reading, 200, Some("search"), String::new)
+        .await;
+    let search = store.view(&format!("d/search#{key}")).await.unwrap();
+    assert_eq!(
+        search.vendor.map(|v| v.remaining),
+        Some(0),
+        "the same key's search budget"
+    );
+    assert!(
+        store.view(core.name()).await.unwrap().vendor.is_none(),
+        "not core's"
+    );
 }
