@@ -27,7 +27,8 @@
 //!   requests and hands slots out, `pacing::dispatch` asks the store for slots,
 //!   `pacing::status` is what status and the gauges show (a scrape reads no store),
 //!   `pacing::rate` counts the achieved rate, `pacing::verdict` reads a response and
-//!   `pacing::sniff` the start of its body.
+//!   `pacing::sniff` the start of its body; `pacing::keys` splits a budget by key (a lane per
+//!   host, credential or tenant, made on first use, bounded, forgotten when idle).
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite and the model test (`budget::model`) each
 //!   store passes; no I/O.

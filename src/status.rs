@@ -297,6 +297,39 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
             r.config_mismatch.join(", ")
         ));
     }
+    if rows.iter().any(|r| r.keys.is_some()) {
+        let mut lines = vec![[
+            "DESTINATION",
+            "KEY",
+            "WAITING",
+            "OLDEST WAIT",
+            "BACKOFF",
+            "PAUSED",
+            "IDLE",
+        ]
+        .map(String::from)
+        .to_vec()];
+        for r in rows {
+            let Some(keys) = &r.keys else { continue };
+            out.push_str(&format!(
+                "{}: split by {}: {} of at most {} keys here; the most limited:\n",
+                r.destination, keys.key, keys.live, keys.max_keys
+            ));
+            for k in &keys.top {
+                lines.push(vec![
+                    r.destination.clone(),
+                    k.key.clone(),
+                    k.waiting.to_string(),
+                    format!("{:.1}s", k.oldest_wait_seconds),
+                    format!("x{}", k.backoff),
+                    format!("{:.1}s", k.paused_for_seconds),
+                    format!("{:.0}s", k.idle_seconds),
+                ]);
+            }
+        }
+        out.push('\n');
+        out.push_str(&aligned(&lines));
+    }
     if rows.iter().any(|r| r.classes.len() > 1) {
         let mut lines = vec![[
             "DESTINATION",

@@ -139,6 +139,13 @@ async fn a_credential_is_named_by_its_keyed_hash_the_same_for_every_instance() {
         status.contains(key) && !status.contains("s3cr3t"),
         "{status}"
     );
+    let table = crate::status::status_table(&p.status().await);
+    assert!(
+        table.contains("split by header:authorization: 1 of at most 10000 keys")
+            && table.contains(key)
+            && !table.contains("s3cr3t"),
+        "{table}"
+    );
     // A host is no secret: it names its key as it is.
     let hosts = pacer(split(2.0, "host"), Arc::new(MemoryStore::ephemeral())).await;
     let r = route(&hosts, "API.example.com", &HeaderMap::new())
