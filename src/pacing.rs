@@ -172,8 +172,8 @@ impl Route {
     }
 
     /// The budget's name as metrics know it: a key's counts as its parent's.
-    pub fn label(&self) -> &Arc<str> {
-        &self.lane.label
+    pub fn label(&self) -> &str {
+        self.lane.label()
     }
 
     /// The budget's pacing keys as they are now (a reload may change them).

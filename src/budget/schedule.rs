@@ -58,7 +58,9 @@ pub struct Budget {
     /// Throttles in a row that blocked the destination (see [`crate::destination::Block`]).
     pub block_streak: u32,
     /// What the vendor last said; ignored once its window has reset.
-    pub vendor: Option<Vendor>,
+    /// Boxed, as the lockout is: most budgets have neither, and a budget split by key has
+    /// one per key.
+    pub vendor: Option<Box<Vendor>>,
     /// Interval multiplier, 1 to `backoff_max`.
     pub backoff: f64,
     /// Bumped on every widening; a throttle widens only if reserved under the current one.
@@ -66,7 +68,7 @@ pub struct Budget {
     /// Clean responses in a row.
     pub clean_streak: u32,
     /// Set by a lockout verdict, cleared only by an operator.
-    pub lock: Option<Lockout>,
+    pub lock: Option<Box<Lockout>>,
     /// Each class's credit towards its share, by rank (see [`choose`]).
     pub credits: Vec<f64>,
     /// The latest slots, as many as the largest quota limit (none without a quota).
@@ -197,7 +199,7 @@ impl Budget {
         not_after: Option<Duration>,
     ) -> Result<(Duration, u64), NoSlot> {
         if let Some(lock) = &self.lock {
-            return Err(NoSlot::Locked(lock.clone()));
+            return Err(NoSlot::Locked(Lockout::clone(lock)));
         }
         let t = self.interval(rule);
         let tolerance = t * (rule.burst - 1);
@@ -214,7 +216,7 @@ impl Budget {
         if let Some(last) = self.sends.back() {
             slot = slot.max(*last);
         }
-        if self.vendor.is_some_and(|v| v.reset <= now) {
+        if self.vendor.as_ref().is_some_and(|v| v.reset <= now) {
             self.vendor = None;
         }
         if let Some(floor) = self.vendor_floor(rule) {
@@ -261,7 +263,7 @@ impl Budget {
 
     /// The vendor's view while its window lasts.
     pub fn vendor_at(&self, now: Duration) -> Option<&Vendor> {
-        self.vendor.as_ref().filter(|v| v.reset > now)
+        self.vendor.as_deref().filter(|v| v.reset > now)
     }
 
     /// Pauses until `until` unless a longer pause is already in force.
@@ -309,7 +311,7 @@ impl Budget {
         if keep {
             return false;
         }
-        self.vendor = Some(new);
+        self.vendor = Some(Box::new(new));
         if new.remaining <= u64::from(rule.reserve) {
             self.pause(new.reset + seen.jitter(), PauseCause::Exhausted);
         }
@@ -321,6 +323,10 @@ impl Budget {
         let list: Vec<Waiting> = list.iter().filter(|w| w.count > 0).copied().collect();
         if list.is_empty() {
             self.waiting.remove(instance);
+            if self.waiting.is_empty() {
+                // An emptied map keeps its node; a fresh one holds nothing.
+                self.waiting = BTreeMap::new();
+            }
         } else {
             self.waiting.insert(instance.to_owned(), list);
         }
@@ -385,7 +391,7 @@ impl Budget {
         }
         self.tell(instance, list);
         if let Some(lock) = &self.lock {
-            return Err(NoSlot::Locked(lock.clone()));
+            return Err(NoSlot::Locked(Lockout::clone(lock)));
         }
         let classes: Vec<Class> = self.waiting_by_class().iter().map(|w| w.0).collect();
         let Some((class, credits)) = choose(&self.credits, &rule.shares, &classes) else {
@@ -516,7 +522,7 @@ impl Budget {
                 if self.lock.is_some() {
                     return false;
                 }
-                self.lock = Some(lock.clone());
+                self.lock = Some(Box::new(lock.clone()));
                 true
             }
         }

@@ -53,7 +53,7 @@ impl Pacer {
         let waited = started.elapsed();
         self.metrics
             .wait_seconds
-            .with_label_values(&[&lane.label])
+            .with_label_values(&[lane.label()])
             .observe(waited.as_secs_f64());
         Ok(self.sent(route, granted, waited, permit))
     }
@@ -64,7 +64,7 @@ impl Pacer {
     /// dropped (counted with the slots dropped), and the request waits for another.
     async fn both_slots(
         &self,
-        lane: &Lane,
+        lane: &Arc<Lane>,
         class: Class,
         started: Instant,
         deadline: Instant,
@@ -80,7 +80,7 @@ impl Pacer {
                 Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
                     self.metrics
                         .slots_dropped
-                        .with_label_values(&[&lane.label])
+                        .with_label_values(&[lane.label()])
                         .inc();
                 }
                 Err(PaceError::Deadline { .. }) => {
@@ -101,7 +101,7 @@ impl Pacer {
         let stand_in = lane.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let name = [&*stand_in.label];
+            let name = [stand_in.label()];
             let waited = async {
                 pacer.open(&stand_in).await?;
                 let _admitting = stand_in.admitting();
@@ -161,7 +161,7 @@ impl Pacer {
     /// request takes it at once: no wake-up of the dispatcher and back.
     async fn slot(
         &self,
-        lane: &Lane,
+        lane: &Arc<Lane>,
         class: Class,
         started: Instant,
         deadline: Instant,
@@ -177,6 +177,10 @@ impl Pacer {
             }
         }
         let (_seat, rx) = lane.enqueue(class, started, deadline);
+        // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
+        if !lane.dispatching.swap(true, Ordering::SeqCst) {
+            self.dispatch(lane);
+        }
         tokio::select! {
             g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
             () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
@@ -204,7 +208,7 @@ impl Pacer {
         }
         self.metrics
             .granted
-            .with_label_values(&[&lane.label, self.classes.name(granted.class)])
+            .with_label_values(&[lane.label(), self.classes.name(granted.class)])
             .inc();
         lane.tally.in_flight.fetch_add(1, Ordering::Relaxed);
         Admission {

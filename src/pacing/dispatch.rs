@@ -68,7 +68,7 @@ pub(super) async fn dispatch(
         reservation_seconds: metrics
             .reservation_seconds
             .with_label_values(&[store.kind()]),
-        slots_dropped: metrics.slots_dropped.with_label_values(&[&lane.label]),
+        slots_dropped: metrics.slots_dropped.with_label_values(&[lane.label()]),
         lane,
         store,
         stop,
@@ -355,6 +355,17 @@ impl Dispatcher {
             // it nothing.
             if let Err(e) = self.store.wait_list(&self.lane.name, &[]).await {
                 tracing::debug!(destination = %self.lane.name, "cannot clear the wait list: {e}");
+            }
+            // A key's dispatcher ends here; the next request to queue starts another. One
+            // that queued meanwhile either sees the flag down and starts it, or is seen here.
+            if self.lane.parent.is_some() {
+                self.lane.dispatching.store(false, Ordering::SeqCst);
+                if self.lane.queue.lock().len() == 0
+                    || self.lane.dispatching.swap(true, Ordering::SeqCst)
+                {
+                    return None;
+                }
+                continue;
             }
             // `notify_one` keeps a permit, so a waiter that arrives between the check and the
             // wait is not missed.

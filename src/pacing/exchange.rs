@@ -230,7 +230,7 @@ impl Pacer {
         let lane = &admission.lane;
         self.metrics
             .slots_dropped
-            .with_label_values(&[&lane.label])
+            .with_label_values(&[lane.label()])
             .inc();
         tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
     }
@@ -322,7 +322,7 @@ impl Pacer {
         if verdict != Verdict::None {
             self.metrics
                 .verdicts
-                .with_label_values(&[&lane.label, verdict.as_str(), verdict.reason()])
+                .with_label_values(&[lane.label(), verdict.as_str(), verdict.reason()])
                 .inc();
         }
         if nothing_to_write {

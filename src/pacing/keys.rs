@@ -6,14 +6,14 @@
 //! quota windows, shared by every instance through the store under `PARENT#KEY`), with its
 //! parent's rule, counts and lockout (see [`Lane::key`]).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
 use ring::hmac;
-use tokio::time::Instant;
 
-use super::lane::Lane;
+use super::lane::{ByKey, Lane};
 use super::{PaceError, Pacer, Route};
 use crate::destination::KeyFrom;
 
@@ -39,11 +39,7 @@ impl Pacer {
     /// The route of the budget `asking`'s key takes in `route`'s budget, its lane made on
     /// first use; `route` itself where the budget is not split by key. A new key past
     /// `max_keys` is refused, never sent unpaced.
-    pub(crate) async fn keyed(
-        &self,
-        route: Route,
-        asking: &Asking<'_>,
-    ) -> Result<Route, PaceError> {
+    pub async fn keyed(&self, route: Route, asking: &Asking<'_>) -> Result<Route, PaceError> {
         let keys = route.lane.keys();
         let Some(from) = &keys.pace.key else {
             return Ok(route);
@@ -58,16 +54,19 @@ impl Pacer {
 
     /// The lane of `parent`'s key `key`, made (and its dispatcher started) if it is new.
     pub(super) fn key_lane(&self, parent: &Arc<Lane>, key: &str) -> Result<Arc<Lane>, PaceError> {
+        let Some(children) = parent.children() else {
+            return Ok(parent.clone());
+        };
         let lane = {
-            let mut children = parent.children.lock();
+            let mut children = children.lock();
             match children.get(key) {
-                Some(lane) => lane.clone(),
+                Some(lane) => lane.0.clone(),
                 None => {
                     let max_keys = parent.keys().pace.max_keys;
                     if children.len() >= max_keys {
                         self.metrics
                             .keys_refused
-                            .with_label_values(&[&parent.label])
+                            .with_label_values(&[parent.label()])
                             .inc();
                         return Err(PaceError::TooManyKeys {
                             budget: parent.name.to_string(),
@@ -75,14 +74,14 @@ impl Pacer {
                             key_idle: parent.keys().pace.key_idle,
                         });
                     }
+                    // Its dispatcher starts with the first request to queue.
                     let lane = Arc::new(Lane::key(parent, key));
-                    children.insert(Arc::from(key), lane.clone());
-                    self.dispatch(&lane);
+                    children.insert(ByKey(lane.clone()));
                     lane
                 }
             }
         };
-        *lane.last_used.lock() = Instant::now();
+        lane.touch();
         Ok(lane)
     }
 
@@ -113,7 +112,10 @@ impl Pacer {
             let split: Vec<Arc<Lane>> = self
                 .lanes()
                 .into_iter()
-                .filter(|l| l.keys().pace.key.is_some() || !l.children.lock().is_empty())
+                .filter(|l| {
+                    l.keys().pace.key.is_some()
+                        || l.children().is_some_and(|c| !c.lock().is_empty())
+                })
                 .collect();
             let every = split
                 .iter()
@@ -144,14 +146,18 @@ impl Pacer {
 }
 
 /// Takes the lanes of `parent`'s keys idle for `idle` out of its map: none that a request
-/// holds (a route or an admission: only the map and the dispatcher hold an idle lane) or
-/// waits in.
+/// holds (a route or an admission: only the map, and a dispatcher while one runs, hold an
+/// idle lane) or waits in.
 fn forget_idle(parent: &Lane, idle: Duration) -> Vec<Arc<Lane>> {
     let mut gone = Vec::new();
-    parent.children.lock().retain(|_, lane| {
-        let idle = Arc::strong_count(lane) <= 2
+    let Some(children) = parent.children() else {
+        return gone;
+    };
+    children.lock().retain(|ByKey(lane)| {
+        let held_by_us = 1 + usize::from(lane.dispatching.load(Ordering::SeqCst));
+        let idle = Arc::strong_count(lane) <= held_by_us
             && lane.queue.lock().len() == 0
-            && lane.last_used.lock().elapsed() >= idle;
+            && lane.unused_for() >= idle;
         if idle {
             gone.push(lane.clone());
         }

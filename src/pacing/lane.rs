@@ -1,7 +1,7 @@
 //! A destination's lane: its rule, the queue of requests waiting for a slot (one FIFO per
 //! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,17 +127,14 @@ pub(crate) struct Lane {
     /// The budget's name: the destination's, `DESTINATION/GROUP` for a group's, and
     /// `PARENT#KEY` for a key's.
     pub(super) name: Arc<str>,
-    /// The destination's name: what a lockout halts and an operator unlocks.
-    pub(super) destination: Arc<str>,
-    /// The budget's name as metrics and status know it: a key's lane counts as its parent,
-    /// so that keys add no label values.
-    pub(super) label: Arc<str>,
     /// A key's lane: the lane of the budget split by key, whose lockout halts it.
     pub(super) parent: Option<Arc<Lane>>,
-    /// A budget split by key: its keys' lanes, by key, made on first use (`pacing::keys`).
-    pub(super) children: Mutex<HashMap<Arc<str>, Arc<Lane>>>,
-    /// When a request last took this lane (a key's lane is forgotten after `key_idle`).
-    pub(super) last_used: Mutex<Instant>,
+    /// What only a budget's own lane holds; none for a key's, whose every byte counts a
+    /// hundred thousand times.
+    whole: Option<Box<Whole>>,
+    /// When a request last took this lane, in milliseconds from [`epoch`] (a key's lane is
+    /// forgotten after `key_idle`).
+    last_used: AtomicU64,
     /// What status counts: a key's lane counts into its parent's.
     pub(super) tally: Arc<Tally>,
     /// The destination's keys: swapped whole by a reload, read whole by each use.
@@ -146,17 +143,81 @@ pub(crate) struct Lane {
     pub(super) queue: Mutex<Queue>,
     /// Wakes the dispatcher: a request arrived or left.
     pub(super) work: Notify,
+    /// Whether a dispatcher runs for the lane. A budget's runs from the start; a key's only
+    /// while someone waits (its task would cost an idle key more than the rest of it): it
+    /// ends when its queue is empty, and the next request to queue starts another.
+    pub(super) dispatching: AtomicBool,
     /// Removed from the config by a reload: its dispatcher serves who still waits, then ends.
     retired: AtomicBool,
     /// The lockout as last seen; the dispatcher watches it to refuse its waiters at once.
-    pub(super) locked: watch::Sender<Option<Lockout>>,
+    /// A key's lane shares its parent's: a lockout is the whole budget's, and one channel
+    /// (with its wakers) per key would cost an idle key more than the rest of it.
+    pub(super) locked: Arc<watch::Sender<Option<Lockout>>>,
     /// The budget as last seen, for status and metrics between store reads.
     pub(super) seen: Mutex<BudgetView>,
     /// Bumped whenever the budget seen turns stricter (a widening, a pause): the rest of a
     /// batch reserved before it is not used.
     pub(super) turns: AtomicU64,
+}
+
+/// What a budget's own lane holds beside what every lane does.
+#[derive(Default)]
+struct Whole {
+    /// The destination's name: what a lockout halts and an operator unlocks.
+    destination: Arc<str>,
+    /// A budget split by key: its keys' lanes, by key, made on first use (`pacing::keys`).
+    children: Mutex<HashSet<ByKey>>,
+    /// The keys its keys' lanes share (see [`Lane::key_keys`]).
+    key_keys: Mutex<Option<Arc<Keys>>>,
     /// What only the store knows, as its last snapshot said (see `pacing::status`).
-    pub(super) store_said: Mutex<StoreSaid>,
+    store_said: Mutex<StoreSaid>,
+}
+
+/// A key's lane in its parent's set, found by its key: the key is read from the lane's name,
+/// not kept a second time.
+pub(super) struct ByKey(pub(super) Arc<Lane>);
+
+impl ByKey {
+    fn key(&self) -> &str {
+        self.0.key_name().unwrap_or_default()
+    }
+}
+
+impl std::borrow::Borrow<str> for ByKey {
+    fn borrow(&self) -> &str {
+        self.key()
+    }
+}
+
+impl std::hash::Hash for ByKey {
+    /// As the key's `str` hashes, so that the set is searched by `&str`.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
+}
+
+impl PartialEq for ByKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for ByKey {}
+
+/// The instant lanes date their last use from.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// Now, in milliseconds from [`epoch`].
+fn now_ms() -> u64 {
+    u64::try_from(
+        Instant::now()
+            .saturating_duration_since(epoch())
+            .as_millis(),
+    )
+    .unwrap_or(u64::MAX)
 }
 
 /// What status counts of a budget. A key's lane counts into its parent's, so that a budget
@@ -228,24 +289,26 @@ impl Lane {
     }
 
     fn of(name: &str, destination: &str, pace: &Pace, classes: Arc<Classes>) -> Self {
-        let name: Arc<str> = Arc::from(name);
         Self {
-            label: name.clone(),
-            name,
-            destination: Arc::from(destination),
+            name: Arc::from(name),
             parent: None,
-            children: Mutex::default(),
-            last_used: Mutex::new(Instant::now()),
+            whole: Some(Box::new(Whole {
+                destination: Arc::from(destination),
+                children: Mutex::default(),
+                key_keys: Mutex::default(),
+                store_said: Mutex::default(),
+            })),
+            last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),
             keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None, false)),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             classes,
             work: Notify::new(),
-            locked: watch::channel(None).0,
+            dispatching: AtomicBool::new(true),
+            locked: Arc::new(watch::channel(None).0),
             seen: Mutex::new(BudgetView::default()),
             turns: AtomicU64::new(0),
-            store_said: Mutex::default(),
         }
     }
 
@@ -253,31 +316,69 @@ impl Lane {
     /// counts and its lockout are the parent's; its schedule, backoff, pauses and quota
     /// windows its own. It starts halted if the parent is.
     pub(super) fn key(parent: &Arc<Lane>, key: &str) -> Self {
-        let pace = parent.keys().pace.clone();
         let classes = parent.classes.clone();
         Self {
             name: Arc::from(format!("{}{KEY_MARK}{key}", parent.name)),
-            destination: parent.destination.clone(),
-            label: parent.name.clone(),
             parent: Some(parent.clone()),
-            children: Mutex::default(),
-            last_used: Mutex::new(Instant::now()),
+            whole: None,
+            last_used: AtomicU64::new(now_ms()),
             tally: parent.tally.clone(),
-            keys: ArcSwap::from_pointee(Keys::new(&pace, &classes, None, true)),
+            keys: ArcSwap::new(parent.key_keys()),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             classes,
             work: Notify::new(),
-            locked: watch::channel(parent.locked.borrow().clone()).0,
+            dispatching: AtomicBool::new(false),
+            locked: parent.locked.clone(),
             seen: Mutex::new(BudgetView::default()),
             turns: AtomicU64::new(0),
-            store_said: Mutex::default(),
         }
     }
 
     /// The lanes of this budget's keys, as they are now.
     pub(super) fn key_lanes(&self) -> Vec<Arc<Lane>> {
-        self.children.lock().values().cloned().collect()
+        self.children()
+            .map_or_else(Vec::new, |c| c.lock().iter().map(|k| k.0.clone()).collect())
+    }
+
+    /// The destination's name: what a lockout halts and an operator unlocks.
+    pub(super) fn destination(&self) -> &str {
+        match (&self.parent, &self.whole) {
+            (Some(parent), _) => parent.destination(),
+            (None, Some(whole)) => &whole.destination,
+            (None, None) => &self.name,
+        }
+    }
+
+    /// The budget's name as metrics and status know it: a key's lane counts as its parent,
+    /// so that keys add no label values.
+    pub(super) fn label(&self) -> &str {
+        self.parent.as_ref().map_or(&self.name, |p| &p.name)
+    }
+
+    /// A budget's own lane: its keys' lanes, by key (none for a key's lane).
+    pub(super) fn children(&self) -> Option<&Mutex<HashSet<ByKey>>> {
+        self.whole.as_ref().map(|w| &w.children)
+    }
+
+    /// What only the store knows of the budget, as its last snapshot said. Status reads
+    /// budgets' own lanes only, never a key's.
+    pub(super) fn store_said(&self) -> &Mutex<StoreSaid> {
+        &self
+            .whole
+            .as_ref()
+            .expect("status reads no key's lane")
+            .store_said
+    }
+
+    /// Counts a request taking the lane now.
+    pub(super) fn touch(&self) {
+        self.last_used.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long since a request last took the lane.
+    pub(super) fn unused_for(&self) -> Duration {
+        Duration::from_millis(now_ms().saturating_sub(self.last_used.load(Ordering::Relaxed)))
     }
 
     /// The budget a lockout seen on this lane is kept on: a key's parent, else its own.
@@ -346,8 +447,28 @@ impl Lane {
         )));
         // A dispatcher sleeping on the old interval re-reads the rule.
         self.work.notify_one();
+        let key_keys = self.key_keys();
         for key in self.key_lanes() {
-            key.reconfigure(pace);
+            key.keys.store(key_keys.clone());
+            key.work.notify_one();
+        }
+    }
+
+    /// The keys every key's lane of this budget uses, one copy for them all (its
+    /// `max_concurrency` bounds them together).
+    pub(super) fn key_keys(&self) -> Arc<Keys> {
+        let Some(whole) = &self.whole else {
+            return self.keys();
+        };
+        let mut made = whole.key_keys.lock();
+        let pace = &self.keys.load().pace;
+        match &*made {
+            Some(k) if k.pace == *pace => k.clone(),
+            _ => {
+                let k = Arc::new(Keys::new(pace, &self.classes, made.as_deref(), true));
+                *made = Some(k.clone());
+                k
+            }
         }
     }
 
@@ -357,8 +478,10 @@ impl Lane {
         self.retired.store(true, Ordering::Relaxed);
         self.work.notify_one();
         // The keys go with their budget; taking them out of the map breaks their link back.
-        for key in std::mem::take(&mut *self.children.lock()).into_values() {
-            key.retire();
+        if let Some(children) = self.children() {
+            for key in std::mem::take(&mut *children.lock()) {
+                key.0.retire();
+            }
         }
     }
 
@@ -368,7 +491,7 @@ impl Lane {
 
     pub(super) fn locked_error(&self, lock: Lockout) -> PaceError {
         PaceError::Locked {
-            destination: self.destination.to_string(),
+            destination: self.destination().to_owned(),
             lock,
         }
     }

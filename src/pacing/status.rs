@@ -79,7 +79,7 @@ impl Pacer {
             Ok(snapshots) => {
                 for (lane, s) in lanes.iter().zip(snapshots) {
                     lane.note(s.view);
-                    *lane.store_said.lock() = StoreSaid {
+                    *lane.store_said().lock() = StoreSaid {
                         waiting: Some(s.waiting),
                         quota_used: s.quota_used,
                     };
@@ -88,7 +88,7 @@ impl Pacer {
             Err(e) => {
                 tracing::debug!("store snapshot for status: {e}");
                 for lane in &lanes {
-                    lane.store_said.lock().waiting = None;
+                    lane.store_said().lock().waiting = None;
                 }
             }
         }
@@ -113,7 +113,7 @@ impl Pacer {
         let now = Instant::now();
         for lane in self.lanes() {
             let seen = lane.seen.lock().clone();
-            let said = lane.store_said.lock().clone();
+            let said = lane.store_said().lock().clone();
             // Every instance's waiting requests; this instance's own when the store cannot
             // say (it is unreachable).
             let everywhere = said.waiting;
@@ -228,11 +228,11 @@ impl Pacer {
                         .as_secs_f64(),
                     backoff: seen.backoff,
                     paused_for_seconds: seen.paused_for.as_secs_f64(),
-                    idle_seconds: now.duration_since(*k.last_used.lock()).as_secs_f64(),
+                    idle_seconds: k.unused_for().as_secs_f64(),
                 }
             })
             .collect();
-        let label = [&*lane.label];
+        let label = [lane.label()];
         self.metrics
             .keys
             .with_label_values(&label)

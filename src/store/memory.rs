@@ -161,7 +161,7 @@ impl MemoryStore {
             clean_streak: budget.clean_streak,
             paused_for,
             paused_by: budget.paused_by.filter(|_| !paused_for.is_zero()),
-            lock: budget.lock.clone(),
+            lock: budget.lock.as_deref().cloned(),
             block_streak: budget.block_streak,
             vendor: budget.vendor_at(now).map(|v| VendorView {
                 family: v.family,
@@ -333,7 +333,8 @@ impl Store for MemoryStore {
                 .budgets
                 .lock()
                 .get_mut(destination)
-                .and_then(|b| b.lock.take());
+                .and_then(|b| b.lock.take())
+                .map(|l| *l);
             if cleared.is_some() {
                 self.persist().await?;
             }
@@ -394,7 +395,11 @@ impl Store for MemoryStore {
 /// The lockout of the budget that halts `destination` too, a key's parent (see
 /// [`halted_by`]), if it is locked.
 fn parent_lock(budgets: &HashMap<String, Budget>, destination: &str) -> Option<Lockout> {
-    budgets.get(halted_by(destination)?)?.lock.clone()
+    budgets
+        .get(halted_by(destination)?)?
+        .lock
+        .as_deref()
+        .cloned()
 }
 
 /// The store a failover paces on while the shared one is lost.
@@ -410,7 +415,7 @@ impl Fallback for MemoryStore {
         b.generation = view.generation;
         b.clean_streak = view.clean_streak;
         b.block_streak = view.block_streak;
-        b.lock = view.lock.clone();
+        b.lock = view.lock.clone().map(Box::new);
         let until = self.now() + view.paused_for;
         if until > b.paused_until {
             b.paused_until = until;

@@ -184,7 +184,7 @@ fn a_batch_is_the_slots_one_by_one_would_take_within_the_horizon() {
         taken: 0,
     };
     let mut b = Budget {
-        vendor: Some(vendor),
+        vendor: Some(Box::new(vendor)),
         ..Budget::default()
     };
     let mut single = b.clone();
@@ -235,7 +235,7 @@ fn a_batch_keeps_to_pauses_limits_and_lockouts() {
     assert_eq!(g.unwrap().more.len(), 3);
     // A lockout grants nothing.
     let mut b = Budget {
-        lock: Some(Lockout::new(403, "GET /".into(), "b".into())),
+        lock: Some(Box::new(Lockout::new(403, "GET /".into(), "b".into()))),
         ..Budget::default()
     };
     assert!(matches!(

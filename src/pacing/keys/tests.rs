@@ -184,7 +184,13 @@ async fn a_new_key_past_max_keys_is_refused_until_one_idles_out() {
     assert_eq!(&**c.name(), "d#c");
     let live: Vec<String> = {
         let lane = &p.destination("d").unwrap().lane;
-        let mut keys: Vec<String> = lane.children.lock().keys().map(|k| k.to_string()).collect();
+        let mut keys: Vec<String> = lane
+            .children()
+            .unwrap()
+            .lock()
+            .iter()
+            .map(|k| k.0.key_name().unwrap().to_owned())
+            .collect();
         keys.sort();
         keys
     };

@@ -107,23 +107,26 @@ impl MemoryStore {
                     backoff: p.backoff.max(1.0),
                     generation: p.generation,
                     clean_streak: p.clean_streak,
-                    lock: p.lock,
+                    lock: p.lock.map(Box::new),
                     sends: p.sends.iter().map(|t| store.at_unix(*t)).collect(),
                     block_streak: p.block_streak,
                     paused_until: p
                         .paused_until
                         .map_or(Duration::ZERO, |(t, _)| store.at_unix(t)),
                     paused_by: p.paused_until.map(|(_, by)| by),
-                    vendor: p.vendor.and_then(|v| {
-                        Some(Vendor {
-                            family: Family::from_name(&v.family)?,
-                            remaining: v.remaining,
-                            limit: v.limit,
-                            observed: store.at_unix(v.observed),
-                            reset: store.at_unix(v.reset),
-                            taken: v.taken,
+                    vendor: p
+                        .vendor
+                        .and_then(|v| {
+                            Some(Vendor {
+                                family: Family::from_name(&v.family)?,
+                                remaining: v.remaining,
+                                limit: v.limit,
+                                observed: store.at_unix(v.observed),
+                                reset: store.at_unix(v.reset),
+                                taken: v.taken,
+                            })
                         })
-                    }),
+                        .map(Box::new),
                     ..Budget::default()
                 },
             );
@@ -171,7 +174,7 @@ impl MemoryStore {
                         backoff: b.backoff,
                         generation: b.generation,
                         clean_streak: b.clean_streak,
-                        lock: b.lock.clone(),
+                        lock: b.lock.as_deref().cloned(),
                         sends: b.sends.iter().map(|t| self.unix_of(*t)).collect(),
                         block_streak: b.block_streak,
                         paused_until: b
