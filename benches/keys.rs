@@ -146,4 +146,194 @@ async fn reading(n: usize) {
     );
 }
 
-async fn fleet(_full: bool) {}
+/// Seconds of CPU `pid` has used (user and system).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// The transactions the database has committed so far.
+async fn commits(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// A Prometheus histogram's cumulative buckets, summed over `texts`: `(le, count)`, sorted.
+fn histogram(texts: &[String], family: &str) -> Vec<(f64, f64)> {
+    let mut buckets: Vec<(f64, f64)> = Vec::new();
+    for text in texts {
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with(&format!("{family}_bucket")))
+        {
+            let le = line
+                .split("le=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().unwrap()
+            };
+            let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            match buckets.iter_mut().find(|b| b.0 == le) {
+                Some(b) => b.1 += n,
+                None => buckets.push((le, n)),
+            }
+        }
+    }
+    buckets.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+    buckets
+}
+
+/// A quantile of the observations between two readings of a histogram, by linear
+/// interpolation within its bucket (the buckets are coarse: 0.5, 1, 2, 5 ms).
+fn quantile_between(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
+    let buckets: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, n)| {
+            let was = before.iter().find(|b| b.0 == *le).map_or(0.0, |b| b.1);
+            (*le, n - was)
+        })
+        .collect();
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    let want = q * total;
+    let mut below = (0.0, 0.0);
+    for (le, n) in buckets {
+        if n >= want {
+            if le.is_infinite() {
+                return below.0;
+            }
+            return below.0 + (le - below.0) * (want - below.1) / (n - below.1).max(1.0);
+        }
+        below = (le, n);
+    }
+    below.0
+}
+
+async fn fleet(full: bool) {
+    let (keys, secs) = if full { (1000, 10) } else { (12, 3) };
+    let (_cluster, url) = support::database().await;
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let upstream = support::FakeUpstream::start().await;
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let fleet: Vec<_> = dirs
+        .iter()
+        .map(|d| {
+            let config = d.path().join("pacegate.toml");
+            std::fs::write(
+                &config,
+                format!(
+                    "[proxy]\nlisten = \"127.0.0.1:0\"\nallow_private_upstreams = true\nports = [\"1024-65535\"]\n[proxy.limits]\nmax_connections = 4096\nmax_requests = 4096\n[admin]\nlisten = \"127.0.0.1:0\"\n[tls]\ngenerate_ca = true\n[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n[destinations.local]\nhosts = [\"localhost\"]\nrate = 1\nkey = \"header:x-tenant\"\nmax_wait = \"30s\"\n"
+                ),
+            )
+            .unwrap();
+            support::process::spawn_binary(&config)
+        })
+        .collect();
+    let clients: Vec<_> = fleet
+        .iter()
+        .map(|i| {
+            support::client(
+                Some(&format!("http://{}", i.proxy)),
+                &[],
+                support::Alpn::Http1,
+            )
+        })
+        .collect();
+    let base = upstream.http_url("localhost");
+    let cpu_before: Vec<f64> = fleet.iter().map(|i| cpu_seconds(i.child.id())).collect();
+    let own_before = cpu_seconds(std::process::id());
+    let commits_before = commits(&db).await;
+    let started = Instant::now();
+    let until = started + Duration::from_secs(secs);
+    // The reservations are read from the 3rd second on: the first second makes every key
+    // at once, a burst of new rows that no steady load has.
+    let warmed = {
+        let admins: Vec<_> = fleet.iter().map(|i| i.admin).collect();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let mut texts = Vec::new();
+            for admin in admins {
+                texts.push(support::admin_get(admin, "/metrics").await);
+            }
+            histogram(&texts, "pacegate_reservation_seconds")
+        })
+    };
+    let mut tasks = Vec::new();
+    for k in 0..keys {
+        let (via, base) = (clients[k % 3].clone(), base.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut sent = 0;
+            while Instant::now() < until {
+                let resp = via
+                    .get(format!("{base}/k{k}/{sent}"))
+                    .header("x-tenant", format!("tenant-{k}"))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                sent += 1;
+            }
+            sent
+        }));
+    }
+    let mut requests = 0;
+    for t in tasks {
+        requests += t.await.unwrap();
+    }
+    let took = started.elapsed();
+    let own = cpu_seconds(std::process::id()) - own_before;
+    let commits_after = commits(&db).await;
+    let cpu: Vec<f64> = fleet
+        .iter()
+        .zip(&cpu_before)
+        .map(|(i, before)| cpu_seconds(i.child.id()) - before)
+        .collect();
+    let mut metrics = Vec::new();
+    for i in &fleet {
+        metrics.push(support::admin_get(i.admin, "/metrics").await);
+    }
+    let mut by_key: std::collections::HashMap<String, Vec<Instant>> = Default::default();
+    for r in upstream.recorded() {
+        let key = r.path.split('/').nth(1).unwrap_or_default().to_owned();
+        by_key.entry(key).or_default().push(r.at);
+    }
+    let worst = by_key
+        .values_mut()
+        .map(|at| {
+            at.sort();
+            support::busiest(at, Duration::from_secs(1))
+        })
+        .max()
+        .unwrap_or(0);
+    let (warm, end) = (
+        warmed.await.unwrap(),
+        histogram(&metrics, "pacegate_reservation_seconds"),
+    );
+    let p50 = quantile_between(&warm, &end, 0.5) * 1000.0;
+    let p99 = quantile_between(&warm, &end, 0.99) * 1000.0;
+    println!(
+        "fleet: {keys} keys at 1/s over 3 instances, {requests} requests in {:.1} s ({:.0}/s); busiest 1 s window of any key: {worst} (at most 2); {:.2} store transactions per request; reservation (from the 3rd second) p50 {p50:.2} ms, p99 {p99:.2} ms; instances' CPU {:.1} s ({:.0} µs per request), the clients' and upstream's {own:.1} s",
+        took.as_secs_f64(),
+        requests as f64 / took.as_secs_f64(),
+        (commits_after - commits_before) as f64 / requests as f64,
+        cpu.iter().sum::<f64>(),
+        cpu.iter().sum::<f64>() / requests as f64 * 1e6,
+    );
+    assert!(worst <= 2, "a key took {worst} slots in one second");
+}

@@ -480,7 +480,7 @@ impl Dispatcher {
             }
             if Instant::now() >= poll_at {
                 poll_at = Instant::now() + LOCK_POLL;
-                lane.read_lock(&*self.store).await;
+                lane.poll_lock(&*self.store, LOCK_POLL).await;
             }
         }
     }

@@ -171,6 +171,9 @@ struct Whole {
     key_keys: Mutex<Option<Arc<Keys>>>,
     /// What only the store knows, as its last snapshot said (see `pacing::status`).
     store_said: Mutex<StoreSaid>,
+    /// When its lockout was last read for a dispatcher's poll, in milliseconds from
+    /// [`epoch`]: its keys share one poll (see [`Lane::poll_lock`]).
+    lock_polled: AtomicU64,
 }
 
 /// A key's lane in its parent's set, found by its key: the key is read from the lane's name,
@@ -297,6 +300,7 @@ impl Lane {
                 children: Mutex::default(),
                 key_keys: Mutex::default(),
                 store_said: Mutex::default(),
+                lock_polled: AtomicU64::new(0),
             })),
             last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),
@@ -570,6 +574,29 @@ impl Lane {
             *current = lock;
             changed
         });
+    }
+
+    /// What a dispatcher waiting for a distant slot does every `every`: reads the lockout
+    /// that halts the lane ([`Lane::read_lock`]). A key's lane shares its lockout channel
+    /// with its parent's and every other key's, so one read every `every` serves them all: a
+    /// thousand keys waiting make two reads a second, not two thousand.
+    pub(super) async fn poll_lock(&self, store: &dyn Store, every: Duration) {
+        if let Some(whole) = self.lock_holder().whole.as_ref() {
+            let now = now_ms();
+            let last = whole.lock_polled.load(Ordering::Relaxed);
+            // A little short of `every`: a lane's own poll, due after `every` by its timer,
+            // is never skipped for its last read.
+            let every = u64::try_from(every.mul_f64(0.9).as_millis()).unwrap_or(u64::MAX);
+            if now.saturating_sub(last) < every
+                || whole
+                    .lock_polled
+                    .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
+            {
+                return;
+            }
+        }
+        self.read_lock(store).await;
     }
 
     /// Reads the lockout that halts this lane from `store`: its own budget's, or for a key's

@@ -467,6 +467,10 @@ impl Store for PostgresStore {
         })
     }
 
+    fn forget_budget(&self, budget: &str) {
+        self.written.lock().remove(budget);
+    }
+
     fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
         Box::pin(async move {
             let client = self.client().await?;
