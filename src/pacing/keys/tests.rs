@@ -361,3 +361,38 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
         "not core's"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_that_adds_or_removes_a_key_keeps_the_budget_and_its_keys() {
+    let p = pacer(Pace::new(100.0), Arc::new(MemoryStore::ephemeral())).await;
+    let far = Instant::now() + Duration::from_secs(3600);
+    let a = p
+        .admit(&p.destination("d").unwrap(), ONE, far)
+        .await
+        .unwrap();
+    let reading = p.read(&a, 429, &HeaderMap::new());
+    p.observe(&a, reading, 429, None, || "GET /".into()).await;
+    drop(a);
+    let dest = |pace: Pace| Destination {
+        name: "d".into(),
+        hosts: vec![],
+        pace,
+        ports: Default::default(),
+        allow_private_upstreams: None,
+        groups: Vec::new(),
+    };
+    let changes = p.reconfigure(&[dest(split(100.0, "host"))]).await.unwrap();
+    assert_eq!(changes.changed, ["d"]);
+    let none = HeaderMap::new();
+    let key = route(&p, "a", &none).await.unwrap();
+    assert_eq!(&**key.name(), "d#a", "split from now on");
+    assert_eq!(
+        p.status().await[0].backoff,
+        2.0,
+        "the budget keeps its backoff"
+    );
+    // Without the key again, requests take the budget itself; its keys are kept until idle.
+    p.reconfigure(&[dest(Pace::new(100.0))]).await.unwrap();
+    assert_eq!(&**route(&p, "a", &none).await.unwrap().name(), "d");
+    assert_eq!(p.status().await[0].keys.as_ref().map(|k| k.live), Some(1));
+}
