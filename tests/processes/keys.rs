@@ -379,17 +379,7 @@ async fn three_tokens(fleet: &Fleet, upstream: &FakeUpstream) -> (Vec<Instant>, 
         assert_eq!(t.await.unwrap(), 200);
     }
     let each = (0..3)
-        .map(|t| {
-            let prefix = format!("/total/t{t}/");
-            let mut at: Vec<Instant> = upstream
-                .recorded()
-                .iter()
-                .filter(|r| r.path.starts_with(&prefix))
-                .map(|r| r.at)
-                .collect();
-            at.sort();
-            at
-        })
+        .map(|t| arrivals_of(upstream, &format!("total/t{t}")))
         .collect();
     (arrivals_of(upstream, "total"), each)
 }

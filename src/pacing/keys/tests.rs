@@ -24,15 +24,23 @@ fn split(rate: f64, key: &str) -> Pace {
     }
 }
 
-async fn pacer(pace: Pace, store: Arc<dyn Store>) -> Arc<Pacer> {
-    let dest = Destination {
+/// Destination `d` with `groups`.
+fn destination(pace: Pace, groups: Vec<crate::destination::Group>) -> Destination {
+    Destination {
         name: "d".into(),
         hosts: vec![],
         pace,
         ports: Default::default(),
         allow_private_upstreams: None,
-        groups: Vec::new(),
-    };
+        groups,
+    }
+}
+
+async fn pacer(pace: Pace, store: Arc<dyn Store>) -> Arc<Pacer> {
+    pacer_of(destination(pace, Vec::new()), store).await
+}
+
+async fn pacer_of(dest: Destination, store: Arc<dyn Store>) -> Arc<Pacer> {
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
         &[dest],
@@ -299,29 +307,17 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
     use crate::destination::Group;
     let store: Arc<dyn Store> = Arc::new(MemoryStore::ephemeral());
     let pace = split(20.0, "header:authorization");
-    let dest = Destination {
-        name: "d".into(),
-        hosts: vec![],
-        pace: pace.clone(),
-        ports: Default::default(),
-        allow_private_upstreams: None,
-        groups: vec![Group {
-            name: "search".into(),
-            paths: vec!["/search/".into()],
-            methods: vec![],
-            resource: Some("search".into()),
-            pace: Pace { rate: 0.5, ..pace },
-        }],
+    let search = Group {
+        name: "search".into(),
+        paths: vec!["/search/".into()],
+        methods: vec![],
+        resource: Some("search".into()),
+        pace: Pace {
+            rate: 0.5,
+            ..pace.clone()
+        },
     };
-    let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
-    let p = Arc::new(Pacer::new(
-        &[dest],
-        Classes::default(),
-        store.clone(),
-        metrics,
-        "t".into(),
-    ));
-    p.start().await.unwrap();
+    let p = pacer_of(destination(pace, vec![search]), store.clone()).await;
     let headers = token("Bearer one");
     let asking = Asking {
         host: "h",
@@ -373,14 +369,7 @@ async fn a_reload_that_adds_or_removes_a_key_keeps_the_budget_and_its_keys() {
     let reading = p.read(&a, 429, &HeaderMap::new());
     p.observe(&a, reading, 429, None, || "GET /".into()).await;
     drop(a);
-    let dest = |pace: Pace| Destination {
-        name: "d".into(),
-        hosts: vec![],
-        pace,
-        ports: Default::default(),
-        allow_private_upstreams: None,
-        groups: Vec::new(),
-    };
+    let dest = |pace: Pace| destination(pace, Vec::new());
     let changes = p.reconfigure(&[dest(split(100.0, "host"))]).await.unwrap();
     assert_eq!(changes.changed, ["d"]);
     let none = HeaderMap::new();
