@@ -544,8 +544,10 @@ pub trait Store: Send + Sync + 'static {
         idle: Duration,
     ) -> StoreFuture<'a, Result<u64, StoreError>>;
 
-    /// This instance no longer paces `budget` (a key gone idle): whatever it holds of it in
-    /// memory goes. What is shared stays until [`Store::forget_keys`].
+    /// This instance no longer paces `budget` (a key gone idle): what it holds of it in
+    /// memory beside the budget itself (caches) goes. The budget stays until
+    /// [`Store::forget_keys`] finds it idle by the store's own measure, a pause included; a
+    /// store whose memory is the budget (memory) keeps it until then.
     fn forget_budget(&self, _budget: &str) {}
 
     /// What status shows of every destination in `destinations`, in their order, in one

@@ -605,8 +605,18 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         })
     }
 
+    /// What seeds the local store is kept while it holds a pause or a lockout: an idle key
+    /// may still be paused, and losing the shared store must not lift that.
     fn forget_budget(&self, budget: &str) {
-        self.last_known.lock().remove(budget);
+        {
+            let mut known = self.last_known.lock();
+            if known
+                .get(budget)
+                .is_some_and(|v| v.paused_for.is_zero() && v.lock.is_none())
+            {
+                known.remove(budget);
+            }
+        }
         self.last_slot_end.lock().remove(budget);
         self.quota_limits.lock().remove(budget);
         self.local.forget_budget(budget);

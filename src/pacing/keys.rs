@@ -52,7 +52,8 @@ impl Pacer {
         })
     }
 
-    /// The lane of `parent`'s key `key`, made (and its dispatcher started) if it is new.
+    /// The lane of `parent`'s key `key`, made if it is new (its dispatcher starts with the
+    /// first request to queue).
     pub(super) fn key_lane(&self, parent: &Arc<Lane>, key: &str) -> Result<Arc<Lane>, PaceError> {
         let Some(children) = parent.children() else {
             return Ok(parent.clone());

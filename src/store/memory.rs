@@ -370,10 +370,6 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(Ok(gone)))
     }
 
-    fn forget_budget(&self, budget: &str) {
-        self.budgets.lock().remove(budget);
-    }
-
     fn snapshot<'a>(
         &'a self,
         destinations: &'a [(&'a str, &'a Rule)],

@@ -385,3 +385,32 @@ async fn a_reload_that_adds_or_removes_a_key_keeps_the_budget_and_its_keys() {
     assert_eq!(&**route(&p, "a", &none).await.unwrap().name(), "d");
     assert_eq!(p.status().await[0].keys.as_ref().map(|k| k.live), Some(1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_key_forgotten_here_while_paused_keeps_its_pause() {
+    let p = pacer(split(10.0, "host"), Arc::new(MemoryStore::ephemeral())).await;
+    tokio::spawn(p.clone().keep_keys());
+    let none = HeaderMap::new();
+    let far = Instant::now() + Duration::from_secs(3600);
+    let a = p
+        .admit(&route(&p, "a", &none).await.unwrap(), ONE, far)
+        .await
+        .unwrap();
+    let said = crate::pacing::tests::headers(&[("retry-after", "60")]);
+    let reading = p.read(&a, 429, &said);
+    p.observe(&a, reading, 429, None, || "GET /".into()).await;
+    drop(a);
+    // Idle past key_idle (10 s): its lane goes, its paused budget stays.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    let lane = p.destination("d").unwrap().lane;
+    assert_eq!(lane.key_lanes().len(), 0, "the lane is forgotten");
+    let again = route(&p, "a", &none).await.unwrap();
+    let soon = Instant::now() + Duration::from_secs(5);
+    assert!(
+        matches!(
+            p.admit(&again, ONE, soon).await,
+            Err(PaceError::Deadline { .. })
+        ),
+        "the 60 s pause still holds"
+    );
+}
