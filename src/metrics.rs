@@ -74,7 +74,7 @@ pub struct Metrics {
     /// would have waited for its slot.
     pub shadow_wait: HistogramVec,
     /// `pacegate_shadow_refusals_total{destination,reason}`: in shadow mode, requests that
-    /// would have been refused (`locked`, `max_wait`, `store`), and were forwarded.
+    /// would have been refused (`locked`, `max_wait`, `store`, `max_keys`), and were forwarded.
     pub shadow_refusals: IntCounterVec,
     /// `pacegate_reservation_seconds{store}`: time one reservation takes in the store (one round
     /// trip, which may grant a batch of slots; `_count` is the round trips).

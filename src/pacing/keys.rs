@@ -15,7 +15,7 @@ use ring::hmac;
 
 use super::lane::{ByKey, Lane};
 use super::{PaceError, Pacer, Route};
-use crate::destination::KeyFrom;
+use crate::destination::{KeyFrom, Mode};
 
 /// How much of a credential's keyed hash names its key: 64 bits, written as 16 hex digits.
 /// Among a million keys the chance that two share a name is below one in 30 million.
@@ -38,14 +38,25 @@ pub struct Asking<'a> {
 impl Pacer {
     /// The route of the budget `asking`'s key takes in `route`'s budget, its lane made on
     /// first use; `route` itself where the budget is not split by key. A new key past
-    /// `max_keys` is refused, never sent unpaced.
+    /// `max_keys` is refused, never sent unpaced; in shadow mode, which refuses nothing, it
+    /// is counted as a refusal (`max_keys`) and takes the budget itself.
     pub async fn keyed(&self, route: Route, asking: &Asking<'_>) -> Result<Route, PaceError> {
         let keys = route.lane.keys();
         let Some(from) = &keys.pace.key else {
             return Ok(route);
         };
         let key = self.key_of(from, asking).await?;
-        let lane = self.key_lane(&route.lane, &key)?;
+        let lane = match self.key_lane(&route.lane, &key) {
+            Ok(lane) => lane,
+            Err(PaceError::TooManyKeys { .. }) if keys.pace.mode == Mode::Shadow => {
+                self.metrics
+                    .shadow_refusals
+                    .with_label_values(&[route.label(), "max_keys"])
+                    .inc();
+                return Ok(route);
+            }
+            Err(e) => return Err(e),
+        };
         Ok(Route {
             lane,
             lanes: route.lanes,

@@ -414,3 +414,27 @@ async fn a_key_forgotten_here_while_paused_keeps_its_pause() {
         "the 60 s pause still holds"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn in_shadow_mode_a_key_past_max_keys_is_counted_not_refused() {
+    let p = pacer(
+        Pace {
+            max_keys: 1,
+            mode: crate::destination::Mode::Shadow,
+            ..split(10.0, "host")
+        },
+        Arc::new(MemoryStore::ephemeral()),
+    )
+    .await;
+    let none = HeaderMap::new();
+    route(&p, "a", &none).await.unwrap();
+    let b = route(&p, "b", &none)
+        .await
+        .expect("shadow mode refuses nothing");
+    assert_eq!(&**b.name(), "d");
+    let counted = p
+        .metrics
+        .shadow_refusals
+        .with_label_values(&["d", "max_keys"]);
+    assert_eq!(counted.get(), 1);
+}
