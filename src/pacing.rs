@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use arc_swap::ArcSwap;
 
-use crate::budget::{Lockout, Reservation, Rule, Store, StoreError};
+use crate::budget::{Lockout, Reservation, Rule, Store, StoreError, KEY_MARK};
 use crate::class::{Class, Classes};
 use crate::destination::{group_of, Destination, Group, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
@@ -320,12 +320,17 @@ impl Pacer {
     }
 
     /// Tells the store every destination's rule (instances compare them).
+    /// A budget split by key is told twice: its own rule (the keys' total, with
+    /// `total_rate`) under its name, and its keys' rule under `NAME#`, which governs every
+    /// key (see [`crate::fleet::drift::Agreement::governing`]).
     fn announce(&self) {
-        let rules: Vec<(String, Rule)> = self
-            .lanes()
-            .iter()
-            .map(|l| (l.name.to_string(), l.keys().rule.clone()))
-            .collect();
+        let mut rules: Vec<(String, Rule)> = Vec::new();
+        for l in self.lanes() {
+            rules.push((l.name.to_string(), l.keys().rule.clone()));
+            if l.keys().pace.key.is_some() {
+                rules.push((format!("{}{KEY_MARK}", l.name), l.key_keys().rule.clone()));
+            }
+        }
         self.fleet.announce(&rules);
     }
 

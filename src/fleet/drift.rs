@@ -29,7 +29,7 @@ use prometheus::IntGaugeVec;
 use serde::{Deserialize, Serialize};
 
 use super::{Instance, Membership, Theirs, Written, HEARTBEAT};
-use crate::budget::Rule;
+use crate::budget::{Rule, KEY_MARK};
 use crate::destination::{Block, Quota};
 
 impl Written {
@@ -203,12 +203,14 @@ impl Agreement {
     }
 
     /// The rule that governs `destination` here: the stricter one while other instances'
-    /// configs differ; `None` while they agree.
+    /// configs differ; `None` while they agree. A key's budget (`PARENT#KEY`) is governed by
+    /// its parent's keys' rule, announced as `PARENT#`.
     pub fn governing(&self, destination: &str) -> Option<Arc<Rule>> {
-        self.drifting
-            .lock()
-            .get(destination)
-            .map(|d| d.governing.clone())
+        let name = match destination.find(KEY_MARK) {
+            Some(i) => &destination[..=i],
+            None => destination,
+        };
+        self.drifting.lock().get(name).map(|d| d.governing.clone())
     }
 
     /// The live instances whose rule for `destination` differs.

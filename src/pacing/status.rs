@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::lane::Lane;
 use super::lane::StoreSaid;
 use super::Pacer;
-use crate::budget::{BudgetView, PauseCause, Rule};
+use crate::budget::{BudgetView, PauseCause, Rule, KEY_MARK};
 use crate::status::{
     ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus, QuotaStatus, VendorStatus,
     TOP_KEYS,
@@ -187,7 +187,7 @@ impl Pacer {
                     limit: v.limit,
                     reset_in_seconds: v.reset_in.as_secs_f64(),
                 }),
-                config_mismatch: self.fleet.drift(&lane.name),
+                config_mismatch: self.mismatched(&lane),
                 mode: keys.pace.mode.as_str().to_owned(),
                 max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
                 keys: self.keys_status(&lane, now),
@@ -205,6 +205,17 @@ impl Pacer {
 }
 
 impl Pacer {
+    /// The live instances whose rule for the budget differs, or for its keys (`NAME#`).
+    fn mismatched(&self, lane: &Lane) -> Vec<String> {
+        let mut theirs = self.fleet.drift(&lane.name);
+        for id in self.fleet.drift(&format!("{}{KEY_MARK}", lane.name)) {
+            if !theirs.contains(&id) {
+                theirs.push(id);
+            }
+        }
+        theirs
+    }
+
     /// A budget split by key: its keys here, the most limited first, and their gauges.
     fn keys_status(&self, lane: &Lane, now: Instant) -> Option<KeysStatus> {
         let keys = lane.keys();

@@ -431,3 +431,44 @@ async fn control_without_total_rate_the_keys_together_go_past_it() {
         fleet.explain(&upstream)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_whose_key_rules_differ_keep_the_stricter_for_every_key() {
+    let _alone = alone().await;
+    let upstream = FakeUpstream::start().await;
+    let store = postgres(&testdb::fresh().await);
+    // The second instance was deployed with three times the keys' rate.
+    let fleet = Fleet::start_each(
+        &[store.clone(), store],
+        &[
+            "rate = 2\nkey = \"header:authorization\"",
+            "rate = 6\nkey = \"header:authorization\"",
+        ],
+        &[],
+    )
+    .await;
+    let series = "pacegate_config_mismatch{destination=\"local#\"}";
+    for i in 0..2 {
+        eventually(
+            Duration::from_secs(10),
+            "the keys' mismatch seen",
+            || async { (fleet.metric(i, series).await == 1.0).then_some(()) },
+        )
+        .await;
+    }
+    let tokens = with_tokens(&fleet, &upstream, 3).await;
+    for (t, at) in tokens.iter().enumerate() {
+        // 6 requests per token at the stricter 2/s: 2.5 s, at most 3 in any second.
+        assert!(
+            busiest(at, Duration::from_secs(1)) <= 3,
+            "token {t}: the faster rule set the pace; {}",
+            fleet.explain(&upstream)
+        );
+    }
+    let status = fleet.status(1).await;
+    assert_eq!(
+        status["config_mismatch"].as_array().unwrap().len(),
+        1,
+        "{status}"
+    );
+}
