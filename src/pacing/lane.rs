@@ -161,7 +161,6 @@ pub(crate) struct Lane {
 }
 
 /// What a budget's own lane holds beside what every lane does.
-#[derive(Default)]
 struct Whole {
     /// The destination's name: what a lockout halts and an operator unlocks.
     destination: Arc<str>,
