@@ -327,7 +327,7 @@ impl Pacer {
         let mut rules: Vec<(String, Rule)> = Vec::new();
         for l in self.lanes() {
             rules.push((l.name.to_string(), l.keys().rule.clone()));
-            if l.keys().pace.key.is_some() {
+            if l.is_split() {
                 rules.push((format!("{}{KEY_MARK}", l.name), l.key_keys().rule.clone()));
             }
         }
@@ -438,10 +438,8 @@ impl Pacer {
         let mut cleared = None;
         for lane in route.lanes.all() {
             let was = self.store.unlock(&lane.name).await?;
+            // Its keys share its lockout channel: this clears theirs too.
             lane.note(self.store.view(&lane.name).await?);
-            for key in lane.key_lanes() {
-                key.set_lock(None);
-            }
             cleared = cleared.or(was);
         }
         if let Some(l) = &cleared {

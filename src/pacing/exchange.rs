@@ -276,7 +276,7 @@ impl Pacer {
         let named = resource
             .and_then(|r| admission.lanes.named(r))
             .and_then(|l| match lane.key_name() {
-                Some(key) if l.keys().pace.key.is_some() => self.key_lane(l, key).ok(),
+                Some(key) if l.is_split() => self.key_lane(l, key).ok(),
                 _ => Some(l.clone()),
             })
             .filter(|l| !Arc::ptr_eq(l, lane));
@@ -359,16 +359,11 @@ impl Pacer {
         }
         if verdict == Verdict::Lockout {
             // A lockout is the IP's, not one bucket's: every budget of the destination halts,
-            // and with each its keys here at once (elsewhere, at their next reservation).
+            // and with each its keys, which share its lockout channel (elsewhere, at their
+            // next reservation).
             for other in admission.lanes.others(lane) {
                 let lock = Lockout::new(status, request.clone(), self.instance.clone());
                 self.tell(other, Event::Lockout(lock), None).await;
-            }
-            for budget in admission.lanes.all() {
-                let lock = budget.locked.borrow().clone();
-                for key in budget.key_lanes() {
-                    key.set_lock(lock.clone());
-                }
             }
         }
         verdict

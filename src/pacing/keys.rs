@@ -41,6 +41,9 @@ impl Pacer {
     /// `max_keys` is refused, never sent unpaced; in shadow mode, which refuses nothing, it
     /// is counted as a refusal (`max_keys`) and takes the budget itself.
     pub async fn keyed(&self, route: Route, asking: &Asking<'_>) -> Result<Route, PaceError> {
+        if !route.lane.is_split() {
+            return Ok(route);
+        }
         let keys = route.lane.keys();
         let Some(from) = &keys.pace.key else {
             return Ok(route);
@@ -124,10 +127,7 @@ impl Pacer {
             let split: Vec<Arc<Lane>> = self
                 .lanes()
                 .into_iter()
-                .filter(|l| {
-                    l.keys().pace.key.is_some()
-                        || l.children().is_some_and(|c| !c.lock().is_empty())
-                })
+                .filter(|l| l.is_split() || l.children().is_some_and(|c| !c.lock().is_empty()))
                 .collect();
             let every = split
                 .iter()

@@ -413,6 +413,12 @@ impl Lane {
         self.keys.load_full()
     }
 
+    /// Whether the budget is split by key now. Asked of every request: it reads the keys
+    /// without taking a reference to them.
+    pub(super) fn is_split(&self) -> bool {
+        self.keys.load().pace.key.is_some()
+    }
+
     /// How late a request sent now on `slot` would be, where that is later than the rule
     /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
     /// used that late it would bunch with the next ones and could crowd a quota window.
@@ -544,11 +550,8 @@ impl Lane {
     /// Takes in a budget read from the store; a lockout taken or cleared wakes the dispatcher.
     /// A widening or a pause seen here counts as a turn (see [`Lane::turns`]).
     pub(super) fn note(&self, view: BudgetView) {
-        // A key's budget holds no lockout: its parent's halts it (see `set_lock`).
-        let lock_now = match self.parent {
-            None => Some(view.lock.clone()),
-            Some(_) => None,
-        };
+        // A key's budget holds no lockout: its parent's, whose channel it shares, halts it.
+        let lock_now = self.parent.is_none().then(|| view.lock.clone());
         {
             let mut seen = self.seen.lock();
             let paused = |v: &BudgetView| !v.paused_for.is_zero();
@@ -558,21 +561,12 @@ impl Lane {
             *seen = view;
         }
         if let Some(lock) = lock_now {
-            self.set_lock(lock);
+            self.locked.send_if_modified(|current| {
+                let changed = *current != lock;
+                *current = lock;
+                changed
+            });
         }
-    }
-
-    /// Takes in the lockout that halts this lane now (none: cleared); a change wakes the
-    /// dispatcher.
-    pub(super) fn set_lock(&self, lock: Option<Lockout>) {
-        if self.parent.is_some() {
-            self.seen.lock().lock = lock.clone();
-        }
-        self.locked.send_if_modified(|current| {
-            let changed = *current != lock;
-            *current = lock;
-            changed
-        });
     }
 
     /// What a dispatcher waiting for a distant slot does every `every`: reads the lockout
@@ -603,19 +597,16 @@ impl Lane {
     pub(super) async fn read_lock(&self, store: &dyn Store) {
         let holder = self.lock_holder();
         if let Ok(view) = store.view(&holder.name).await {
-            let lock = view.lock.clone();
             holder.note(view);
-            self.set_lock(lock);
         }
     }
 
-    /// Takes in a lockout met while reserving.
+    /// Takes in a lockout met while reserving: the budget's that holds it, and with it every
+    /// lane that shares its channel.
     pub(super) fn note_lock(&self, lock: Lockout) {
-        if self.parent.is_some() {
-            return self.set_lock(Some(lock));
-        }
-        let seen = self.seen.lock().clone();
-        self.note(BudgetView {
+        let holder = self.lock_holder();
+        let seen = holder.seen.lock().clone();
+        holder.note(BudgetView {
             lock: Some(lock),
             ..seen
         });

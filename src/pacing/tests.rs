@@ -59,13 +59,22 @@ pub(super) fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 
 /// Admits `n` requests at once and returns when each was granted, relative to the start.
 async fn grant_times(p: &Arc<Pacer>, n: usize) -> Vec<Duration> {
-    let start = Instant::now();
+    grants_of(p, &d(p), n, Instant::now()).await
+}
+
+/// Admits `n` requests of `route` at once; returns when each was granted, from `start`,
+/// sorted.
+pub(super) async fn grants_of(
+    p: &Arc<Pacer>,
+    route: &Route,
+    n: usize,
+    start: Instant,
+) -> Vec<Duration> {
     let tasks: Vec<_> = (0..n)
         .map(|_| {
-            let p = p.clone();
+            let (p, route) = (p.clone(), route.clone());
             tokio::spawn(async move {
-                let a = p.admit(&d(&p), ONE, far()).await.unwrap();
-                drop(a);
+                drop(p.admit(&route, ONE, far()).await.unwrap());
                 Instant::now() - start
             })
         })

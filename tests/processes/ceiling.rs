@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use support::fleet::{alone, arrivals_of, postgres_store, queue_up, Fleet, CLASSES, INSTANCES};
 use support::pg::Cluster;
 use support::testdb;
-use support::{admin_client, busiest, eventually, status_of, FakeUpstream};
+use support::{busiest, eventually, status_of, FakeUpstream};
 
 const RATE: f64 = 20.0;
 
@@ -143,14 +143,7 @@ async fn verdicts_seen_by_one_instance_apply_to_all() {
     let before = upstream.recorded().len();
 
     // Unlock through instance 2 restores all.
-    let unlock = format!(
-        "http://{}/destinations/local/unlock",
-        fleet.instances[2].admin
-    );
-    assert_eq!(
-        admin_client().post(unlock).send().await.unwrap().status(),
-        200
-    );
+    assert_eq!(fleet.unlock(2).await, 200);
     for i in 0..INSTANCES {
         assert_eq!(
             status_of(&fleet.client(i), url("again")).await,

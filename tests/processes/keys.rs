@@ -9,10 +9,15 @@ use crate::support;
 use std::time::{Duration, Instant};
 
 use support::fleet::{alone, arrivals_of, Fleet};
-use support::{admin_client, admin_get, busiest, eventually, testdb, FakeUpstream};
+use support::{admin_get, busiest, eventually, testdb, FakeUpstream};
 
 /// The tokens: what follows `Bearer ` must never show outside the requests.
 const TOKENS: [&str; 2] = ["tok-one-SECRETVALUE", "tok-two-SECRETVALUE"];
+
+/// Two instances on a fresh database, destination `local` with `keys`.
+async fn two_instances(keys: &str) -> Fleet {
+    Fleet::start_n(2, &postgres(&testdb::fresh().await), keys).await
+}
 
 fn postgres(url: &str) -> String {
     format!("[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n")
@@ -55,12 +60,7 @@ fn span(at: &[Instant]) -> Duration {
 async fn two_tokens_each_keep_their_own_budget_over_both_instances_and_stay_secret() {
     let _alone = alone().await;
     let upstream = FakeUpstream::start().await;
-    let fleet = Fleet::start_n(
-        2,
-        &postgres(&testdb::fresh().await),
-        "rate = 2\nkey = \"header:authorization\"",
-    )
-    .await;
+    let fleet = two_instances("rate = 2\nkey = \"header:authorization\"").await;
     let tokens = with_tokens(&fleet, &upstream, 3).await;
     for (t, at) in tokens.iter().enumerate() {
         // 6 requests per token at 2/s over both instances: a slot every 500 ms, 2.5 s.
@@ -117,7 +117,7 @@ async fn two_tokens_each_keep_their_own_budget_over_both_instances_and_stay_secr
 async fn control_without_keys_the_second_token_waits_for_the_first() {
     let _alone = alone().await;
     let upstream = FakeUpstream::start().await;
-    let fleet = Fleet::start_n(2, &postgres(&testdb::fresh().await), "rate = 2").await;
+    let fleet = two_instances("rate = 2").await;
     let all = with_tokens(&fleet, &upstream, 3).await.concat();
     assert!(
         span(&all) >= Duration::from_secs(5),
@@ -132,13 +132,9 @@ async fn three_hosts(keys: &str) -> (Fleet, Vec<FakeUpstream>) {
     for ip in ["127.0.0.1", "127.0.0.2", "127.0.0.3"] {
         upstreams.push(FakeUpstream::start_on(ip, true).await);
     }
-    let fleet = Fleet::start_n(
-        2,
-        &postgres(&testdb::fresh().await),
-        &format!(
-            "rate = 1\n[destinations.hosts]\nhosts = [\"127.0.0.1\", \"127.0.0.2\", \"127.0.0.3\"]\nrate = 4\n{keys}"
-        ),
-    )
+    let fleet = two_instances(&format!(
+        "rate = 1\n[destinations.hosts]\nhosts = [\"127.0.0.1\", \"127.0.0.2\", \"127.0.0.3\"]\nrate = 4\n{keys}"
+    ))
     .await;
     (fleet, upstreams)
 }
@@ -235,12 +231,8 @@ async fn get(
 async fn a_lockout_halts_every_key_on_every_instance_and_a_throttle_only_its_own() {
     let _alone = alone().await;
     let upstream = FakeUpstream::start().await;
-    let fleet = Fleet::start_n(
-        2,
-        &postgres(&testdb::fresh().await),
-        "rate = 20\nkey = \"header:authorization\"\nretry_throttled = 0",
-    )
-    .await;
+    let fleet =
+        two_instances("rate = 20\nkey = \"header:authorization\"\nretry_throttled = 0").await;
     // The control first: a throttle with a long Retry-After pauses its own key only.
     let (status, _) = get(&fleet, &upstream, 0, "a", "status/429?h=Retry-After:30").await;
     assert_eq!(status, 429);
@@ -278,14 +270,7 @@ async fn a_lockout_halts_every_key_on_every_instance_and_a_throttle_only_its_own
     );
 
     // One unlock frees every key.
-    let unlock = format!(
-        "http://{}/destinations/local/unlock",
-        fleet.instances[1].admin
-    );
-    assert_eq!(
-        admin_client().post(unlock).send().await.unwrap().status(),
-        200
-    );
+    assert_eq!(fleet.unlock(1).await, 200);
     for (i, token) in [(0, "c-new"), (1, "d-new")] {
         eventually(Duration::from_secs(5), "unlocked", || async {
             (get(&fleet, &upstream, i, token, "again").await.0 == 200).then_some(())
@@ -388,12 +373,7 @@ async fn three_tokens(fleet: &Fleet, upstream: &FakeUpstream) -> (Vec<Instant>, 
 async fn total_rate_holds_over_every_key_and_each_key_keeps_its_own() {
     let _alone = alone().await;
     let upstream = FakeUpstream::start().await;
-    let fleet = Fleet::start_n(
-        2,
-        &postgres(&testdb::fresh().await),
-        "rate = 5\nkey = \"header:authorization\"\ntotal_rate = 3",
-    )
-    .await;
+    let fleet = two_instances("rate = 5\nkey = \"header:authorization\"\ntotal_rate = 3").await;
     let (all, each) = three_tokens(&fleet, &upstream).await;
     // 12 requests at a total of 3/s over both instances: 3.67 s, at most 4 in any second.
     assert!(
@@ -418,12 +398,7 @@ async fn total_rate_holds_over_every_key_and_each_key_keeps_its_own() {
 async fn control_without_total_rate_the_keys_together_go_past_it() {
     let _alone = alone().await;
     let upstream = FakeUpstream::start().await;
-    let fleet = Fleet::start_n(
-        2,
-        &postgres(&testdb::fresh().await),
-        "rate = 5\nkey = \"header:authorization\"",
-    )
-    .await;
+    let fleet = two_instances("rate = 5\nkey = \"header:authorization\"").await;
     let (all, _) = three_tokens(&fleet, &upstream).await;
     assert!(
         busiest(&all, Duration::from_secs(1)) > 4,

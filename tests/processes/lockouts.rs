@@ -56,15 +56,7 @@ async fn an_unlock_on_one_instance_reaches_the_other_before_the_store_goes() {
     )
     .await;
     // Cleared through instance 0; the database stops 2 s later.
-    let unlock = support::admin_client()
-        .post(format!(
-            "http://{}/destinations/local/unlock",
-            fleet.instances[0].admin
-        ))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(unlock.status(), 200);
+    assert_eq!(fleet.unlock(0).await, 200);
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster.down();
     // Instance 1 never sent a request after the unlock; pacing alone, it serves.

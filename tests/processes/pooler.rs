@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use support::bouncer::Bouncer;
 use support::fleet::{alone, Fleet};
-use support::{admin_client, busiest, status_of, FakeUpstream};
+use support::{busiest, status_of, FakeUpstream};
 
 const RATE: f64 = 20.0;
 
@@ -72,14 +72,7 @@ async fn through_pgbouncer_in_transaction_mode_two_instances_keep_one_ceiling_ba
         "the lockout let one through"
     );
     // And one unlock, through the other instance.
-    let unlock = format!(
-        "http://{}/destinations/local/unlock",
-        fleet.instances[1].admin
-    );
-    assert_eq!(
-        admin_client().post(unlock).send().await.unwrap().status(),
-        200
-    );
+    assert_eq!(fleet.unlock(1).await, 200);
     assert_eq!(status_of(&fleet.client(0), url("again")).await, 200);
 }
 

@@ -275,6 +275,21 @@ impl Fleet {
         }
     }
 
+    /// Clears destination `local`'s lockout through instance `i`'s admin listener; returns
+    /// the answer's status.
+    pub async fn unlock(&self, i: usize) -> u16 {
+        admin_client()
+            .post(format!(
+                "http://{}/destinations/local/unlock",
+                self.instances[i].admin
+            ))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    }
+
     pub async fn status(&self, i: usize) -> serde_json::Value {
         let text = admin_client()
             .get(format!("http://{}/status", self.instances[i].admin))

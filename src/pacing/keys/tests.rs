@@ -12,6 +12,7 @@ use crate::budget::{Event, Lockout, Store};
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Pace};
 use crate::metrics::Metrics;
+use crate::pacing::tests::grants_of;
 use crate::store::memory::MemoryStore;
 
 const ONE: Class = Class(0);
@@ -69,26 +70,6 @@ async fn route(p: &Pacer, host: &str, headers: &HeaderMap) -> Result<Route, Pace
     p.keyed(p.destination("d").unwrap(), &asking).await
 }
 
-/// Admits `n` requests of `route` at once; returns when each was granted, from `start`.
-async fn grants(p: &Arc<Pacer>, route: &Route, n: usize, start: Instant) -> Vec<Duration> {
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let (p, route) = (p.clone(), route.clone());
-            tokio::spawn(async move {
-                let far = Instant::now() + Duration::from_secs(3600);
-                drop(p.admit(&route, ONE, far).await.unwrap());
-                Instant::now() - start
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out.sort();
-    out
-}
-
 #[tokio::test(start_paused = true)]
 async fn each_key_keeps_its_own_pace_and_none_waits_for_another() {
     let p = pacer(
@@ -100,7 +81,7 @@ async fn each_key_keeps_its_own_pace_and_none_waits_for_another() {
     let t1 = route(&p, "h", &token("Bearer one")).await.unwrap();
     let t2 = route(&p, "h", &token("Bearer two")).await.unwrap();
     assert_ne!(t1.name(), t2.name());
-    let (a, b) = tokio::join!(grants(&p, &t1, 4, start), grants(&p, &t2, 4, start));
+    let (a, b) = tokio::join!(grants_of(&p, &t1, 4, start), grants_of(&p, &t2, 4, start));
     let ms = |v: &[u64]| {
         v.iter()
             .map(|m| Duration::from_millis(*m))
@@ -286,9 +267,9 @@ async fn with_total_rate_each_request_takes_a_slot_of_its_key_and_of_the_total()
         keys.push(route(&p, host, &none).await.unwrap());
     }
     let (a, b, c) = tokio::join!(
-        grants(&p, &keys[0], 3, start),
-        grants(&p, &keys[1], 3, start),
-        grants(&p, &keys[2], 3, start)
+        grants_of(&p, &keys[0], 3, start),
+        grants_of(&p, &keys[1], 3, start),
+        grants_of(&p, &keys[2], 3, start)
     );
     let second = Duration::from_secs(1);
     for (key, at) in [("a", &a), ("b", &b), ("c", &c)] {
