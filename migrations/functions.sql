@@ -517,3 +517,108 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_for(
         p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes, p_counts,
         p_oldest, p_next, p_tell, p_reserve, 1, 0) AS r
 $$;
+
+-- What instances knew of budgets, put back into a server that may have lost it: a standby
+-- promoted after the primary's last commits did not reach it (store::postgres::reassert).
+-- One element per budget in each p_* array; times are seconds from now (an instance's own
+-- clock, read as late as can be). The merge only ever tightens: a lockout or a pause never
+-- disappears, the next slot never moves back, the backoff and the block streak never fall,
+-- the vendor's budget never grows, and a quota window holds every send an instance knew of
+-- after the latest one it still holds. p_send_in lists those sends, each budget's in time
+-- order, p_sends[i] of them for budget i. Returns how many budgets it tightened.
+CREATE OR REPLACE FUNCTION pacegate_reassert(
+    p_budgets text[],
+    p_next_in double precision[],
+    p_paused_in double precision[],
+    p_paused_by text[],
+    p_backoff double precision[],
+    p_generation bigint[],
+    p_clean_streak integer[],
+    p_block_streak integer[],
+    p_lock_since timestamptz[],
+    p_lock_status integer[],
+    p_lock_request text[],
+    p_lock_instance text[],
+    p_vendor_family text[],
+    p_vendor_remaining bigint[],
+    p_vendor_limit bigint[],
+    p_vendor_reset_in double precision[],
+    p_sends integer[],
+    p_send_in double precision[]
+) RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    b pacegate_budgets%ROWTYPE;
+    was pacegate_budgets%ROWTYPE;
+    now_ts timestamptz := clock_timestamp();
+    at_ts timestamptz;
+    latest timestamptz;
+    tightened integer := 0;
+    i integer;
+    s integer;
+    first integer := 1;
+BEGIN
+    FOR i IN 1..coalesce(cardinality(p_budgets), 0) LOOP
+        INSERT INTO pacegate_budgets (destination) VALUES (p_budgets[i]) ON CONFLICT DO NOTHING;
+        SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_budgets[i] FOR UPDATE;
+        was := b;
+        IF p_next_in[i] IS NOT NULL THEN
+            b.next_at := GREATEST(b.next_at, now_ts + make_interval(secs => p_next_in[i]));
+        END IF;
+        IF p_paused_in[i] IS NOT NULL THEN
+            at_ts := now_ts + make_interval(secs => p_paused_in[i]);
+            IF at_ts > b.paused_until THEN
+                b.paused_until := at_ts;
+                b.paused_by := p_paused_by[i];
+            END IF;
+        END IF;
+        IF p_backoff[i] IS NOT NULL AND p_backoff[i] > b.backoff THEN
+            b.backoff := p_backoff[i];
+            b.clean_streak := coalesce(p_clean_streak[i], 0);
+        END IF;
+        b.generation := GREATEST(b.generation, coalesce(p_generation[i], 0));
+        b.block_streak := GREATEST(b.block_streak, coalesce(p_block_streak[i], 0));
+        IF b.lock_status IS NULL AND p_lock_status[i] IS NOT NULL THEN
+            b.lock_since := p_lock_since[i];
+            b.lock_status := p_lock_status[i];
+            b.lock_request := p_lock_request[i];
+            b.lock_instance := p_lock_instance[i];
+        END IF;
+        IF p_vendor_reset_in[i] > 0 AND p_vendor_remaining[i] IS NOT NULL
+            AND (b.vendor_reset IS NULL OR b.vendor_reset <= now_ts
+                 OR GREATEST(b.vendor_remaining - b.vendor_taken, 0) > p_vendor_remaining[i]) THEN
+            b.vendor_family := p_vendor_family[i];
+            b.vendor_remaining := p_vendor_remaining[i];
+            b.vendor_limit := p_vendor_limit[i];
+            b.vendor_observed := now_ts;
+            b.vendor_reset := GREATEST(coalesce(b.vendor_reset, '-infinity'),
+                now_ts + make_interval(secs => p_vendor_reset_in[i]));
+            b.vendor_taken := 0;
+        END IF;
+        SELECT max(x.at) INTO latest FROM pacegate_sends AS x WHERE x.destination = p_budgets[i];
+        FOR s IN first..first + coalesce(p_sends[i], 0) - 1 LOOP
+            at_ts := now_ts + make_interval(secs => p_send_in[s]);
+            CONTINUE WHEN latest IS NOT NULL AND at_ts <= latest;
+            b.sends := b.sends + 1;
+            INSERT INTO pacegate_sends (destination, seq, at) VALUES (p_budgets[i], b.sends, at_ts)
+                ON CONFLICT (destination, seq) DO UPDATE SET at = EXCLUDED.at;
+            latest := at_ts;
+        END LOOP;
+        first := first + coalesce(p_sends[i], 0);
+        IF b IS DISTINCT FROM was THEN
+            tightened := tightened + 1;
+            UPDATE pacegate_budgets AS x SET next_at = b.next_at,
+                paused_until = b.paused_until, paused_by = b.paused_by,
+                backoff = b.backoff, generation = b.generation, clean_streak = b.clean_streak,
+                block_streak = b.block_streak,
+                lock_since = b.lock_since, lock_status = b.lock_status,
+                lock_request = b.lock_request, lock_instance = b.lock_instance,
+                vendor_family = b.vendor_family, vendor_remaining = b.vendor_remaining,
+                vendor_limit = b.vendor_limit, vendor_observed = b.vendor_observed,
+                vendor_reset = b.vendor_reset, vendor_taken = b.vendor_taken,
+                sends = b.sends
+                WHERE x.destination = p_budgets[i];
+        END IF;
+    END LOOP;
+    RETURN tightened;
+END
+$$;

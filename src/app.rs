@@ -154,7 +154,8 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
             let roots = tls::upstream_roots(postgres.ca_file.as_slice())?;
             let store = PostgresStore::with_roots(url, postgres.connections - 1, roots.clone())?
                 .with_instance(&me.id)
-                .with_statements(postgres.statements);
+                .with_statements(postgres.statements)
+                .with_reassert(postgres.reassert);
             if postgres.migrate {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {

@@ -479,6 +479,9 @@ pub struct PostgresConfig {
     pub ca_file: Option<PathBuf>,
     /// Apply the embedded migrations at start (under an advisory lock). Default true.
     pub migrate: bool,
+    /// After a failover to a server that lost commits, put back what this instance knew of
+    /// each budget (lockouts, pauses, backoff, the latest slots). Default true.
+    pub reassert: bool,
     /// What to do while the store is unreachable. Default `divide`.
     pub on_unavailable: OnUnavailable,
     /// Live instances to assume for `divide` before any heartbeat was seen. Default 1.
@@ -503,6 +506,7 @@ impl fmt::Debug for PostgresConfig {
             .field("statements", &self.statements)
             .field("ca_file", &self.ca_file)
             .field("migrate", &self.migrate)
+            .field("reassert", &self.reassert)
             .field("on_unavailable", &self.on_unavailable)
             .field("instances_hint", &self.instances_hint)
             .field("divide_for", &self.divide_for)

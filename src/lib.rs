@@ -41,7 +41,8 @@
 //!   `memory::state_file`), and `store::postgres`, the
 //!   shared one (`sql`, `migrations`, `rows` apart, `typed`, which sends statements prepared
 //!   or, for a pooler in transaction mode, unnamed, `clock`, which places its slots on this
-//!   instance's clock, and `membership`).
+//!   instance's clock, `reassert`, which puts what this instance knew back into a server
+//!   that a failover left with less, and `membership`).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached; the CA's files;
 //!   upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request

@@ -235,6 +235,7 @@ pub(super) struct RawStore {
     pub(super) statements: Option<Statements>,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) migrate: Option<bool>,
+    pub(super) reassert: Option<bool>,
     pub(super) on_unavailable: Option<OnUnavailable>,
     pub(super) instances_hint: Option<usize>,
     #[serde(default, with = "humantime_serde")]

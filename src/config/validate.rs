@@ -547,6 +547,7 @@ impl Validator<'_> {
                 p
             }),
             migrate: raw.migrate.unwrap_or(true),
+            reassert: raw.reassert.unwrap_or(true),
             on_unavailable: raw.on_unavailable.unwrap_or_default(),
             instances_hint: self.count("store.instances_hint", raw.instances_hint, 1, 1..=10_000),
             divide_for: self.divide_for(raw.divide_for),

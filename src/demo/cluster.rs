@@ -153,6 +153,65 @@ impl Cluster {
         self.run("pg_ctl", &["-D", &self.data(), "-w", "promote"])
     }
 
+    /// Cuts a standby off from `primary`'s WAL once it has replayed all of it so far: from
+    /// now on it learns nothing of what the primary commits, as a standby that lags when its
+    /// primary fails. (The tests of failover play that loss with it.)
+    pub fn cut_off(&self, primary: &Cluster) -> Result<(), ClusterError> {
+        let lsn = primary.psql("SELECT pg_current_wal_lsn()")?;
+        self.wait_for(&format!(
+            "SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn"
+        ))?;
+        self.psql("ALTER SYSTEM SET primary_conninfo = ''")?;
+        self.psql("SELECT pg_reload_conf()")?;
+        self.wait_for("SELECT count(*) = 0 FROM pg_stat_wal_receiver")
+    }
+
+    /// Runs one statement with `psql`; its output, unaligned.
+    pub fn psql(&self, sql: &str) -> Result<String, ClusterError> {
+        let port = self.port.to_string();
+        let out = self
+            .command("psql")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "pacegate",
+                "-d",
+                "postgres",
+            ])
+            .args(["-X", "-At", "-c", sql])
+            .output()
+            .map_err(io("cannot run psql"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        } else {
+            Err(ClusterError::Tool {
+                tool: format!("psql -c {sql:?}"),
+                output: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            })
+        }
+    }
+
+    /// Waits up to 30 s for `sql` to answer true.
+    fn wait_for(&self, sql: &str) -> Result<(), ClusterError> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let answer = self.psql(sql)?;
+            if answer == "t" {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(ClusterError::Tool {
+                    tool: format!("psql -c {sql:?}"),
+                    output: format!("still `{answer}` after 30 s"),
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
     fn serve_tls(&self, cert: &str, key: &str) -> Result<(), ClusterError> {
         use std::io::Write;
         use std::os::unix::fs::PermissionsExt;

@@ -10,9 +10,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod};
+use deadpool_postgres::{HookError, Manager, ManagerConfig, Pool, PoolError, RecyclingMethod};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -20,6 +21,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 mod clock;
 mod membership;
 mod migrations;
+mod reassert;
 mod rows;
 mod sql;
 mod typed;
@@ -29,6 +31,7 @@ use rows::{after, columns, db, lockout, pause_args, rows_of, snapshot_of, view_o
 use sql::*;
 
 use clock::DbClock;
+use reassert::Reassert;
 use typed::{Conn, Param};
 
 use crate::budget::after_grant;
@@ -51,7 +54,10 @@ pub struct PostgresStore {
     /// a busy destination's reservation then need not rewrite an unchanged wait list. Unknown
     /// (`None`) from before a statement is sent until its answer arrives, and after a yield,
     /// so that an answer that never came, or rows another instance expired, are written again.
-    written: Mutex<HashMap<String, Option<Vec<Row>>>>,
+    /// A failover clears it: the new server holds none of these rows.
+    written: Arc<Mutex<HashMap<String, Option<Vec<Row>>>>>,
+    /// What this instance knows of each budget, put back into a new server after a failover.
+    known: Arc<Reassert>,
     /// Round trips sent to the database, for benches and tests that count what a request
     /// costs it (one per operation, two when a reservation leaves the one-statement path).
     statements: AtomicU64,
@@ -95,15 +101,26 @@ impl PostgresStore {
                 recycling_method: RecyclingMethod::Fast,
             },
         );
+        let written = Arc::new(Mutex::new(HashMap::new()));
+        let known = Arc::new(Reassert::new(written.clone()));
+        let checks = known.clone();
+        // Every new connection finds out which server it reached, and a new one (a failover)
+        // gets what this instance knew before any request is paced on it.
+        let check = deadpool_postgres::Hook::async_fn(move |client, _| {
+            let checks = checks.clone();
+            Box::pin(async move { checks.check(client).await.map_err(HookError::Backend) })
+        });
         let pool = Pool::builder(manager)
             .max_size(connections)
+            .post_create(check)
             .build()
             .map_err(|e| StoreError::Settings(format!("store pool: {e}")))?;
         Ok(Self {
             pool,
             clock: DbClock::new(),
             instance: Instance::new().id,
-            written: Mutex::new(HashMap::new()),
+            written,
+            known,
             statements: AtomicU64::new(0),
             mode: Statements::default(),
         })
@@ -153,10 +170,17 @@ impl PostgresStore {
     async fn client(&self) -> Result<Conn, StoreError> {
         self.statements.fetch_add(1, Ordering::Relaxed);
         let client = self.pool.get().await.map_err(|e| match e {
-            PoolError::Backend(e) => db(e),
+            PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => db(e),
             other => StoreError::Unreachable(format!("postgres pool: {other}")),
         })?;
         Ok(Conn::new(client, self.mode))
+    }
+
+    /// Whether a failover's new server gets what this instance knew (see [`reassert`]); on by
+    /// default.
+    pub fn with_reassert(self, on: bool) -> Self {
+        self.known.set_on(on);
+        self
     }
 
     /// Sends statements as `mode` says (see [`typed`]); prepared by default.
@@ -204,9 +228,11 @@ impl Store for PostgresStore {
                         // The fast path runs only while no instance has rows for the
                         // destination.
                         self.wrote(destination, Vec::new());
+                        let at = clock.local(slot);
+                        self.known.granted(destination, &[at], rule.interval, 0);
                         return Ok(Grant {
                             slot: Reservation {
-                                at: clock.local(slot),
+                                at,
                                 generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
                                 unseen_late: clock.unseen_late,
                             },
@@ -274,9 +300,16 @@ impl Store for PostgresStore {
                         .collect();
                     let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
                     self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
+                    let first = at(slot)?;
+                    let keep = rule.quota.iter().map(|q| q.limit).max().unwrap_or(0);
+                    let mut slots = Vec::with_capacity(more.len() + 1);
+                    slots.push(first);
+                    slots.extend(&more);
+                    self.known
+                        .granted(destination, &slots, rule.interval, keep as usize);
                     Ok(Grant {
                         slot: Reservation {
-                            at: at(slot)?,
+                            at: first,
                             generation,
                             unseen_late: clock.unseen_late,
                         },
@@ -297,16 +330,15 @@ impl Store for PostgresStore {
                 }
                 "locked" => {
                     self.wrote(destination, rows);
-                    Err(
-                        lockout(row.get(6), row.get(7), row.get(8), row.get(9)).map_or_else(
-                            || {
-                                ReserveError::Store(StoreError::Refused(
-                                    "a lockout without a status".into(),
-                                ))
-                            },
-                            ReserveError::Locked,
-                        ),
-                    )
+                    match lockout(row.get(6), row.get(7), row.get(8), row.get(9)) {
+                        Some(lock) => {
+                            self.known.locked(destination, &lock);
+                            Err(ReserveError::Locked(lock))
+                        }
+                        None => Err(ReserveError::Store(StoreError::Refused(
+                            "a lockout without a status".into(),
+                        ))),
+                    }
                 }
                 other => Err(ReserveError::Store(StoreError::Refused(format!(
                     "pacegate_reserve_many answered `{other}`"
@@ -355,6 +387,8 @@ impl Store for PostgresStore {
                     &[&self.instance, &WAITER_LEASE.as_secs_f64()],
                 )
                 .await?;
+            // Behind a pooler the server can change under a connection that stays open.
+            self.known.check(&client).await.map_err(db)?;
             Ok(())
         })
     }
@@ -444,7 +478,9 @@ impl Store for PostgresStore {
                     ],
                 )
                 .await?;
-            Ok(view_of(&row))
+            let view = view_of(&row);
+            self.known.learned(destination, &view);
+            Ok(view)
         })
     }
 
@@ -455,6 +491,7 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             let row = client.opt(SQL_UNLOCK, &[&destination]).await?;
+            self.known.unlocked(destination);
             Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
         })
     }
@@ -463,12 +500,15 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let client = self.client().await?;
             let row = client.opt(SQL_VIEW, &[&destination]).await?;
-            Ok(row.map_or(BudgetView::default(), |r| view_of(&r)))
+            let view = row.map_or(BudgetView::default(), |r| view_of(&r));
+            self.known.learned(destination, &view);
+            Ok(view)
         })
     }
 
     fn forget_budget(&self, budget: &str) {
         self.written.lock().remove(budget);
+        self.known.forget(budget);
     }
 
     fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
@@ -505,11 +545,15 @@ impl Store for PostgresStore {
             let rows = client
                 .rows(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
                 .await?;
-            Ok(rows
+            let snapshots: Vec<Snapshot> = rows
                 .iter()
                 .zip(destinations)
                 .map(|(r, (_, rule))| snapshot_of(r, rule))
-                .collect())
+                .collect();
+            for ((destination, _), s) in destinations.iter().zip(&snapshots) {
+                self.known.learned(destination, &s.view);
+            }
+            Ok(snapshots)
         })
     }
 }

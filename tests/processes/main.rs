@@ -8,6 +8,7 @@ mod support;
 
 mod batches;
 mod ceiling;
+mod failover;
 mod faults;
 mod groups;
 mod keys;

@@ -29,6 +29,12 @@ impl Cluster {
         )
     }
 
+    /// Cuts a standby off from `primary`'s WAL once it has replayed it so far (see
+    /// `pacegate::demo::cluster::Cluster::cut_off`).
+    pub fn cut_off(&self, primary: &Cluster) {
+        self.0.cut_off(&primary.0).unwrap_or_else(|e| panic!("{e}"));
+    }
+
     /// Promotes a standby.
     pub fn promote(&self) {
         self.0.promote().unwrap_or_else(|e| panic!("{e}"));
