@@ -123,7 +123,7 @@ async fn reading(n: usize) {
     let scrape = median(|| async {
         p.gauges();
         let text = metrics.render();
-        assert!(text.contains("pacegate_keys{destination=\"d\"}"));
+        assert!(text.contains("pacegate_keys{destination=\"d\",group=\"\"}"));
     })
     .await;
     let status = median(|| async {

@@ -28,9 +28,7 @@ use crate::destination::{Block, Quota};
 use crate::signals::Family;
 use crate::status::LockStatus;
 
-/// What joins a keyed budget's name to its key: `PARENT#KEY`, where `PARENT` is the budget
-/// (a destination's, or `DESTINATION/GROUP`) split by key. Names in the config cannot hold it.
-pub const KEY_MARK: char = '#';
+pub use crate::destination::{GROUP_MARK, KEY_MARK};
 
 /// The budget whose lockout halts `budget` too: a key's parent (`PARENT` of `PARENT#KEY`). A
 /// lockout is the IP's, so it is kept on the parent alone, and every key, on any instance and
@@ -569,4 +567,20 @@ pub struct Snapshot {
     pub waiting: Vec<ClassWaiting>,
     /// Slots taken in each quota window that ends now, in the rule's order.
     pub quota_used: Vec<u32>,
+}
+
+#[cfg(test)]
+mod names {
+    use super::halted_by;
+    use crate::metrics::labels;
+
+    #[test]
+    fn a_budget_name_gives_its_labels_and_the_budget_that_halts_it() {
+        assert_eq!(labels("api"), ["api", ""]);
+        assert_eq!(labels("api/search"), ["api", "search"]);
+        assert_eq!(labels("api/search#0f3a"), ["api", "search"]);
+        assert_eq!(labels("api#example.com"), ["api", ""]);
+        assert_eq!(halted_by("api/search#0f3a"), Some("api/search"));
+        assert_eq!(halted_by("api/search"), None);
+    }
 }

@@ -9,6 +9,14 @@ use std::fmt;
 use std::net::IpAddr;
 use std::time::Duration;
 
+/// What joins a group's budget name to its destination's: `DESTINATION/GROUP`. Names in the
+/// config cannot hold it.
+pub const GROUP_MARK: char = '/';
+
+/// What joins a keyed budget's name to its key: `PARENT#KEY`, where `PARENT` is the budget
+/// (a destination's, or `DESTINATION/GROUP`) split by key. Names in the config cannot hold it.
+pub const KEY_MARK: char = '#';
+
 use serde::Serialize;
 
 use crate::signals::Families;

@@ -11,6 +11,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use crate::destination::{GROUP_MARK, KEY_MARK};
 use crate::status::DestinationStatus;
 
 /// The destination label of requests that match no configured destination.
@@ -150,14 +151,14 @@ impl Metrics {
                 "pacegate_requests_total",
                 "Requests answered, by destination and outcome",
             ),
-            &["destination", "outcome"],
+            &["destination", "group", "outcome"],
         )?;
         let upstream_responses = IntCounterVec::new(
             Opts::new(
                 "pacegate_upstream_responses_total",
                 "Upstream responses, by destination and status code",
             ),
-            &["destination", "status"],
+            &["destination", "group", "status"],
         )?;
         let request_duration = HistogramVec::new(
             HistogramOpts::new(
@@ -167,7 +168,7 @@ impl Metrics {
             .buckets(vec![
                 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
             ]),
-            &["destination"],
+            &["destination", "group"],
         )?;
         let connections_open =
             IntGauge::new("pacegate_connections_open", "Client connections open")?;
@@ -223,28 +224,28 @@ impl Metrics {
                 "pacegate_verdicts_total",
                 "Verdicts read from upstream responses, by destination, verdict and what decided it",
             ),
-            &["destination", "verdict", "reason"],
+            &["destination", "group", "verdict", "reason"],
         )?;
         let slots_dropped = IntCounterVec::new(
             Opts::new(
                 "pacegate_slots_dropped_total",
                 "Slots not used because they came too late to send on, by destination",
             ),
-            &["destination"],
+            &["destination", "group"],
         )?;
         let keys_refused = IntCounterVec::new(
             Opts::new(
                 "pacegate_keys_refused_total",
                 "Requests refused because their key would pass max_keys, by destination",
             ),
-            &["destination"],
+            &["destination", "group"],
         )?;
         let retries = IntCounterVec::new(
             Opts::new(
                 "pacegate_retries_total",
                 "Throttled requests retried by pacegate, by destination",
             ),
-            &["destination"],
+            &["destination", "group"],
         )?;
         let wait_buckets = vec![
             0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
@@ -255,14 +256,14 @@ impl Metrics {
                 "In shadow mode, how long requests would have waited for their slot, by destination",
             )
             .buckets(wait_buckets.clone()),
-            &["destination"],
+            &["destination", "group"],
         )?;
         let shadow_refusals = IntCounterVec::new(
             Opts::new(
                 "pacegate_shadow_refusals_total",
                 "In shadow mode, requests that would have been refused, and were forwarded, by destination and reason",
             ),
-            &["destination", "reason"],
+            &["destination", "group", "reason"],
         )?;
         let wait_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -270,7 +271,7 @@ impl Metrics {
                 "Time requests waited for their slot, by destination",
             )
             .buckets(wait_buckets),
-            &["destination"],
+            &["destination", "group"],
         )?;
         let reservation_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -282,7 +283,9 @@ impl Metrics {
             ]),
             &["store"],
         )?;
-        let gauge = |name: &str, help: &str| GaugeVec::new(Opts::new(name, help), &["destination"]);
+        let gauge = |name: &str, help: &str| {
+            GaugeVec::new(Opts::new(name, help), &["destination", "group"])
+        };
         let backoff = gauge(
             "pacegate_backoff_multiplier",
             "Current interval multiplier (1 = configured rate)",
@@ -325,10 +328,10 @@ impl Metrics {
                 "pacegate_pace_limited_by",
                 "1 for what limits the destination's pace now, 0 for the other reasons",
             ),
-            &["destination", "reason"],
+            &["destination", "group", "reason"],
         )?;
         let by_class = |name: &str, help: &str| {
-            GaugeVec::new(Opts::new(name, help), &["destination", "class"])
+            GaugeVec::new(Opts::new(name, help), &["destination", "group", "class"])
         };
         let waiting = by_class(
             "pacegate_waiting",
@@ -347,14 +350,14 @@ impl Metrics {
                 "pacegate_granted_total",
                 "Slots granted to requests on this instance, by destination and class",
             ),
-            &["destination", "class"],
+            &["destination", "group", "class"],
         )?;
         let quota_used = GaugeVec::new(
             Opts::new(
                 "pacegate_quota_used",
                 "Slots taken in the last quota window over every instance (limit in the window label's destination config)",
             ),
-            &["destination", "window"],
+            &["destination", "group", "window"],
         )?;
         let in_flight = gauge(
             "pacegate_in_flight",
@@ -515,13 +518,13 @@ impl Metrics {
     /// [`UNMATCHED`]).
     pub fn upstream_response(&self, destination: &str, status: http::StatusCode) {
         self.upstream_responses
-            .with_label_values(&[destination, status.as_str()])
+            .with_label_values(&labels_and(destination, status.as_str()))
             .inc();
     }
 
     /// Sets every per-destination gauge from a status snapshot.
     pub fn set_destination(&self, s: &DestinationStatus, paused_for: Duration) {
-        let d = [s.destination.as_str()];
+        let d = labels(&s.destination);
         self.backoff.with_label_values(&d).set(s.backoff);
         self.effective_rate
             .with_label_values(&d)
@@ -567,11 +570,11 @@ impl Metrics {
                 0.0
             };
             self.pace_limited_by
-                .with_label_values(&[s.destination.as_str(), reason])
+                .with_label_values(&labels_and(&s.destination, reason))
                 .set(on);
         }
         for c in &s.classes {
-            let dc = [s.destination.as_str(), c.class.as_str()];
+            let dc = labels_and(&s.destination, c.class.as_str());
             self.waiting
                 .with_label_values(&dc)
                 .set(c.waiting_here as f64);
@@ -584,7 +587,7 @@ impl Metrics {
         }
         for q in &s.quota {
             self.quota_used
-                .with_label_values(&[s.destination.as_str(), q.window.as_str()])
+                .with_label_values(&labels_and(&s.destination, q.window.as_str()))
                 .set(f64::from(q.used));
         }
         self.in_flight.with_label_values(&d).set(s.in_flight as f64);
@@ -593,9 +596,9 @@ impl Metrics {
     /// Pre-creates the per-destination series so that dashboards see zeros, not gaps.
     pub fn init_destinations<'a>(&self, names: impl Iterator<Item = &'a str>) {
         for name in names {
-            self.request_duration.with_label_values(&[name]);
-            self.wait_seconds.with_label_values(&[name]);
-            self.retries.with_label_values(&[name]);
+            self.request_duration.with_label_values(&labels(name));
+            self.wait_seconds.with_label_values(&labels(name));
+            self.retries.with_label_values(&labels(name));
         }
     }
 
@@ -611,4 +614,22 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
     }
+}
+
+/// A budget's labels, `destination` and `group` (empty for a destination's own budget), from
+/// its name (`DESTINATION`, `DESTINATION/GROUP`). A key's budget (`PARENT#KEY`) counts as its
+/// parent's, so keys add no label values.
+pub fn labels(budget: &str) -> [&str; 2] {
+    let budget = budget
+        .split_once(KEY_MARK)
+        .map_or(budget, |(parent, _)| parent);
+    budget
+        .split_once(GROUP_MARK)
+        .map_or([budget, ""], |(destination, group)| [destination, group])
+}
+
+/// [`labels`], and one label more.
+pub fn labels_and<'a>(budget: &'a str, more: &'a str) -> [&'a str; 3] {
+    let [destination, group] = labels(budget);
+    [destination, group, more]
 }

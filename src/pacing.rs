@@ -172,7 +172,7 @@ impl Route {
     }
 
     /// The budget's name as metrics know it: a key's counts as its parent's.
-    pub fn label(&self) -> &str {
+    pub fn label(&self) -> &Arc<str> {
         self.lane.label()
     }
 

@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use crate::class::Class;
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
 use crate::destination::{normalise_host, Routed, CONNECT, HTTP};
-use crate::metrics::{Metrics, UNMATCHED};
+use crate::metrics::{labels, labels_and, Metrics, UNMATCHED};
 use crate::pacing::{Note, Pacer};
 use crate::shutdown::Shutdown;
 use crate::tls::Authority;
@@ -336,15 +336,17 @@ impl Proxy {
     fn finish(&self, started: Instant, method: &Method, handled: Handled) -> Response<ProxyBody> {
         let metrics = &self.inner.metrics;
         let destination = handled.destination.as_deref().unwrap_or(UNMATCHED);
+        // Counted under the budget that paced it: a group's, where one did.
+        let budget = handled.pace.budget.as_deref().unwrap_or(destination);
         let status = handled.response.status().as_u16();
         let elapsed = started.elapsed();
         metrics
             .requests
-            .with_label_values(&[destination, handled.outcome.as_str()])
+            .with_label_values(&labels_and(budget, handled.outcome.as_str()))
             .inc();
         metrics
             .request_duration
-            .with_label_values(&[destination])
+            .with_label_values(&labels(budget))
             .observe(elapsed.as_secs_f64());
         let logged = match self.inner.policy.load().log_requests {
             RequestLog::All => true,

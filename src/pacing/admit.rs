@@ -14,6 +14,7 @@ use super::{Admission, PaceError, Pacer, Route};
 use crate::budget::Reservation;
 use crate::class::Class;
 use crate::destination::Mode;
+use crate::metrics::{labels, labels_and};
 
 impl Pacer {
     /// A slot for a request of `class` to `route`, by the destination's mode: waited for
@@ -53,7 +54,7 @@ impl Pacer {
         let waited = started.elapsed();
         self.metrics
             .wait_seconds
-            .with_label_values(&[lane.label()])
+            .with_label_values(&labels(lane.label()))
             .observe(waited.as_secs_f64());
         Ok(self.sent(route, granted, waited, permit))
     }
@@ -80,7 +81,7 @@ impl Pacer {
                 Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
                     self.metrics
                         .slots_dropped
-                        .with_label_values(&[lane.label()])
+                        .with_label_values(&labels(lane.label()))
                         .inc();
                 }
                 Err(PaceError::Deadline { .. }) => {
@@ -101,7 +102,7 @@ impl Pacer {
         let stand_in = lane.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let name = [stand_in.label()];
+            let name = stand_in.label();
             let waited = async {
                 pacer.open(&stand_in).await?;
                 let _admitting = stand_in.admitting();
@@ -111,7 +112,7 @@ impl Pacer {
                 Ok(_) => pacer
                     .metrics
                     .shadow_wait
-                    .with_label_values(&name)
+                    .with_label_values(&labels(name))
                     .observe(started.elapsed().as_secs_f64()),
                 Err(PaceError::ShuttingDown) => {}
                 Err(e) => {
@@ -123,7 +124,7 @@ impl Pacer {
                     pacer
                         .metrics
                         .shadow_refusals
-                        .with_label_values(&[name[0], reason])
+                        .with_label_values(&labels_and(name, reason))
                         .inc();
                 }
             }
@@ -208,7 +209,7 @@ impl Pacer {
         }
         self.metrics
             .granted
-            .with_label_values(&[lane.label(), self.classes.name(granted.class)])
+            .with_label_values(&labels_and(lane.label(), self.classes.name(granted.class)))
             .inc();
         lane.tally.in_flight.fetch_add(1, Ordering::Relaxed);
         Admission {

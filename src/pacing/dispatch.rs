@@ -35,6 +35,7 @@ use crate::budget::{
     after_grant, Ask, ClassQueue, Grant, Lockout, Reservation, ReserveError, Store,
 };
 use crate::class::Class;
+use crate::metrics::labels;
 use crate::metrics::Metrics;
 
 /// One tick of tokio's timer wheel.
@@ -68,7 +69,9 @@ pub(super) async fn dispatch(
         reservation_seconds: metrics
             .reservation_seconds
             .with_label_values(&[store.kind()]),
-        slots_dropped: metrics.slots_dropped.with_label_values(&[lane.label()]),
+        slots_dropped: metrics
+            .slots_dropped
+            .with_label_values(&labels(lane.label())),
         lane,
         store,
         stop,

@@ -20,6 +20,7 @@ use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
 use crate::budget::{Event, Lockout, Observation};
 use crate::class::Class;
 use crate::destination::Mode;
+use crate::metrics::labels;
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 
@@ -28,7 +29,7 @@ use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 const KEPT_BODY_LIMIT: usize = 64 * 1024;
 
 /// What an exchange adds to the canonical log line.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Note {
     /// How long the request waited for its slots, every attempt together.
     pub waited: Option<Duration>,
@@ -38,6 +39,9 @@ pub struct Note {
     pub retries: u32,
     /// The class the request waited in.
     pub class: Option<Class>,
+    /// The budget it was paced on (a group's, where its path or method picked one), as
+    /// metrics label it.
+    pub budget: Option<Arc<str>>,
 }
 
 /// Why an exchange gave the client no upstream response.
@@ -91,6 +95,7 @@ impl Pacer {
         // The budget of the group the request belongs to, or the destination's own; within
         // it, its key's.
         let route = route.pick(outgoing.method().as_str(), outgoing.uri().path());
+        note.budget = Some(route.label().clone());
         let asking = Asking {
             host: outgoing.uri().host().unwrap_or_default(),
             user: outgoing.user(),
@@ -178,7 +183,10 @@ impl Pacer {
                     .into());
                 };
                 note.retries += 1;
-                self.metrics.retries.with_label_values(&[destination]).inc();
+                self.metrics
+                    .retries
+                    .with_label_values(&labels(destination))
+                    .inc();
                 last_throttled = Some(kept);
                 continue;
             }
@@ -230,7 +238,7 @@ impl Pacer {
         let lane = &admission.lane;
         self.metrics
             .slots_dropped
-            .with_label_values(&[lane.label()])
+            .with_label_values(&labels(lane.label()))
             .inc();
         tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
     }
@@ -322,7 +330,10 @@ impl Pacer {
         if verdict != Verdict::None {
             self.metrics
                 .verdicts
-                .with_label_values(&[lane.label(), verdict.as_str(), verdict.reason()])
+                .with_label_values(&{
+                    let [destination, group] = labels(lane.label());
+                    [destination, group, verdict.as_str(), verdict.reason()]
+                })
                 .inc();
         }
         if nothing_to_write {

@@ -16,6 +16,7 @@ use ring::hmac;
 use super::lane::{ByKey, Lane};
 use super::{PaceError, Pacer, Route};
 use crate::destination::{KeyFrom, Mode};
+use crate::metrics::{labels, labels_and};
 
 /// How much of a credential's keyed hash names its key: 64 bits, written as 16 hex digits.
 /// Among a million keys the chance that two share a name is below one in 30 million.
@@ -54,7 +55,7 @@ impl Pacer {
             Err(PaceError::TooManyKeys { .. }) if keys.pace.mode == Mode::Shadow => {
                 self.metrics
                     .shadow_refusals
-                    .with_label_values(&[route.label(), "max_keys"])
+                    .with_label_values(&labels_and(route.label(), "max_keys"))
                     .inc();
                 return Ok(route);
             }
@@ -81,7 +82,7 @@ impl Pacer {
                     if children.len() >= max_keys {
                         self.metrics
                             .keys_refused
-                            .with_label_values(&[parent.label()])
+                            .with_label_values(&labels(parent.label()))
                             .inc();
                         return Err(PaceError::TooManyKeys {
                             budget: parent.name.to_string(),

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::rate::SendLog;
 use super::PaceError;
 use crate::budget::{
-    BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule, Store, KEY_MARK,
+    BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK,
 };
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Group, Pace};
@@ -287,7 +287,12 @@ impl Lane {
 
     /// The lane of `d`'s group `g`.
     pub(super) fn group(d: &Destination, g: &Group, classes: Arc<Classes>) -> Self {
-        Self::of(&format!("{}/{}", d.name, g.name), &d.name, &g.pace, classes)
+        Self::of(
+            &format!("{}{GROUP_MARK}{}", d.name, g.name),
+            &d.name,
+            &g.pace,
+            classes,
+        )
     }
 
     fn of(name: &str, destination: &str, pace: &Pace, classes: Arc<Classes>) -> Self {
@@ -355,7 +360,7 @@ impl Lane {
 
     /// The budget's name as metrics and status know it: a key's lane counts as its parent,
     /// so that keys add no label values.
-    pub(super) fn label(&self) -> &str {
+    pub(super) fn label(&self) -> &Arc<str> {
         self.parent.as_ref().map_or(&self.name, |p| &p.name)
     }
 

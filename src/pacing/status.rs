@@ -14,6 +14,7 @@ use super::lane::Lane;
 use super::lane::StoreSaid;
 use super::Pacer;
 use crate::budget::{BudgetView, PauseCause, Rule, KEY_MARK};
+use crate::metrics::labels;
 use crate::status::{
     ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus, QuotaStatus, VendorStatus,
     TOP_KEYS,
@@ -243,7 +244,7 @@ impl Pacer {
                 }
             })
             .collect();
-        let label = [lane.label()];
+        let label = labels(lane.label());
         self.metrics
             .keys
             .with_label_values(&label)

@@ -290,7 +290,10 @@ async fn a_request_held_up_past_its_slot_is_not_sent_on_it() {
     assert!(!p.too_late(&a), "50 ms late is still on time");
     tokio::time::sleep(ms(1)).await;
     assert!(p.too_late(&a), "51 ms late bunches with the next slot");
-    assert_eq!(p.metrics.slots_dropped.with_label_values(&["d"]).get(), 1);
+    assert_eq!(
+        p.metrics.slots_dropped.with_label_values(&["d", ""]).get(),
+        1
+    );
     // The next request waits for a slot of its own, on the beat.
     let started = Instant::now();
     p.admit(&d(&p), ONE, far()).await.unwrap();
@@ -377,7 +380,7 @@ async fn a_throttle_drops_the_rest_of_a_batch() {
         later.iter().all(|t| *t >= Duration::from_secs(1)),
         "admitted during the pause: {later:?}"
     );
-    let dropped = p.metrics.slots_dropped.with_label_values(&["d"]).get();
+    let dropped = p.metrics.slots_dropped.with_label_values(&["d", ""]).get();
     assert!(dropped >= 4, "the batch held {dropped} more slots");
 }
 
@@ -937,7 +940,7 @@ async fn gauges_read_no_store_and_status_one_snapshot_a_second() {
     p.gauges();
     let locked = metrics.render();
     assert!(
-        locked.contains("pacegate_locked{destination=\"d3\"} 1"),
+        locked.contains("pacegate_locked{destination=\"d3\",group=\"\"} 1"),
         "d3's lockout is not in the gauges: {locked}"
     );
 }

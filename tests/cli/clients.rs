@@ -136,7 +136,9 @@ print(r.status_code, r.headers.get("X-Up"), r.headers.get("Retry-After"))
     assert_eq!(upstream.recorded().len(), 2);
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"local\",outcome=\"forwarded\"}")
+            .metric(
+                "pacegate_requests_total{destination=\"local\",group=\"\",outcome=\"forwarded\"}"
+            )
             .await,
         2.0,
         "both requests went through pacegate"
@@ -358,13 +360,17 @@ async fn node_and_go_through_interception_and_a_blind_tunnel() {
     }
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"local\",outcome=\"forwarded\"}")
+            .metric(
+                "pacegate_requests_total{destination=\"local\",group=\"\",outcome=\"forwarded\"}"
+            )
             .await,
         4.0
     );
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"pinned\",outcome=\"tunneled\"}")
+            .metric(
+                "pacegate_requests_total{destination=\"pinned\",group=\"\",outcome=\"tunneled\"}"
+            )
             .await,
         2.0
     );
@@ -382,7 +388,9 @@ async fn every_client_picks_its_class_by_proxy_user_name() {
         async move {
             metric_value(
                 &proxy.metrics().await,
-                &format!("pacegate_granted_total{{class=\"{class}\",destination=\"local\"}}"),
+                &format!(
+                    "pacegate_granted_total{{class=\"{class}\",destination=\"local\",group=\"\"}}"
+                ),
             )
         }
     };

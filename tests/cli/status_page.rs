@@ -161,7 +161,7 @@ mode = "shadow"
     assert_eq!(card("after", "locked")["locked"], false);
     assert_eq!(card("after", "locked")["unlockButton"], false);
     let status = proxy
-        .metric("pacegate_locked{destination=\"locked\"}")
+        .metric("pacegate_locked{destination=\"locked\",group=\"\"}")
         .await;
     assert_eq!(status, 0.0, "unlocked in the pacer, not only on the page");
     assert!(

@@ -23,7 +23,7 @@ async fn start(upstream: &FakeUpstream) -> TestProxy {
 async fn granted(proxy: &TestProxy, class: &str) -> f64 {
     metric_value(
         &proxy.metrics().await,
-        &format!("pacegate_granted_total{{class=\"{class}\",destination=\"local\"}}"),
+        &format!("pacegate_granted_total{{class=\"{class}\",destination=\"local\",group=\"\"}}"),
     )
 }
 

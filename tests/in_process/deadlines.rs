@@ -173,7 +173,7 @@ async fn an_h2_client_that_stops_answering_pings_is_closed_with_its_request() {
     // Its request went with it: nothing is in flight to the destination any more.
     support::eventually(Duration::from_secs(5), "no request in flight", || async {
         (proxy
-            .metric("pacegate_in_flight{destination=\"local\"}")
+            .metric("pacegate_in_flight{destination=\"local\",group=\"\"}")
             .await
             == 0.0)
             .then_some(())
@@ -285,7 +285,9 @@ async fn requests_past_max_requests_get_a_503_whatever_the_protocol() {
     assert_eq!(busy.headers()["retry-after"], "1");
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"unmatched\",outcome=\"busy\"}")
+            .metric(
+                "pacegate_requests_total{destination=\"unmatched\",group=\"\",outcome=\"busy\"}"
+            )
             .await,
         1.0
     );

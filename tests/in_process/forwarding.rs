@@ -33,13 +33,15 @@ async fn http_forward_looks_like_direct() {
     assert!(seen.iter().all(|r| !r.tls));
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"local\",outcome=\"forwarded\"}")
+            .metric(
+                "pacegate_requests_total{destination=\"local\",group=\"\",outcome=\"forwarded\"}"
+            )
             .await,
         3.0
     );
     assert_eq!(
         proxy
-            .metric("pacegate_upstream_responses_total{destination=\"local\",status=\"201\"}")
+            .metric("pacegate_upstream_responses_total{destination=\"local\",group=\"\",status=\"201\"}")
             .await,
         1.0
     );
@@ -244,7 +246,7 @@ async fn blind_tunnel_passes_the_upstream_certificate_through() {
     );
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"unmatched\",outcome=\"tunneled\"}")
+            .metric("pacegate_requests_total{destination=\"unmatched\",group=\"\",outcome=\"tunneled\"}")
             .await,
         1.0
     );

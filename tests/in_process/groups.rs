@@ -73,6 +73,31 @@ async fn the_search_bucket_paces_itself_and_core_keeps_its_own_rate() {
     let s = proxy.destination("github/search").await;
     assert_eq!(s["rate"], 2.0, "{s}");
     assert_eq!(proxy.destination("github").await["rate"], 50.0);
+    // And labelled by destination and group in metrics.
+    for (series, value) in [
+        (
+            "pacegate_configured_rate{destination=\"github\",group=\"search\"}",
+            2.0,
+        ),
+        (
+            "pacegate_configured_rate{destination=\"github\",group=\"\"}",
+            50.0,
+        ),
+        (
+            "pacegate_granted_total{class=\"default\",destination=\"github\",group=\"search\"}",
+            5.0,
+        ),
+        (
+            "pacegate_granted_total{class=\"default\",destination=\"github\",group=\"\"}",
+            20.0,
+        ),
+        (
+            "pacegate_requests_total{destination=\"github\",group=\"search\",outcome=\"forwarded\"}",
+            5.0,
+        ),
+    ] {
+        assert_eq!(proxy.metric(series).await, value, "{series}");
+    }
 }
 
 #[tokio::test]

@@ -94,7 +94,7 @@ async fn the_rate_holds_at_the_upstream_for_http_and_https() {
     );
     let metrics = proxy.metrics().await;
     assert!(
-        metrics.contains("pacegate_wait_seconds_count{destination=\"local\"} 40"),
+        metrics.contains("pacegate_wait_seconds_count{destination=\"local\",group=\"\"} 40"),
         "{metrics}"
     );
     assert!(metrics.contains("pacegate_reservation_seconds_count{store=\"memory\"}"));
@@ -163,12 +163,12 @@ async fn a_429_widens_the_spacing_until_the_clean_streak_decays_it() {
     }
     let metrics = proxy.metrics().await;
     assert!(metrics.contains(
-        "pacegate_verdicts_total{destination=\"local\",reason=\"status\",verdict=\"throttled\"} 1"
+        "pacegate_verdicts_total{destination=\"local\",group=\"\",reason=\"status\",verdict=\"throttled\"} 1"
     ));
     assert!(metrics.contains(
-        "pacegate_verdicts_total{destination=\"local\",reason=\"status\",verdict=\"clean\"} 6"
+        "pacegate_verdicts_total{destination=\"local\",group=\"\",reason=\"status\",verdict=\"clean\"} 6"
     ));
-    assert!(metrics.contains("pacegate_backoff_multiplier{destination=\"local\"} 1"));
+    assert!(metrics.contains("pacegate_backoff_multiplier{destination=\"local\",group=\"\"} 1"));
 }
 
 #[tokio::test]
@@ -191,7 +191,7 @@ async fn ten_concurrent_429s_widen_once() {
     assert!(proxy
         .metrics()
         .await
-        .contains("pacegate_backoff_multiplier{destination=\"local\"} 2"));
+        .contains("pacegate_backoff_multiplier{destination=\"local\",group=\"\"} 2"));
 }
 
 #[tokio::test]
@@ -216,7 +216,7 @@ async fn retry_after_seconds_pauses_every_request() {
     assert!(s["paused_for_seconds"].as_f64().unwrap() > 1.5, "{s}");
     let metrics = proxy.metrics().await;
     assert!(
-        !metrics.contains("pacegate_paused_until_seconds{destination=\"local\"} 0\n"),
+        !metrics.contains("pacegate_paused_until_seconds{destination=\"local\",group=\"\"} 0\n"),
         "{metrics}"
     );
     // Another request, to another path, waits out the pause.
@@ -307,7 +307,7 @@ async fn a_403_locks_out_until_an_operator_unlocks_even_across_a_restart() {
     assert!(proxy
         .metrics()
         .await
-        .contains("pacegate_locked{destination=\"local\"} 1"));
+        .contains("pacegate_locked{destination=\"local\",group=\"\"} 1"));
 
     let proxy = proxy.restart().await;
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
@@ -402,7 +402,7 @@ async fn throttled_gets_are_retried_and_posts_are_not() {
     assert!(proxy
         .metrics()
         .await
-        .contains("pacegate_retries_total{destination=\"local\"} 4"));
+        .contains("pacegate_retries_total{destination=\"local\",group=\"\"} 4"));
 }
 
 #[tokio::test]
@@ -447,10 +447,9 @@ async fn no_slot_within_max_wait_is_a_503_with_retry_after() {
         started.elapsed()
     );
     assert_eq!(upstream.recorded().len(), 1);
-    assert!(proxy
-        .metrics()
-        .await
-        .contains("pacegate_requests_total{destination=\"local\",outcome=\"deadline\"} 2"));
+    assert!(proxy.metrics().await.contains(
+        "pacegate_requests_total{destination=\"local\",group=\"\",outcome=\"deadline\"} 2"
+    ));
 }
 
 #[tokio::test]
@@ -539,10 +538,9 @@ async fn a_blind_tunnel_to_a_destination_takes_a_slot() {
         "three tunnels at 2/s took {:?}",
         started.elapsed()
     );
-    assert!(proxy
-        .metrics()
-        .await
-        .contains("pacegate_requests_total{destination=\"local\",outcome=\"tunneled\"} 3"));
+    assert!(proxy.metrics().await.contains(
+        "pacegate_requests_total{destination=\"local\",group=\"\",outcome=\"tunneled\"} 3"
+    ));
 }
 
 #[tokio::test]
@@ -668,12 +666,12 @@ async fn a_request_to_a_cold_upstream_takes_its_connection_before_its_slot() {
     let metrics = proxy.metrics().await;
     let value = |series: &str| support::metric_value(&metrics, series);
     assert_eq!(
-        value("pacegate_slots_dropped_total{destination=\"local\"}"),
+        value("pacegate_slots_dropped_total{destination=\"local\",group=\"\"}"),
         0.0,
         "no slot dropped"
     );
     assert_eq!(
-        value("pacegate_granted_total{class=\"default\",destination=\"local\"}"),
+        value("pacegate_granted_total{class=\"default\",destination=\"local\",group=\"\"}"),
         1.0,
         "one slot granted"
     );
@@ -715,7 +713,7 @@ async fn a_request_without_a_connection_in_time_for_its_slot_goes_on_another() {
     assert_eq!(busy.await.unwrap(), 200);
     assert_eq!(upstream.arrivals().len(), 2, "each sent once");
     let dropped = proxy
-        .metric("pacegate_slots_dropped_total{destination=\"local\"}")
+        .metric("pacegate_slots_dropped_total{destination=\"local\",group=\"\"}")
         .await;
     assert!(
         dropped >= 1.0,
@@ -755,7 +753,7 @@ async fn a_cold_upstream_that_never_answers_costs_no_slot() {
     assert!(status.contains("connection_timeout"), "{status}");
     assert!(took < Duration::from_secs(3), "answered {took:?} on");
     let granted = proxy
-        .metric("pacegate_granted_total{class=\"default\",destination=\"local\"}")
+        .metric("pacegate_granted_total{class=\"default\",destination=\"local\",group=\"\"}")
         .await;
     assert_eq!(granted, 0.0, "no slot spent");
     held.abort();

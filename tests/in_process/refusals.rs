@@ -58,7 +58,9 @@ async fn unconfigured_hosts_are_denied_by_default() {
     );
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"unmatched\",outcome=\"denied\"}")
+            .metric(
+                "pacegate_requests_total{destination=\"unmatched\",group=\"\",outcome=\"denied\"}"
+            )
             .await,
         2.0
     );
@@ -202,7 +204,7 @@ async fn unreachable_upstream_is_a_502() {
     }
     assert_eq!(
         proxy
-            .metric("pacegate_requests_total{destination=\"local\",outcome=\"upstream_error\"}")
+            .metric("pacegate_requests_total{destination=\"local\",group=\"\",outcome=\"upstream_error\"}")
             .await,
         2.0
     );

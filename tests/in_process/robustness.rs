@@ -254,7 +254,7 @@ async fn admin_endpoints_answer() {
         "pacegate_connections_open",
         "pacegate_connections_total",
         "pacegate_cert_cache_entries",
-        "pacegate_request_duration_seconds_bucket{destination=\"local\"",
+        "pacegate_request_duration_seconds_bucket{destination=\"local\",group=\"\"",
     ] {
         assert!(metrics.contains(family), "{family} missing from /metrics");
     }

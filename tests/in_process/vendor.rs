@@ -59,7 +59,7 @@ async fn a_github_style_spent_budget_pauses_until_the_reset_and_locks_nothing() 
     let metrics = proxy.metrics().await;
     assert!(
         metrics.contains(
-            "pacegate_verdicts_total{destination=\"local\",reason=\"exhausted\",verdict=\"throttled\"} 1"
+            "pacegate_verdicts_total{destination=\"local\",group=\"\",reason=\"exhausted\",verdict=\"throttled\"} 1"
         ),
         "{metrics}"
     );
@@ -91,7 +91,7 @@ async fn a_gzip_encoded_marker_is_a_throttle_and_reaches_the_client_unchanged() 
         .unwrap();
     assert_eq!(fine.status(), 200);
     assert!(proxy.metrics().await.contains(
-        "pacegate_verdicts_total{destination=\"local\",reason=\"body\",verdict=\"throttled\"} 1"
+        "pacegate_verdicts_total{destination=\"local\",group=\"\",reason=\"body\",verdict=\"throttled\"} 1"
     ));
 }
 
@@ -197,7 +197,7 @@ async fn a_secondary_limit_blocks_for_longer_each_time_across_a_restart_until_a_
     assert!(proxy
         .metrics()
         .await
-        .contains("pacegate_block_streak{destination=\"local\"} 2"));
+        .contains("pacegate_block_streak{destination=\"local\",group=\"\"} 2"));
 
     // A restart keeps the streak, and the block in force.
     let proxy = proxy.restart().await;

@@ -18,12 +18,16 @@ async fn slots_per_reservation(fleet: &Fleet) -> f64 {
     let (mut slots, mut trips) = (0.0, 0.0);
     for i in 0..INSTANCES {
         for class in ["default", "interactive", "scheduled", "backfill"] {
-            let series =
-                format!("pacegate_granted_total{{class=\"{class}\",destination=\"local\"}}");
+            let series = format!(
+                "pacegate_granted_total{{class=\"{class}\",destination=\"local\",group=\"\"}}"
+            );
             slots += fleet.metric(i, &series).await;
         }
         slots += fleet
-            .metric(i, "pacegate_slots_dropped_total{destination=\"local\"}")
+            .metric(
+                i,
+                "pacegate_slots_dropped_total{destination=\"local\",group=\"\"}",
+            )
             .await;
         trips += fleet
             .metric(i, "pacegate_reservation_seconds_count{store=\"postgres\"}")

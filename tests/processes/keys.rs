@@ -308,7 +308,10 @@ async fn max_keys_refuses_a_new_key_until_idle_ones_are_forgotten_here_and_in_th
     assert!(arrivals_of(&upstream, "refused").is_empty());
     assert_eq!(
         fleet
-            .metric(0, "pacegate_keys_refused_total{destination=\"local\"}")
+            .metric(
+                0,
+                "pacegate_keys_refused_total{destination=\"local\",group=\"\"}"
+            )
             .await,
         1.0
     );

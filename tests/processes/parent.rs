@@ -20,7 +20,7 @@ fn parent(auth: &str) -> Served {
 async fn tunnelled(parent: &Served) -> f64 {
     support::metric_value(
         &parent.metrics().await,
-        "pacegate_requests_total{destination=\"unmatched\",outcome=\"tunneled\"}",
+        "pacegate_requests_total{destination=\"unmatched\",group=\"\",outcome=\"tunneled\"}",
     )
 }
 

@@ -49,7 +49,7 @@ async fn open_loop(proxy: &Served, upstream: &FakeUpstream) {
 
 /// The mean of a histogram of the `local` destination, once it holds `count` observations.
 async fn mean_of(proxy: &Served, histogram: &str, count: u32) -> f64 {
-    let series = |part: &str| format!("{histogram}_{part}{{destination=\"local\"}}");
+    let series = |part: &str| format!("{histogram}_{part}{{destination=\"local\",group=\"\"}}");
     eventually(Duration::from_secs(15), histogram, || async {
         let text = proxy.metrics().await;
         (metric_value(&text, &series("count")) == f64::from(count))
@@ -94,7 +94,10 @@ async fn shadow_mode_sends_at_once_and_counts_the_waits_enforcing_makes() {
     );
     let text = shadow.metrics().await;
     assert_eq!(
-        metric_value(&text, "pacegate_wait_seconds_count{destination=\"local\"}"),
+        metric_value(
+            &text,
+            "pacegate_wait_seconds_count{destination=\"local\",group=\"\"}"
+        ),
         0.0,
         "nothing waited"
     );
@@ -138,7 +141,7 @@ async fn in_shadow_mode_verdicts_are_learned_and_a_lockout_refuses_nothing() {
         let text = proxy.metrics().await;
         (metric_value(
             &text,
-            "pacegate_shadow_refusals_total{destination=\"local\",reason=\"locked\"}",
+            "pacegate_shadow_refusals_total{destination=\"local\",group=\"\",reason=\"locked\"}",
         ) >= 1.0)
             .then_some(())
     })

@@ -166,7 +166,10 @@ async fn a_new_key_past_max_keys_is_refused_until_one_idles_out() {
         other => panic!("expected TooManyKeys, got {other:?}"),
     }
     assert!(route(&p, "a", &none).await.is_ok(), "a kept key still goes");
-    assert_eq!(p.metrics.keys_refused.with_label_values(&["d"]).get(), 1);
+    assert_eq!(
+        p.metrics.keys_refused.with_label_values(&["d", ""]).get(),
+        1
+    );
     // `b` idles out after key_idle (10 s); `a`, held by a route, does not.
     tokio::time::sleep(Duration::from_secs(13)).await;
     let c = route(&p, "c", &none).await.expect("room made by b");
@@ -416,6 +419,6 @@ async fn in_shadow_mode_a_key_past_max_keys_is_counted_not_refused() {
     let counted = p
         .metrics
         .shadow_refusals
-        .with_label_values(&["d", "max_keys"]);
+        .with_label_values(&["d", "", "max_keys"]);
     assert_eq!(counted.get(), 1);
 }
