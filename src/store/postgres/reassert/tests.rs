@@ -1,5 +1,8 @@
 //! A failover that loses commits, on real servers: a primary, a standby cut off from its WAL,
-//! and the store handle that paced on the primary going on on the promoted standby.
+//! and the store handle that paced on the primary going on on the promoted standby. Every
+//! kind of knowledge is written after the cut, on a budget of its own: a lockout, a pause
+//! and the backoff it brought, a full quota window, the vendor's view, a block streak, and
+//! the next slot.
 
 use std::time::Duration;
 
@@ -7,9 +10,10 @@ use tokio::time::Instant;
 
 use super::super::PostgresStore;
 use crate::budget::contract::{rule, take};
-use crate::budget::{Event, Lockout, Pause, Reservation, ReserveError, Rule, Store};
+use crate::budget::{Event, Lockout, Observation, Pause, Reservation, ReserveError, Rule, Store};
 use crate::demo::cluster::Cluster;
-use crate::destination::Quota;
+use crate::destination::{Block, Quota};
+use crate::signals::Family;
 
 /// What the promoted standby answered for each budget written after the cut.
 struct After {
@@ -17,8 +21,23 @@ struct After {
     paused: Result<Reservation, ReserveError>,
     backoff: f64,
     quota: Result<Reservation, ReserveError>,
+    /// A budget the vendor said has two requests left for a minute: the first goes in 30 s.
+    vendor: Result<Reservation, ReserveError>,
+    /// The block streak of a budget blocked once.
+    block_streak: u32,
     /// The slot `beat` got on the new server, and the latest it got on the old one.
     beat: (Instant, Instant),
+}
+
+fn blocking() -> Rule {
+    Rule {
+        block: Some(Block {
+            min: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+            jitter: 0.0,
+        }),
+        ..rule(100.0)
+    }
 }
 
 fn windowed() -> Rule {
@@ -62,6 +81,28 @@ async fn fail_over(reassert: bool) -> After {
     for _ in 0..3 {
         take(&store, "quota", &windowed(), None).await.unwrap();
     }
+    let said = Observation {
+        family: Family::Ietf,
+        remaining: 2,
+        limit: Some(100),
+        reset: Pause::For(Duration::from_secs(60)),
+        spread: 0.0,
+    };
+    let fast = rule(100.0);
+    store
+        .record("vendor", &fast, Event::None, Some(said))
+        .await
+        .unwrap();
+    let block = Event::Throttled {
+        generation: 0,
+        retry_after: None,
+        reset: None,
+        spread: 0.0,
+    };
+    store
+        .record("blocked", &blocking(), block, None)
+        .await
+        .unwrap();
 
     tokio::task::block_in_place(|| {
         primary.down().unwrap();
@@ -85,6 +126,8 @@ async fn fail_over(reassert: bool) -> After {
         paused: take(&store, "paused", &slow, soon()).await,
         backoff: store.view("paused").await.unwrap().backoff,
         quota: take(&store, "quota", &windowed(), soon()).await,
+        vendor: take(&store, "vendor", &rule(100.0), soon()).await,
+        block_streak: store.view("blocked").await.unwrap().block_streak,
         beat: (beat, before),
     }
 }
@@ -111,6 +154,12 @@ async fn what_a_failover_lost_is_put_back_before_a_slot_is_granted() {
         "a full quota window: {:?}",
         after.quota
     );
+    assert!(
+        matches!(after.vendor, Err(ReserveError::TooLate { .. })),
+        "the vendor's view was lost: {:?}",
+        after.vendor
+    );
+    assert_eq!(after.block_streak, 1, "the block streak");
     let (beat, before) = after.beat;
     assert!(
         beat >= before + Duration::from_millis(1900),
@@ -126,10 +175,47 @@ async fn control_without_reassertion_the_failover_loses_them() {
     assert!(after.paused.is_ok(), "the pause: {:?}", after.paused);
     assert_eq!(after.backoff, 1.0, "the backoff");
     assert!(after.quota.is_ok(), "the quota window: {:?}", after.quota);
+    assert!(
+        after.vendor.is_ok(),
+        "the vendor's view: {:?}",
+        after.vendor
+    );
+    assert_eq!(after.block_streak, 0, "the block streak");
     let (beat, before) = after.beat;
     assert!(
         beat < before + Duration::from_millis(1900),
         "the next slot: {:?} after the last one on the old server",
         beat.saturating_duration_since(before)
+    );
+}
+
+/// Behind a pooler the server can change while this handle's connections stay open, so no
+/// new connection would find it: the heartbeat's check does. Played on one server, which
+/// loses a budget's row and is taken for another.
+#[tokio::test]
+async fn a_new_server_behind_an_open_connection_is_found_at_the_heartbeat() {
+    let store = PostgresStore::new(&super::super::testdb::fresh().await, 2).unwrap();
+    store.migrate().await.unwrap();
+    let slow = rule(0.5);
+    let lock = Lockout::new(403, "GET https://locked/x".into(), "instance-a".into());
+    store
+        .record("locked", &slow, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    let client = store.client().await.unwrap();
+    client
+        .execute(
+            "DELETE FROM pacegate_budgets WHERE destination = 'locked'",
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(client);
+    *store.known.server.lock().await = Some("the server before".into());
+    store.keep_waiting().await.unwrap();
+    let after = take(&store, "locked", &slow, None).await;
+    assert!(
+        matches!(after, Err(ReserveError::Locked(_))),
+        "the lockout: {after:?}"
     );
 }
