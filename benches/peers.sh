@@ -20,7 +20,8 @@
 # nginx and squid run one worker process each; pacegate runs as shipped, one thread per core
 # (PACEGATE_THREADS=N sets `[proxy] threads = N`). Over http, "hyper" is the floor under
 # pacegate: examples/hyper_floor.rs, a forward proxy of the same hyper server, hyper-util client
-# and tokio runtime that does nothing else; what pacegate spends above it is its own.
+# and tokio runtime that does nothing else; what pacegate spends above it is its own, and each
+# round prints pacegate ÷ floor, CPU per request.
 #
 #   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default; PACEGATE_BIN=path
 #
@@ -205,7 +206,9 @@ run() { # name, pid whose CPU counts, concurrency, wrk target args...
   p99=$(echo "$out" | awk '$1 == "99%" {print $2}')
   local us; us=$(echo "$before $after $reqs" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
   printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request\n" "$name" "$c" "$rps" "$p50" "$p99" "$us"
+  cpu_of[$name]=$us
 }
+declare -A cpu_of
 
 run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
   local name=$1 pid=$2 c=$3; shift 3
@@ -230,6 +233,7 @@ for round in $(seq "$ROUNDS"); do
       run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
       run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
       run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
+      echo "${cpu_of[pacegate]} ${cpu_of[hyper]}" | awk -v c="$c" '$2 > 0 {printf "pacegate ÷ floor   c=%-4s %.2f× CPU/request\n", c, $1 / $2}'
     fi
     if [[ " $PROTOCOLS " == *" https "* ]]; then
       run_tls direct-s "$up_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$ups"

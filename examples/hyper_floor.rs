@@ -29,6 +29,12 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .expect("cannot bind");
+    serve(listener).await;
+}
+
+/// Forwards every request arriving on `listener` (`benches/allocations.rs` runs it
+/// in-process).
+pub(crate) async fn serve(listener: tokio::net::TcpListener) {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     // As pacegate keeps them: up to 256 idle upstream connections per host.

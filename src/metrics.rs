@@ -3,12 +3,13 @@
 //! Label values come only from configured destination names (or `unmatched`) and fixed enums,
 //! so a hostile client cannot grow the label space.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::destination::{GROUP_MARK, KEY_MARK};
@@ -632,4 +633,134 @@ pub fn labels(budget: &str) -> [&str; 2] {
 pub fn labels_and<'a>(budget: &'a str, more: &'a str) -> [&'a str; 3] {
     let [destination, group] = labels(budget);
     [destination, group, more]
+}
+
+/// The series of one budget's families, each looked up once: a budget's labels are fixed,
+/// so a request that counts into them finds its series here rather than hashing every label
+/// value again. The last label of a family takes few values (a class, an outcome, a status,
+/// a verdict), kept in a short list read under a shared lock.
+pub struct BudgetSeries {
+    /// `pacegate_wait_seconds`.
+    pub wait: Histogram,
+    /// `pacegate_request_duration_seconds`.
+    pub duration: Histogram,
+    /// `pacegate_slots_dropped_total`.
+    pub slots_dropped: IntCounter,
+    requests: Tail<&'static str, IntCounter>,
+    responses: Tail<u16, IntCounter>,
+    verdicts: Tail<(&'static str, &'static str), IntCounter>,
+    /// By class name: a reload may order the classes anew.
+    granted: parking_lot::RwLock<Vec<(Box<str>, IntCounter)>>,
+    families: Families,
+    labels: [Arc<str>; 2],
+}
+
+impl std::fmt::Debug for BudgetSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BudgetSeries").field(&self.labels).finish()
+    }
+}
+
+/// The families [`BudgetSeries`] finds a new series in.
+struct Families {
+    requests: IntCounterVec,
+    responses: IntCounterVec,
+    verdicts: IntCounterVec,
+    granted: IntCounterVec,
+}
+
+/// Series by the value of one more label, found by a short scan.
+struct Tail<K, M> {
+    known: parking_lot::RwLock<Vec<(K, M)>>,
+}
+
+impl<K: Copy + PartialEq, M: Clone> Tail<K, M> {
+    fn new() -> Self {
+        Self {
+            known: parking_lot::RwLock::new(Vec::new()),
+        }
+    }
+
+    fn get(&self, key: K, make: impl FnOnce() -> M) -> M {
+        if let Some((_, m)) = self.known.read().iter().find(|(k, _)| *k == key) {
+            return m.clone();
+        }
+        let mut known = self.known.write();
+        if let Some((_, m)) = known.iter().find(|(k, _)| *k == key) {
+            return m.clone();
+        }
+        let m = make();
+        known.push((key, m.clone()));
+        m
+    }
+}
+
+impl BudgetSeries {
+    /// The series of `budget` (see [`labels`]) in `metrics`.
+    pub fn new(metrics: &Metrics, budget: &str) -> Self {
+        let [destination, group] = labels(budget);
+        let own = [destination, group];
+        Self {
+            wait: metrics.wait_seconds.with_label_values(&own),
+            duration: metrics.request_duration.with_label_values(&own),
+            slots_dropped: metrics.slots_dropped.with_label_values(&own),
+            requests: Tail::new(),
+            responses: Tail::new(),
+            verdicts: Tail::new(),
+            granted: parking_lot::RwLock::new(Vec::new()),
+            families: Families {
+                requests: metrics.requests.clone(),
+                responses: metrics.upstream_responses.clone(),
+                verdicts: metrics.verdicts.clone(),
+                granted: metrics.granted.clone(),
+            },
+            labels: [Arc::from(destination), Arc::from(group)],
+        }
+    }
+
+    fn own(&self) -> [&str; 2] {
+        [&self.labels[0], &self.labels[1]]
+    }
+
+    /// `pacegate_requests_total` for `outcome`.
+    pub fn requests(&self, outcome: &'static str) -> IntCounter {
+        self.requests.get(outcome, || {
+            let [d, g] = self.own();
+            self.families.requests.with_label_values(&[d, g, outcome])
+        })
+    }
+
+    /// `pacegate_upstream_responses_total` for `status`.
+    pub fn response(&self, status: http::StatusCode) -> IntCounter {
+        self.responses.get(status.as_u16(), || {
+            let [d, g] = self.own();
+            self.families
+                .responses
+                .with_label_values(&[d, g, status.as_str()])
+        })
+    }
+
+    /// `pacegate_verdicts_total` for a verdict and what decided it.
+    pub fn verdict(&self, verdict: &'static str, reason: &'static str) -> IntCounter {
+        self.verdicts.get((verdict, reason), || {
+            let [d, g] = self.own();
+            self.families
+                .verdicts
+                .with_label_values(&[d, g, verdict, reason])
+        })
+    }
+
+    /// `pacegate_granted_total` for the class named `class`.
+    pub fn granted(&self, class: &str) -> IntCounter {
+        if let Some((_, c)) = self.granted.read().iter().find(|(n, _)| &**n == class) {
+            return c.clone();
+        }
+        let [d, g] = self.own();
+        let counter = self.families.granted.with_label_values(&[d, g, class]);
+        let mut known = self.granted.write();
+        if !known.iter().any(|(n, _)| &**n == class) {
+            known.push((class.into(), counter.clone()));
+        }
+        counter
+    }
 }

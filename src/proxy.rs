@@ -95,23 +95,48 @@ impl crate::server::Handler for Proxy {
     }
 }
 
+/// What the log line names as a request's target (`host:port`), written out only with the
+/// line.
+enum Aimed {
+    /// As the request named it, for a refusal before its target was known.
+    Text(String),
+    /// A target as routed: its host (IPv6 without brackets) and port.
+    At(String, u16),
+}
+
+impl From<String> for Aimed {
+    fn from(text: String) -> Self {
+        Self::Text(text)
+    }
+}
+
+impl std::fmt::Display for Aimed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Text(text) => f.write_str(text),
+            Self::At(host, port) if host.contains(':') => write!(f, "[{host}]:{port}"),
+            Self::At(host, port) => write!(f, "{host}:{port}"),
+        }
+    }
+}
+
 /// What one request turned into, for the canonical log line and metrics.
 struct Handled {
     response: Response<ProxyBody>,
     outcome: Outcome,
     destination: Option<Arc<str>>,
-    target: String,
+    target: Aimed,
     reason: Option<String>,
     pace: Note,
 }
 
 impl Handled {
-    fn refused(err: ProxyError, destination: Option<Arc<str>>, target: String) -> Self {
+    fn refused(err: ProxyError, destination: Option<Arc<str>>, target: impl Into<Aimed>) -> Self {
         Self {
             response: err.to_response(),
             outcome: err.outcome(),
             destination,
-            target,
+            target: target.into(),
             reason: Some(err.to_string()),
             pace: Note::default(),
         }
@@ -336,18 +361,26 @@ impl Proxy {
     fn finish(&self, started: Instant, method: &Method, handled: Handled) -> Response<ProxyBody> {
         let metrics = &self.inner.metrics;
         let destination = handled.destination.as_deref().unwrap_or(UNMATCHED);
-        // Counted under the budget that paced it: a group's, where one did.
-        let budget = handled.pace.budget.as_deref().unwrap_or(destination);
         let status = handled.response.status().as_u16();
         let elapsed = started.elapsed();
-        metrics
-            .requests
-            .with_label_values(&labels_and(budget, handled.outcome.as_str()))
-            .inc();
-        metrics
-            .request_duration
-            .with_label_values(&labels(budget))
-            .observe(elapsed.as_secs_f64());
+        // Counted under the budget that paced it (a group's, where one did), in the series
+        // it found once; a request refused before it reached a budget looks its up.
+        match &handled.pace.series {
+            Some(series) => {
+                series.requests(handled.outcome.as_str()).inc();
+                series.duration.observe(elapsed.as_secs_f64());
+            }
+            None => {
+                metrics
+                    .requests
+                    .with_label_values(&labels_and(destination, handled.outcome.as_str()))
+                    .inc();
+                metrics
+                    .request_duration
+                    .with_label_values(&labels(destination))
+                    .observe(elapsed.as_secs_f64());
+            }
+        }
         let logged = match self.inner.policy.load().log_requests {
             RequestLog::All => true,
             RequestLog::Errors => status >= 400 || !handled.outcome.is_success(),

@@ -59,10 +59,11 @@ struct Held {
     _in_flight: InFlight,
 }
 
-/// A response body that holds its request's place until it ends.
+/// A response body that holds its request's place until it ends (none for a request
+/// refused for want of one). Served as it is, not boxed again.
 struct Holding {
     body: ProxyBody,
-    _held: Held,
+    _held: Option<Held>,
 }
 
 impl Body for Holding {
@@ -116,7 +117,12 @@ where
     let service = {
         let watch = watch.clone();
         service_fn(move |mut req: Request<Incoming>| {
-            if let Some(slot) = &slot {
+            // Only a tunnel outlives its request and needs the slot: every other request
+            // goes without an extensions map of its own.
+            if let Some(slot) = slot
+                .as_ref()
+                .filter(|_| req.method() == http::Method::CONNECT)
+            {
                 req.extensions_mut().insert(slot.clone());
             }
             let permit = gate.permits.clone().try_acquire_owned();
@@ -126,12 +132,11 @@ where
                 _in_flight: watch.request(),
             });
             async move {
-                let Ok(held) = held else {
-                    return Ok::<_, Infallible>(handler.refuse_busy(req));
+                let (response, held) = match held {
+                    Ok(held) => (handler.serve_request(req).await, Some(held)),
+                    Err(_) => (handler.refuse_busy(req), None),
                 };
-                let response = handler.serve_request(req).await;
-                Ok(response
-                    .map(|body| http_body_util::BodyExt::boxed(Holding { body, _held: held })))
+                Ok::<_, Infallible>(response.map(|body| Holding { body, _held: held }))
             }
         })
     };
@@ -191,7 +196,7 @@ pub fn connection_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
 }
 
 /// One slot of `max_connections`, held by a client connection and by every intercepted session
-/// or tunnel that outlives it. Shared through request extensions.
+/// or tunnel that outlives it. Shared through a CONNECT request's extensions.
 #[derive(Clone)]
 pub struct ConnectionSlot(#[allow(dead_code)] Arc<SlotGuard>);
 

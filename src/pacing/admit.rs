@@ -52,9 +52,8 @@ impl Pacer {
         };
         let granted = self.both_slots(lane, class, started, deadline).await?;
         let waited = started.elapsed();
-        self.metrics
-            .wait_seconds
-            .with_label_values(&labels(lane.label()))
+        lane.series(&self.metrics)
+            .wait
             .observe(waited.as_secs_f64());
         Ok(self.sent(route, granted, waited, permit))
     }
@@ -79,10 +78,7 @@ impl Pacer {
             match self.slot(total, class, started, by).await {
                 Ok(_) => return Ok(granted),
                 Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
-                    self.metrics
-                        .slots_dropped
-                        .with_label_values(&labels(lane.label()))
-                        .inc();
+                    lane.series(&self.metrics).slots_dropped.inc();
                 }
                 Err(PaceError::Deadline { .. }) => {
                     return Err(lane.deadline_error(class, lane.estimated_wait()))
@@ -207,9 +203,8 @@ impl Pacer {
         {
             log.record(now);
         }
-        self.metrics
-            .granted
-            .with_label_values(&labels_and(lane.label(), self.classes.name(granted.class)))
+        lane.series(&self.metrics)
+            .granted(self.classes.name(granted.class))
             .inc();
         lane.tally.in_flight.fetch_add(1, Ordering::Relaxed);
         Admission {

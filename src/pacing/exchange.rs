@@ -20,7 +20,7 @@ use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
 use crate::budget::{Event, Lockout, Observation};
 use crate::class::Class;
 use crate::destination::Mode;
-use crate::metrics::labels;
+use crate::metrics::{labels, BudgetSeries};
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 
@@ -39,9 +39,9 @@ pub struct Note {
     pub retries: u32,
     /// The class the request waited in.
     pub class: Option<Class>,
-    /// The budget it was paced on (a group's, where its path or method picked one), as
-    /// metrics label it.
-    pub budget: Option<Arc<str>>,
+    /// The series of the budget it was paced on (a group's, where its path or method picked
+    /// one), where its outcome is counted.
+    pub series: Option<Arc<BudgetSeries>>,
 }
 
 /// Why an exchange gave the client no upstream response.
@@ -95,7 +95,8 @@ impl Pacer {
         // The budget of the group the request belongs to, or the destination's own; within
         // it, its key's.
         let route = route.pick(outgoing.method().as_str(), outgoing.uri().path());
-        note.budget = Some(route.label().clone());
+        let series = route.lane.series(&self.metrics);
+        note.series = Some(series.clone());
         let asking = Asking {
             host: outgoing.uri().host().unwrap_or_default(),
             user: outgoing.user(),
@@ -152,8 +153,7 @@ impl Pacer {
                 }
                 sent => sent?,
             };
-            self.metrics
-                .upstream_response(destination, response.status());
+            series.response(response.status()).inc();
             let status = response.status().as_u16();
             let mut reading = self.read(&admission, status, response.headers());
             if reading.needs_body(&pace) {
@@ -236,10 +236,7 @@ impl Pacer {
 
     fn held_up(&self, admission: &Admission, late: Duration, why: &'static str) {
         let lane = &admission.lane;
-        self.metrics
-            .slots_dropped
-            .with_label_values(&labels(lane.label()))
-            .inc();
+        lane.series(&self.metrics).slots_dropped.inc();
         tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
     }
 
@@ -328,12 +325,8 @@ impl Pacer {
             Verdict::None => Event::None,
         };
         if verdict != Verdict::None {
-            self.metrics
-                .verdicts
-                .with_label_values(&{
-                    let [destination, group] = labels(lane.label());
-                    [destination, group, verdict.as_str(), verdict.reason()]
-                })
+            lane.series(&self.metrics)
+                .verdict(verdict.as_str(), verdict.reason())
                 .inc();
         }
         if nothing_to_write {

@@ -3,7 +3,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -18,6 +18,7 @@ use crate::budget::{
 };
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Group, Pace};
+use crate::metrics::{BudgetSeries, Metrics};
 
 /// What a waiter is handed: a slot, for `class`.
 pub(super) struct Grant {
@@ -173,6 +174,8 @@ struct Whole {
     /// When its lockout was last read for a dispatcher's poll, in milliseconds from
     /// [`epoch`]: its keys share one poll (see [`Lane::poll_lock`]).
     lock_polled: AtomicU64,
+    /// Its series in every family a request counts into, found on first use.
+    series: OnceLock<Arc<BudgetSeries>>,
 }
 
 /// A key's lane in its parent's set, found by its key: the key is read from the lane's name,
@@ -305,6 +308,7 @@ impl Lane {
                 key_keys: Mutex::default(),
                 store_said: Mutex::default(),
                 lock_polled: AtomicU64::new(0),
+                series: OnceLock::new(),
             })),
             last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),
@@ -362,6 +366,18 @@ impl Lane {
     /// so that keys add no label values.
     pub(super) fn label(&self) -> &Arc<str> {
         self.parent.as_ref().map_or(&self.name, |p| &p.name)
+    }
+
+    /// The budget's series in `metrics`, found once: a key counts into its parent's.
+    pub(super) fn series(&self, metrics: &Metrics) -> Arc<BudgetSeries> {
+        let own = self.parent.as_deref().unwrap_or(self);
+        match &own.whole {
+            Some(whole) => whole
+                .series
+                .get_or_init(|| Arc::new(BudgetSeries::new(metrics, &own.name)))
+                .clone(),
+            None => Arc::new(BudgetSeries::new(metrics, &own.name)),
+        }
     }
 
     /// A budget's own lane: its keys' lanes, by key (none for a key's lane).

@@ -31,7 +31,8 @@ impl Outgoing {
     pub fn new(parts: Parts, body: Incoming) -> Self {
         Self {
             parts,
-            body: Some(body),
+            // A body that is already over is sent as none: nothing to lend, or to take back.
+            body: Some(body).filter(|b| !b.is_end_stream()),
             lent: None,
             user: None,
         }

@@ -93,7 +93,7 @@ impl Proxy {
             response: established(),
             outcome: Outcome::Intercepted,
             destination: target.name(),
-            target: target.authority(),
+            target: target.authority().into(),
             reason: None,
             pace: Note::default(),
         };
@@ -248,7 +248,7 @@ impl Proxy {
             response: established(),
             outcome: Outcome::Tunneled,
             destination: target.name(),
-            target: target.authority(),
+            target: target.authority().into(),
             reason: None,
             pace,
         }

@@ -10,7 +10,7 @@ use http::{Request, Response, Uri, Version};
 use hyper::body::Incoming;
 
 use super::respond::{Outcome, ProxyError};
-use super::{Handled, Proxy};
+use super::{Aimed, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
 use crate::headers;
 use crate::metrics::UNMATCHED;
@@ -61,8 +61,7 @@ impl Proxy {
     /// once. Bodies are streamed both ways, never buffered whole.
     pub(super) async fn forward(&self, req: Request<Incoming>, target: Target) -> Handled {
         let destination = target.name();
-        let authority = target.authority();
-        let (result, pace) = match prepare(req, &target, &authority) {
+        let (result, pace) = match prepare(req, &target) {
             Err(e) => (Err(e), Note::default()),
             Ok(outgoing) => match &target.destination {
                 Some(route) => {
@@ -76,18 +75,19 @@ impl Proxy {
                 None => (self.unpaced(outgoing).await, Note::default()),
             },
         };
+        let aimed = Aimed::At(target.host, target.port);
         match result {
             Ok(response) => Handled {
                 response,
                 outcome: Outcome::Forwarded,
                 destination,
-                target: authority,
+                target: aimed,
                 reason: None,
                 pace,
             },
             Err(err) => Handled {
                 pace,
-                ..Handled::refused(err, destination, authority)
+                ..Handled::refused(err, destination, aimed)
             },
         }
     }
@@ -106,23 +106,22 @@ impl Proxy {
     }
 }
 
-/// Rewrites a client request for the upstream: URI from the target (`authority` is its
-/// [`Target::authority`]), HTTP/1.1 version, hop-by-hop headers removed.
-fn prepare(
-    req: Request<Incoming>,
-    target: &Target,
-    authority: &str,
-) -> Result<Outgoing, ProxyError> {
+/// Rewrites a client request for the upstream: URI from the target, HTTP/1.1 version,
+/// hop-by-hop headers removed.
+fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyError> {
     let (mut parts, body) = req.into_parts();
     if let Some(protocol) = headers::upgrade_protocol(&parts.headers) {
         return Err(ProxyError::UpgradeUnsupported { protocol });
     }
     // An absolute-form URI that already names the target as it is routed is sent as it came.
     let as_routed = parts.uri.scheme() == Some(&target.scheme)
-        && parts.uri.authority().map(|a| a.as_str()) == Some(authority);
+        && parts.uri.authority().is_some_and(|a| {
+            a.port_u16() == Some(target.port)
+                && a.host().trim_start_matches('[').trim_end_matches(']') == target.host
+        });
     if !as_routed {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        parts.uri = format!("{}://{authority}{path}", target.scheme)
+        parts.uri = format!("{}://{}{path}", target.scheme, target.authority())
             .parse::<Uri>()
             .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
     }

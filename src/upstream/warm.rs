@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use http::uri::Authority;
 use http::Uri;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
@@ -41,14 +42,46 @@ const AHEAD: usize = 4;
 
 type Stream = MaybeHttpsStream<TokioIo<TcpStream>>;
 
-/// Scheme, host and port.
-type Key = (bool, String, u16);
+/// An upstream as hyper-util pools its connections: whether https, and the authority with
+/// its port. Compared and hashed as the bytes it is written in, in one piece: pacegate writes
+/// every upstream's host normalised (see `proxy::forward::prepare`), and hyper-util hands the
+/// connector the authority the request named. (`Authority`'s own hash lowercases it a byte
+/// at a time, four times a request.)
+#[derive(Clone, Debug)]
+struct Key {
+    https: bool,
+    authority: Authority,
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.https == other.https && self.authority.as_str() == other.authority.as_str()
+    }
+}
+
+impl Eq for Key {}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.https.hash(state);
+        self.authority.as_str().hash(state);
+    }
+}
 
 fn key_of(uri: &Uri) -> Option<Key> {
     let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
-    let host = uri.host()?.to_ascii_lowercase();
-    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-    Some((https, host, port))
+    let authority = uri.authority()?;
+    if authority.port_u16().is_some() {
+        // Shares the URI's bytes: no copy on the request path, where the port is always
+        // given.
+        return Some(Key {
+            https,
+            authority: authority.clone(),
+        });
+    }
+    let port = if https { 443 } else { 80 };
+    let authority = format!("{}:{port}", authority.host()).parse().ok()?;
+    Some(Key { https, authority })
 }
 
 tokio::task_local! {
