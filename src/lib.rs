@@ -48,7 +48,8 @@
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
 //!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
 //! - [`headers`]: hop-by-hop hygiene at both boundaries; a leaf.
-//! - [`metrics`]: every metric family in one struct.
+//! - [`metrics`]: every metric family in one struct; a budget's series, found once
+//!   (`metrics::BudgetSeries`).
 //! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
 //! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can
 //!   change in place applied, the rest kept and named.
