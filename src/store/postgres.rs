@@ -229,7 +229,7 @@ impl Store for PostgresStore {
                         // destination.
                         self.wrote(destination, Vec::new());
                         let at = clock.local(slot);
-                        self.known.granted(destination, &[at], rule.interval, 0);
+                        self.known.granted(destination, at, &[], rule.interval, 0);
                         return Ok(Grant {
                             slot: Reservation {
                                 at,
@@ -302,11 +302,8 @@ impl Store for PostgresStore {
                     self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
                     let first = at(slot)?;
                     let keep = rule.quota.iter().map(|q| q.limit).max().unwrap_or(0);
-                    let mut slots = Vec::with_capacity(more.len() + 1);
-                    slots.push(first);
-                    slots.extend(&more);
                     self.known
-                        .granted(destination, &slots, rule.interval, keep as usize);
+                        .granted(destination, first, &more, rule.interval, keep as usize);
                     Ok(Grant {
                         slot: Reservation {
                             at: first,

@@ -104,17 +104,23 @@ impl Reassert {
         }
     }
 
-    /// Slots granted here: the next one comes after the last, `interval` later. `keep` is the
-    /// largest quota window's limit (0 without windows).
-    pub(super) fn granted(&self, budget: &str, slots: &[Instant], interval: Duration, keep: usize) {
-        let Some(last) = slots.iter().max() else {
-            return;
-        };
+    /// Slots granted here, `first` and `more` after it: the next one comes after the last,
+    /// `interval` later. `keep` is the largest quota window's limit (0 without windows).
+    pub(super) fn granted(
+        &self,
+        budget: &str,
+        first: Instant,
+        more: &[Instant],
+        interval: Duration,
+        keep: usize,
+    ) {
+        let last = more.iter().copied().fold(first, Instant::max);
         self.with_mark(budget, |mark| {
-            let next = *last + interval;
+            let next = last + interval;
             mark.next = Some(mark.next.map_or(next, |n| n.max(next)));
             if keep > 0 {
-                mark.sends.extend(slots);
+                mark.sends.push_back(first);
+                mark.sends.extend(more);
                 let over = mark.sends.len().saturating_sub(keep);
                 mark.sends.drain(..over);
             }
