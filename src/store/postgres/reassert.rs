@@ -36,6 +36,11 @@ const SQL_SERVER: &str = "SELECT CASE WHEN NOT pg_is_in_recovery() THEN
         (SELECT system_identifier::text FROM pg_control_system()) || ':'
         || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) END";
 
+/// The server by its timeline alone, where `pg_control_system()` is not granted (some managed
+/// services): a promotion still starts a new timeline.
+const SQL_TIMELINE: &str = "SELECT CASE WHEN NOT pg_is_in_recovery() THEN
+        substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) END";
+
 const SQL_REASSERT: &str = "SELECT pacegate_reassert($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
     $11, $12, $13, $14, $15, $16, $17, $18)";
 
@@ -70,6 +75,8 @@ pub(super) struct Reassert {
     server: tokio::sync::Mutex<Option<String>>,
     /// The store's record of its wait lists' rows: a new server holds none of them.
     written: Arc<Mutex<HashMap<String, Option<Vec<Row>>>>>,
+    /// Said once: the server cannot be told apart, so a failover goes unnoticed.
+    blind: AtomicBool,
 }
 
 impl Reassert {
@@ -79,6 +86,7 @@ impl Reassert {
             marks: Mutex::new(HashMap::new()),
             server: tokio::sync::Mutex::new(None),
             written,
+            blind: AtomicBool::new(false),
         }
     }
 
@@ -168,7 +176,20 @@ impl Reassert {
     /// Reads which server `client` is on; if it is not the one paced on so far, puts every
     /// mark into it first. Runs on each new connection, and once a heartbeat.
     pub(super) async fn check(&self, client: &Client) -> Result<(), tokio_postgres::Error> {
-        let row = client.query_typed(SQL_SERVER, &[]).await?;
+        // A server that answers with an error (a function not granted) is still paced on:
+        // noticing a failover must never cost the store itself.
+        let row = match client.query_typed(SQL_SERVER, &[]).await {
+            Err(e) if e.code().is_some() => match client.query_typed(SQL_TIMELINE, &[]).await {
+                Err(e) if e.code().is_some() => {
+                    if !self.blind.swap(true, Ordering::Relaxed) {
+                        tracing::warn!("cannot tell which server the store is ({e}); a failover that loses commits will not be noticed, and what it lost not put back");
+                    }
+                    return Ok(());
+                }
+                answer => answer?,
+            },
+            answer => answer?,
+        };
         let Some(server) = row.first().and_then(|r| r.get::<_, Option<String>>(0)) else {
             // A standby: nothing is paced from it, so nothing is put back into it.
             return Ok(());

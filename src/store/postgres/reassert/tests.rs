@@ -219,3 +219,27 @@ async fn a_new_server_behind_an_open_connection_is_found_at_the_heartbeat() {
         "the lockout: {after:?}"
     );
 }
+
+/// A server that does not grant `pg_control_system()` (some managed services do not) is paced
+/// on all the same, and told apart by its timeline alone.
+#[tokio::test]
+async fn a_server_that_keeps_its_identifier_to_itself_is_still_paced_on() {
+    let cluster = Cluster::start().unwrap();
+    for sql in [
+        "CREATE ROLE plain LOGIN",
+        "GRANT CREATE ON SCHEMA public TO plain",
+        "REVOKE EXECUTE ON FUNCTION pg_control_system() FROM PUBLIC",
+    ] {
+        cluster.psql(sql).unwrap();
+    }
+    let url = format!("postgres://plain@127.0.0.1:{}/postgres", cluster.port);
+    let store = PostgresStore::new(&url, 2).unwrap();
+    store.migrate().await.unwrap();
+    take(&store, "d", &rule(10.0), None).await.unwrap();
+    let server = store.known.server.lock().await.clone();
+    assert_eq!(
+        server.as_deref(),
+        Some("00000001"),
+        "the server as told apart"
+    );
+}
