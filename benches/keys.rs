@@ -4,6 +4,8 @@
 //!   (goal: at most 1 KiB a key), read from the process's resident set.
 //! - Reading them: `/metrics` (the gauges set, then rendered), `/status` (as JSON) and the
 //!   status table, at 10,000 live keys (goal: each under 50 ms).
+//! - The keyed path: what finding a request's key (a credential's keyed hash, then its lane)
+//!   adds to a request, against a budget not split (goal: at most 2 µs).
 //! - The fleet: 1,000 keys at 1/s each over 3 `pacegate serve` instances on one Postgres, about
 //!   1,000 requests a second: every key's busiest 1 s window, the store's transactions per
 //!   request, the reservation time (p50, p99), and the instances' CPU.
@@ -34,14 +36,20 @@ fn main() {
     rt.block_on(async {
         idle_keys(if full { 100_000 } else { 2_000 }).await;
         reading(if full { 10_000 } else { 500 }).await;
+        keyed_path(if full { 200_000 } else { 2_000 }).await;
         fleet(full).await;
     });
 }
 
 /// A pacer over one destination split by host, on the memory store.
 async fn pacer() -> (Arc<Pacer>, Arc<Metrics>) {
+    pacer_keyed("key = \"host\"\nmax_keys = 1000000").await
+}
+
+/// A pacer over one destination with `keys` (its key rule, or none), on the memory store.
+async fn pacer_keyed(keys: &str) -> (Arc<Pacer>, Arc<Metrics>) {
     let config = Config::parse(
-        "[tls]\ngenerate_ca = true\n[destinations.d]\nhosts = [\"*.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = 1000000\n",
+        &format!("[tls]\ngenerate_ca = true\n[destinations.d]\nhosts = [\"*.example\"]\nrate = 1\n{keys}\n"),
         Path::new("/nonexistent"),
     )
     .unwrap();
@@ -76,6 +84,56 @@ async fn make_keys(p: &Arc<Pacer>, from: usize, to: usize) {
                 .unwrap(),
         );
     }
+}
+
+/// Times finding a request's budget, `n` times over: its key's lane when split by a
+/// credential (the key made already), and the budget itself when not split.
+async fn keyed_path(n: usize) {
+    let (split, _) = pacer_keyed("key = \"header:authorization\"").await;
+    let (plain, _) = pacer_keyed("").await;
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "authorization",
+        "Bearer ghp_0123456789abcdefghijklmnopqrstuvwxyzAB"
+            .parse()
+            .unwrap(),
+    );
+    let asking = Asking {
+        host: "api.example",
+        user: None,
+        headers: &headers,
+    };
+    let route = split.keyed(split.destination("d").unwrap(), &asking).await;
+    assert!(
+        route.unwrap().name().contains('#'),
+        "the request was not keyed"
+    );
+    let per_request = |p: Arc<Pacer>| {
+        let asking = &asking;
+        async move {
+            let started = Instant::now();
+            for _ in 0..n {
+                let route = p.destination("d").unwrap();
+                std::hint::black_box(p.keyed(route, asking).await.unwrap());
+            }
+            started.elapsed() / u32::try_from(n).unwrap()
+        }
+    };
+    let mut keyed = Vec::new();
+    let mut not_split = Vec::new();
+    for _ in 0..3 {
+        keyed.push(per_request(split.clone()).await);
+        not_split.push(per_request(plain.clone()).await);
+    }
+    keyed.sort();
+    not_split.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "the keyed path (median of 3 rounds of {n}): {:.2} µs a request by a credential's key, {:.2} µs for a budget not split: {:.2} µs added (goal: at most 2)",
+        us(keyed[1]),
+        us(not_split[1]),
+        us(keyed[1]) - us(not_split[1])
+    );
 }
 
 /// The resident set, in bytes.
