@@ -10,7 +10,6 @@ use crate::fleet::Membership;
 use crate::status::{self, BudgetStatus};
 use crate::tls;
 
-pub mod log;
 
 /// Exit code for bad config or usage (EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;
@@ -390,20 +389,26 @@ pub fn fail(e: &dyn std::error::Error) -> ExitCode {
 }
 
 /// Logs to stderr in `format`, filtered by `PACEGATE_LOG`, else at `level` and above, through
-/// a buffer written every 100 ms ([`log`]). Hold the guard until the process ends: dropping
-/// it writes what is left.
-pub fn init_tracing(format: LogFormat, level: &str) -> log::Flushing {
+/// a buffer written every 100 ms ([`crate::log`]). Hold the guard until the process ends:
+/// dropping it writes what is left.
+pub fn init_tracing(format: LogFormat, level: &str) -> crate::log::Flushing {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("PACEGATE_LOG").unwrap_or_else(|_| EnvFilter::new(level));
-    let (writer, guard) = log::buffered(std::io::stderr());
+    let (writer, guard) = crate::log::buffered(std::io::stderr());
     // Colour codes only for a person at a terminal: in a log file they are noise.
+    let colours = std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(writer);
+        .with_ansi(colours)
+        .with_writer(writer.clone());
     match format {
-        LogFormat::Text => builder.event_format(log::Text::default()).init(),
+        LogFormat::Text => {
+            if !colours {
+                writer.take_request_lines();
+            }
+            builder.init();
+        }
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
     guard

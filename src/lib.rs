@@ -2,9 +2,7 @@
 //!
 //! The modules, in the order a request meets them:
 //!
-//! - [`cli`]: the binary's commands, one function each (`main` only parses the arguments);
-//!   `cli::log` writes the log off the request path, and the request line with little
-//!   formatting.
+//! - [`cli`]: the binary's commands, one function each (`main` only parses the arguments).
 //! - [`app`]: wiring: config -> metrics, TLS, store, pacer, upstream client, proxy,
 //!   listeners; run and stop.
 //! - [`config`]: the typed [`config::Config`]; `config::file` is the TOML file model and
@@ -48,6 +46,8 @@
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
 //!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
 //! - [`headers`]: hop-by-hop hygiene at both boundaries; a leaf.
+//! - [`log`]: the log's writer (a buffer that a thread of its own writes every 100 ms) and
+//!   the request line, which a request copies unformatted and that thread formats; a leaf.
 //! - [`metrics`]: every metric family in one struct; a budget's series, found once
 //!   (`metrics::BudgetSeries`).
 //! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
@@ -62,9 +62,9 @@
 //!   tests) start.
 //!
 //! Each module imports only modules below it in this order: `status`, `class`, `headers`,
-//! `signals`, `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`, `store`,
-//! `upstream`, `pacing`, `server`, `proxy`, `reload`, `admin`, `app`, `demo`, `cli` (checked by
-//! `tests/in_process/layering.rs`).
+//! `log`, `signals`, `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`,
+//! `store`, `upstream`, `pacing`, `server`, `proxy`, `reload`, `admin`, `app`, `demo`, `cli`
+//! (checked by `tests/in_process/layering.rs`).
 //!
 //! Words (see `docs/pacing-model.md`): *client* sends through pacegate;
 //! *destination* is a configured group of hosts sharing one budget; *upstream* is the real
@@ -82,6 +82,7 @@ pub mod demo;
 pub mod destination;
 pub mod fleet;
 pub mod headers;
+pub mod log;
 pub mod metrics;
 pub mod pacing;
 pub mod proxy;

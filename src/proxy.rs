@@ -18,6 +18,7 @@ use hyper::body::Incoming;
 use crate::class::Class;
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
 use crate::destination::{normalise_host, Routed, CONNECT, HTTP};
+use crate::log::RequestLine;
 use crate::metrics::{labels, labels_and, Metrics, UNMATCHED};
 use crate::pacing::{Note, Pacer};
 use crate::shutdown::Shutdown;
@@ -29,9 +30,6 @@ use respond::{Outcome, ProxyError};
 use arc_swap::ArcSwap;
 
 use crate::server::BoxFuture;
-
-/// The target of the request log line, one per request.
-pub const REQUEST_LOG: &str = "pacegate::request";
 
 /// What a reload may change in how the proxy treats clients.
 #[derive(Debug, Clone)]
@@ -389,29 +387,23 @@ impl Proxy {
         if !logged {
             return handled.response;
         }
-        tracing::info!(
-            target: REQUEST_LOG,
+        RequestLine {
             destination,
-            method = %method,
-            // Not `target`: that is every event's own key in JSON, and would hide this one.
-            host = %handled.target,
-            outcome = %handled.outcome,
+            method: method.as_str(),
+            host: &handled.target,
+            outcome: handled.outcome.as_str(),
             status,
-            duration_ms = millis(elapsed),
-            waited_ms = handled.pace.waited.map_or(0.0, millis),
-            verdict = handled.pace.verdict.map_or("", |v| v.as_str()),
-            verdict_reason = handled.pace.verdict.map_or("", |v| v.reason()),
-            retries = handled.pace.retries,
-            class = handled.pace.class.map_or("", |c| self.inner.pacer.classes().name(c)),
-            reason = handled.reason.as_deref().unwrap_or(""),
-        );
+            duration: elapsed,
+            waited: handled.pace.waited,
+            verdict: handled.pace.verdict.map_or("", |v| v.as_str()),
+            verdict_reason: handled.pace.verdict.map_or("", |v| v.reason()),
+            retries: handled.pace.retries,
+            class: handled.pace.class.map_or("", |c| self.inner.pacer.classes().name(c)),
+            reason: handled.reason.as_deref().unwrap_or(""),
+        }
+        .log();
         handled.response
     }
-}
-
-/// Milliseconds to the microsecond, for the log: `0.586`, not `0.5856630000000001`.
-fn millis(d: std::time::Duration) -> f64 {
-    (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
 /// The classes `user` may use, when the policy lists them.

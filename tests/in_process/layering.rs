@@ -10,6 +10,7 @@ const LAYERS: &[&str] = &[
     "status",
     "class",
     "headers",
+    "log",
     "signals",
     "shutdown",
     "destination",
