@@ -10,7 +10,6 @@ use crate::fleet::Membership;
 use crate::status::{self, BudgetStatus};
 use crate::tls;
 
-
 /// Exit code for bad config or usage (EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;
 /// Exit code for a runtime failure.

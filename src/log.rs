@@ -500,10 +500,16 @@ mod tests {
             ("h\u{e9}te:80", "tab\there, caf\u{e9}, \u{1b}[31m"),
         ] {
             for (duration, waited) in [
-                (Duration::from_nanos(585_663_123), Some(Duration::from_nanos(971))),
+                (
+                    Duration::from_nanos(585_663_123),
+                    Some(Duration::from_nanos(971)),
+                ),
                 (Duration::ZERO, None),
                 (Duration::from_millis(1500), Some(Duration::from_secs(12))),
-                (Duration::from_micros(120_030), Some(Duration::from_nanos(1_499))),
+                (
+                    Duration::from_micros(120_030),
+                    Some(Duration::from_nanos(1_499)),
+                ),
             ] {
                 let line = RequestLine {
                     duration,

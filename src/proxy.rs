@@ -398,7 +398,10 @@ impl Proxy {
             verdict: handled.pace.verdict.map_or("", |v| v.as_str()),
             verdict_reason: handled.pace.verdict.map_or("", |v| v.reason()),
             retries: handled.pace.retries,
-            class: handled.pace.class.map_or("", |c| self.inner.pacer.classes().name(c)),
+            class: handled
+                .pace
+                .class
+                .map_or("", |c| self.inner.pacer.classes().name(c)),
             reason: handled.reason.as_deref().unwrap_or(""),
         }
         .log();
