@@ -555,8 +555,16 @@ pub fn normalise_host(host: &str) -> Option<String> {
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host);
-    if let Ok(ip) = host.parse::<IpAddr>() {
-        return Some(ip.to_string());
+    // A name starts with a letter (or `_`): only what could be an address is parsed as one.
+    let name = host
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && !host.contains(':');
+    if !name {
+        if let Ok(ip) = host.parse::<IpAddr>() {
+            return Some(ip.to_string());
+        }
     }
     let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
     let valid_label = |l: &str| {

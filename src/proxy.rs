@@ -455,37 +455,42 @@ pub fn parse_target(
     let authority = uri
         .authority()
         .ok_or_else(|| ProxyError::BadRequest("the request names no host".into()))?;
-    let host = normalise_host(authority.host()).ok_or_else(|| {
+    // Each of `host()` and `port_u16()` searches the authority again: asked once each.
+    let (written_host, written_port) = (authority.host(), authority.port_u16());
+    let host = normalise_host(written_host).ok_or_else(|| {
         ProxyError::BadRequest(format!(
             "`{authority}` is not a valid host name or IP address"
         ))
     })?;
-    // `http` reads a port it cannot parse (`:65536`) as none; that is not the default port.
-    let after_host = authority
-        .as_str()
-        .rsplit('@')
-        .next()
-        .and_then(|rest| rest.get(authority.host().len()..))
-        .and_then(|tail| tail.strip_prefix(':'))
-        .filter(|port| !port.is_empty());
-    if let (Some(written), None) = (after_host, authority.port_u16()) {
-        return Err(ProxyError::BadRequest(format!(
-            "`{authority}`: port {written} is not a port (1 to 65535)"
-        )));
-    }
-    let port = match authority.port_u16() {
+    let port = match written_port {
         Some(0) => {
             return Err(ProxyError::BadRequest(format!(
                 "`{authority}`: port 0 is not valid"
             )))
         }
         Some(p) => p,
-        None if connect => {
-            return Err(ProxyError::BadRequest(format!(
-                "CONNECT `{authority}` has no port"
-            )))
+        None => {
+            // `http` reads a port it cannot parse (`:65536`) as none; that is not the
+            // default port.
+            let after_host = authority
+                .as_str()
+                .rsplit('@')
+                .next()
+                .and_then(|rest| rest.get(written_host.len()..))
+                .and_then(|tail| tail.strip_prefix(':'))
+                .filter(|port| !port.is_empty());
+            if let Some(written) = after_host {
+                return Err(ProxyError::BadRequest(format!(
+                    "`{authority}`: port {written} is not a port (1 to 65535)"
+                )));
+            }
+            if connect {
+                return Err(ProxyError::BadRequest(format!(
+                    "CONNECT `{authority}` has no port"
+                )));
+            }
+            80
         }
-        None => 80,
     };
     Ok((scheme, host, port))
 }

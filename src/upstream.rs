@@ -462,7 +462,7 @@ impl Upstream {
     }
 
     /// A request to `uri` starts waiting for its slot: a connection is opened ahead for it
-    /// if those open do not cover it (see [`Warm`]). Drop the guard once it is sent.
+    /// if those open do not cover it (see [`Warm`]). Hand the guard to [`Upstream::send`].
     pub fn expect(&self, uri: &Uri) -> Expecting {
         self.warm.expect(uri)
     }
@@ -471,12 +471,18 @@ impl Upstream {
     /// paced request gives `by`, the latest instant its slot allows: without a connection by
     /// then, nothing is sent ([`UpstreamError::Late`]). The response comes back as the client
     /// is to see it: hop-by-hop headers removed, HTTP/1.1 (the client side's version).
+    /// `expected` is the guard of a request that waited for its slot ([`Upstream::expect`]):
+    /// it now counts as sent.
     pub async fn send(
         &self,
         req: Request<ProxyBody>,
         by: Option<tokio::time::Instant>,
+        expected: Option<Expecting>,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
-        let _busy = self.warm.sending(req.uri());
+        let _busy = match expected {
+            Some(expecting) => expecting.sending(),
+            None => self.warm.sending(req.uri()),
+        };
         let exchange = tokio::time::timeout(self.response_timeout, self.client.request(req));
         let answered = match by {
             Some(by) => warm::SEND_BY.scope(by, exchange).await,

@@ -128,7 +128,6 @@ impl Pacer {
                 }
                 Err(e) => return Err(e.into()),
             };
-            drop(expecting);
             *note.waited.get_or_insert_default() += admission.waited;
             if !shadow && self.too_late(&admission) {
                 continue;
@@ -141,7 +140,7 @@ impl Pacer {
             // The same check where the client hands out the connection: a request that would
             // wait for one past its slot is not sent on it.
             let by = (!shadow).then(|| self.send_by(&admission));
-            let mut response = match upstream.send(req, by).await {
+            let mut response = match upstream.send(req, by, Some(expecting)).await {
                 Err(UpstreamError::Late(late)) => {
                     self.no_connection_in_time(&admission);
                     if !outgoing.take_back() {

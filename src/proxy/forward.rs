@@ -97,7 +97,7 @@ impl Proxy {
         let response = self
             .inner
             .upstream
-            .send(outgoing.into_request(), None)
+            .send(outgoing.into_request(), None, None)
             .await?;
         self.inner
             .metrics
@@ -134,10 +134,81 @@ fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyErr
     headers::strip_hop_by_hop(&mut parts.headers);
     // The class is for pacegate, not for the upstream.
     parts.headers.remove(CLASS_HEADER);
-    // The client derives Host from the URI. `Expect` was answered on this side: hyper sends
-    // the 100 when the body is first read.
-    parts.headers.remove(HOST);
+    // The upstream client derives Host from the URI, unless the request has one. So the
+    // client's own stays only where it is exactly what would be derived (no other virtual
+    // host than the one routed to): most requests, which spares formatting it again.
+    if !host_as_derived(&parts.uri, &parts.headers) {
+        parts.headers.remove(HOST);
+    }
+    // `Expect` was answered on this side: hyper sends the 100 when the body is first read.
     parts.headers.remove(EXPECT);
     parts.extensions = http::Extensions::new();
     Ok(Outgoing::new(parts, body).with_user(target.user.clone()))
+}
+
+/// Whether `headers` hold one `Host`, and it is the one the upstream client would derive
+/// from `uri`: its host, and its port unless the scheme's default.
+fn host_as_derived(uri: &Uri, headers: &http::HeaderMap) -> bool {
+    let mut hosts = headers.get_all(HOST).iter();
+    let (Some(given), None) = (hosts.next(), hosts.next()) else {
+        return false;
+    };
+    let Some(authority) = uri.authority() else {
+        return false;
+    };
+    let default = if uri.scheme() == Some(&Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
+    let Some(rest) = given.as_bytes().strip_prefix(authority.host().as_bytes()) else {
+        return false;
+    };
+    match authority.port_u16() {
+        Some(port) if port != default => rest.strip_prefix(b":").is_some_and(|written| {
+            // As written by the client: digits only, no leading zero, the same number.
+            written.first().is_some_and(|d| *d != b'0')
+                && written.iter().all(u8::is_ascii_digit)
+                && std::str::from_utf8(written)
+                    .ok()
+                    .and_then(|w| w.parse().ok())
+                    == Some(port)
+        }),
+        _ => rest.is_empty(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn derived(uri: &str, given: &[&str]) -> bool {
+        let mut headers = http::HeaderMap::new();
+        for host in given {
+            headers.append(HOST, host.parse().unwrap());
+        }
+        host_as_derived(&uri.parse().unwrap(), &headers)
+    }
+
+    #[test]
+    fn only_the_host_the_upstream_client_would_write_is_kept() {
+        assert!(derived("http://localhost:8080/a", &["localhost:8080"]));
+        assert!(derived("http://localhost/a", &["localhost"]));
+        assert!(derived("http://localhost:80/a", &["localhost"]));
+        assert!(derived("https://[::1]:8443/", &["[::1]:8443"]));
+        for (uri, given) in [
+            ("http://localhost:8080/", &["elsewhere:8080"][..]),
+            ("http://localhost:8080/", &["localhost"]),
+            ("http://localhost:8080/", &["localhost:08080"]),
+            (
+                "http://localhost:8080/",
+                &["localhost:8080", "localhost:8080"],
+            ),
+            ("http://localhost:80/", &["localhost:80"]),
+            ("http://localhost/", &["localhost.evil"]),
+            ("http://localhost/", &[]),
+        ] {
+            assert!(!derived(uri, given), "{uri} with {given:?}");
+        }
+    }
 }

@@ -178,14 +178,19 @@ fn land(hosts: &Hosts, key: &Key, opened: Result<Stream, BoxError>) {
 }
 
 /// `key`'s entry, made if it is new (the key is copied only then).
-fn host_of<'a>(all: &'a mut HashMap<Key, Host>, key: &Key) -> &'a mut Host {
+fn host_of<'a>(all: &'a mut Map, key: &Key) -> &'a mut Host {
     if !all.contains_key(key) {
         all.insert(key.clone(), Host::default());
     }
     all.get_mut(key).expect("inserted above")
 }
 
-type Hosts = Arc<Mutex<HashMap<Key, Host>>>;
+/// Every upstream's counts. Looked up about four times a request, so hashed with aHash
+/// (keyed at random per process, as SipHash is) rather than SipHash, several times faster on
+/// a short key.
+type Map = HashMap<Key, Host, ahash::RandomState>;
+
+type Hosts = Arc<Mutex<Map>>;
 
 /// Applies `change` to `key`'s counts, and forgets the host once nothing is left of it.
 fn release(hosts: &Hosts, key: &Key, change: impl FnOnce(&mut Host)) {
@@ -326,7 +331,7 @@ impl Warm {
         let Some(key) = key_of(uri) else {
             return Ok(());
         };
-        let landed = |hosts: &HashMap<Key, Host>| {
+        let landed = |hosts: &Map| {
             hosts
                 .get(&key)
                 .filter(|h| pending(h))
@@ -469,6 +474,22 @@ impl Expecting {
     /// look (it takes the lock again).
     pub fn cold(&self) -> bool {
         self.cold
+    }
+
+    /// The request is being sent: no longer waiting, busy until the guard drops. One look
+    /// at the counts, where a drop and [`Warm::sending`] would take two.
+    pub fn sending(mut self) -> Busy {
+        let key = self.key.take();
+        if let Some(key) = &key {
+            let mut all = self.hosts.lock();
+            let host = host_of(&mut all, key);
+            host.waiting -= 1;
+            host.busy += 1;
+        }
+        Busy {
+            hosts: self.hosts.clone(),
+            key,
+        }
     }
 }
 

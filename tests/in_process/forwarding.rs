@@ -219,6 +219,29 @@ async fn inner_host_header_cannot_redirect_an_intercepted_session() {
 }
 
 #[tokio::test]
+async fn a_host_header_other_than_the_target_is_replaced_and_the_target_s_own_is_sent() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = proxy_for(&upstream).await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    let routed = format!("localhost:{}", upstream.http.port());
+    for (given, why) in [
+        ("elsewhere.example:1", "another host"),
+        ("LOCALHOST", "another spelling, without the port"),
+        (routed.as_str(), "the target itself, kept as it is"),
+    ] {
+        let resp = via
+            .get(format!("{}/", upstream.http_url("localhost")))
+            .header("Host", given)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{why}");
+        let seen = upstream.recorded().pop().unwrap();
+        assert_eq!(seen.authority, routed, "{why}");
+    }
+}
+
+#[tokio::test]
 async fn blind_tunnel_passes_the_upstream_certificate_through() {
     let upstream = FakeUpstream::start().await;
     let proxy = TestProxy::start(
