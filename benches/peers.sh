@@ -21,7 +21,14 @@
 # (PACEGATE_THREADS=N sets `[proxy] threads = N`). Over http, "hyper" is the floor under
 # pacegate: examples/hyper_floor.rs, a forward proxy of the same hyper server, hyper-util client
 # and tokio runtime that does nothing else; what pacegate spends above it is its own, and each
-# round prints pacegate ÷ floor, CPU per request.
+# round prints pacegate ÷ floor, CPU per request. Over https, "floor-s" is the interception
+# floor (examples/intercept_floor.rs: CONNECT, a leaf from pacegate's CA cached per host, the
+# same hyper server inside the tunnel and hyper-rustls client upstream), and each round prints
+# pacegate-s ÷ floor-s.
+#
+# PIN=1 runs each proxy on CPU 0 and wrk, connect_load and the nginx upstream on CPU 1: the
+# proxies then no longer compete with the load for a core, and their CPU per request moves far
+# less from run to run (it leaves out what a second core costs in contention).
 #
 #   benches/peers.sh                 # ROUNDS=2 SECONDS_EACH=5 by default; PACEGATE_BIN=path
 #
@@ -39,6 +46,7 @@ threads_key=""
 bin=${PACEGATE_BIN:-target/release/pacegate}
 load=target/release/examples/connect_load
 floor=target/release/examples/hyper_floor
+ifloor=target/release/examples/intercept_floor
 
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
@@ -57,6 +65,10 @@ NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$bin" ] || cargo build --release --quiet
 [ -x "$load" ] || cargo build --release --quiet --example connect_load
 [ -x "$floor" ] || cargo build --release --quiet --example hyper_floor
+[ -x "$ifloor" ] || cargo build --release --quiet --example intercept_floor
+# With PIN=1: the proxies on CPU 0, the load and the upstream on CPU 1.
+on_proxy=(); on_load=()
+if [ "${PIN:-0}" = 1 ]; then on_proxy=(taskset -c 0); on_load=(taskset -c 1); fi
 
 work=$(mktemp -d)
 chmod 755 "$work"
@@ -69,7 +81,7 @@ cleanup() {
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port); hf=$(free_port)
-ups=$(free_port); rps=$(free_port); sqb=$(free_port)
+ups=$(free_port); rps=$(free_port); sqb=$(free_port); ifl=$(free_port)
 
 mkdir -p "$work/www" "$work/up" "$work/rp" "$work/squid"
 head -c 1024 /dev/zero | tr '\0' x > "$work/www/1k"
@@ -114,8 +126,8 @@ nginx_conf "$work/rp" "upstream up { server 127.0.0.1:$up; keepalive 512; }
   server { listen 127.0.0.1:$rp; location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }
   server { listen 127.0.0.1:$rps ssl; $tls_keys location / { proxy_pass https://ups; proxy_http_version 1.1; proxy_set_header Connection \"\";
     proxy_ssl_session_reuse on; proxy_ssl_verify on; proxy_ssl_trusted_certificate $work/up-ca.pem; proxy_ssl_name localhost; } }" > "$work/rp/nginx.conf"
-"$NGINX" -p "$work/up" -c "$work/up/nginx.conf" & pids+=($!)
-"$NGINX" -p "$work/rp" -c "$work/rp/nginx.conf" & pids+=($!)
+"${on_load[@]}" "$NGINX" -p "$work/up" -c "$work/up/nginx.conf" & pids+=($!)
+"${on_proxy[@]}" "$NGINX" -p "$work/rp" -c "$work/rp/nginx.conf" & pids+=($!)
 
 chmod 777 "$work/squid"
 /usr/lib/squid/security_file_certgen -c -s "$work/squid/ssl_db" -M 16MB >/dev/null
@@ -139,7 +151,7 @@ coredump_dir $work/squid
 workers 1
 shutdown_lifetime 0 seconds
 CONF
-/usr/sbin/squid -N -f "$work/squid/squid.conf" & pids+=($!)
+"${on_proxy[@]}" /usr/sbin/squid -N -f "$work/squid/squid.conf" & pids+=($!)
 
 cat > "$work/pacegate.toml" <<TOML
 [proxy]
@@ -160,9 +172,9 @@ extra_upstream_roots = ["$work/up-ca.pem"]
 hosts = ["localhost"]
 rate = 1000000
 TOML
-"$bin" serve --config "$work/pacegate.toml" 2> "$work/pacegate.log" & pids+=($!)
+"${on_proxy[@]}" "$bin" serve --config "$work/pacegate.toml" 2> "$work/pacegate.log" & pids+=($!)
 pacegate_pid=$!
-"$floor" "127.0.0.1:$hf" & pids+=($!)
+"${on_proxy[@]}" "$floor" "127.0.0.1:$hf" & pids+=($!)
 floor_pid=$!
 
 # The request line in absolute form, as a forward proxy receives it.
@@ -171,12 +183,19 @@ wrk.path = "http://localhost:$up/1k"
 wrk.headers["Host"] = "localhost:$up"
 LUA
 
-for port in $up $rp $sq $pg $hf $ups $rps $sqb; do
-  for _ in $(seq 100); do
-    (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
-    sleep 0.1
+wait_for() { # port...
+  for port in "$@"; do
+    for _ in $(seq 100); do
+      (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
+      sleep 0.1
+    done
   done
-done
+}
+wait_for $up $rp $sq $pg $hf $ups $rps $sqb
+# The interception floor signs with pacegate's CA, which pacegate has made by now.
+"${on_proxy[@]}" "$ifloor" "127.0.0.1:$ifl" "$work/ca.pem" "$work/ca-key.pem" "$work/up-ca.pem" & pids+=($!)
+ifloor_pid=$!
+wait_for $ifl
 
 # CPU seconds of a process and its children, from /proc (user + system).
 tree() { echo "$1"; for c in $(pgrep -P "$1" || true); do tree "$c"; done; }
@@ -197,7 +216,7 @@ run() { # name, pid whose CPU counts, concurrency, wrk target args...
   local t=$((c < 2 ? 1 : 2))
   local before after out
   before=$(cpu "$pid")
-  out=$(wrk -t "$t" -c "$c" -d "${SECONDS_EACH}s" --latency "$@" 2>&1)
+  out=$("${on_load[@]}" wrk -t "$t" -c "$c" -d "${SECONDS_EACH}s" --latency "$@" 2>&1)
   after=$(cpu "$pid")
   local reqs rps p50 p99
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
@@ -215,12 +234,13 @@ run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
   local t=$((c < 2 ? 1 : 2))
   local before after out
   before=$(cpu "$pid")
-  out=$("$load" -t "$t" -c "$c" -d "$SECONDS_EACH" --path /1k "$@" 2>&1) || true
+  out=$("${on_load[@]}" "$load" -t "$t" -c "$c" -d "$SECONDS_EACH" --path /1k "$@" 2>&1) || true
   after=$(cpu "$pid")
   local reqs="" rps="" p50="" p99="" errors=""
   read -r reqs rps p50 p99 errors < <(echo "$out" | awk '/^requests/ {print $2, $4, $6, $8, $10}') || true
   local us; us=$(echo "$before $after ${reqs:-0}" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
   printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request  %s errors\n" "$name" "$c" "$rps" "$p50" "$p99" "$us" "${errors:-?}"
+  cpu_of[$name]=$us
   [ "${errors:-1}" = 0 ] || echo "$out" | grep -v '^requests' | head -3
 }
 
@@ -240,6 +260,8 @@ for round in $(seq "$ROUNDS"); do
       run_tls nginx-s "$rp_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$rps"
       run_tls squid-s "$sq_pid" "$c" --proxy "127.0.0.1:$sqb" --ca "$work/squid-ca.pem" --target "localhost:$ups"
       run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
+      run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"
+      echo "${cpu_of[pacegate-s]} ${cpu_of[floor-s]}" | awk -v c="$c" '$2 > 0 {printf "pacegate-s ÷ floor-s c=%-4s %.2f× CPU/request\n", c, $1 / $2}'
     fi
   done
 done
