@@ -3,7 +3,9 @@
 //! Label values come only from configured destination names (or `unmatched`) and fixed enums,
 //! so a hostile client cannot grow the label space.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 use std::time::{Duration, SystemTime};
 
 use prometheus::core::Collector;
@@ -638,7 +640,7 @@ pub fn labels_and<'a>(budget: &'a str, more: &'a str) -> [&'a str; 3] {
 /// The series of one budget's families, each looked up once: a budget's labels are fixed,
 /// so a request that counts into them finds its series here rather than hashing every label
 /// value again. The last label of a family takes few values (a class, an outcome, a status,
-/// a verdict), kept in a short list read under a shared lock.
+/// a verdict), each found in a [`Tail`] without a lock.
 pub struct BudgetSeries {
     /// `pacegate_wait_seconds`.
     pub wait: Histogram,
@@ -650,7 +652,7 @@ pub struct BudgetSeries {
     responses: Tail<u16, IntCounter>,
     verdicts: Tail<(&'static str, &'static str), IntCounter>,
     /// By class name: a reload may order the classes anew.
-    granted: parking_lot::RwLock<Vec<(Box<str>, IntCounter)>>,
+    granted: Tail<Box<str>, IntCounter>,
     families: Families,
     labels: [Arc<str>; 2],
 }
@@ -669,29 +671,85 @@ struct Families {
     granted: IntCounterVec,
 }
 
-/// Series by the value of one more label, found by a short scan.
+/// Values of a [`Tail`] found without a lock.
+const TAIL_SLOTS: usize = 16;
+
+/// Series by the value of one more label. The first values seen each take a slot that is set
+/// once and then only read: finding a series there is an atomic load per slot, with no lock
+/// and no reference count written, so requests on other cores do not contend for a cache
+/// line to find it. Values past the slots (a budget whose upstream answers with more than 16
+/// statuses) go to a list under a lock.
 struct Tail<K, M> {
-    known: parking_lot::RwLock<Vec<(K, M)>>,
+    slots: [OnceLock<(K, M)>; TAIL_SLOTS],
+    more: Mutex<Vec<(K, M)>>,
 }
 
-impl<K: Copy + PartialEq, M: Clone> Tail<K, M> {
+/// A series found in a [`Tail`]: lent from a slot, or copied from the list past them.
+pub enum Found<'a, M> {
+    Lent(&'a M),
+    Copied(M),
+}
+
+impl<M> std::ops::Deref for Found<'_, M> {
+    type Target = M;
+
+    fn deref(&self) -> &M {
+        match self {
+            Self::Lent(m) => m,
+            Self::Copied(m) => m,
+        }
+    }
+}
+
+impl<K, M: Clone> Tail<K, M> {
     fn new() -> Self {
         Self {
-            known: parking_lot::RwLock::new(Vec::new()),
+            slots: std::array::from_fn(|_| OnceLock::new()),
+            more: Mutex::new(Vec::new()),
         }
     }
 
-    fn get(&self, key: K, make: impl FnOnce() -> M) -> M {
-        if let Some((_, m)) = self.known.read().iter().find(|(k, _)| *k == key) {
-            return m.clone();
+    /// The series for `key` in a slot, if one holds it.
+    fn lent<Q>(&self, key: &Q) -> Option<&M>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        for slot in &self.slots {
+            match slot.get() {
+                Some((k, m)) if k.borrow() == key => return Some(m),
+                Some(_) => {}
+                None => break,
+            }
         }
-        let mut known = self.known.write();
-        if let Some((_, m)) = known.iter().find(|(k, _)| *k == key) {
-            return m.clone();
+        None
+    }
+
+    /// The series for `key`, made by `make` (with the key it is kept under) when it is new.
+    fn get<Q>(&self, key: &Q, make: impl FnOnce() -> (K, M)) -> Found<'_, M>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        if let Some(m) = self.lent(key) {
+            return Found::Lent(m);
         }
-        let m = make();
-        known.push((key, m.clone()));
-        m
+        // New here: slots are set under the list's lock, so that a value takes one slot.
+        let mut more = self.more.lock();
+        if let Some(m) = self.lent(key) {
+            return Found::Lent(m);
+        }
+        if let Some(slot) = self.slots.iter().find(|slot| slot.get().is_none()) {
+            let _ = slot.set(make());
+            let (_, m) = slot.get().expect("set above, under the lock");
+            return Found::Lent(m);
+        }
+        if let Some((_, m)) = more.iter().find(|(k, _)| k.borrow() == key) {
+            return Found::Copied(m.clone());
+        }
+        let (k, m) = make();
+        more.push((k, m.clone()));
+        Found::Copied(m)
     }
 }
 
@@ -707,7 +765,7 @@ impl BudgetSeries {
             requests: Tail::new(),
             responses: Tail::new(),
             verdicts: Tail::new(),
-            granted: parking_lot::RwLock::new(Vec::new()),
+            granted: Tail::new(),
             families: Families {
                 requests: metrics.requests.clone(),
                 responses: metrics.upstream_responses.clone(),
@@ -723,44 +781,84 @@ impl BudgetSeries {
     }
 
     /// `pacegate_requests_total` for `outcome`.
-    pub fn requests(&self, outcome: &'static str) -> IntCounter {
-        self.requests.get(outcome, || {
+    pub fn requests(&self, outcome: &'static str) -> Found<'_, IntCounter> {
+        self.requests.get(&outcome, || {
             let [d, g] = self.own();
-            self.families.requests.with_label_values(&[d, g, outcome])
+            (
+                outcome,
+                self.families.requests.with_label_values(&[d, g, outcome]),
+            )
         })
     }
 
     /// `pacegate_upstream_responses_total` for `status`.
-    pub fn response(&self, status: http::StatusCode) -> IntCounter {
-        self.responses.get(status.as_u16(), || {
+    pub fn response(&self, status: http::StatusCode) -> Found<'_, IntCounter> {
+        self.responses.get(&status.as_u16(), || {
             let [d, g] = self.own();
-            self.families
+            let counter = self
+                .families
                 .responses
-                .with_label_values(&[d, g, status.as_str()])
+                .with_label_values(&[d, g, status.as_str()]);
+            (status.as_u16(), counter)
         })
     }
 
     /// `pacegate_verdicts_total` for a verdict and what decided it.
-    pub fn verdict(&self, verdict: &'static str, reason: &'static str) -> IntCounter {
-        self.verdicts.get((verdict, reason), || {
+    pub fn verdict(&self, verdict: &'static str, reason: &'static str) -> Found<'_, IntCounter> {
+        self.verdicts.get(&(verdict, reason), || {
             let [d, g] = self.own();
-            self.families
+            let counter = self
+                .families
                 .verdicts
-                .with_label_values(&[d, g, verdict, reason])
+                .with_label_values(&[d, g, verdict, reason]);
+            ((verdict, reason), counter)
         })
     }
 
     /// `pacegate_granted_total` for the class named `class`.
-    pub fn granted(&self, class: &str) -> IntCounter {
-        if let Some((_, c)) = self.granted.read().iter().find(|(n, _)| &**n == class) {
-            return c.clone();
+    pub fn granted(&self, class: &str) -> Found<'_, IntCounter> {
+        self.granted.get(class, || {
+            let [d, g] = self.own();
+            (
+                class.into(),
+                self.families.granted.with_label_values(&[d, g, class]),
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_finds_its_own_series_in_the_slots_and_past_them() {
+        let metrics = Metrics::new(Registry::new()).unwrap();
+        let series = BudgetSeries::new(&metrics, "api/search");
+        // More statuses than slots: the last ones go to the list past them.
+        let statuses: Vec<u16> = (200..200 + 2 * TAIL_SLOTS as u16).collect();
+        for (i, status) in statuses.iter().enumerate() {
+            let status = http::StatusCode::from_u16(*status).unwrap();
+            for _ in 0..=i {
+                series.response(status).inc();
+            }
         }
-        let [d, g] = self.own();
-        let counter = self.families.granted.with_label_values(&[d, g, class]);
-        let mut known = self.granted.write();
-        if !known.iter().any(|(n, _)| &**n == class) {
-            known.push((class.into(), counter.clone()));
+        for (i, status) in statuses.iter().enumerate() {
+            let counted = metrics
+                .upstream_responses
+                .with_label_values(&["api", "search", &status.to_string()])
+                .get();
+            assert_eq!(counted, i as u64 + 1, "status {status}");
         }
-        counter
+        assert!(matches!(
+            series.response(http::StatusCode::OK),
+            Found::Lent(_)
+        ));
+        series.granted("interactive").inc_by(2);
+        series.granted("interactive").inc();
+        let granted = metrics
+            .granted
+            .with_label_values(&["api", "search", "interactive"]);
+        assert_eq!(granted.get(), 3);
     }
 }

@@ -463,7 +463,7 @@ impl Upstream {
 
     /// A request to `uri` starts waiting for its slot: a connection is opened ahead for it
     /// if those open do not cover it (see [`Warm`]). Hand the guard to [`Upstream::send`].
-    pub fn expect(&self, uri: &Uri) -> Expecting {
+    pub fn expect(&self, uri: &Uri) -> Expecting<'_> {
         self.warm.expect(uri)
     }
 
@@ -477,7 +477,7 @@ impl Upstream {
         &self,
         req: Request<ProxyBody>,
         by: Option<tokio::time::Instant>,
-        expected: Option<Expecting>,
+        expected: Option<Expecting<'_>>,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let _busy = match expected {
             Some(expecting) => expecting.sending(),

@@ -25,7 +25,8 @@ impl Pacer {
         class: Class,
         deadline: Instant,
     ) -> Result<Admission, PaceError> {
-        match route.pace().mode {
+        let mode = route.lane.keys_now().pace.mode;
+        match mode {
             Mode::Enforce => self.admit(route, class, deadline).await,
             Mode::Shadow => Ok(self.shadow(route, class, deadline)),
         }
@@ -43,7 +44,8 @@ impl Pacer {
         let started = Instant::now();
         self.open(lane).await?;
         let _admitting = lane.admitting();
-        let permit = match &lane.keys().concurrency {
+        let concurrency = lane.keys_now().concurrency.clone();
+        let permit = match &concurrency {
             None => None,
             Some(sem) => tokio::select! {
                 p = sem.clone().acquire_owned() => p.ok(),
@@ -168,7 +170,7 @@ impl Pacer {
             // waits here goes first.
             let queue = lane.queue.lock();
             if queue.len() == 0 && !lane.is_retired() {
-                if let Some(slot) = self.store.take_now(&lane.name, &lane.keys().rule) {
+                if let Some(slot) = self.store.take_now(&lane.name, &lane.keys_now().rule) {
                     return Ok(lane::Grant { class, slot });
                 }
             }

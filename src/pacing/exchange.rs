@@ -95,7 +95,7 @@ impl Pacer {
         // The budget of the group the request belongs to, or the destination's own; within
         // it, its key's.
         let route = route.pick(outgoing.method().as_str(), outgoing.uri().path());
-        let series = route.lane.series(&self.metrics);
+        let series = route.lane.series(&self.metrics).clone();
         note.series = Some(series.clone());
         let asking = Asking {
             host: outgoing.uri().host().unwrap_or_default(),
@@ -242,7 +242,7 @@ impl Pacer {
     /// Reads a response to an admitted request by status and headers. A lockout may still
     /// turn out a throttle by its body (see [`Reading::needs_body`]).
     pub(super) fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
-        verdict::classify(status, headers, &admission.lane.keys().pace)
+        verdict::classify(status, headers, &admission.lane.keys_now().pace)
     }
 
     /// Applies the verdict of a response to an admitted request to the budget. `status` and

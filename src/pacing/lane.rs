@@ -368,16 +368,17 @@ impl Lane {
         self.parent.as_ref().map_or(&self.name, |p| &p.name)
     }
 
-    /// The budget's series in `metrics`, found once: a key counts into its parent's.
-    pub(super) fn series(&self, metrics: &Metrics) -> Arc<BudgetSeries> {
+    /// The budget's series in `metrics`, found once: a key counts into its parent's. Lent,
+    /// not cloned: a reference count written by every request would be one more cache line
+    /// that requests on other cores take turns with.
+    pub(super) fn series(&self, metrics: &Metrics) -> &Arc<BudgetSeries> {
         let own = self.parent.as_deref().unwrap_or(self);
-        match &own.whole {
-            Some(whole) => whole
-                .series
-                .get_or_init(|| Arc::new(BudgetSeries::new(metrics, &own.name)))
-                .clone(),
-            None => Arc::new(BudgetSeries::new(metrics, &own.name)),
-        }
+        own.whole
+            .as_ref()
+            // A lane is a budget's own (with its whole) or a key's (whose parent is one).
+            .expect("a budget's own lane")
+            .series
+            .get_or_init(|| Arc::new(BudgetSeries::new(metrics, &own.name)))
     }
 
     /// A budget's own lane: its keys' lanes, by key (none for a key's lane).
@@ -420,7 +421,7 @@ impl Lane {
     pub(super) fn total(&self) -> Option<&Arc<Lane>> {
         self.parent
             .as_ref()
-            .filter(|p| p.keys().pace.total_rate.is_some())
+            .filter(|p| p.keys_now().pace.total_rate.is_some())
     }
 
     /// A key's lane: its key.
@@ -432,6 +433,12 @@ impl Lane {
     /// The keys now in force.
     pub(crate) fn keys(&self) -> Arc<Keys> {
         self.keys.load_full()
+    }
+
+    /// The keys as they are now, for a look that ends before the next await: no reference
+    /// count is written, so requests on other cores do not take turns with its cache line.
+    pub(crate) fn keys_now(&self) -> arc_swap::Guard<Arc<Keys>> {
+        self.keys.load()
     }
 
     /// Whether the budget is split by key now. Asked of every request: it reads the keys

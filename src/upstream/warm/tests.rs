@@ -54,19 +54,19 @@ async fn settled(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
 #[tokio::test]
 async fn waiting_requests_get_connections_ahead_and_the_host_is_forgotten_after() {
     let (uri, accepted) = upstream().await;
-    let mut w = warm();
+    let w = warm();
     // Two requests wait: two connections are opened ahead, no more.
     let a = w.expect(&uri);
     let b = w.expect(&uri);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 2, 2)));
     // The client asks the connector: a stashed one, and nothing new opened for `b`,
     // whose connection is already there.
-    let first = w.call(uri.clone()).await.unwrap();
+    let first = w.clone().call(uri.clone()).await.unwrap();
     drop(a);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 1)));
     // A request that waits alone beside an open connection opens nothing.
     drop(b);
-    let second = w.call(uri.clone()).await.unwrap();
+    let second = w.clone().call(uri.clone()).await.unwrap();
     let c = w.expect(&uri);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 0)));
     drop((c, first, second));
@@ -130,10 +130,10 @@ async fn no_connection_by_the_send_time_sends_nothing_and_the_connection_goes_on
 #[tokio::test]
 async fn a_handshake_the_upstream_never_answers_ends_at_the_connect_timeout() {
     let (uri, accepted) = silent_tls().await;
-    let mut w = warm_with(Duration::from_secs(4), Duration::from_millis(50));
+    let w = warm_with(Duration::from_secs(4), Duration::from_millis(50));
     // Opened ahead for a waiting request, and opened by the client itself.
     let a = w.expect(&uri);
-    let err = tokio::time::timeout(Duration::from_secs(5), w.call(uri.clone()))
+    let err = tokio::time::timeout(Duration::from_secs(5), w.clone().call(uri.clone()))
         .await
         .expect("within the connect timeout")
         .err()
