@@ -165,15 +165,17 @@ impl Pacer {
         started: Instant,
         deadline: Instant,
     ) -> Result<lane::Grant, PaceError> {
-        {
+        let taken = {
             // Held while the store is asked, so that no request queues meanwhile: one that
             // waits here goes first.
             let queue = lane.queue.lock();
-            if queue.len() == 0 && !lane.is_retired() {
-                if let Some(slot) = self.store.take_now(&lane.name, &lane.keys_now().rule) {
-                    return Ok(lane::Grant { class, slot });
-                }
-            }
+            (queue.len() == 0 && !lane.is_retired())
+                .then(|| self.store.take_now(&lane.name, &lane.keys_now().rule))
+                .flatten()
+        };
+        if let Some(slot) = taken {
+            until(slot.at).await;
+            return Ok(lane::Grant { class, slot });
         }
         let (_seat, rx) = lane.enqueue(class, started, deadline);
         // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
@@ -217,5 +219,21 @@ impl Pacer {
             waited,
             _permit: permit,
         }
+    }
+}
+
+/// Waits for a slot taken at once that is a moment ahead ([`crate::budget::Store::take_now`]):
+/// a few yields rather than the timer, which would wait at least a tick of it. Never past the
+/// slot's instant before it, and the timer after a bounded number of yields (a paused clock
+/// in tests advances only while every task sleeps).
+async fn until(at: Instant) {
+    let mut yields = 0;
+    while Instant::now() < at {
+        if yields == 64 {
+            tokio::time::sleep_until(at).await;
+            return;
+        }
+        tokio::task::yield_now().await;
+        yields += 1;
     }
 }

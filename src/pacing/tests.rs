@@ -340,6 +340,37 @@ async fn a_request_below_the_rate_takes_its_slot_without_the_dispatcher() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_slot_a_moment_ahead_is_taken_at_once_and_waited_out_by_the_request() {
+    // 100,000/s: two requests in the same instant, the second's slot 10 us after the first.
+    let p = pacer(pace(100_000.0)).await;
+    p.admit(&d(&p), ONE, far()).await.unwrap();
+    tokio::time::sleep(ms(10)).await;
+    let trips = reservations(&p);
+    let start = Instant::now();
+    let first = p.admit(&d(&p), ONE, far()).await.unwrap();
+    let second = p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert_eq!(
+        reservations(&p),
+        trips,
+        "neither went through the dispatcher"
+    );
+    assert_eq!(first.slot.at, start);
+    assert_eq!(second.slot.at, start + Duration::from_micros(10));
+    // Granted at its slot, never before it (the request yields until it; on this paused
+    // clock, which yields do not move, the timer takes over at the next tick).
+    assert!(Instant::now() >= second.slot.at);
+    // Farther ahead than that, a slot is left to the dispatcher, on the beat.
+    let p = pacer(pace(10_000.0)).await;
+    p.admit(&d(&p), ONE, far()).await.unwrap();
+    tokio::time::sleep(ms(10)).await;
+    let trips = reservations(&p);
+    let times = grant_times(&p, 2).await;
+    assert_eq!(times[0], Duration::ZERO);
+    assert!(times[1] >= Duration::from_micros(100), "{times:?}");
+    assert!(reservations(&p) > trips, "the second queued");
+}
+
+#[tokio::test(start_paused = true)]
 async fn slots_go_in_batches_only_where_the_interval_is_short() {
     // 200/s and faster: ten waiters take one reservation or a few, slot times unchanged.
     let p = pacer(pace(1000.0)).await;
