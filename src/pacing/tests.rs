@@ -356,8 +356,8 @@ async fn a_slot_a_moment_ahead_is_taken_at_once_and_waited_out_by_the_request() 
     );
     assert_eq!(first.slot.at, start);
     assert_eq!(second.slot.at, start + Duration::from_micros(10));
-    // Granted at its slot, never before it (the request yields until it; on this paused
-    // clock, which yields do not move, the timer takes over at the next tick).
+    // Granted at its slot, never before it (the request spins on the clock until it; on
+    // this paused clock, which does not move meanwhile, the timer takes over).
     assert!(Instant::now() >= second.slot.at);
     // Farther ahead than that, a slot is left to the dispatcher, on the beat.
     let p = pacer(pace(10_000.0)).await;

@@ -26,8 +26,8 @@ use crate::fleet::Instance;
 const ORIGIN: Duration = Duration::from_secs(1 << 32);
 
 /// How far ahead a slot may be and still be taken at once ([`Store::take_now`]), where the
-/// interval is longer: the request yields until it, which costs little CPU for so short a
-/// wait, and never goes before it.
+/// interval is longer: the request spins on the clock until it, which costs little CPU for
+/// so short a wait, and never goes before it.
 pub const NEAR: Duration = Duration::from_micros(10);
 
 /// Where the store reads the wall clock, which places pauses, vendor resets and the state
@@ -277,7 +277,7 @@ impl Store for MemoryStore {
             return None;
         }
         // A slot a moment ahead (two requests within one interval of a fast budget) is taken
-        // too: the request waits the moment out itself (see `Pacer::slot`), where the
+        // too: the request waits the moment out itself (see `pacing::admit`), where the
         // dispatcher would wait at least a tick of the timer, and hold up every request that
         // queues behind it meanwhile.
         let (slot, generation) = budget
