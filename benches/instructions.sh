@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Instructions per request, pacegate and the floor under it (examples/hyper_floor.rs): each
+# runs under valgrind's callgrind, forwarding plain http at c=32 (wrk) to a local nginx (1 KiB),
+# pacegate as shipped (request log on, a destination at rate = 1000000). Counting starts after
+# a 3 s warm-up (callgrind_control -z) and covers SECONDS of load. Instructions, unlike CPU
+# time, do not move with what else the machine is doing: the way to compare two builds of
+# pacegate on a busy machine. They leave out the kernel, and how requests batch under
+# callgrind (which runs one thread at a time) moves them by a few percent.
+#
+#   benches/instructions.sh [PACEGATE_BINARY] [SECONDS]   # target/release/pacegate, 10
+#
+# The profiles stay in target/instructions/ (callgrind_annotate --inclusive=yes FILE).
+# Needs valgrind, wrk, nginx and python3; as root on Debian it installs them. Loopback only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/release/pacegate}
+seconds=${2:-10}
+floor=target/release/examples/hyper_floor
+
+need=()
+command -v valgrind >/dev/null || need+=(valgrind)
+command -v wrk >/dev/null || need+=(wrk)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -qq "${need[@]}" >/dev/null
+    else
+        echo "instructions: needs ${need[*]} (apt-get install ${need[*]})" >&2
+        exit 1
+    fi
+fi
+nginx=$(command -v nginx || echo /usr/sbin/nginx)
+[ -x "$floor" ] || cargo build --release --quiet --example hyper_floor
+out=target/instructions
+mkdir -p "$out"
+# shellcheck source=benches/local-setup.sh
+. benches/local-setup.sh
+cat > "$work/proxy.lua" <<EOF
+wrk.path = "http://localhost:$upstream_port/"
+wrk.headers["Host"] = "localhost:$upstream_port"
+EOF
+
+count() { # name, command...
+    local name=$1
+    shift
+    rm -f "$out/$name".*
+    valgrind --tool=callgrind --callgrind-out-file="$out/$name.%p" "$@" 2>"$work/$name.log" &
+    local pid=$!
+    local ready=
+    for _ in $(seq 300); do
+        curl -s -o /dev/null -x "http://127.0.0.1:$proxy_port" "http://localhost:$upstream_port/" && ready=1 && break
+        sleep 0.2
+    done
+    [ -n "$ready" ] || { echo "instructions: $name did not answer:" >&2; cat "$work/$name.log" >&2; exit 1; }
+    wrk -t 2 -c 32 -d 3s -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" >/dev/null
+    callgrind_control -z "$pid" >/dev/null 2>&1
+    local requests
+    requests=$(wrk -t 2 -c 32 -d "${seconds}s" -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" |
+        awk '/requests in/ {print $1}')
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    sleep 1
+    local file
+    file=$(ls -t "$out/$name".* | head -1)
+    local total
+    total=$(callgrind_annotate "$file" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    echo "$name $requests $total" | awk '{printf "%-9s %8d requests  %6.0f instructions a request\n", $1, $2, $3 / $2}'
+    eval "per_$name=$((total / requests))"
+}
+
+per_floor=0
+per_pacegate=0
+count floor "$floor" "127.0.0.1:$proxy_port"
+count pacegate "$bin" serve --config "$work/pacegate.toml"
+echo "$per_pacegate $per_floor" |
+    awk '{printf "pacegate ÷ floor: %.2f× instructions a request; pacegate'"'"'s own: %d\n", $1 / $2, $1 - $2}'
