@@ -481,11 +481,11 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreFuture<'a, Result<Grant, ReserveError>>;
 
     /// Takes the next slot of `destination` for a request that has not queued, if it is due
-    /// now (or a moment ahead: the memory store's `NEAR`, which the
-    /// request waits out itself) and nothing waits for it anywhere: the common case of a
-    /// destination below its rate, served without a round trip through the dispatcher.
-    /// `None` takes nothing: the request queues as usual. Only a store that answers at once
-    /// (memory) takes it; a store behind a network leaves every slot to the dispatcher.
+    /// now (or a moment ahead, the memory store's `NEAR`, which the request waits out itself)
+    /// and nothing waits for it anywhere: the common case of a destination below its rate,
+    /// served without a round trip through the dispatcher. `None` takes nothing: the request
+    /// queues as usual. Only a store that answers at once (memory) takes it; a store behind
+    /// a network leaves every slot to the dispatcher.
     fn take_now(&self, _destination: &str, _rule: &Rule) -> Option<Reservation> {
         None
     }

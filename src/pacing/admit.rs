@@ -223,8 +223,8 @@ impl Pacer {
 }
 
 /// Waits for a slot taken at once that is a moment ahead ([`crate::budget::Store::take_now`]:
-/// at most `store::memory::NEAR`, 10 us) by spinning on the clock, never past the slot's
-/// instant before it. Not by yielding: behind a few hundred ready tasks a yield can take
+/// at most `store::memory::NEAR`, 10 us) by spinning on the clock: the request never goes
+/// before its slot. Not by yielding: behind a few hundred ready tasks a yield can take
 /// milliseconds, and the slot would be too late to use. Not by the timer either, which waits
 /// at least a tick. A clock that does not move while spinning (paused, in tests) hands over
 /// to the timer after `SPIN` of real time.

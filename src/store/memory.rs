@@ -25,9 +25,9 @@ use crate::fleet::Instance;
 /// still have a place on its timeline.
 const ORIGIN: Duration = Duration::from_secs(1 << 32);
 
-/// How far ahead a slot may be and still be taken at once ([`Store::take_now`]), where the
-/// interval is longer: the request spins on the clock until it, which costs little CPU for
-/// so short a wait, and never goes before it.
+/// How far ahead a slot may be and still be taken at once ([`Store::take_now`]), and never
+/// more than one interval: the request spins on the clock until it, which costs little CPU
+/// for so short a wait, and never goes before it.
 pub const NEAR: Duration = Duration::from_micros(10);
 
 /// Where the store reads the wall clock, which places pauses, vendor resets and the state
