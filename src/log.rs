@@ -66,6 +66,7 @@ pub fn buffered<W: Write + Send + 'static>(mut out: W) -> (Buffered, Flushing) {
             // Two buffers that keep their capacity: the frames taken, the text made of them.
             let mut frames = Vec::new();
             let mut text = Vec::new();
+            let mut second = Second::default();
             loop {
                 let stopping = mine.stopping.load(Ordering::Acquire);
                 {
@@ -76,7 +77,7 @@ pub fn buffered<W: Write + Send + 'static>(mut out: W) -> (Buffered, Flushing) {
                     std::mem::swap(&mut *shared, &mut frames);
                 }
                 if !frames.is_empty() {
-                    render(&frames, &mut text);
+                    render(&frames, &mut text, &mut second);
                     // Nowhere to report a failing stderr: the lines are lost.
                     let _ = out.write_all(&text).and_then(|()| out.flush());
                     frames.clear();
@@ -253,12 +254,12 @@ fn put_display(out: &mut Vec<u8>, value: &dyn fmt::Display) {
 }
 
 /// The text of every frame in `frames`, appended to `text`.
-fn render(frames: &[u8], text: &mut Vec<u8>) {
+fn render(frames: &[u8], text: &mut Vec<u8>, second: &mut Second) {
     let mut read = Reader(frames);
     while let Some(tag) = read.u8() {
         let whole = match tag {
             TEXT => read.bytes().map(|line| text.extend_from_slice(line)),
-            REQUEST => render_request(&mut read, text),
+            REQUEST => render_request(&mut read, text, second),
             _ => None,
         };
         // Only this module writes frames; a short one would be a bug, and ends the batch.
@@ -269,13 +270,13 @@ fn render(frames: &[u8], text: &mut Vec<u8>) {
 }
 
 /// One request line, as the default format writes its event (checked by the tests).
-fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>) -> Option<()> {
-    let at = UNIX_EPOCH + Duration::new(read.u64()?, read.u32()?);
+fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>, second: &mut Second) -> Option<()> {
+    let (secs, nanos) = (read.u64()?, read.u32()?);
     let duration = read.u64()?;
     let waited = read.u64()?;
     let status = read.u32()?;
     let retries = read.u32()?;
-    let _ = write!(out, "{}", humantime::format_rfc3339_micros(at));
+    second.write(out, secs, nanos);
     out.extend_from_slice(b"  INFO ");
     out.extend_from_slice(REQUEST_LOG.as_bytes());
     out.extend_from_slice(b": destination=");
@@ -308,6 +309,34 @@ fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>) -> Option<()> {
     }
     out.push(b'\n');
     Some(())
+}
+
+/// The time as the default format writes it (`2026-12-01T17:56:07.374385Z`), the date and
+/// second formatted once for every line of that second.
+#[derive(Default)]
+struct Second {
+    secs: Option<u64>,
+    text: Vec<u8>,
+}
+
+impl Second {
+    fn write(&mut self, out: &mut Vec<u8>, secs: u64, nanos: u32) {
+        if self.secs != Some(secs) {
+            self.text.clear();
+            let whole = humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(secs));
+            let _ = write!(self.text, "{whole}");
+            // `2026-12-01T17:56:07Z`: the second, without its `Z`.
+            self.text.pop();
+            self.secs = Some(secs);
+        }
+        out.extend_from_slice(&self.text);
+        out.push(b'.');
+        let micros = nanos / 1000;
+        let digits: [u8; 6] =
+            std::array::from_fn(|i| b'0' + (micros / 10u32.pow(5 - i as u32) % 10) as u8);
+        out.extend_from_slice(&digits);
+        out.push(b'Z');
+    }
 }
 
 /// A text field as the default format writes it: through `Debug`, so between quotes and
@@ -486,7 +515,7 @@ mod tests {
         let mut frames = Vec::new();
         line.encode(&mut frames, at);
         let mut text = Vec::new();
-        render(&frames, &mut text);
+        render(&frames, &mut text, &mut Second::default());
         let text = String::from_utf8(text).unwrap();
         text[27..].to_owned()
     }
@@ -534,7 +563,44 @@ mod tests {
         let mut frames = Vec::new();
         line(&"localhost:1", "").encode(&mut frames, at);
         let mut text = Vec::new();
-        render(&frames, &mut text);
+        let mut second = Second::default();
+        render(&frames, &mut text, &mut second);
+        // The next line in the same second reuses its text; one in the next second does not.
+        for at in [
+            at + Duration::from_micros(5),
+            at + Duration::from_millis(700),
+        ] {
+            let mut frames = Vec::new();
+            line(&"localhost:1", "").encode(&mut frames, at);
+            render(&frames, &mut text, &mut second);
+        }
+        let text = String::from_utf8(text).unwrap();
+        let times: Vec<&str> = text.lines().map(|l| &l[..27]).collect();
+        assert_eq!(
+            times,
+            [
+                "2026-12-04T00:00:00.374385Z",
+                "2026-12-04T00:00:00.374390Z",
+                "2026-12-04T00:00:01.074385Z"
+            ]
+        );
+        // Against the calendar's own writer, over seconds and microseconds of every size.
+        let mut second = Second::default();
+        for k in 0..5_000u64 {
+            let at = UNIX_EPOCH
+                + Duration::new(
+                    k * 7_919_993 % 4_102_444_800,
+                    (k * 104_729) as u32 % 1_000_000_000,
+                );
+            let mut out = Vec::new();
+            let since = at.duration_since(UNIX_EPOCH).unwrap();
+            second.write(&mut out, since.as_secs(), since.subsec_nanos());
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                humantime::format_rfc3339_micros(at).to_string()
+            );
+        }
+        let text = text.into_bytes();
         assert!(
             text.starts_with(b"2026-12-04T00:00:00.374385Z  INFO"),
             "{}",
