@@ -49,7 +49,7 @@
 //! - [`log`]: the log's writer (a buffer that a thread of its own writes every 100 ms) and
 //!   the request line, which a request copies unformatted and that thread formats; a leaf.
 //! - [`metrics`]: every metric family in one struct; a budget's series, found once
-//!   (`metrics::BudgetSeries`).
+//!   (`metrics::series`: `BudgetSeries`, its series by label value in slots set once).
 //! - [`status`]: what status shows (types, and their rendering as tables); a leaf.
 //! - [`reload`]: hot reload (SIGHUP, `POST /reload`): the config file read again, what can
 //!   change in place applied, the rest kept and named.

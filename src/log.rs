@@ -293,20 +293,16 @@ fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>, second: &mut Second)
     milliseconds(out, duration);
     out.extend_from_slice(b" waited_ms=");
     milliseconds(out, waited);
-    for name in ["verdict", "verdict_reason"] {
-        out.push(b' ');
-        out.extend_from_slice(name.as_bytes());
-        out.push(b'=');
-        quoted(out, read.str()?);
-    }
+    out.extend_from_slice(b" verdict=");
+    quoted(out, read.str()?);
+    out.extend_from_slice(b" verdict_reason=");
+    quoted(out, read.str()?);
     out.extend_from_slice(b" retries=");
     decimal(out, u64::from(retries));
-    for name in ["class", "reason"] {
-        out.push(b' ');
-        out.extend_from_slice(name.as_bytes());
-        out.push(b'=');
-        quoted(out, read.str()?);
-    }
+    out.extend_from_slice(b" class=");
+    quoted(out, read.str()?);
+    out.extend_from_slice(b" reason=");
+    quoted(out, read.str()?);
     out.push(b'\n');
     Some(())
 }
