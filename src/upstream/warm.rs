@@ -46,7 +46,7 @@ type Stream = MaybeHttpsStream<TokioIo<TcpStream>>;
 /// its port. Compared and hashed as the bytes it is written in, in one piece: pacegate writes
 /// every upstream's host normalised (see `proxy::forward::prepare`), and hyper-util hands the
 /// connector the authority the request named. (`Authority`'s own hash lowercases it a byte
-/// at a time, four times a request.)
+/// at a time, on every lookup.)
 #[derive(Clone, Debug)]
 struct Key {
     https: bool,
@@ -185,7 +185,7 @@ fn host_of<'a>(all: &'a mut Map, key: &Key) -> &'a mut Host {
     all.get_mut(key).expect("inserted above")
 }
 
-/// Every upstream's counts. Looked up about four times a request, so hashed with aHash
+/// Every upstream's counts. Looked up three times a request, so hashed with aHash
 /// (keyed at random per process, as SipHash is) rather than SipHash, several times faster on
 /// a short key.
 type Map = HashMap<Key, Host, ahash::RandomState>;
