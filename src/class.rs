@@ -6,11 +6,11 @@
 
 use std::time::Duration;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use serde::Serialize;
 
 /// The request header that names a class. Removed before forwarding.
-pub const CLASS_HEADER: &str = "pacegate-class";
+pub const CLASS_HEADER: HeaderName = HeaderName::from_static("pacegate-class");
 
 /// A class, as its rank: 0 is the most urgent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -3,6 +3,8 @@
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
+use crate::class::CLASS_HEADER;
+
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the
 /// proxy's own credentials and challenges.
 const HOP_BY_HOP: [HeaderName; 9] = [
@@ -17,34 +19,74 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     header::UPGRADE,
 ];
 
-/// `TE`'s bit in the set of [`HOP_BY_HOP`] names present.
+/// `Connection`'s, `TE`'s and `Upgrade`'s bits in the set of [`HOP_BY_HOP`] names present.
+const CONNECTION_BIT: u16 = 1 << 0;
 const TE_BIT: u16 = 1 << 5;
+const UPGRADE_BIT: u16 = 1 << 8;
+/// Bits past [`HOP_BY_HOP`]'s: the other names a request's rewrite acts on.
+const CLASS_BIT: u16 = 1 << 9;
+const EXPECT_BIT: u16 = 1 << 10;
+
+/// Which of the names pacegate acts on a message holds, found in one pass over its names
+/// (each lookup of a name that is not there costs a hash and a probe; most requests hold
+/// none of them, most responses only `Connection`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Found(u16);
+
+impl Found {
+    pub fn in_headers(headers: &HeaderMap) -> Found {
+        Found(headers.keys().fold(0u16, |bits, name| {
+            bits | match HOP_BY_HOP.iter().position(|h| h == name) {
+                Some(i) => 1 << i,
+                None if name == CLASS_HEADER => CLASS_BIT,
+                None if name == header::EXPECT => EXPECT_BIT,
+                None => 0,
+            }
+        }))
+    }
+
+    /// A `Pacegate-Class` header.
+    pub fn class(self) -> bool {
+        self.0 & CLASS_BIT != 0
+    }
+
+    /// An `Expect` header.
+    pub fn expect(self) -> bool {
+        self.0 & EXPECT_BIT != 0
+    }
+
+    fn hop_by_hop(self) -> u16 {
+        self.0 & ((1 << HOP_BY_HOP.len()) - 1)
+    }
+}
 
 /// Removes every hop-by-hop header and every header that `Connection` names. A `TE: trailers`
 /// request header is kept, since h2 upstreams (gRPC) rely on it and it is valid end to end.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the names finds which of these are there (bit i for `HOP_BY_HOP[i]`):
-    // none for most requests, only `Connection` for most responses. Only those are removed.
-    let present = headers.keys().fold(0u16, |bits, name| {
-        bits | HOP_BY_HOP
-            .iter()
-            .position(|h| h == name)
-            .map_or(0, |i| 1 << i)
-    });
+    strip_found(headers, Found::in_headers(headers));
+}
+
+/// [`strip_hop_by_hop`], with the names `headers` holds already found.
+pub fn strip_found(headers: &mut HeaderMap, found: Found) {
+    let present = found.hop_by_hop();
     if present == 0 {
         // Every header that `Connection` names is removed with it: nothing to strip.
         return;
     }
-    // `keep-alive` and `close`, by far the most common, name no other header.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
-        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
-        .collect();
+    // `keep-alive` and `close`, by far the most common, name no other header: the list of
+    // other names is made only when one is there.
+    let mut named: Vec<HeaderName> = Vec::new();
+    if present & CONNECTION_BIT != 0 {
+        let listed = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
+        named.extend(listed);
+    }
     let te_trailers = present & TE_BIT != 0
         && headers
             .get_all(header::TE)
@@ -66,7 +108,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// The protocol a request asks to upgrade to (`Connection: upgrade` plus `Upgrade: X`).
-pub fn upgrade_protocol(headers: &HeaderMap) -> Option<String> {
+pub fn upgrade_protocol(headers: &HeaderMap, found: Found) -> Option<String> {
+    if found.0 & (CONNECTION_BIT | UPGRADE_BIT) != CONNECTION_BIT | UPGRADE_BIT {
+        return None;
+    }
     let asks = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -146,12 +191,37 @@ mod tests {
 
     #[test]
     fn detects_upgrade_requests() {
+        let upgrade = |h: &HeaderMap| upgrade_protocol(h, Found::in_headers(h));
         assert_eq!(
-            upgrade_protocol(&map(&[("connection", "Upgrade"), ("upgrade", "websocket")]))
-                .as_deref(),
+            upgrade(&map(&[("connection", "Upgrade"), ("upgrade", "websocket")])).as_deref(),
             Some("websocket")
         );
-        assert_eq!(upgrade_protocol(&map(&[("upgrade", "websocket")])), None);
+        assert_eq!(upgrade(&map(&[("upgrade", "websocket")])), None);
+        assert_eq!(upgrade(&map(&[("connection", "upgrade")])), None);
+    }
+
+    #[test]
+    fn one_pass_finds_each_name_acted_on_and_no_other() {
+        let found = |pairs: &[(&str, &str)]| Found::in_headers(&map(pairs));
+        let none = found(&[("host", "a"), ("x-a", "1"), ("accept", "*/*")]);
+        assert!(!none.class() && !none.expect() && none.hop_by_hop() == 0);
+        let class = found(&[("Pacegate-Class", "bulk"), ("x-a", "1")]);
+        assert!(class.class() && !class.expect() && class.hop_by_hop() == 0);
+        let expect = found(&[("expect", "100-continue")]);
+        assert!(expect.expect() && !expect.class());
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            let one = found(&[("x-a", "1"), (name.as_str(), "v")]);
+            assert_eq!(one.hop_by_hop(), 1 << i, "{name}");
+            assert!(!one.class() && !one.expect(), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_connection_of_keep_alive_alone_is_removed_and_nothing_else() {
+        let mut h = map(&[("connection", "Keep-Alive"), ("content-length", "3")]);
+        strip_hop_by_hop(&mut h);
+        let names: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["content-length"]);
     }
 
     #[test]

@@ -97,12 +97,18 @@ impl Pacer {
         let route = route.pick(outgoing.method().as_str(), outgoing.uri().path());
         let series = route.lane.series(&self.metrics).clone();
         note.series = Some(series.clone());
-        let asking = Asking {
-            host: outgoing.uri().host().unwrap_or_default(),
-            user: outgoing.user(),
-            headers: outgoing.headers(),
+        // Only a budget split by key asks what the request offers (its host searched for in
+        // the URI again).
+        let route = &if route.lane.is_split() {
+            let asking = Asking {
+                host: outgoing.uri().host().unwrap_or_default(),
+                user: outgoing.user(),
+                headers: outgoing.headers(),
+            };
+            self.keyed(route, &asking).await?
+        } else {
+            route
         };
-        let route = &self.keyed(route, &asking).await?;
         let destination: &str = route.label();
         // The keys as they are now; a reload meanwhile governs the next request.
         let pace = route.pace();

@@ -110,15 +110,18 @@ impl Proxy {
 /// hop-by-hop headers removed.
 fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyError> {
     let (mut parts, body) = req.into_parts();
-    if let Some(protocol) = headers::upgrade_protocol(&parts.headers) {
+    // The names acted on below, found in one pass: a name that is not there is not looked up.
+    let found = headers::Found::in_headers(&parts.headers);
+    if let Some(protocol) = headers::upgrade_protocol(&parts.headers, found) {
         return Err(ProxyError::UpgradeUnsupported { protocol });
     }
-    // An absolute-form URI that already names the target as it is routed is sent as it came.
+    // An absolute-form URI that already names the target exactly as it is routed (host
+    // normalised, port written) is sent as it came.
     let as_routed = parts.uri.scheme() == Some(&target.scheme)
-        && parts.uri.authority().is_some_and(|a| {
-            a.port_u16() == Some(target.port)
-                && a.host().trim_start_matches('[').trim_end_matches(']') == target.host
-        });
+        && parts
+            .uri
+            .authority()
+            .is_some_and(|a| written_as(a.as_str(), &target.host, Some(target.port)));
     if !as_routed {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         parts.uri = format!("{}://{}{path}", target.scheme, target.authority())
@@ -131,84 +134,146 @@ fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyErr
     // The client connection picks HTTP/1.1 or h2 upstream by ALPN; the request itself must
     // say HTTP/1.1 or an h1-only upstream refuses it.
     parts.version = Version::HTTP_11;
-    headers::strip_hop_by_hop(&mut parts.headers);
+    headers::strip_found(&mut parts.headers, found);
     // The class is for pacegate, not for the upstream.
-    parts.headers.remove(CLASS_HEADER);
+    if found.class() {
+        parts.headers.remove(CLASS_HEADER);
+    }
     // The upstream client derives Host from the URI, unless the request has one. So the
     // client's own stays only where it is exactly what would be derived (no other virtual
     // host than the one routed to): most requests, which spares formatting it again.
-    if !host_as_derived(&parts.uri, &parts.headers) {
+    if !host_as_derived(target, &parts.headers) {
         parts.headers.remove(HOST);
     }
     // `Expect` was answered on this side: hyper sends the 100 when the body is first read.
-    parts.headers.remove(EXPECT);
+    if found.expect() {
+        parts.headers.remove(EXPECT);
+    }
     parts.extensions = http::Extensions::new();
     Ok(Outgoing::new(parts, body).with_user(target.user.clone()))
 }
 
 /// Whether `headers` hold one `Host`, and it is the one the upstream client would derive
-/// from `uri`: its host, and its port unless the scheme's default.
-fn host_as_derived(uri: &Uri, headers: &http::HeaderMap) -> bool {
+/// from the URI [`prepare`] leaves, which names `target` as routed: its host (bracketed if
+/// IPv6), and its port unless the scheme's default.
+fn host_as_derived(target: &Target, headers: &http::HeaderMap) -> bool {
     let mut hosts = headers.get_all(HOST).iter();
     let (Some(given), None) = (hosts.next(), hosts.next()) else {
         return false;
     };
-    let Some(authority) = uri.authority() else {
-        return false;
-    };
-    let default = if uri.scheme() == Some(&Scheme::HTTPS) {
+    let default = if target.scheme == Scheme::HTTPS {
         443
     } else {
         80
     };
-    let Some(rest) = given.as_bytes().strip_prefix(authority.host().as_bytes()) else {
+    let port = (target.port != default).then_some(target.port);
+    given
+        .to_str()
+        .is_ok_and(|given| written_as(given, &target.host, port))
+}
+
+/// Whether `written` is `host` (bracketed if it is an IPv6 address) followed by `:port` where
+/// a port is given, or by nothing where none is, as pacegate writes it: digits only, no
+/// leading zero. Compared as bytes, since `host` is normalised (lowercase): another spelling
+/// is not as routed.
+fn written_as(written: &str, host: &str, port: Option<u16>) -> bool {
+    let rest = if host.contains(':') {
+        written
+            .strip_prefix('[')
+            .and_then(|w| w.strip_prefix(host))
+            .and_then(|w| w.strip_prefix(']'))
+    } else {
+        written.strip_prefix(host)
+    };
+    let Some(rest) = rest else {
         return false;
     };
-    match authority.port_u16() {
-        Some(port) if port != default => rest.strip_prefix(b":").is_some_and(|written| {
-            // As written by the client: digits only, no leading zero, the same number.
-            written.first().is_some_and(|d| *d != b'0')
-                && written.iter().all(u8::is_ascii_digit)
-                && std::str::from_utf8(written)
-                    .ok()
-                    .and_then(|w| w.parse().ok())
-                    == Some(port)
-        }),
-        _ => rest.is_empty(),
-    }
+    let Some(port) = port else {
+        return rest.is_empty();
+    };
+    let Some(digits) = rest.strip_prefix(':') else {
+        return false;
+    };
+    digits.len() <= 5
+        && digits.as_bytes().first().is_some_and(|d| *d != b'0')
+        && digits.bytes().all(|d| d.is_ascii_digit())
+        && digits
+            .bytes()
+            .fold(0u32, |n, d| n * 10 + u32::from(d - b'0'))
+            == u32::from(port)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn derived(uri: &str, given: &[&str]) -> bool {
+    fn derived(scheme: Scheme, host: &str, port: u16, given: &[&str]) -> bool {
         let mut headers = http::HeaderMap::new();
         for host in given {
             headers.append(HOST, host.parse().unwrap());
         }
-        host_as_derived(&uri.parse().unwrap(), &headers)
+        let target = Target {
+            scheme,
+            host: host.into(),
+            port,
+            destination: None,
+            class: Class(0),
+            allowed: None,
+            user: None,
+        };
+        host_as_derived(&target, &headers)
     }
 
     #[test]
     fn only_the_host_the_upstream_client_would_write_is_kept() {
-        assert!(derived("http://localhost:8080/a", &["localhost:8080"]));
-        assert!(derived("http://localhost/a", &["localhost"]));
-        assert!(derived("http://localhost:80/a", &["localhost"]));
-        assert!(derived("https://[::1]:8443/", &["[::1]:8443"]));
-        for (uri, given) in [
-            ("http://localhost:8080/", &["elsewhere:8080"][..]),
-            ("http://localhost:8080/", &["localhost"]),
-            ("http://localhost:8080/", &["localhost:08080"]),
-            (
-                "http://localhost:8080/",
-                &["localhost:8080", "localhost:8080"],
-            ),
-            ("http://localhost:80/", &["localhost:80"]),
-            ("http://localhost/", &["localhost.evil"]),
-            ("http://localhost/", &[]),
+        use Scheme as S;
+        assert!(derived(S::HTTP, "localhost", 8080, &["localhost:8080"]));
+        assert!(derived(S::HTTP, "localhost", 80, &["localhost"]));
+        assert!(derived(S::HTTPS, "::1", 8443, &["[::1]:8443"]));
+        assert!(derived(S::HTTPS, "::1", 443, &["[::1]"]));
+        for (scheme, port, given) in [
+            (S::HTTP, 8080, &["elsewhere:8080"][..]),
+            (S::HTTP, 8080, &["localhost"]),
+            (S::HTTP, 8080, &["localhost:08080"]),
+            (S::HTTP, 8080, &["LOCALHOST:8080"]),
+            (S::HTTP, 8080, &["localhost:8080x"]),
+            (S::HTTP, 8080, &["localhost:80800"]),
+            (S::HTTP, 8080, &["localhost:8080", "localhost:8080"]),
+            (S::HTTP, 80, &["localhost:80"]),
+            (S::HTTP, 80, &["localhost.evil"]),
+            (S::HTTP, 80, &[]),
+            (S::HTTPS, 443, &["localhost:443"]),
         ] {
-            assert!(!derived(uri, given), "{uri} with {given:?}");
+            assert!(
+                !derived(scheme.clone(), "localhost", port, given),
+                "{scheme} {port} {given:?}"
+            );
         }
+        assert!(!derived(S::HTTPS, "::1", 8443, &["::1:8443"]));
+    }
+
+    #[test]
+    fn an_authority_is_as_routed_only_as_pacegate_writes_it() {
+        assert!(written_as("localhost:8080", "localhost", Some(8080)));
+        assert!(written_as("localhost:65535", "localhost", Some(65535)));
+        assert!(written_as("[::1]:443", "::1", Some(443)));
+        assert!(written_as("localhost", "localhost", None));
+        for (written, port) in [
+            ("localhost", Some(80)),
+            ("localhost:80", None),
+            ("user@localhost:8080", Some(8080)),
+            ("localhost:08080", Some(8080)),
+            ("localhost:8081", Some(8080)),
+            ("localhost:99999", Some(34463)),
+            ("localhost:", Some(80)),
+            ("localhostx:80", Some(80)),
+            ("Localhost:80", Some(80)),
+        ] {
+            assert!(
+                !written_as(written, "localhost", port),
+                "{written} {port:?}"
+            );
+        }
+        assert!(!written_as("::1:443", "::1", Some(443)));
     }
 }

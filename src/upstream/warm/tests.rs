@@ -166,3 +166,32 @@ async fn a_stashed_connection_too_old_to_use_counts_for_nothing() {
     drop(b);
     accepted.abort();
 }
+
+#[test]
+fn a_port_is_read_from_the_end_as_the_uri_would_read_it() {
+    for authority in [
+        "localhost:8080",
+        "localhost:1",
+        "[::1]:443",
+        "a:65535",
+        "user@host:80",
+    ] {
+        let uri: Uri = format!("http://{authority}/").parse().unwrap();
+        assert!(has_port(authority), "{authority}");
+        assert!(uri.authority().unwrap().port_u16().is_some(), "{authority}");
+    }
+    for authority in [
+        "localhost",
+        "host8080",
+        "[::1]",
+        "localhost:",
+        "a:65536",
+        "a:123456",
+        "[::1]:x",
+    ] {
+        assert!(!has_port(authority), "{authority}");
+        if let Ok(uri) = format!("http://{authority}/").parse::<Uri>() {
+            assert!(uri.authority().unwrap().port_u16().is_none(), "{authority}");
+        }
+    }
+}
