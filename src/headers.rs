@@ -3,11 +3,10 @@
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use crate::class::CLASS_HEADER;
-
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the
-/// proxy's own credentials and challenges.
-const HOP_BY_HOP: [HeaderName; 9] = [
+/// proxy's own credentials and challenges. A `static`: a `const` array of names would be
+/// made and dropped again wherever it is used, once for every name looked at.
+static HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -35,14 +34,7 @@ pub struct Found(u16);
 
 impl Found {
     pub fn in_headers(headers: &HeaderMap) -> Found {
-        Found(headers.keys().fold(0u16, |bits, name| {
-            bits | match HOP_BY_HOP.iter().position(|h| h == name) {
-                Some(i) => 1 << i,
-                None if name == CLASS_HEADER => CLASS_BIT,
-                None if name == header::EXPECT => EXPECT_BIT,
-                None => 0,
-            }
-        }))
+        Found(headers.keys().fold(0u16, |bits, name| bits | bit_of(name)))
     }
 
     /// A `Pacegate-Class` header.
@@ -77,15 +69,19 @@ pub fn strip_found(headers: &mut HeaderMap, found: Found) {
     // other names is made only when one is there.
     let mut named: Vec<HeaderName> = Vec::new();
     if present & CONNECTION_BIT != 0 {
-        let listed = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
-            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
-        named.extend(listed);
+        for value in &headers.get_all(header::CONNECTION) {
+            if names_no_header(value.as_bytes()) {
+                continue;
+            }
+            let listed = value
+                .to_str()
+                .into_iter()
+                .flat_map(|v| v.split(','))
+                .map(str::trim)
+                .filter(|t| !names_no_header(t.as_bytes()))
+                .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
+            named.extend(listed);
+        }
     }
     let te_trailers = present & TE_BIT != 0
         && headers
@@ -105,6 +101,32 @@ pub fn strip_found(headers: &mut HeaderMap, found: Found) {
     if te_trailers {
         headers.insert(header::TE, HeaderValue::from_static("trailers"));
     }
+}
+
+/// The bit of a name acted on: its place in [`HOP_BY_HOP`], or past it. Matched as text,
+/// where most names are ruled out by their length alone (comparing `HeaderName`s is a
+/// comparison for each of a dozen names, for each name a message holds).
+fn bit_of(name: &HeaderName) -> u16 {
+    match name.as_str() {
+        "connection" => CONNECTION_BIT,
+        "keep-alive" => 1 << 1,
+        "proxy-connection" => 1 << 2,
+        "proxy-authorization" => 1 << 3,
+        "proxy-authenticate" => 1 << 4,
+        "te" => TE_BIT,
+        "trailer" => 1 << 6,
+        "transfer-encoding" => 1 << 7,
+        "upgrade" => UPGRADE_BIT,
+        // `class::CLASS_HEADER`.
+        "pacegate-class" => CLASS_BIT,
+        "expect" => EXPECT_BIT,
+        _ => 0,
+    }
+}
+
+/// `keep-alive` or `close`: a `Connection` token that is not a header's name.
+fn names_no_header(token: &[u8]) -> bool {
+    token.eq_ignore_ascii_case(b"keep-alive") || token.eq_ignore_ascii_case(b"close")
 }
 
 /// The protocol a request asks to upgrade to (`Connection: upgrade` plus `Upgrade: X`).
@@ -141,6 +163,7 @@ pub fn join_cookies(headers: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::class::CLASS_HEADER;
 
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -209,6 +232,8 @@ mod tests {
         assert!(class.class() && !class.expect() && class.hop_by_hop() == 0);
         let expect = found(&[("expect", "100-continue")]);
         assert!(expect.expect() && !expect.class());
+        assert_eq!(bit_of(&CLASS_HEADER), CLASS_BIT);
+        assert_eq!(bit_of(&header::EXPECT), EXPECT_BIT);
         for (i, name) in HOP_BY_HOP.iter().enumerate() {
             let one = found(&[("x-a", "1"), (name.as_str(), "v")]);
             assert_eq!(one.hop_by_hop(), 1 << i, "{name}");

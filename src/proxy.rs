@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use crate::class::Class;
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
 use crate::destination::{normalise_host, Routed, CONNECT, HTTP};
-use crate::log::RequestLine;
+use crate::log::{self, RequestLine};
 use crate::metrics::{labels, labels_and, Metrics, UNMATCHED};
 use crate::pacing::{Note, Pacer};
 use crate::shutdown::Shutdown;
@@ -108,12 +108,12 @@ impl From<String> for Aimed {
     }
 }
 
-impl std::fmt::Display for Aimed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl Aimed {
+    /// As the request line names it.
+    fn logged(&self) -> log::Aimed<'_> {
         match self {
-            Self::Text(text) => f.write_str(text),
-            Self::At(host, port) if host.contains(':') => write!(f, "[{host}]:{port}"),
-            Self::At(host, port) => write!(f, "{host}:{port}"),
+            Self::Text(text) => log::Aimed::Named(text),
+            Self::At(host, port) => log::Aimed::Routed(host, *port),
         }
     }
 }
@@ -390,7 +390,7 @@ impl Proxy {
         RequestLine {
             destination,
             method: method.as_str(),
-            host: &handled.target,
+            host: handled.target.logged(),
             outcome: handled.outcome.as_str(),
             status,
             duration: elapsed,
