@@ -196,9 +196,12 @@ pub fn resource(headers: &HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
 /// none, before [`read`] looks up each family's names in turn.
 pub fn may_carry(headers: &HeaderMap) -> bool {
     const PREFIXES: [&str; 4] = ["ratelimit", "x-ratelimit", "x-rate-limit", "x-shopify-"];
-    headers
-        .keys()
-        .any(|name| PREFIXES.iter().any(|p| name.as_str().starts_with(p)))
+    headers.keys().any(|name| {
+        let name = name.as_str();
+        // Each prefix starts with `r` or `x`: most names are ruled out by their first letter.
+        matches!(name.as_bytes().first(), Some(b'r' | b'x'))
+            && PREFIXES.iter().any(|p| name.starts_with(p))
+    })
 }
 
 /// `(spent, seconds per remaining request)`: larger is stricter.
