@@ -1,5 +1,6 @@
 //! Header hygiene at both of the proxy's boundaries: hop-by-hop headers never cross them, in
-//! either direction (the proxy strips requests, the upstream client responses).
+//! either direction (the proxy strips requests, the upstream client responses). Which of the
+//! names acted on a message holds is found in one pass over its names ([`Found`]).
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 

@@ -45,7 +45,8 @@
 //!   upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
 //!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
-//! - [`headers`]: hop-by-hop hygiene at both boundaries; a leaf.
+//! - [`headers`]: hop-by-hop hygiene at both boundaries, and the one pass over a request's
+//!   names that finds which of those pacegate acts on are there; a leaf.
 //! - [`log`]: the log's writer (a buffer that a thread of its own writes every 100 ms) and
 //!   the request line, which a request copies unformatted and that thread formats; a leaf.
 //! - [`metrics`]: every metric family in one struct; a budget's series, found once
