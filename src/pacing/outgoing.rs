@@ -6,13 +6,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Method, Request};
+use http::{HeaderMap, Method, Request};
 use http_body::Body as _;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use parking_lot::Mutex;
 
 use crate::upstream::{BoxError, ProxyBody};
+
+/// The names a request's copy has room for: as many as most responses carry.
+const RESPONSE_ROOM: usize = 16;
 
 /// A request ready for the upstream client, kept as parts so that a body-less request can be
 /// sent again.
@@ -80,7 +83,18 @@ impl Outgoing {
         *req.method_mut() = self.parts.method.clone();
         *req.uri_mut() = self.parts.uri.clone();
         *req.version_mut() = self.parts.version;
-        *req.headers_mut() = self.parts.headers.clone();
+        // hyper parses the response into the map of the request it has written: made with
+        // room for a response's names, it is not grown there (an exact copy was, a few times
+        // a response, and what it reallocates was often allocated on another thread, whose
+        // allocator arena it then locks).
+        let mut headers = HeaderMap::with_capacity(self.parts.headers.len().max(RESPONSE_ROOM));
+        headers.extend(
+            self.parts
+                .headers
+                .iter()
+                .map(|(name, value)| (name.clone(), value.clone())),
+        );
+        *req.headers_mut() = headers;
         req
     }
 
@@ -165,5 +179,43 @@ impl http_body::Body for Lent {
                 .as_ref()
                 .map_or_else(http_body::SizeHint::default, |b| b.size_hint()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_holds_every_value_in_order_with_room_for_a_response() {
+        let (parts, ()) = Request::builder()
+            .method("GET")
+            .uri("http://localhost:1/a")
+            .header("x-a", "1")
+            .header("accept", "text/plain")
+            .header("x-a", "2")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let outgoing = Outgoing {
+            parts,
+            body: None,
+            lent: None,
+            user: None,
+        };
+        let copy = outgoing.copy();
+        let pairs = |h: &HeaderMap| -> Vec<(String, String)> {
+            h.iter()
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+                .collect()
+        };
+        assert_eq!(pairs(copy.headers()), pairs(outgoing.headers()));
+        assert_eq!(
+            copy.headers().get_all("x-a").iter().collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+        assert!(copy.headers().capacity() >= RESPONSE_ROOM);
+        assert_eq!(copy.method(), Method::GET);
+        assert_eq!(copy.uri(), "http://localhost:1/a");
     }
 }
