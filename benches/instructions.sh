@@ -17,18 +17,9 @@ bin=${1:-target/release/pacegate}
 seconds=${2:-10}
 floor=target/release/examples/hyper_floor
 
-need=()
-command -v valgrind >/dev/null || need+=(valgrind)
-command -v wrk >/dev/null || need+=(wrk)
-command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
-if [ ${#need[@]} -gt 0 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get install -y -qq "${need[@]}" >/dev/null
-    else
-        echo "instructions: needs ${need[*]} (apt-get install ${need[*]})" >&2
-        exit 1
-    fi
-fi
+# shellcheck source=benches/need.sh
+. benches/need.sh
+need instructions valgrind:valgrind wrk:wrk nginx:nginx-light
 nginx=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$floor" ] || cargo build --release --quiet --example hyper_floor
 out=target/instructions

@@ -16,18 +16,9 @@ cd "$(dirname "$0")/.."
 bin=${1:-target/release/pacegate}
 rounds=${2:-1}
 
-need=()
-command -v perf >/dev/null || need+=(linux-perf)
-command -v wrk >/dev/null || need+=(wrk)
-command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
-if [ ${#need[@]} -gt 0 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get install -y -qq "${need[@]}" >/dev/null
-    else
-        echo "profile: needs ${need[*]} (apt-get install ${need[*]})" >&2
-        exit 1
-    fi
-fi
+# shellcheck source=benches/need.sh
+. benches/need.sh
+need profile perf:linux-perf wrk:wrk nginx:nginx-light
 nginx=$(command -v nginx || echo /usr/sbin/nginx)
 proxy_limits="max_connections = 20000"
 # shellcheck source=benches/local-setup.sh
