@@ -29,8 +29,6 @@ use respond::{Outcome, ProxyError};
 
 use arc_swap::ArcSwap;
 
-use crate::server::BoxFuture;
-
 /// What a reload may change in how the proxy treats clients.
 #[derive(Debug, Clone)]
 pub struct ClientPolicy {
@@ -84,7 +82,10 @@ pub struct Proxy {
 }
 
 impl crate::server::Handler for Proxy {
-    fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
+    fn serve_request(
+        &self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
         self.clone().handle(req)
     }
 
@@ -163,15 +164,16 @@ impl Proxy {
     }
 
     /// Handles one request arriving on a client connection (absolute-form or CONNECT).
-    // Boxed: an intercepted session spawns a task that serves `handle_inner`, and the compiler
-    // cannot prove such self-referencing future types `Send` without the type erasure.
-    pub fn handle(self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
-        Box::pin(async move {
-            let started = Instant::now();
-            let method = req.method().clone();
+    pub fn handle(
+        self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
+        let started = Instant::now();
+        let method = req.method().clone();
+        async move {
             let handled = self.dispatch(req).await;
             self.finish(started, &method, handled)
-        })
+        }
     }
 
     /// Answers a request that finds `max_requests` in flight, logged and counted like any.
@@ -192,19 +194,7 @@ impl Proxy {
     }
 
     /// Handles one request inside an intercepted session; `target` is the CONNECT target.
-    fn handle_inner(
-        self,
-        req: Request<Incoming>,
-        target: Target,
-    ) -> BoxFuture<'static, Response<ProxyBody>> {
-        Box::pin(self.handle_inner_unboxed(req, target))
-    }
-
-    async fn handle_inner_unboxed(
-        self,
-        req: Request<Incoming>,
-        target: Target,
-    ) -> Response<ProxyBody> {
+    async fn handle_inner(self, req: Request<Incoming>, target: Target) -> Response<ProxyBody> {
         let started = Instant::now();
         let method = req.method().clone();
         let handled = if method == Method::CONNECT {
@@ -230,7 +220,30 @@ impl Proxy {
         self.finish(started, &method, handled)
     }
 
-    async fn dispatch(&self, req: Request<Incoming>) -> Handled {
+    /// The request's target, class and checks, decided before it waits for anything; then
+    /// its tunnel or its forward.
+    // A function that returns its future, not an `async fn`: the future holds the request
+    // once, in the step that carries it on, where an argument is held for the whole of the
+    // future beside what it was handed on as.
+    fn dispatch(
+        &self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Handled> + Send + '_ {
+        use tokio_util::either::Either;
+        match self.checked(req) {
+            Err(refused) => Either::Left(std::future::ready(refused)),
+            Ok((req, target)) if req.method() == Method::CONNECT => {
+                Either::Right(Either::Left(self.connect(req, target)))
+            }
+            Ok((req, target)) => Either::Right(Either::Right(self.forward(req, target))),
+        }
+    }
+
+    /// The request with its target, or the refusal: authentication, routing, class and the
+    /// policy for an unmatched host.
+    // The refusal is as large as the request it answers, and made once: not boxed.
+    #[allow(clippy::result_large_err)]
+    fn checked(&self, req: Request<Incoming>) -> Result<(Request<Incoming>, Target), Handled> {
         // Written only for a refusal before the target is known.
         let target_text = || {
             req.uri()
@@ -244,12 +257,12 @@ impl Proxy {
                 let err = ProxyError::AuthRequired {
                     realm: auth.realm.clone(),
                 };
-                return Handled::refused(err, None, target_text());
+                return Err(Handled::refused(err, None, target_text()));
             }
         }
         let mut target = match self.target_of(&req) {
             Ok(t) => t,
-            Err(err) => return Handled::refused(err, None, target_text()),
+            Err(err) => return Err(Handled::refused(err, None, target_text())),
         };
         // The class named on the proxy connection: header, else the proxy user name.
         let user = auth::user_name(req.headers());
@@ -263,13 +276,13 @@ impl Proxy {
             target.allowed.as_deref(),
         ) {
             Ok(class) => target.class = class,
-            Err(e) => return Handled::refused(e, target.name(), target.authority()),
+            Err(e) => return Err(Handled::refused(e, target.name(), target.authority())),
         }
         if target.destination.is_none() && policy.unmatched == Unmatched::Deny {
             let err = ProxyError::Unmatched {
                 target: target.authority(),
             };
-            return Handled::refused(err, None, target.authority());
+            return Err(Handled::refused(err, None, target.authority()));
         }
         let defaults = if req.method() == Method::CONNECT {
             CONNECT
@@ -281,13 +294,9 @@ impl Proxy {
             && !policy.ports.contains(target.port)
         {
             let err = ProxyError::UnmatchedPortRefused { port: target.port };
-            return Handled::refused(err, None, target.authority());
+            return Err(Handled::refused(err, None, target.authority()));
         }
-        if req.method() == Method::CONNECT {
-            self.connect(req, target).await
-        } else {
-            self.forward(req, target).await
-        }
+        Ok((req, target))
     }
 
     /// The class a request asks for: its `Pacegate-Class` header, else the proxy `user` name,

@@ -31,8 +31,12 @@ pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T
 
 /// What serves each request of a client connection (the proxy).
 pub trait Handler: Clone + Send + Sync + 'static {
-    /// Answers one request.
-    fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>>;
+    /// Answers one request. The future lives in its connection's task, which hyper keeps
+    /// from one request to the next: a request allocates no room of its own for it.
+    fn serve_request(
+        &self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static;
     /// Answers, at once, a request that finds `max_requests` in flight already.
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody>;
 }

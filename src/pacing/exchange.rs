@@ -72,15 +72,13 @@ impl Pacer {
         upstream: &Upstream,
         route: &Route,
         class: Class,
-        mut request: Outgoing,
+        request: &mut Outgoing,
     ) -> Exchanged {
         let mut note = Note {
             class: Some(class),
             ..Note::default()
         };
-        let response = self
-            .carry(upstream, route, class, &mut request, &mut note)
-            .await;
+        let response = self.carry(upstream, route, class, request, &mut note).await;
         Exchanged { response, note }
     }
 

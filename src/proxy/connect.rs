@@ -20,7 +20,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::peek::Peeked;
 use super::respond::{Outcome, ProxyError};
-use super::{BoxFuture, Handled, Proxy, Target};
+use super::{Handled, Proxy, Target};
 use crate::pacing::{Admission, Asking, Note};
 use crate::server::{self, ConnectionSlot, Ended, Handler};
 use crate::tls::LeafSource;
@@ -329,7 +329,10 @@ struct Session {
 }
 
 impl Handler for Session {
-    fn serve_request(&self, req: Request<Incoming>) -> BoxFuture<'static, Response<ProxyBody>> {
+    fn serve_request(
+        &self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
         self.proxy.clone().handle_inner(req, self.target.clone())
     }
 

@@ -59,36 +59,53 @@ impl Proxy {
     /// Forwards a request to `target` and streams the response back: to a destination, as
     /// an exchange paced by its budget ([`crate::pacing::Pacer::exchange`]); elsewhere, at
     /// once. Bodies are streamed both ways, never buffered whole.
-    pub(super) async fn forward(&self, req: Request<Incoming>, target: Target) -> Handled {
-        let destination = target.name();
-        let (result, pace) = match prepare(req, &target) {
-            Err(e) => (Err(e), Note::default()),
-            Ok(outgoing) => match &target.destination {
-                Some(route) => {
+    // A function that returns its future, not an `async fn`: the request is rewritten before
+    // the future is made, so the future holds it once, as it goes upstream, where an
+    // argument is held for the whole of the future beside what it was turned into.
+    pub(super) fn forward(
+        &self,
+        req: Request<Incoming>,
+        target: Target,
+    ) -> impl std::future::Future<Output = Handled> + Send + '_ {
+        let (mut outgoing, refused) = match prepare(req, &target) {
+            Ok(outgoing) => (Some(outgoing), None),
+            Err(e) => (None, Some(e)),
+        };
+        async move {
+            let destination = target.name();
+            let (result, pace) = match (&mut outgoing, &target.destination) {
+                (None, _) => (
+                    Err(refused.expect("a request is either prepared or refused")),
+                    Note::default(),
+                ),
+                (Some(request), Some(route)) => {
                     let inner = &self.inner;
                     let exchanged = inner
                         .pacer
-                        .exchange(&inner.upstream, route, target.class, outgoing)
+                        .exchange(&inner.upstream, route, target.class, request)
                         .await;
                     (exchanged.response.map_err(ProxyError::from), exchanged.note)
                 }
-                None => (self.unpaced(outgoing).await, Note::default()),
-            },
-        };
-        let aimed = Aimed::At(target.host, target.port);
-        match result {
-            Ok(response) => Handled {
-                response,
-                outcome: Outcome::Forwarded,
-                destination,
-                target: aimed,
-                reason: None,
-                pace,
-            },
-            Err(err) => Handled {
-                pace,
-                ..Handled::refused(err, destination, aimed)
-            },
+                (Some(_), None) => {
+                    let request = outgoing.take().expect("matched as there");
+                    (self.unpaced(request).await, Note::default())
+                }
+            };
+            let aimed = Aimed::At(target.host, target.port);
+            match result {
+                Ok(response) => Handled {
+                    response,
+                    outcome: Outcome::Forwarded,
+                    destination,
+                    target: aimed,
+                    reason: None,
+                    pace,
+                },
+                Err(err) => Handled {
+                    pace,
+                    ..Handled::refused(err, destination, aimed)
+                },
+            }
         }
     }
 
