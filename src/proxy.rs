@@ -83,10 +83,10 @@ pub struct Proxy {
 
 impl crate::server::Handler for Proxy {
     fn serve_request(
-        &self,
+        self,
         req: Request<Incoming>,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
-        self.clone().handle(req)
+        self.handle(req)
     }
 
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {

@@ -5,6 +5,7 @@
 pub mod watch;
 
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,10 +32,11 @@ pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T
 
 /// What serves each request of a client connection (the proxy).
 pub trait Handler: Clone + Send + Sync + 'static {
-    /// Answers one request. The future lives in its connection's task, which hyper keeps
-    /// from one request to the next: a request allocates no room of its own for it.
+    /// Answers one request, with a clone of the handler made for it. The future lives in
+    /// its connection's task, which hyper keeps from one request to the next: a request
+    /// allocates no room of its own for it.
     fn serve_request(
-        &self,
+        self,
         req: Request<Incoming>,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static;
     /// Answers, at once, a request that finds `max_requests` in flight already.
@@ -43,23 +45,55 @@ pub trait Handler: Clone + Send + Sync + 'static {
 
 /// The requests in flight over every connection and intercepted session (`max_requests`):
 /// HTTP/2 multiplies requests per connection, so `max_connections` alone does not bound them.
+// A count, not a semaphore: nothing waits at the gate (a request past it is refused at once),
+// and a semaphore takes the lock of its waiters' list whenever a permit is given back, a lock
+// that every request on every worker thread would then contend for.
 #[derive(Clone)]
 pub struct Gate {
-    permits: Arc<Semaphore>,
+    count: Arc<GateCount>,
+}
+
+struct GateCount {
+    in_flight: AtomicUsize,
+    max: usize,
 }
 
 impl Gate {
     /// A gate for `limits.max_requests`.
     pub fn new(limits: &Limits) -> Self {
         Self {
-            permits: Arc::new(Semaphore::new(limits.max_requests)),
+            count: Arc::new(GateCount {
+                in_flight: AtomicUsize::new(0),
+                max: limits.max_requests,
+            }),
         }
+    }
+
+    /// A place for one more request, or none while `max_requests` are in flight.
+    fn enter(&self) -> Option<Pass> {
+        let count = &self.count;
+        count
+            .in_flight
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| {
+                (n < count.max).then_some(n + 1)
+            })
+            .ok()?;
+        Some(Pass(count.clone()))
+    }
+}
+
+/// One request's place at the [`Gate`], given back when it drops.
+struct Pass(Arc<GateCount>);
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Release);
     }
 }
 
 /// What a request in flight holds until its response body has been written or dropped.
 struct Held {
-    _permit: OwnedSemaphorePermit,
+    _pass: Pass,
     _in_flight: InFlight,
 }
 
@@ -129,16 +163,15 @@ where
             {
                 req.extensions_mut().insert(slot.clone());
             }
-            let permit = gate.permits.clone().try_acquire_owned();
             let handler = handler.clone();
-            let held = permit.map(|permit| Held {
-                _permit: permit,
+            let held = gate.enter().map(|pass| Held {
+                _pass: pass,
                 _in_flight: watch.request(),
             });
             async move {
                 let (response, held) = match held {
-                    Ok(held) => (handler.serve_request(req).await, Some(held)),
-                    Err(_) => (handler.refuse_busy(req), None),
+                    Some(held) => (handler.serve_request(req).await, Some(held)),
+                    None => (handler.refuse_busy(req), None),
                 };
                 Ok::<_, Infallible>(response.map(|body| Holding { body, _held: held }))
             }
@@ -309,4 +342,32 @@ async fn refuse_overloaded(mut stream: TcpStream, limit: usize) {
         body.len()
     );
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(head.as_bytes())).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gate_lets_max_requests_in_and_a_place_given_back_is_taken_again() {
+        let gate = Gate {
+            count: Arc::new(GateCount {
+                in_flight: AtomicUsize::new(0),
+                max: 2,
+            }),
+        };
+        let first = gate.enter().expect("a first place");
+        let second = gate.enter().expect("a second place");
+        assert!(gate.enter().is_none(), "a third request is refused");
+        drop(first);
+        let third = gate.enter().expect("the place given back");
+        assert!(gate.enter().is_none());
+        drop((second, third));
+        assert_eq!(gate.count.in_flight.load(Ordering::Relaxed), 0);
+        // Clones share the one count.
+        let other = gate.clone();
+        let _a = gate.enter().expect("a place");
+        let _b = other.enter().expect("a place");
+        assert!(other.enter().is_none() && gate.enter().is_none());
+    }
 }

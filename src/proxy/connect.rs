@@ -330,10 +330,10 @@ struct Session {
 
 impl Handler for Session {
     fn serve_request(
-        &self,
+        self,
         req: Request<Incoming>,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
-        self.proxy.clone().handle_inner(req, self.target.clone())
+        self.proxy.handle_inner(req, self.target)
     }
 
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {
