@@ -137,7 +137,7 @@ impl Pacer {
                 continue;
             }
             let req = if retryable {
-                outgoing.copy()
+                outgoing.attempt()
             } else {
                 outgoing.lend()
             };

@@ -14,9 +14,6 @@ use parking_lot::Mutex;
 
 use crate::upstream::{BoxError, ProxyBody};
 
-/// The names a request's copy has room for: as many as most responses carry.
-const RESPONSE_ROOM: usize = 16;
-
 /// A request ready for the upstream client, kept as parts so that a body-less request can be
 /// sent again.
 pub struct Outgoing {
@@ -77,37 +74,43 @@ impl Outgoing {
         &self.parts.method
     }
 
-    /// Another copy of a body-less request.
-    pub(super) fn copy(&self) -> Request<ProxyBody> {
-        let mut req = Request::new(Empty::new().map_err(|never| match never {}).boxed());
-        *req.method_mut() = self.parts.method.clone();
-        *req.uri_mut() = self.parts.uri.clone();
-        *req.version_mut() = self.parts.version;
-        // hyper parses the response into the map of the request it has written: made with
-        // room for a response's names, it is not grown there (an exact copy was, a few times
-        // a response, and what it reallocates was often allocated on another thread, whose
-        // allocator arena it then locks).
-        let mut headers = HeaderMap::with_capacity(self.parts.headers.len().max(RESPONSE_ROOM));
-        headers.extend(
-            self.parts
-                .headers
-                .iter()
-                .map(|(name, value)| (name.clone(), value.clone())),
-        );
-        *req.headers_mut() = headers;
-        req
+    /// A body-less request for one attempt (see [`Outgoing::attempt_parts`]).
+    pub(super) fn attempt(&mut self) -> Request<ProxyBody> {
+        let body = Empty::new().map_err(|never| match never {}).boxed();
+        Request::from_parts(self.attempt_parts(), body)
     }
 
-    /// The request, with the original body lent to it: until the upstream connection reads
-    /// from it, it can be taken back ([`Outgoing::take_back`]).
+    /// The request for one attempt, with the original body lent to it: until the upstream
+    /// connection reads from it, it can be taken back ([`Outgoing::take_back`]).
     pub(super) fn lend(&mut self) -> Request<ProxyBody> {
-        let mut req = self.copy();
+        let mut req = self.attempt();
         if let Some(body) = self.body.take() {
             let cell = Arc::new(Mutex::new(Some(body)));
             self.lent = Some(cell.clone());
             *req.body_mut() = Lent { cell, body: None }.boxed();
         }
         req
+    }
+
+    /// The parts an attempt sends: the request's own, while a copy of them stays for the
+    /// next attempt. hyper parses the response into the header map of the request it has
+    /// written, and hands that map on to the client connection, which parses the next
+    /// request into it: the request's own map has room for a response already, where a copy
+    /// would be made for each request, with room or grown, and freed on another thread.
+    fn attempt_parts(&mut self) -> Parts {
+        let (mut kept, ()) = Request::new(()).into_parts();
+        kept.method = self.parts.method.clone();
+        kept.uri = self.parts.uri.clone();
+        kept.version = self.parts.version;
+        let mut headers = HeaderMap::with_capacity(self.parts.headers.len());
+        headers.extend(
+            self.parts
+                .headers
+                .iter()
+                .map(|(name, value)| (name.clone(), value.clone())),
+        );
+        kept.headers = headers;
+        std::mem::replace(&mut self.parts, kept)
     }
 
     /// Takes back the body lent to an attempt that never reached a connection. False when
@@ -187,8 +190,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_copy_holds_every_value_in_order_with_room_for_a_response() {
-        let (parts, ()) = Request::builder()
+    fn an_attempt_sends_the_request_s_own_map_and_a_copy_of_every_value_stays() {
+        let (mut parts, ()) = Request::builder()
             .method("GET")
             .uri("http://localhost:1/a")
             .header("x-a", "1")
@@ -197,25 +200,37 @@ mod tests {
             .body(())
             .unwrap()
             .into_parts();
-        let outgoing = Outgoing {
+        // As a client connection's map comes: with the room the last response needed.
+        parts.headers.reserve(24);
+        let room = parts.headers.capacity();
+        let mut outgoing = Outgoing {
             parts,
             body: None,
             lent: None,
             user: None,
         };
-        let copy = outgoing.copy();
         let pairs = |h: &HeaderMap| -> Vec<(String, String)> {
             h.iter()
                 .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
                 .collect()
         };
-        assert_eq!(pairs(copy.headers()), pairs(outgoing.headers()));
+        let before = pairs(outgoing.headers());
+        let first = outgoing.attempt();
+        // The request's own map went, room and all; what stays holds every value in order.
+        assert_eq!(first.headers().capacity(), room);
+        assert_eq!(pairs(first.headers()), before);
+        assert_eq!(pairs(outgoing.headers()), before);
         assert_eq!(
-            copy.headers().get_all("x-a").iter().collect::<Vec<_>>(),
+            outgoing.headers().get_all("x-a").iter().collect::<Vec<_>>(),
             ["1", "2"]
         );
-        assert!(copy.headers().capacity() >= RESPONSE_ROOM);
-        assert_eq!(copy.method(), Method::GET);
-        assert_eq!(copy.uri(), "http://localhost:1/a");
+        assert_eq!(first.method(), Method::GET);
+        assert_eq!(first.uri(), "http://localhost:1/a");
+        // A second attempt (after a throttle) sends the same request again.
+        let second = outgoing.attempt();
+        assert_eq!(pairs(second.headers()), before);
+        assert_eq!(second.method(), Method::GET);
+        assert_eq!(second.uri(), "http://localhost:1/a");
+        assert_eq!(outgoing.uri(), "http://localhost:1/a");
     }
 }
