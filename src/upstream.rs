@@ -483,10 +483,13 @@ impl Upstream {
             Some(expecting) => expecting.sending(),
             None => self.warm.sending(req.uri()),
         };
-        let exchange = tokio::time::timeout(self.response_timeout, self.client.request(req));
+        let exchange = self.client.request(req);
         let answered = match by {
-            Some(by) => warm::SEND_BY.scope(by, exchange).await,
-            None => exchange.await,
+            Some(by) => {
+                let exchange = warm::SendBy { by, exchange };
+                tokio::time::timeout(self.response_timeout, exchange).await
+            }
+            None => tokio::time::timeout(self.response_timeout, exchange).await,
         };
         match answered {
             Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),

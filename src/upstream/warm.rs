@@ -97,10 +97,37 @@ fn has_port(authority: &str) -> bool {
     rest.ends_with(':') && port.parse::<u16>().is_ok()
 }
 
-tokio::task_local! {
+thread_local! {
     /// The latest instant the request being sent may take its connection and still go on
-    /// its slot ([`crate::upstream::Upstream::send`] sets it for a paced request).
-    pub(super) static SEND_BY: tokio::time::Instant;
+    /// its slot: set while [`SendBy`] polls a paced request's exchange, which is when the
+    /// client asks the connector for a connection.
+    static SEND_BY: std::cell::Cell<Option<tokio::time::Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// A paced request's exchange, polled with its latest instant in [`SEND_BY`].
+// A thread-local set and put back around each poll, where a tokio task-local cost a few
+// hundred instructions a request to say what the connector reads only when it opens a
+// connection.
+pub(super) struct SendBy<F> {
+    pub(super) by: tokio::time::Instant,
+    pub(super) exchange: F,
+}
+
+impl<F: Future + Unpin> Future for SendBy<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        /// Puts back what [`SEND_BY`] held, even if the exchange panics.
+        struct Restore(Option<tokio::time::Instant>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                SEND_BY.set(self.0);
+            }
+        }
+        let this = &mut *self;
+        let _restore = Restore(SEND_BY.replace(Some(this.by)));
+        Pin::new(&mut this.exchange).poll(cx)
+    }
 }
 
 /// No connection could be handed out by the latest instant the request's slot allows (given
@@ -411,7 +438,7 @@ impl Service<Uri> for Warm {
     fn call(&mut self, uri: Uri) -> Self::Future {
         let this = self.clone();
         // Read in the sending request's task: the client may finish this future elsewhere.
-        let by = SEND_BY.try_with(|by| *by).ok();
+        let by = SEND_BY.get();
         Box::pin(async move {
             let Some(key) = key_of(&uri) else {
                 let stream = this.open(uri).await?;

@@ -88,7 +88,11 @@ async fn silent_tls() -> (Uri, tokio::task::JoinHandle<()>) {
 /// The client's call for a connection to `uri`, in a request that must be sent by `by`:
 /// its error.
 async fn refused_by(w: &mut Warm, uri: &Uri, by: tokio::time::Instant) -> BoxError {
-    let call = SEND_BY.scope(by, async { w.call(uri.clone()).await });
+    // The call is made inside the poll, as the client makes it.
+    let call = SendBy {
+        by,
+        exchange: Box::pin(async { w.call(uri.clone()).await }),
+    };
     match tokio::time::timeout(Duration::from_secs(5), call).await {
         Ok(Err(e)) => e,
         Ok(Ok(_)) => panic!("a connection to an upstream that never answers"),
