@@ -198,15 +198,7 @@ impl Pacer {
     ) -> Admission {
         let lane = &route.lane;
         let now = Instant::now();
-        lane.tally.sends.lock().record(now);
-        if let Some(log) = lane
-            .tally
-            .granted
-            .lock()
-            .get_mut(usize::from(granted.class.0))
-        {
-            log.record(now);
-        }
+        lane.tally.sends.lock().record(granted.class, now);
         lane.series(&self.metrics)
             .granted(self.classes.name(granted.class))
             .inc();

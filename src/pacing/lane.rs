@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::time::Instant;
 
-use super::rate::SendLog;
+use super::rate::Sends;
 use super::PaceError;
 use crate::budget::{
     BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK,
@@ -232,9 +232,8 @@ pub(super) struct Tally {
     pub(super) in_flight: AtomicUsize,
     /// Requests in `admit`: waiting for a concurrency permit or a slot.
     pub(super) admitting: AtomicUsize,
-    pub(super) sends: Mutex<SendLog>,
-    /// Slots granted per class, for status.
-    pub(super) granted: Mutex<Vec<SendLog>>,
+    /// Slots used, all and by class.
+    pub(super) sends: Mutex<Sends>,
 }
 
 impl Tally {
@@ -242,8 +241,7 @@ impl Tally {
         Self {
             in_flight: AtomicUsize::new(0),
             admitting: AtomicUsize::new(0),
-            sends: Mutex::new(SendLog::new()),
-            granted: Mutex::new(classes.all().map(|_| SendLog::new()).collect()),
+            sends: Mutex::new(Sends::new(classes.all().count())),
         }
     }
 }

@@ -2,6 +2,32 @@
 
 use tokio::time::Instant;
 
+use crate::class::Class;
+
+/// A budget's slots used: all of them (the achieved rate) and by class (status), kept under
+/// one lock, which a request takes once.
+pub(super) struct Sends {
+    pub(super) all: SendLog,
+    pub(super) by_class: Vec<SendLog>,
+}
+
+impl Sends {
+    pub(super) fn new(classes: usize) -> Self {
+        Self {
+            all: SendLog::new(),
+            by_class: (0..classes).map(|_| SendLog::new()).collect(),
+        }
+    }
+
+    /// A slot of `class` used at `at`.
+    pub(super) fn record(&mut self, class: Class, at: Instant) {
+        self.all.record(at);
+        if let Some(log) = self.by_class.get_mut(usize::from(class.0)) {
+            log.record(at);
+        }
+    }
+}
+
 /// Sends per second over the last 64 seconds, for the achieved rate.
 pub(super) struct SendLog {
     epoch: Instant,

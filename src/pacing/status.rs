@@ -36,7 +36,7 @@ impl Pacer {
             .iter()
             .map(|lane| {
                 let backoff = lane.seen.lock().backoff;
-                let achieved = lane.tally.sends.lock().rate(now, 10);
+                let achieved = lane.tally.sends.lock().all.rate(now, 10);
                 (
                     lane.name.to_string(),
                     lane.keys().pace.rate / backoff,
@@ -120,7 +120,7 @@ impl Pacer {
             let everywhere = said.waiting;
             let here = lane.waiting_here(now);
             let classes: Vec<ClassStatus> = {
-                let granted = lane.tally.granted.lock();
+                let sends = lane.tally.sends.lock();
                 self.classes
                     .all()
                     .zip(&here)
@@ -135,7 +135,8 @@ impl Pacer {
                             oldest_wait_seconds: all
                                 .map_or(oldest_here, |w| w.2.max(oldest_here))
                                 .as_secs_f64(),
-                            granted_last_minute: granted
+                            granted_last_minute: sends
+                                .by_class
                                 .get(usize::from(class.0))
                                 .map_or(0, |g| g.count(now, 60)),
                         }
@@ -159,7 +160,7 @@ impl Pacer {
                 .collect();
             let (rate_10, rate_60) = {
                 let sends = lane.tally.sends.lock();
-                (sends.rate(now, 10), sends.rate(now, 60))
+                (sends.all.rate(now, 10), sends.all.rate(now, 60))
             };
             let mut s = DestinationStatus {
                 destination: lane.name.to_string(),
