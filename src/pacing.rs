@@ -194,14 +194,18 @@ impl Route {
     }
 
     /// The route of the group a request with `method` and `path` belongs to (see
-    /// [`crate::destination::group_of`]), or this one's own budget.
-    pub fn pick(&self, method: &str, path: &str) -> Route {
+    /// [`crate::destination::group_of`]), or this one's own budget: this route itself where
+    /// it is that already, as routed, so that most requests write no reference count on
+    /// lanes every request shares.
+    pub fn pick(&self, method: &str, path: &str) -> std::borrow::Cow<'_, Route> {
+        use std::borrow::Cow;
         match group_of(&self.lanes.groups, method, path) {
-            Some(i) => Route {
+            Some(i) => Cow::Owned(Route {
                 lane: self.lanes.group_lanes[i].clone(),
                 lanes: self.lanes.clone(),
-            },
-            None => Route::of(self.lanes.clone()),
+            }),
+            None if Arc::ptr_eq(&self.lane, &self.lanes.own) => Cow::Borrowed(self),
+            None => Cow::Owned(Route::of(self.lanes.clone())),
         }
     }
 }

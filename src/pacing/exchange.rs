@@ -92,20 +92,23 @@ impl Pacer {
     ) -> Result<Response<ProxyBody>, ExchangeError> {
         // The budget of the group the request belongs to, or the destination's own; within
         // it, its key's.
-        let route = route.pick(outgoing.method().as_str(), outgoing.uri().path());
-        let series = route.lane.series(&self.metrics).clone();
+        let picked = route.pick(outgoing.method().as_str(), outgoing.uri().path());
+        // Lent for the counts here; one reference for the log line.
+        let series = picked.lane.series(&self.metrics);
         note.series = Some(series.clone());
         // Only a budget split by key asks what the request offers (its host searched for in
         // the URI again).
-        let route = &if route.lane.is_split() {
+        let keyed;
+        let route: &Route = if picked.lane.is_split() {
             let asking = Asking {
                 host: outgoing.uri().host().unwrap_or_default(),
                 user: outgoing.user(),
                 headers: outgoing.headers(),
             };
-            self.keyed(route, &asking).await?
+            keyed = self.keyed(Route::clone(&picked), &asking).await?;
+            &keyed
         } else {
-            route
+            &picked
         };
         let destination: &str = route.label();
         // The keys as they are now; a reload meanwhile governs the next request.
@@ -293,12 +296,17 @@ impl Pacer {
                 self.tell(other, Event::None, Some(v)).await;
             }
         }
-        // A lockout is kept on the budget split by key, which halts every key.
+        // A lockout is kept on the budget split by key, which halts every key. Any other
+        // verdict borrows the admission's lane: no reference count written on a lane every
+        // request shares.
+        let holder;
         let lane = match verdict {
-            Verdict::Lockout => admission.lane.lock_holder_arc(),
-            _ => admission.lane.clone(),
+            Verdict::Lockout => {
+                holder = admission.lane.lock_holder_arc();
+                &holder
+            }
+            _ => &admission.lane,
         };
-        let lane = &lane;
         // A clean response to a budget at rest changes nothing the store keeps: the backoff
         // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
         // came between) and no block streak is left to clear. Not writing it halves the

@@ -308,7 +308,11 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
         user: None,
         headers: &headers,
     };
-    let core = p.destination("d").unwrap().pick("GET", "/core/repos");
+    let core = p
+        .destination("d")
+        .unwrap()
+        .pick("GET", "/core/repos")
+        .into_owned();
     let core = p.keyed(core, &asking).await.unwrap();
     let key = core.name().strip_prefix("d#").unwrap().to_owned();
     let far = Instant::now() + Duration::from_secs(3600);
