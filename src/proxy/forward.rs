@@ -67,18 +67,11 @@ impl Proxy {
         req: Request<Incoming>,
         target: Target,
     ) -> impl std::future::Future<Output = Handled> + Send + '_ {
-        let (mut outgoing, refused) = match prepare(req, &target) {
-            Ok(outgoing) => (Some(outgoing), None),
-            Err(e) => (None, Some(e)),
-        };
+        let mut prepared = prepare(req, &target);
         async move {
             let destination = target.name();
-            let (result, pace) = match (&mut outgoing, &target.destination) {
-                (None, _) => (
-                    Err(refused.expect("a request is either prepared or refused")),
-                    Note::default(),
-                ),
-                (Some(request), Some(route)) => {
+            let (result, pace) = match (&mut prepared, &target.destination) {
+                (Ok(request), Some(route)) => {
                     let inner = &self.inner;
                     let exchanged = inner
                         .pacer
@@ -86,10 +79,11 @@ impl Proxy {
                         .await;
                     (exchanged.response.map_err(ProxyError::from), exchanged.note)
                 }
-                (Some(_), None) => {
-                    let request = outgoing.take().expect("matched as there");
-                    (self.unpaced(request).await, Note::default())
-                }
+                // Refused, or to a host no destination paces: sent once, as it is.
+                _ => match prepared {
+                    Err(e) => (Err(e), Note::default()),
+                    Ok(request) => (self.unpaced(request).await, Note::default()),
+                },
             };
             let aimed = Aimed::At(target.host, target.port);
             match result {
