@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -20,6 +21,7 @@ use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::either::Either;
 
 use crate::config::Limits;
 use crate::metrics::Metrics;
@@ -163,17 +165,27 @@ where
             {
                 req.extensions_mut().insert(slot.clone());
             }
-            let handler = handler.clone();
-            let held = gate.enter().map(|pass| Held {
-                _pass: pass,
-                _in_flight: watch.request(),
-            });
-            async move {
-                let (response, held) = match held {
-                    Some(held) => (handler.serve_request(req).await, Some(held)),
-                    None => (handler.refuse_busy(req), None),
-                };
-                Ok::<_, Infallible>(response.map(|body| Holding { body, _held: held }))
+            // The request's future is made here, not in an `async` block that would hold the
+            // request beside it: it is moved into the connection's slot for every request.
+            match gate.enter() {
+                Some(pass) => {
+                    let held = Held {
+                        _pass: pass,
+                        _in_flight: watch.request(),
+                    };
+                    Either::Left(handler.clone().serve_request(req).map(move |response| {
+                        Ok::<_, Infallible>(response.map(|body| Holding {
+                            body,
+                            _held: Some(held),
+                        }))
+                    }))
+                }
+                None => {
+                    let response = handler.refuse_busy(req);
+                    Either::Right(std::future::ready(Ok(
+                        response.map(|body| Holding { body, _held: None })
+                    )))
+                }
             }
         })
     };

@@ -10,7 +10,7 @@ use http::{Request, Response, Uri, Version};
 use hyper::body::Incoming;
 
 use super::respond::{Outcome, ProxyError};
-use super::{Aimed, Handled, Proxy};
+use super::{Aimed, Begun, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
 use crate::headers;
 use crate::metrics::UNMATCHED;
@@ -56,17 +56,19 @@ impl Target {
 }
 
 impl Proxy {
-    /// Forwards a request to `target` and streams the response back: to a destination, as
+    /// Forwards a request to `target` and streams the response back (logged and counted by
+    /// [`Proxy::finish`]): to a destination, as
     /// an exchange paced by its budget ([`crate::pacing::Pacer::exchange`]); elsewhere, at
     /// once. Bodies are streamed both ways, never buffered whole.
     // A function that returns its future, not an `async fn`: the request is rewritten before
     // the future is made, so the future holds it once, as it goes upstream, where an
     // argument is held for the whole of the future beside what it was turned into.
     pub(super) fn forward(
-        &self,
+        self,
         req: Request<Incoming>,
         target: Target,
-    ) -> impl std::future::Future<Output = Handled> + Send + '_ {
+        begun: Begun,
+    ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
         let mut prepared = prepare(req, &target);
         async move {
             let destination = target.name();
@@ -86,7 +88,7 @@ impl Proxy {
                 },
             };
             let aimed = Aimed::At(target.host, target.port);
-            match result {
+            let handled = match result {
                 Ok(response) => Handled {
                     response,
                     outcome: Outcome::Forwarded,
@@ -99,7 +101,8 @@ impl Proxy {
                     pace,
                     ..Handled::refused(err, destination, aimed)
                 },
-            }
+            };
+            self.finish(begun, handled)
         }
     }
 
