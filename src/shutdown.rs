@@ -9,6 +9,9 @@
 //!    much that was.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use hyper_util::server::graceful::GracefulConnection;
@@ -19,6 +22,8 @@ use tokio_util::task::TaskTracker;
 #[derive(Clone, Default)]
 pub struct Shutdown {
     drain: CancellationToken,
+    /// Set before `drain` is cancelled: what a connection looks at on each of its polls.
+    draining: Arc<AtomicBool>,
     force: CancellationToken,
     tracker: TaskTracker,
 }
@@ -31,12 +36,13 @@ impl Shutdown {
 
     /// Starts the drain (idempotent).
     pub fn start_drain(&self) {
+        self.draining.store(true, Ordering::Release);
         self.drain.cancel();
     }
 
     /// Whether the drain has started.
     pub fn is_draining(&self) -> bool {
-        self.drain.is_cancelled()
+        self.draining.load(Ordering::Acquire)
     }
 
     /// Resolves when the drain starts.
@@ -66,12 +72,19 @@ impl Shutdown {
         tokio::pin!(conn);
         tokio::select! {
             res = conn.as_mut() => return res,
-            () = self.draining() => conn.as_mut().graceful_shutdown(),
+            () = self.drain_started() => conn.as_mut().graceful_shutdown(),
         }
         tokio::select! {
             res = conn.as_mut() => res,
             () = self.forced() => Ok(()),
         }
+    }
+
+    /// Resolves when the drain starts, like [`Self::draining`], for a connection's task, which
+    /// polls it at every wake, several times a request: polling the token's own future takes
+    /// two locks, the token's and its waiters', that every connection shares.
+    async fn drain_started(&self) {
+        quietly(self.drain.cancelled(), |_| self.is_draining()).await;
     }
 
     /// Waits for every tracked task, up to `grace` after the drain started; then forces the
@@ -91,6 +104,26 @@ impl Shutdown {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.tracker.wait()).await;
         remaining
     }
+}
+
+/// Waits for `wait` in a task that is woken many times for other work (a connection's, for
+/// its drain and its deadlines): once `wait` has registered the task's waker, a wake leaves it
+/// unpolled unless `may_be_done` says it may be ready, or the task's waker has changed.
+/// `may_be_done` must turn true before whatever makes `wait` ready wakes the task.
+pub async fn quietly<F: Future>(wait: F, may_be_done: impl Fn(&F) -> bool) -> F::Output {
+    tokio::pin!(wait);
+    let mut registered: Option<Waker> = None;
+    std::future::poll_fn(|cx| {
+        if registered.as_ref().is_some_and(|w| w.will_wake(cx.waker())) && !may_be_done(&wait) {
+            return Poll::Pending;
+        }
+        let polled = wait.as_mut().poll(cx);
+        if polled.is_pending() {
+            registered = Some(cx.waker().clone());
+        }
+        polled
+    })
+    .await
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -131,6 +164,87 @@ mod tests {
         shutdown.spawn(async move { s.forced().await });
         let remaining = shutdown.finish(Duration::from_secs(5)).await;
         assert_eq!(remaining, 1);
+    }
+
+    /// A future that counts its polls and is ready once told.
+    struct Counted<'a> {
+        polls: &'a std::cell::Cell<u32>,
+        ready: &'a std::cell::Cell<bool>,
+    }
+
+    impl Future for Counted<'_> {
+        type Output = ();
+        fn poll(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> Poll<()> {
+            self.polls.set(self.polls.get() + 1);
+            if self.ready.get() {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        }
+    }
+
+    struct Other;
+
+    impl std::task::Wake for Other {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    #[test]
+    fn a_quiet_wait_is_polled_again_only_when_it_may_be_done_or_the_waker_changed() {
+        use std::task::Context;
+        let (polls, ready) = (std::cell::Cell::new(0), std::cell::Cell::new(false));
+        let wait = quietly(
+            Counted {
+                polls: &polls,
+                ready: &ready,
+            },
+            |c| c.ready.get(),
+        );
+        let mut wait = std::pin::pin!(wait);
+        let registered = Waker::from(Arc::new(Other));
+        let mut same = Context::from_waker(&registered);
+        for _ in 0..5 {
+            assert!(wait.as_mut().poll(&mut same).is_pending());
+        }
+        assert_eq!(polls.get(), 1, "polled again with the waker it registered");
+        let other = Waker::from(Arc::new(Other));
+        let mut other = Context::from_waker(&other);
+        assert!(wait.as_mut().poll(&mut other).is_pending());
+        assert!(wait.as_mut().poll(&mut other).is_pending());
+        assert_eq!(polls.get(), 2, "a new waker is registered, once");
+        ready.set(true);
+        assert!(wait.as_mut().poll(&mut other).is_ready());
+        assert_eq!(polls.get(), 3);
+    }
+
+    #[tokio::test]
+    async fn the_drain_reaches_a_connection_woken_many_times_before_it() {
+        let shutdown = Shutdown::new();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let s = shutdown.clone();
+        // A connection's task: woken for its work many times, its drain wait among the rest.
+        let task = tokio::spawn(async move {
+            let drained = s.drain_started();
+            tokio::pin!(drained);
+            let mut wakes = 0;
+            loop {
+                tokio::select! {
+                    () = &mut drained => return wakes,
+                    Some(()) = rx.recv() => wakes += 1,
+                }
+            }
+        });
+        for _ in 0..100 {
+            tx.send(()).unwrap();
+            tokio::task::yield_now().await;
+        }
+        shutdown.start_drain();
+        let wakes = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the drain did not reach the task")
+            .unwrap();
+        assert!(wakes > 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 use crate::config::Limits;
+use crate::shutdown::quietly;
 
 /// Why a connection was closed by its watch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,15 +127,18 @@ impl Watch {
     }
 
     /// Resolves when a deadline has passed with nothing to put it off.
+    // Its sleep is polled only once it may have fired ([`quietly`]): the connection's task
+    // polls this at every wake, several times a request.
     pub async fn expired(&self) -> Expired {
         loop {
-            match self.deadline() {
+            let sleep = match self.deadline() {
                 Some((at, why)) if at <= Instant::now() => return why,
-                Some((at, _)) => tokio::time::sleep_until(at).await,
+                Some((at, _)) => tokio::time::sleep_until(at),
                 // Looked at again after an idle timeout's time: a request in flight then has
                 // either ended (and the idle time counts from its end) or still runs.
-                None => tokio::time::sleep(self.inner.idle_timeout).await,
-            }
+                None => tokio::time::sleep(self.inner.idle_timeout),
+            };
+            quietly(sleep, Sleep::is_elapsed).await;
         }
     }
 }
