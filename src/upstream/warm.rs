@@ -20,6 +20,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -136,6 +137,19 @@ impl<F: Future + Unpin> Future for SendBy<F> {
 #[error("no upstream connection by the latest instant the request's slot allows")]
 pub struct NoConnectionInTime;
 
+/// The requests on one upstream, counted by their guards ([`Expecting`], [`Busy`]) without
+/// the hosts' lock: a request would otherwise take that lock, which every request on every
+/// worker shares, three times (waiting, sent, answered), where it now takes it once. A request
+/// counts as busy before it stops counting as waiting, so that one on its way never looks
+/// like none; the entry can go only once both are zero (looked at under the lock).
+#[derive(Default)]
+struct Requests {
+    /// Being sent (from the send to the response head).
+    busy: AtomicUsize,
+    /// Waiting for a slot.
+    waiting: AtomicUsize,
+}
+
 /// One upstream's connections.
 #[derive(Default)]
 struct Host {
@@ -143,10 +157,8 @@ struct Host {
     alive: usize,
     /// Being opened ahead.
     opening: usize,
-    /// Requests being sent (from the send to the response head).
-    busy: usize,
-    /// Requests waiting for a slot.
-    waiting: usize,
+    /// The requests on this upstream, waiting and being sent.
+    requests: Arc<Requests>,
     /// The upstream spoke h2: one connection serves every request.
     h2: bool,
     stash: Vec<(Instant, Counted)>,
@@ -162,8 +174,8 @@ impl Host {
     fn is_idle(&self) -> bool {
         self.alive == 0
             && self.opening == 0
-            && self.busy == 0
-            && self.waiting == 0
+            && self.requests.busy.load(Ordering::SeqCst) == 0
+            && self.requests.waiting.load(Ordering::SeqCst) == 0
             && self.stash.is_empty()
     }
 
@@ -173,7 +185,8 @@ impl Host {
         if self.h2 {
             return 0;
         }
-        let want = self.busy + self.waiting.min(AHEAD);
+        let want = self.requests.busy.load(Ordering::SeqCst)
+            + self.requests.waiting.load(Ordering::SeqCst).min(AHEAD);
         want.saturating_sub(self.alive.saturating_sub(gone) + self.opening)
     }
 
@@ -292,25 +305,30 @@ impl Warm {
     /// do not cover it. The returned guard counts it until it is sent or gives up.
     pub fn expect(&self, uri: &Uri) -> Expecting<'_> {
         let key = key_of(uri);
-        let cold = key
-            .as_ref()
-            .is_some_and(|key| self.top_up(key, uri, |host| host.waiting += 1));
+        let mut requests = None;
+        let cold = key.as_ref().is_some_and(|key| {
+            self.top_up(key, uri, |host| {
+                host.requests.waiting.fetch_add(1, Ordering::SeqCst);
+                requests = Some(host.requests.clone());
+            })
+        });
         Expecting {
             cold,
             hosts: &self.hosts,
-            key,
+            counted: key.zip(requests),
         }
     }
 
     /// A request to `uri` is being sent: counted as busy until the guard drops.
     pub fn sending(&self, uri: &Uri) -> Busy<'_> {
-        let key = key_of(uri);
-        if let Some(key) = &key {
-            host_of(&mut self.hosts.lock(), key).busy += 1;
-        }
+        let counted = key_of(uri).map(|key| {
+            let requests = host_of(&mut self.hosts.lock(), &key).requests.clone();
+            requests.busy.fetch_add(1, Ordering::SeqCst);
+            (key, requests)
+        });
         Busy {
             hosts: &self.hosts,
-            key,
+            counted,
         }
     }
 
@@ -501,11 +519,11 @@ impl Service<Uri> for Warm {
     }
 }
 
-/// Counts a request waiting for its slot (see [`Warm::expect`]). It borrows the counts
-/// rather than share them: one reference count fewer written by every request.
+/// Counts a request waiting for its slot (see [`Warm::expect`]), in its upstream's
+/// [`Requests`]: the line its reference count sits on is the one the counts write anyway.
 pub struct Expecting<'a> {
     hosts: &'a Hosts,
-    key: Option<Key>,
+    counted: Option<(Key, Arc<Requests>)>,
     /// The upstream had no connection open when the request started waiting.
     cold: bool,
 }
@@ -517,27 +535,26 @@ impl<'a> Expecting<'a> {
         self.cold
     }
 
-    /// The request is being sent: no longer waiting, busy until the guard drops. One look
-    /// at the counts, where a drop and [`Warm::sending`] would take two.
+    /// The request is being sent: no longer waiting, busy until the guard drops. Counted
+    /// without the lock.
     pub fn sending(mut self) -> Busy<'a> {
-        let key = self.key.take();
-        if let Some(key) = &key {
-            let mut all = self.hosts.lock();
-            let host = host_of(&mut all, key);
-            host.waiting -= 1;
-            host.busy += 1;
+        let counted = self.counted.take();
+        if let Some((_, requests)) = &counted {
+            requests.busy.fetch_add(1, Ordering::SeqCst);
+            requests.waiting.fetch_sub(1, Ordering::SeqCst);
         }
         Busy {
             hosts: self.hosts,
-            key,
+            counted,
         }
     }
 }
 
 impl Drop for Expecting<'_> {
     fn drop(&mut self) {
-        if let Some(key) = &self.key {
-            release(self.hosts, key, |h| h.waiting -= 1);
+        if let Some((key, requests)) = &self.counted {
+            requests.waiting.fetch_sub(1, Ordering::SeqCst);
+            release(self.hosts, key, |_| {});
         }
     }
 }
@@ -545,13 +562,16 @@ impl Drop for Expecting<'_> {
 /// Counts a request being sent (see [`Warm::sending`]).
 pub struct Busy<'a> {
     hosts: &'a Hosts,
-    key: Option<Key>,
+    counted: Option<(Key, Arc<Requests>)>,
 }
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        if let Some(key) = &self.key {
-            release(self.hosts, key, |h| h.busy -= 1);
+        if let Some((key, requests)) = &self.counted {
+            // The last one sent may leave the host with nothing: only then the lock.
+            if requests.busy.fetch_sub(1, Ordering::SeqCst) == 1 {
+                release(self.hosts, key, |_| {});
+            }
         }
     }
 }

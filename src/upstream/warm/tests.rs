@@ -23,7 +23,12 @@ fn warm_with(ttl: Duration, open_timeout: Duration) -> Warm {
 fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
     let hosts = w.hosts.lock();
     let h = hosts.get(&key_of(uri).unwrap())?;
-    Some((h.alive, h.opening, h.waiting, h.stash.len()))
+    Some((
+        h.alive,
+        h.opening,
+        h.requests.waiting.load(std::sync::atomic::Ordering::SeqCst),
+        h.stash.len(),
+    ))
 }
 
 /// A loopback upstream that accepts and keeps every connection; its URI, and the task
@@ -72,6 +77,40 @@ async fn waiting_requests_get_connections_ahead_and_the_host_is_forgotten_after(
     drop((c, first, second));
     assert_eq!(counts(&w, &uri), None, "an idle host is forgotten");
     assert_eq!(w.opened_ahead(), 2);
+    accepted.abort();
+}
+
+#[tokio::test]
+async fn a_request_counts_as_waiting_then_as_sent_and_the_last_one_answered_forgets_the_host() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (uri, accepted) = upstream().await;
+    let w = warm();
+    let requests = |w: &Warm| {
+        w.hosts.lock().get(&key_of(&uri).unwrap()).map(|h| {
+            (
+                h.requests.busy.load(SeqCst),
+                h.requests.waiting.load(SeqCst),
+            )
+        })
+    };
+    let waiting = w.expect(&uri);
+    assert_eq!(requests(&w), Some((0, 1)));
+    let sent = waiting.sending();
+    assert_eq!(requests(&w), Some((1, 0)), "sent: busy, no longer waiting");
+    drop(sent);
+    assert_eq!(
+        requests(&w),
+        Some((0, 0)),
+        "the connection opened ahead keeps the host"
+    );
+    let w = warm();
+    // Sent without a wait and without a connection of its own yet (the client opens it).
+    let (a, b) = (w.sending(&uri), w.sending(&uri));
+    assert_eq!(requests(&w), Some((2, 0)));
+    drop(a);
+    assert_eq!(requests(&w), Some((1, 0)));
+    drop(b);
+    assert_eq!(requests(&w), None, "nothing left of the host: forgotten");
     accepted.abort();
 }
 
