@@ -264,6 +264,9 @@ pub struct Pacer {
     /// Keys the hash that names a credential's key, read from the store on first need.
     key_secret: tokio::sync::OnceCell<ring::hmac::Key>,
     stop: CancellationToken,
+    /// Set before `stop` is cancelled: what every request looks at. A token's
+    /// `is_cancelled` takes its lock, one that every request on every worker would share.
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 impl Pacer {
@@ -295,6 +298,7 @@ impl Pacer {
             snapshot_taken: tokio::sync::Mutex::new(None),
             key_secret: tokio::sync::OnceCell::new(),
             stop: CancellationToken::new(),
+            stopped: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -402,6 +406,8 @@ impl Pacer {
 
     /// Refuses every waiting request and stops the dispatchers.
     pub fn stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
         self.stop.cancel();
         for lane in self.lanes() {
             lane.refuse_all(&PaceError::ShuttingDown);

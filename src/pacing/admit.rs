@@ -142,7 +142,7 @@ impl Pacer {
 
     /// Refuses at once while pacegate stops or the destination is locked.
     async fn open(&self, lane: &Lane) -> Result<(), PaceError> {
-        if self.stop.is_cancelled() {
+        if self.stopped.load(Ordering::Acquire) {
             return Err(PaceError::ShuttingDown);
         }
         if lane.locked.borrow().is_some() {

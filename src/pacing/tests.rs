@@ -484,6 +484,11 @@ async fn stopping_refuses_waiters() {
         waiting.await.unwrap(),
         Err(PaceError::ShuttingDown)
     ));
+    // And one that comes after is refused at once.
+    assert!(matches!(
+        p.admit(&d(&p), ONE, far()).await.map(|_| ()),
+        Err(PaceError::ShuttingDown)
+    ));
 }
 
 #[tokio::test(start_paused = true)]
