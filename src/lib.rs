@@ -58,7 +58,8 @@
 //! - [`admin`]: the admin listener (the status page, `/metrics`, `/status`, `/history`,
 //!   `/store`, `/healthz`, `/readyz`, `/config`, reload, unlock; a write needs intent) and the
 //!   client the `status` and `unlock` commands use.
-//! - [`shutdown`]: signal, drain, task tracking, grace deadline.
+//! - [`shutdown`]: signal, drain, task tracking, grace deadline; `shutdown::quietly`, the
+//!   wait a busy connection's task polls only when it may be done.
 //! - [`demo`]: `pacegate demo`: a local vendor, three instances on one budget and a load past
 //!   the ceiling, then the control; `demo::cluster` is the throwaway PostgreSQL it (and the
 //!   tests) start.

@@ -322,7 +322,9 @@ impl Warm {
     /// A request to `uri` is being sent: counted as busy until the guard drops.
     pub fn sending(&self, uri: &Uri) -> Busy<'_> {
         let counted = key_of(uri).map(|key| {
-            let requests = host_of(&mut self.hosts.lock(), &key).requests.clone();
+            // Counted under the lock: a host seen with nothing left may be forgotten.
+            let mut all = self.hosts.lock();
+            let requests = host_of(&mut all, &key).requests.clone();
             requests.busy.fetch_add(1, Ordering::SeqCst);
             (key, requests)
         });
