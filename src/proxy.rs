@@ -179,7 +179,7 @@ impl Proxy {
     }
 
     /// Handles one request arriving on a client connection (absolute-form or CONNECT): its
-    /// checks at once, then its tunnel or its forward, each of which ends in [`Self::finish`].
+    /// checks at once, then its tunnel or its forward, each of which ends in `finish`.
     // Not an `async` block around the steps: it would hold the request beside the future it
     // was handed on to. A request's future is moved into its connection's slot, about 50
     // cache lines that are cold when hundreds of connections take turns.

@@ -117,8 +117,11 @@ pub async fn quietly<F: Future>(wait: F, may_be_done: impl Fn(&F) -> bool) -> F:
         if registered.as_ref().is_some_and(|w| w.will_wake(cx.waker())) && !may_be_done(&wait) {
             return Poll::Pending;
         }
+        // A tokio timer polled when the task has spent its budget registers nothing (it asks
+        // for another poll instead): only a poll with budget left counts as registered.
+        let had_budget = tokio::task::coop::has_budget_remaining();
         let polled = wait.as_mut().poll(cx);
-        if polled.is_pending() {
+        if polled.is_pending() && had_budget {
             registered = Some(cx.waker().clone());
         }
         polled
@@ -216,6 +219,27 @@ mod tests {
         ready.set(true);
         assert!(wait.as_mut().poll(&mut other).is_ready());
         assert_eq!(polls.get(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_sleep_first_polled_with_the_task_s_budget_spent_still_fires() {
+        let sleep = quietly(
+            tokio::time::sleep(Duration::from_secs(1)),
+            tokio::time::Sleep::is_elapsed,
+        );
+        let mut sleep = std::pin::pin!(sleep);
+        std::future::poll_fn(|cx| {
+            // A connection's task may spend its budget on its socket before its deadline.
+            while let Poll::Ready(spent) = tokio::task::coop::poll_proceed(cx) {
+                spent.made_progress();
+            }
+            assert!(sleep.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        tokio::time::timeout(Duration::from_secs(5), sleep)
+            .await
+            .expect("the sleep never fired");
     }
 
     #[tokio::test]

@@ -522,7 +522,7 @@ impl Service<Uri> for Warm {
 }
 
 /// Counts a request waiting for its slot (see [`Warm::expect`]), in its upstream's
-/// [`Requests`]: the line its reference count sits on is the one the counts write anyway.
+/// `Requests`: the line its reference count sits on is the one the counts write anyway.
 pub struct Expecting<'a> {
     hosts: &'a Hosts,
     counted: Option<(Key, Arc<Requests>)>,
