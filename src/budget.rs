@@ -350,6 +350,19 @@ pub struct Reservation {
     pub unseen_late: Duration,
 }
 
+impl Reservation {
+    /// How late a request sent now on this slot is, counting what the store could not see.
+    pub fn lateness(&self) -> Duration {
+        Instant::now().saturating_duration_since(self.at) + self.unseen_late
+    }
+
+    /// The latest instant a request may be sent on this slot where a slot may be used
+    /// `max_late` late ([`Rule::max_late`]).
+    pub fn send_by(&self, max_late: Duration) -> Instant {
+        self.at + max_late.saturating_sub(self.unseen_late)
+    }
+}
+
 /// What went wrong with a store. Only [`StoreError::Unreachable`] means the store is gone
 /// (see [`StoreError::is_lost`]); the others are answers, or their absence, from a store that
 /// is still there.

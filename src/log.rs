@@ -305,7 +305,7 @@ fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>, second: &mut Second)
     out.extend_from_slice(b"  INFO ");
     out.extend_from_slice(REQUEST_LOG.as_bytes());
     out.extend_from_slice(b": destination=");
-    quoted(out, read.str()?);
+    quoted(out, read.bytes()?)?;
     out.extend_from_slice(b" method=");
     out.extend_from_slice(read.bytes()?);
     out.extend_from_slice(b" host=");
@@ -319,15 +319,15 @@ fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>, second: &mut Second)
     out.extend_from_slice(b" waited_ms=");
     milliseconds(out, waited);
     out.extend_from_slice(b" verdict=");
-    quoted(out, read.str()?);
+    quoted(out, read.bytes()?)?;
     out.extend_from_slice(b" verdict_reason=");
-    quoted(out, read.str()?);
+    quoted(out, read.bytes()?)?;
     out.extend_from_slice(b" retries=");
     decimal(out, u64::from(retries));
     out.extend_from_slice(b" class=");
-    quoted(out, read.str()?);
+    quoted(out, read.bytes()?)?;
     out.extend_from_slice(b" reason=");
-    quoted(out, read.str()?);
+    quoted(out, read.bytes()?)?;
     out.push(b'\n');
     Some(())
 }
@@ -362,17 +362,19 @@ impl Second {
 
 /// A text field as the default format writes it: through `Debug`, so between quotes and
 /// escaped. What `Debug` would escape is rare in these values; only then is it asked to.
-fn quoted(out: &mut Vec<u8>, value: &str) {
+fn quoted(out: &mut Vec<u8>, value: &[u8]) -> Option<()> {
+    // Most values are plain and copied as they are; only the rest are read as text again.
     let plain = value
-        .bytes()
-        .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
+        .iter()
+        .all(|&b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
     if plain {
         out.push(b'"');
-        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(value);
         out.push(b'"');
     } else {
-        let _ = write!(out, "{value:?}");
+        let _ = write!(out, "{:?}", std::str::from_utf8(value).ok()?);
     }
+    Some(())
 }
 
 fn decimal(out: &mut Vec<u8>, mut n: u64) {
@@ -435,10 +437,6 @@ impl<'a> Reader<'a> {
     fn bytes(&mut self) -> Option<&'a [u8]> {
         let len = self.u32()? as usize;
         self.take(len)
-    }
-
-    fn str(&mut self) -> Option<&'a str> {
-        std::str::from_utf8(self.bytes()?).ok()
     }
 }
 

@@ -181,10 +181,10 @@ impl Route {
         PaceKeys(self.lane.keys())
     }
 
-    /// How long a request of `class` may wait for a slot: the class's `max_wait` if it has
-    /// one, else the budget's.
-    pub fn max_wait(&self, class: Class) -> Duration {
-        self.lane.max_wait(class)
+    /// How long a request of `class` may wait for a slot by `pace`, this route's keys: the
+    /// class's `max_wait` if it has one, else the budget's.
+    pub fn max_wait(&self, class: Class, pace: &PaceKeys) -> Duration {
+        self.lane.max_wait_by(class, &pace.0)
     }
 
     /// Whether a group of the destination names a vendor's bucket (`resource`), so that
@@ -213,6 +213,13 @@ impl Route {
 /// A destination's keys as one reload left them; reads as its [`Pace`].
 pub struct PaceKeys(Arc<lane::Keys>);
 
+impl PaceKeys {
+    /// The lane's keys these are.
+    pub(crate) fn keys(&self) -> &lane::Keys {
+        &self.0
+    }
+}
+
 impl std::ops::Deref for PaceKeys {
     type Target = Pace;
 
@@ -237,6 +244,9 @@ pub struct Admission {
     pub class: Class,
     /// The slot it was granted, and the backoff generation it was reserved under.
     slot: Reservation,
+    /// How late the slot may be used ([`crate::budget::Rule::max_late`]), by the keys it was
+    /// granted under.
+    max_late: Duration,
     /// How long the request waited for its slot.
     pub waited: Duration,
     _permit: Option<OwnedSemaphorePermit>,

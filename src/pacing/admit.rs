@@ -9,26 +9,31 @@ use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
-use super::lane::{self, Lane};
-use super::{Admission, PaceError, Pacer, Route};
-use crate::budget::Reservation;
+use super::lane::{self, Keys, Lane};
+use super::{Admission, PaceError, PaceKeys, Pacer, Route};
+use crate::budget::{Reservation, Rule};
 use crate::class::Class;
 use crate::destination::Mode;
 use crate::metrics::{labels, labels_and};
 
 impl Pacer {
-    /// A slot for a request of `class` to `route`, by the destination's mode: waited for
-    /// ([`Pacer::admit`]), or in shadow mode counted while the request goes at once.
+    /// A slot for a request of `class` to `route`, by `pace` (the route's keys as the request
+    /// found them) and its mode: waited for ([`Pacer::admit`]), or in shadow mode counted
+    /// while the request goes at once.
     pub async fn enter(
         self: &Arc<Self>,
         route: &Route,
+        pace: &PaceKeys,
         class: Class,
         deadline: Instant,
     ) -> Result<Admission, PaceError> {
-        let mode = route.lane.keys_now().pace.mode;
-        match mode {
-            Mode::Enforce => self.admit(route, class, deadline).await,
-            Mode::Shadow => Ok(self.shadow(route, class, deadline)),
+        let keys = pace.keys();
+        match keys.pace.mode {
+            Mode::Enforce => {
+                self.admit_by(route, keys, class, Instant::now(), deadline)
+                    .await
+            }
+            Mode::Shadow => Ok(self.shadow(route, keys, class, deadline)),
         }
     }
 
@@ -40,24 +45,41 @@ impl Pacer {
         class: Class,
         deadline: Instant,
     ) -> Result<Admission, PaceError> {
+        self.admit_by(route, &route.lane.keys(), class, Instant::now(), deadline)
+            .await
+    }
+
+    /// [`Pacer::admit`] by `keys`, the lane's as the exchange found them (one look at them
+    /// for the whole request: each look is a load every request on every core makes), for
+    /// a request that began waiting at `started`.
+    async fn admit_by(
+        &self,
+        route: &Route,
+        keys: &Keys,
+        class: Class,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<Admission, PaceError> {
         let lane = &route.lane;
-        let started = Instant::now();
         self.open(lane).await?;
         let _admitting = lane.admitting();
-        let concurrency = lane.keys_now().concurrency.clone();
-        let permit = match &concurrency {
+        let permit = match &keys.concurrency {
             None => None,
             Some(sem) => tokio::select! {
                 p = sem.clone().acquire_owned() => p.ok(),
                 () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
             },
         };
-        let granted = self.both_slots(lane, class, started, deadline).await?;
-        let waited = started.elapsed();
+        let granted = self
+            .both_slots(lane, &keys.rule, class, started, deadline)
+            .await?;
+        // One reading of the clock for both: a request granted at once reads it no more.
+        let now = Instant::now();
+        let waited = now.saturating_duration_since(started);
         lane.series(&self.metrics)
             .wait
             .observe(waited.as_secs_f64());
-        Ok(self.sent(route, granted, waited, permit))
+        Ok(self.sent(route, keys, granted, now, waited, permit))
     }
 
     /// A slot of `lane`, and where its parent paces the keys' total (`total_rate`), one of
@@ -67,17 +89,19 @@ impl Pacer {
     async fn both_slots(
         &self,
         lane: &Arc<Lane>,
+        rule: &Rule,
         class: Class,
         started: Instant,
         deadline: Instant,
     ) -> Result<lane::Grant, PaceError> {
         loop {
-            let granted = self.slot(lane, class, started, deadline).await?;
+            let granted = self.slot(lane, rule, class, started, deadline).await?;
             let Some(total) = lane.total() else {
                 return Ok(granted);
             };
-            let by = lane.send_by(&granted.slot).min(deadline);
-            match self.slot(total, class, started, by).await {
+            let by = granted.slot.send_by(rule.max_late()).min(deadline);
+            let of_total = total.keys();
+            match self.slot(total, &of_total.rule, class, started, by).await {
                 Ok(_) => return Ok(granted),
                 Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
                     lane.series(&self.metrics).slots_dropped.inc();
@@ -94,7 +118,13 @@ impl Pacer {
     /// request would have had (taking it, so that the schedule is the one enforcing would
     /// have made) and counts how long it would have waited, or why it would have been
     /// refused. `max_concurrency` is not applied.
-    fn shadow(self: &Arc<Self>, route: &Route, class: Class, deadline: Instant) -> Admission {
+    fn shadow(
+        self: &Arc<Self>,
+        route: &Route,
+        keys: &Keys,
+        class: Class,
+        deadline: Instant,
+    ) -> Admission {
         let lane = route.lane.clone();
         let pacer = self.clone();
         let stand_in = lane.clone();
@@ -104,7 +134,10 @@ impl Pacer {
             let waited = async {
                 pacer.open(&stand_in).await?;
                 let _admitting = stand_in.admitting();
-                pacer.slot(&stand_in, class, started, deadline).await
+                let keys = stand_in.keys();
+                pacer
+                    .slot(&stand_in, &keys.rule, class, started, deadline)
+                    .await
             };
             match waited.await {
                 Ok(_) => pacer
@@ -137,7 +170,7 @@ impl Pacer {
                 unseen_late: Duration::ZERO,
             },
         };
-        self.sent(route, granted, Duration::ZERO, None)
+        self.sent(route, keys, granted, Instant::now(), Duration::ZERO, None)
     }
 
     /// Refuses at once while pacegate stops or the destination is locked.
@@ -161,6 +194,7 @@ impl Pacer {
     async fn slot(
         &self,
         lane: &Arc<Lane>,
+        rule: &Rule,
         class: Class,
         started: Instant,
         deadline: Instant,
@@ -170,7 +204,7 @@ impl Pacer {
             // waits here goes first.
             let queue = lane.queue.lock();
             (queue.len() == 0 && !lane.is_retired())
-                .then(|| self.store.take_now(&lane.name, &lane.keys_now().rule))
+                .then(|| self.store.take_now(&lane.name, rule))
                 .flatten()
         };
         if let Some(slot) = taken {
@@ -188,16 +222,17 @@ impl Pacer {
         }
     }
 
-    /// Counts a request sent now on `granted` and makes its admission.
+    /// Counts a request sent `now` on `granted` and makes its admission.
     fn sent(
         &self,
         route: &Route,
+        keys: &Keys,
         granted: lane::Grant,
+        now: Instant,
         waited: Duration,
         permit: Option<OwnedSemaphorePermit>,
     ) -> Admission {
         let lane = &route.lane;
-        let now = Instant::now();
         lane.tally.sends.lock().record(granted.class, now);
         lane.series(&self.metrics)
             .granted(self.classes.name(granted.class))
@@ -208,6 +243,7 @@ impl Pacer {
             lanes: route.lanes.clone(),
             class: granted.class,
             slot: granted.slot,
+            max_late: keys.rule.max_late(),
             waited,
             _permit: permit,
         }
@@ -222,6 +258,10 @@ impl Pacer {
 /// to the timer after `SPIN` of real time.
 async fn until(at: Instant) {
     const SPIN: Duration = Duration::from_micros(100);
+    // Most slots taken at once are due already: no second clock for them.
+    if Instant::now() >= at {
+        return;
+    }
     let spinning = std::time::Instant::now();
     while Instant::now() < at {
         if spinning.elapsed() > SPIN {

@@ -147,7 +147,7 @@ async fn exercise(config: &Config) {
         {
             // A pause or a lockout refuses the next ones: their verdicts were applied.
             let deadline = Instant::now() + Duration::from_secs(60);
-            let Ok(a) = pacer.enter(&route, Class(0), deadline).await else {
+            let Ok(a) = pacer.enter(&route, &route.pace(), Class(0), deadline).await else {
                 break;
             };
             let reading = pacer.read(&a, *status, h);

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Response};
+#[cfg(test)]
+use http::HeaderMap;
+use http::Response;
 use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 
@@ -114,7 +116,7 @@ impl Pacer {
         // The keys as they are now; a reload meanwhile governs the next request.
         let pace = route.pace();
         // One deadline for the request and its retries; each retry waits in the same class.
-        let deadline = Instant::now() + route.max_wait(class);
+        let deadline = Instant::now() + route.max_wait(class, &pace);
         let retryable = outgoing.retryable();
         let mut last_throttled: Option<Response<ProxyBody>> = None;
         // Shadow mode sends at once and never retries: clients see what they would without
@@ -127,7 +129,7 @@ impl Pacer {
             if !shadow && expecting.cold() {
                 landed(deadline, upstream.first_connection(outgoing.uri())).await?;
             }
-            let admission = match self.enter(route, class, deadline).await {
+            let admission = match self.enter(route, &pace, class, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.
                 Err(_) if last_throttled.is_some() => {
@@ -161,7 +163,9 @@ impl Pacer {
             };
             series.response(response.status()).inc();
             let status = response.status().as_u16();
-            let mut reading = self.read(&admission, status, response.headers());
+            // Read by status and headers; a lockout may still turn out a throttle by its body
+            // (see [`Reading::needs_body`]).
+            let mut reading = verdict::classify(status, response.headers(), &pace);
             if reading.needs_body(&pace) {
                 let (whole, marked) = sniff::sniff(response, &pace.throttle_body).await;
                 response = whole;
@@ -212,9 +216,10 @@ impl Pacer {
     /// window, which allows a slot used up to [`crate::budget::Rule::max_late`] late and no
     /// more. Counted as a slot dropped; the caller waits for another.
     pub(super) fn too_late(&self, admission: &Admission) -> bool {
-        let Some(late) = admission.lane.too_late(&admission.slot) else {
+        let late = admission.slot.lateness();
+        if late <= admission.max_late {
             return false;
-        };
+        }
         self.held_up(
             admission,
             late,
@@ -226,13 +231,13 @@ impl Pacer {
     /// The latest instant `admission`'s request may take its upstream connection and still
     /// go on its slot: the upstream client waits for a connection no longer than this.
     fn send_by(&self, admission: &Admission) -> Instant {
-        admission.lane.send_by(&admission.slot)
+        admission.slot.send_by(admission.max_late)
     }
 
     /// `admission`'s request had no upstream connection by [`Pacer::send_by`]: like
     /// [`Pacer::too_late`], its slot is dropped and it waits for another.
     fn no_connection_in_time(&self, admission: &Admission) {
-        let late = Lane::lateness(&admission.slot);
+        let late = admission.slot.lateness();
         self.held_up(
             admission,
             late,
@@ -246,8 +251,9 @@ impl Pacer {
         tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
     }
 
-    /// Reads a response to an admitted request by status and headers. A lockout may still
-    /// turn out a throttle by its body (see [`Reading::needs_body`]).
+    /// Reads a response to an admitted request by status and headers, by the keys of its
+    /// lane now (an exchange reads by the keys it found at its start).
+    #[cfg(test)]
     pub(super) fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
         verdict::classify(status, headers, &admission.lane.keys_now().pace)
     }

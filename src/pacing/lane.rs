@@ -449,24 +449,8 @@ impl Lane {
     /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
     /// used that late it would bunch with the next ones and could crowd a quota window.
     pub(super) fn too_late(&self, slot: &Reservation) -> Option<Duration> {
-        let late = Self::lateness(slot);
+        let late = slot.lateness();
         (late > self.keys.load().rule.max_late()).then_some(late)
-    }
-
-    /// How late a request sent now on `slot` is, counting what the store could not see.
-    pub(super) fn lateness(slot: &Reservation) -> Duration {
-        Instant::now().saturating_duration_since(slot.at) + slot.unseen_late
-    }
-
-    /// The latest instant a request may be sent on `slot`: after it, [`Lane::too_late`].
-    pub(super) fn send_by(&self, slot: &Reservation) -> Instant {
-        slot.at
-            + self
-                .keys
-                .load()
-                .rule
-                .max_late()
-                .saturating_sub(slot.unseen_late)
     }
 
     /// Takes a destination's new keys (a reload): the next slot is reserved by them; the
@@ -542,9 +526,12 @@ impl Lane {
 
     /// How long a request of `class` may wait for a slot.
     pub(super) fn max_wait(&self, class: Class) -> Duration {
-        self.classes
-            .max_wait(class)
-            .unwrap_or(self.keys.load().pace.max_wait)
+        self.max_wait_by(class, &self.keys.load())
+    }
+
+    /// [`Lane::max_wait`] by `keys`, this lane's as a request found them.
+    pub(super) fn max_wait_by(&self, class: Class, keys: &Keys) -> Duration {
+        self.classes.max_wait(class).unwrap_or(keys.pace.max_wait)
     }
 
     /// The interval between slots at the backoff last seen.

@@ -638,10 +638,11 @@ async fn a_share_is_honoured_and_lent_when_idle() {
 async fn a_class_max_wait_overrides_the_destination() {
     let p = pacer_with(pace(0.1), classes(0.0)).await;
     let _first = p.admit(&d(&p), BACKFILL, far()).await.unwrap();
-    assert_eq!(d(&p).max_wait(INTERACTIVE), Duration::from_secs(5));
-    assert_eq!(d(&p).max_wait(BACKFILL), Duration::from_secs(300));
+    let (route, pace) = (d(&p), d(&p).pace());
+    assert_eq!(route.max_wait(INTERACTIVE, &pace), Duration::from_secs(5));
+    assert_eq!(route.max_wait(BACKFILL, &pace), Duration::from_secs(300));
     let started = Instant::now();
-    let deadline = started + d(&p).max_wait(INTERACTIVE);
+    let deadline = started + route.max_wait(INTERACTIVE, &pace);
     match p.admit(&d(&p), INTERACTIVE, deadline).await {
         Err(PaceError::Deadline {
             class, max_wait, ..

@@ -55,8 +55,14 @@ impl Proxy {
                 return Handled::refused(ProxyError::Paced(e), target.name(), target.authority())
             }
         };
-        let deadline = Deadline::now() + route.max_wait(target.class);
-        match self.inner.pacer.enter(&route, target.class, deadline).await {
+        let pace = route.pace();
+        let deadline = Deadline::now() + route.max_wait(target.class, &pace);
+        match self
+            .inner
+            .pacer
+            .enter(&route, &pace, target.class, deadline)
+            .await
+        {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,
             Err(e) => Handled::refused(ProxyError::Paced(e), target.name(), target.authority()),
         }
