@@ -119,17 +119,20 @@ impl Aimed {
     }
 }
 
-/// When a request arrived and what it asked, kept for its log line.
+/// When a request arrived and what it asked, kept for its log line, with which requests the
+/// policy at its arrival logs (a reload meanwhile governs the next request).
 struct Begun {
     started: Instant,
     method: Method,
+    log: RequestLog,
 }
 
 impl Begun {
-    fn now<B>(req: &Request<B>) -> Self {
+    fn now<B>(req: &Request<B>, policy: &ClientPolicy) -> Self {
         Self {
             started: Instant::now(),
             method: req.method().clone(),
+            log: policy.log_requests,
         }
     }
 }
@@ -188,8 +191,11 @@ impl Proxy {
         req: Request<Incoming>,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
         use tokio_util::either::Either;
-        let begun = Begun::now(&req);
-        match self.checked(req) {
+        // One look at the policy for the request's checks and its log line: a look that
+        // takes no reference (a count every request on every core would write).
+        let policy = self.inner.policy.load();
+        let begun = Begun::now(&req, &policy);
+        match self.checked(req, &policy) {
             Err(refused) => Either::Left(std::future::ready(self.finish(begun, refused))),
             // Boxed: a tunnel is made once for many requests, and its future is the larger.
             Ok((req, target)) if req.method() == Method::CONNECT => {
@@ -212,7 +218,8 @@ impl Proxy {
             .authority()
             .map(ToString::to_string)
             .unwrap_or_default();
-        self.finish(Begun::now(req), Handled::refused(err, None, target))
+        let begun = Begun::now(req, &self.inner.policy.load());
+        self.finish(begun, Handled::refused(err, None, target))
     }
 
     /// Handles one request inside an intercepted session; `target` is the CONNECT target.
@@ -222,7 +229,8 @@ impl Proxy {
         target: Target,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
         use tokio_util::either::Either;
-        let begun = Begun::now(&req);
+        let policy = self.inner.policy.load();
+        let begun = Begun::now(&req, &policy);
         let refused = if begun.method == Method::CONNECT {
             Handled::refused(
                 ProxyError::BadRequest(
@@ -234,7 +242,6 @@ impl Proxy {
         } else {
             // An inner request may name its own class with the header; else it keeps the
             // CONNECT's.
-            let policy = self.inner.policy.load_full();
             match self.class_of(&req, &policy, None, target.class, target.allowed.as_deref()) {
                 Ok(class) => {
                     let target = Target { class, ..target };
@@ -250,7 +257,11 @@ impl Proxy {
     /// policy for an unmatched host.
     // The refusal is as large as the request it answers, and made once: not boxed.
     #[allow(clippy::result_large_err)]
-    fn checked(&self, req: Request<Incoming>) -> Result<(Request<Incoming>, Target), Handled> {
+    fn checked(
+        &self,
+        req: Request<Incoming>,
+        policy: &ClientPolicy,
+    ) -> Result<(Request<Incoming>, Target), Handled> {
         // Written only for a refusal before the target is known.
         let target_text = || {
             req.uri()
@@ -258,7 +269,6 @@ impl Proxy {
                 .map(ToString::to_string)
                 .unwrap_or_default()
         };
-        let policy = self.inner.policy.load_full();
         if let Some(auth) = &policy.auth {
             if !auth::authorized(auth, req.headers()) {
                 let err = ProxyError::AuthRequired {
@@ -267,17 +277,17 @@ impl Proxy {
                 return Err(Handled::refused(err, None, target_text()));
             }
         }
-        let mut target = match self.target_of(&req) {
+        let mut target = match self.target_of(&req, policy) {
             Ok(t) => t,
             Err(err) => return Err(Handled::refused(err, None, target_text())),
         };
         // The class named on the proxy connection: header, else the proxy user name.
         let user = auth::user_name(req.headers());
         target.user = user.as_deref().map(Arc::from);
-        target.allowed = allowed_classes(&policy, &self.inner.pacer, user.as_deref());
+        target.allowed = allowed_classes(policy, &self.inner.pacer, user.as_deref());
         match self.class_of(
             &req,
-            &policy,
+            policy,
             user.as_deref(),
             target.class,
             target.allowed.as_deref(),
@@ -341,10 +351,14 @@ impl Proxy {
     }
 
     /// Where a client request is going: the CONNECT authority or the absolute-form URI.
-    fn target_of(&self, req: &Request<Incoming>) -> Result<Target, ProxyError> {
+    fn target_of(
+        &self,
+        req: &Request<Incoming>,
+        policy: &ClientPolicy,
+    ) -> Result<Target, ProxyError> {
         let connect = req.method() == Method::CONNECT;
         let (scheme, host, port) = parse_target(connect, req.uri())?;
-        let everywhere = &self.inner.policy.load().ports;
+        let everywhere = &policy.ports;
         let destination =
             match self
                 .inner
@@ -395,7 +409,7 @@ impl Proxy {
                     .observe(elapsed.as_secs_f64());
             }
         }
-        let logged = match self.inner.policy.load().log_requests {
+        let logged = match begun.log {
             RequestLog::All => true,
             RequestLog::Errors => status >= 400 || !handled.outcome.is_success(),
             RequestLog::None => false,
