@@ -16,6 +16,7 @@ use bytes::Bytes;
 use http::{Request, Response, Uri, Version};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
@@ -472,13 +473,14 @@ impl Upstream {
     /// then, nothing is sent ([`UpstreamError::Late`]). The response comes back as the client
     /// is to see it: hop-by-hop headers removed, HTTP/1.1 (the client side's version).
     /// `expected` is the guard of a request that waited for its slot ([`Upstream::expect`]):
-    /// it now counts as sent.
+    /// it now counts as sent. The body comes as it arrives, not boxed: the caller boxes it
+    /// once, with what it holds until the body ends ([`boxed`]).
     pub async fn send(
         &self,
         req: Request<ProxyBody>,
         by: Option<tokio::time::Instant>,
         expected: Option<Expecting<'_>>,
-    ) -> Result<Response<ProxyBody>, UpstreamError> {
+    ) -> Result<Response<Incoming>, UpstreamError> {
         let _busy = match expected {
             Some(expecting) => expecting.sending(),
             None => self.warm.sending(req.uri()),
@@ -493,18 +495,19 @@ impl Upstream {
         };
         match answered {
             Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
-            Ok(Ok(resp)) => {
-                let (mut parts, body) = resp.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                parts.version = Version::HTTP_11;
-                Ok(Response::from_parts(
-                    parts,
-                    body.map_err(BoxError::from).boxed(),
-                ))
+            Ok(Ok(mut resp)) => {
+                strip_hop_by_hop(resp.headers_mut());
+                *resp.version_mut() = Version::HTTP_11;
+                Ok(resp)
             }
             Ok(Err(e)) => Err(classify(e)),
         }
     }
+}
+
+/// An upstream response's body as the client side serves a body.
+pub fn boxed(body: Incoming) -> ProxyBody {
+    body.map_err(BoxError::from).boxed()
 }
 
 /// Finds the most specific cause in a client error's source chain.

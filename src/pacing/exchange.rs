@@ -12,7 +12,7 @@ use bytes::Bytes;
 #[cfg(test)]
 use http::HeaderMap;
 use http::Response;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Either, Full};
 use tokio::time::Instant;
 
 use super::lane::Lane;
@@ -25,6 +25,17 @@ use crate::destination::Mode;
 use crate::metrics::{labels, BudgetSeries};
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
+
+/// An upstream response's body: as it came, or boxed once read into (see [`sniff`]).
+type Answer = Either<hyper::body::Incoming, ProxyBody>;
+
+/// An [`Answer`] as the client side serves a body.
+fn boxed(answer: Answer) -> ProxyBody {
+    match answer {
+        Either::Left(incoming) => crate::upstream::boxed(incoming),
+        Either::Right(body) => body,
+    }
+}
 
 /// A throttled response kept while its request is retried is read into memory up to this size;
 /// a larger one is handed to the client instead of retrying.
@@ -149,6 +160,8 @@ impl Pacer {
             // The same check where the client hands out the connection: a request that would
             // wait for one past its slot is not sent on it.
             let by = (!shadow).then(|| self.send_by(&admission));
+            // As it came, until a look at its body or a retry boxes it: the common answer is
+            // boxed once, with its admission.
             let mut response = match upstream.send(req, by, Some(expecting)).await {
                 Err(UpstreamError::Late(late)) => {
                     self.no_connection_in_time(&admission);
@@ -159,7 +172,7 @@ impl Pacer {
                     landed(deadline, upstream.opened(outgoing.uri())).await?;
                     continue;
                 }
-                sent => sent?,
+                sent => sent?.map(Either::Left),
             };
             series.response(response.status()).inc();
             let status = response.status().as_u16();
@@ -167,8 +180,8 @@ impl Pacer {
             // (see [`Reading::needs_body`]).
             let mut reading = verdict::classify(status, response.headers(), &pace);
             if reading.needs_body(&pace) {
-                let (whole, marked) = sniff::sniff(response, &pace.throttle_body).await;
-                response = whole;
+                let (whole, marked) = sniff::sniff(response.map(boxed), &pace.throttle_body).await;
+                response = whole.map(Either::Right);
                 if marked {
                     reading = reading.marked_by_body();
                 }
@@ -186,7 +199,7 @@ impl Pacer {
             note.verdict = Some(verdict);
             let throttled = matches!(verdict, Verdict::Throttled { .. });
             if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
-                let Some(kept) = keep(response).await else {
+                let Some(kept) = keep(response.map(boxed)).await else {
                     return Err(UpstreamError::Protocol(
                         "the throttled response's body failed while it was read".into(),
                     )

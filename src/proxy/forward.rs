@@ -112,7 +112,8 @@ impl Proxy {
             .inner
             .upstream
             .send(outgoing.into_request(), None, None)
-            .await?;
+            .await?
+            .map(crate::upstream::boxed);
         self.inner
             .metrics
             .upstream_response(UNMATCHED, response.status());

@@ -518,6 +518,48 @@ async fn max_concurrency_bounds_requests_in_flight() {
 }
 
 #[tokio::test]
+async fn a_request_is_in_flight_until_its_body_has_been_read() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 1000\nmax_concurrency = 1").await;
+    let via = client(Some(&proxy.url()), &[], Alpn::Http1);
+    // The upstream sends its head and a first chunk, then holds the rest of the body.
+    let mut first = via
+        .get(format!(
+            "{}/gated/{}",
+            upstream.http_url("localhost"),
+            1 << 20
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+    first.chunk().await.unwrap().expect("a first chunk");
+    let in_flight = |s: serde_json::Value| s["in_flight"].as_u64().unwrap();
+    assert_eq!(
+        in_flight(proxy.destination("local").await),
+        1,
+        "the response head is out, its body is not: the request still holds its place"
+    );
+    // The one place is held: the next request waits for it.
+    let next = tokio::spawn({
+        let via = via.clone();
+        let url = format!("{}/?next", upstream.http_url("localhost"));
+        async move { via.get(url).send().await.unwrap().status() }
+    });
+    upstream.release();
+    while first.chunk().await.unwrap().is_some() {}
+    assert_eq!(
+        next.await.unwrap(),
+        200,
+        "the place is given back with the body's end"
+    );
+    support::eventually(Duration::from_secs(5), "nothing in flight", || async {
+        (in_flight(proxy.destination("local").await) == 0).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_blind_tunnel_to_a_destination_takes_a_slot() {
     let upstream = FakeUpstream::start().await;
     let proxy = start(&upstream, "rate = 2\nintercept = false").await;
