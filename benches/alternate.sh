@@ -9,6 +9,9 @@
 #
 #   benches/alternate.sh BINARY...          # C=256 ROUNDS=3 SECONDS_EACH=5 by default
 #
+# PIN=1 runs the proxies on CPU 0 and wrk and the upstream on CPU 1 (as benches/peers.sh
+# does): the figures move less from round to round, and leave out what a second core costs.
+#
 # Needs wrk and nginx (installed as root on Debian) and python3. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +25,8 @@ floor=target/release/examples/hyper_floor
 . benches/need.sh
 need alternate wrk:wrk nginx:nginx-light
 [ -x "$floor" ] || cargo build --release --quiet --example hyper_floor
+on_proxy=() on_load=()
+if [ "${PIN:-0}" = 1 ]; then on_proxy=(taskset -c 0) on_load=(taskset -c 1); fi
 nginx=$(command -v nginx || echo /usr/sbin/nginx)
 bin=$1
 # shellcheck source=benches/local-setup.sh
@@ -35,7 +40,7 @@ names=() ports=() pids=()
 start() { # name, port, command...
     local name=$1 port=$2
     shift 2
-    "$@" 2>/dev/null &
+    "${on_proxy[@]}" "$@" 2>/dev/null &
     pids+=($!) names+=("$name") ports+=("$port")
     for _ in $(seq 100); do
         (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return
@@ -53,9 +58,13 @@ for b in "$@"; do
 done
 port=$(free_port)
 start floor "$port" "$floor" "127.0.0.1:$port"
+# The upstream (nginx, its worker forked by now) beside the load.
+if [ "${PIN:-0}" = 1 ]; then
+    for p in $(pgrep -f "$work/nginx.conf"); do taskset -pc 1 "$p" >/dev/null; done
+fi
 # Each warmed up first: its upstream connections open, its caches fill.
 for port in "${ports[@]}"; do
-    wrk -t 2 -c "$C" -d 1s -s "$work/proxy.lua" "http://127.0.0.1:$port" >/dev/null
+    "${on_load[@]}" wrk -t 2 -c "$C" -d 1s -s "$work/proxy.lua" "http://127.0.0.1:$port" >/dev/null
 done
 
 ticks=$(getconf CLK_TCK)
@@ -64,7 +73,7 @@ for round in $(seq "$ROUNDS"); do
     declare -A us=()
     for j in "${!names[@]}"; do
         read -r u0 s0 < <(times "${pids[$j]}")
-        out=$(wrk -t 2 -c "$C" -d "${SECONDS_EACH}s" -s "$work/proxy.lua" "http://127.0.0.1:${ports[$j]}")
+        out=$("${on_load[@]}" wrk -t 2 -c "$C" -d "${SECONDS_EACH}s" -s "$work/proxy.lua" "http://127.0.0.1:${ports[$j]}")
         read -r u1 s1 < <(times "${pids[$j]}")
         n=$(echo "$out" | awk '/requests in/ {print $1}')
         rps=$(echo "$out" | awk '/Requests\/sec/ {printf "%d", $2}')
