@@ -83,9 +83,10 @@ impl Pacer {
     }
 
     /// A slot of `lane`, and where its parent paces the keys' total (`total_rate`), one of
-    /// the total too, taken while the key's slot can still be used ([`Lane::send_by`]): the
-    /// request goes on both or on neither. A key's slot the total had no room for by then is
-    /// dropped (counted with the slots dropped), and the request waits for another.
+    /// the total too, taken while the key's slot can still be used
+    /// ([`Reservation::send_by`]): the request goes on both or on neither. A key's slot the
+    /// total had no room for by then is dropped (counted with the slots dropped), and the
+    /// request waits for another.
     async fn both_slots(
         &self,
         lane: &Arc<Lane>,
