@@ -23,8 +23,7 @@ use crate::signals::Families;
 
 mod host;
 
-pub use host::normalise_host;
-use host::split_host_port;
+pub use host::{normalise_host, split_host_port};
 
 impl Pace {
     /// The pacing keys at `rate` with every other key at its default.

@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 
 use crate::class::Class;
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
-use crate::destination::{normalise_host, Routed, CONNECT, HTTP};
+use crate::destination::{normalise_host, split_host_port, Routed, CONNECT, HTTP};
 use crate::log::{self, RequestLine};
 use crate::metrics::{labels, labels_and, Metrics, UNMATCHED};
 use crate::pacing::{Note, Pacer};
@@ -485,42 +485,100 @@ pub fn parse_target(
     let authority = uri
         .authority()
         .ok_or_else(|| ProxyError::BadRequest("the request names no host".into()))?;
-    // Each of `host()` and `port_u16()` searches the authority again: asked once each.
-    let (written_host, written_port) = (authority.host(), authority.port_u16());
-    let host = normalise_host(written_host).ok_or_else(|| {
+    // Split here in one pass: `Authority::host` and `port_u16` each search the text again,
+    // and `port_u16` reads a port it cannot parse (`:65536`) as none, not as an error.
+    let text = authority.as_str();
+    let after_user = text.rfind('@').map_or(text, |at| &text[at + 1..]);
+    let invalid_host = || {
         ProxyError::BadRequest(format!(
             "`{authority}` is not a valid host name or IP address"
         ))
-    })?;
-    let port = match written_port {
-        Some(0) => {
-            return Err(ProxyError::BadRequest(format!(
-                "`{authority}`: port 0 is not valid"
-            )))
-        }
-        Some(p) => p,
-        None => {
-            // `http` reads a port it cannot parse (`:65536`) as none; that is not the
-            // default port.
-            let after_host = authority
-                .as_str()
-                .rsplit('@')
-                .next()
-                .and_then(|rest| rest.get(written_host.len()..))
-                .and_then(|tail| tail.strip_prefix(':'))
-                .filter(|port| !port.is_empty());
-            if let Some(written) = after_host {
+    };
+    let (written_host, written_port) = split_host_port(after_user).ok_or_else(invalid_host)?;
+    let host = normalise_host(written_host).ok_or_else(invalid_host)?;
+    let port = match written_port.filter(|p| !p.is_empty()) {
+        Some(written) => match port_number(written) {
+            Some(0) => {
+                return Err(ProxyError::BadRequest(format!(
+                    "`{authority}`: port 0 is not valid"
+                )))
+            }
+            Some(p) => p,
+            None => {
                 return Err(ProxyError::BadRequest(format!(
                     "`{authority}`: port {written} is not a port (1 to 65535)"
-                )));
+                )))
             }
-            if connect {
-                return Err(ProxyError::BadRequest(format!(
-                    "CONNECT `{authority}` has no port"
-                )));
-            }
-            80
+        },
+        None if connect => {
+            return Err(ProxyError::BadRequest(format!(
+                "CONNECT `{authority}` has no port"
+            )))
         }
+        None => 80,
     };
     Ok((scheme, host, port))
+}
+
+/// A port as written: digits only (leading zeros allowed, as `http` reads them), at most
+/// 65535.
+fn port_number(written: &str) -> Option<u16> {
+    if written.is_empty() || written.len() > 5 || !written.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n = written
+        .bytes()
+        .fold(0u32, |n, d| n * 10 + u32::from(d - b'0'));
+    u16::try_from(n).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(connect: bool, uri: &str) -> Result<(String, u16), String> {
+        let uri: http::Uri = uri.parse().expect("a URI");
+        parse_target(connect, &uri)
+            .map(|(_, host, port)| (host, port))
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_target_is_read_as_written_in_every_spelling() {
+        let ok = |host: &str, port| Ok((host.to_string(), port));
+        assert_eq!(
+            target(false, "http://Example.COM./x"),
+            ok("example.com", 80)
+        );
+        assert_eq!(
+            target(false, "http://example.com:/x"),
+            ok("example.com", 80)
+        );
+        assert_eq!(
+            target(false, "http://example.com:080/x"),
+            ok("example.com", 80)
+        );
+        assert_eq!(
+            target(false, "http://user:pw@example.com:8080/"),
+            ok("example.com", 8080)
+        );
+        assert_eq!(target(false, "http://[::1]:8080/"), ok("::1", 8080));
+        assert_eq!(target(false, "http://[::1]/"), ok("::1", 80));
+        assert_eq!(
+            target(false, "http://127.0.0.1:65535/"),
+            ok("127.0.0.1", 65535)
+        );
+        assert_eq!(target(true, "example.com:443"), ok("example.com", 443));
+    }
+
+    #[test]
+    fn a_target_that_is_not_one_says_why() {
+        let why = |connect, uri| target(connect, uri).expect_err(uri);
+        assert!(why(false, "http://example.com:65536/").contains("port 65536 is not a port"));
+        assert!(why(false, "http://[::1]:99999/").contains("port 99999 is not a port"));
+        assert!(why(false, "http://example.com:0/").contains("port 0 is not valid"));
+        assert!(why(true, "example.com").contains("has no port"));
+        assert!(why(false, "http://exa..mple.com/").contains("not a valid host"));
+        assert!(why(false, "/just/a/path").contains("forward proxy"));
+    }
 }

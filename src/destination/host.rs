@@ -53,7 +53,7 @@ fn dns_name(host: &str) -> Option<String> {
 }
 
 /// Splits `host:port`, `[v6]:port`, `[v6]` or `host`. The port is returned unparsed.
-pub(super) fn split_host_port(text: &str) -> Option<(&str, Option<&str>)> {
+pub fn split_host_port(text: &str) -> Option<(&str, Option<&str>)> {
     if let Some(rest) = text.strip_prefix('[') {
         let (v6, after) = rest.split_once(']')?;
         return match after {
