@@ -351,9 +351,10 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// How late a request sent now on this slot is, counting what the store could not see.
-    pub fn lateness(&self) -> Duration {
-        Instant::now().saturating_duration_since(self.at) + self.unseen_late
+    /// How late a request sent at `now` on this slot is, counting what the store could not
+    /// see.
+    pub fn lateness(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.at) + self.unseen_late
     }
 
     /// The latest instant a request may be sent on this slot where a slot may be used
@@ -494,12 +495,12 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreFuture<'a, Result<Grant, ReserveError>>;
 
     /// Takes the next slot of `destination` for a request that has not queued, if it is due
-    /// now (or a moment ahead, the memory store's `NEAR`, which the request waits out itself)
+    /// `now` (or a moment ahead, the memory store's `NEAR`, which the request waits out itself)
     /// and nothing waits for it anywhere: the common case of a destination below its rate,
     /// served without a round trip through the dispatcher. `None` takes nothing: the request
     /// queues as usual. Only a store that answers at once (memory) takes it; a store behind
     /// a network leaves every slot to the dispatcher.
-    fn take_now(&self, _destination: &str, _rule: &Rule) -> Option<Reservation> {
+    fn take_now(&self, _destination: &str, _rule: &Rule, _now: Instant) -> Option<Reservation> {
         None
     }
 

@@ -249,6 +249,9 @@ pub struct Admission {
     max_late: Duration,
     /// How long the request waited for its slot.
     pub waited: Duration,
+    /// When it was counted sent: the clock as read once its slot was due. An admission is
+    /// used at once (sent, or found too late), so its lateness counts from this reading.
+    sent: Instant,
     _permit: Option<OwnedSemaphorePermit>,
 }
 

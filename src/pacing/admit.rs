@@ -17,22 +17,20 @@ use crate::destination::Mode;
 use crate::metrics::{labels, labels_and};
 
 impl Pacer {
-    /// A slot for a request of `class` to `route`, by `pace` (the route's keys as the request
-    /// found them) and its mode: waited for ([`Pacer::admit`]), or in shadow mode counted
-    /// while the request goes at once.
+    /// A slot for a request of `class` to `route` that began to wait at `started`, by `pace`
+    /// (the route's keys as the request found them) and its mode: waited for
+    /// ([`Pacer::admit`]), or in shadow mode counted while the request goes at once.
     pub async fn enter(
         self: &Arc<Self>,
         route: &Route,
         pace: &PaceKeys,
         class: Class,
+        started: Instant,
         deadline: Instant,
     ) -> Result<Admission, PaceError> {
         let keys = pace.keys();
         match keys.pace.mode {
-            Mode::Enforce => {
-                self.admit_by(route, keys, class, Instant::now(), deadline)
-                    .await
-            }
+            Mode::Enforce => self.admit_by(route, keys, class, started, deadline).await,
             Mode::Shadow => Ok(self.shadow(route, keys, class, deadline)),
         }
     }
@@ -70,11 +68,11 @@ impl Pacer {
                 () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
             },
         };
-        let granted = self
+        // The clock as it was read once the slot was due: the send, the wait and the
+        // lateness are counted from that one reading.
+        let (granted, now) = self
             .both_slots(lane, &keys.rule, class, started, deadline)
             .await?;
-        // One reading of the clock for both: a request granted at once reads it no more.
-        let now = Instant::now();
         let waited = now.saturating_duration_since(started);
         lane.series(&self.metrics)
             .wait
@@ -94,16 +92,16 @@ impl Pacer {
         class: Class,
         started: Instant,
         deadline: Instant,
-    ) -> Result<lane::Grant, PaceError> {
+    ) -> Result<(lane::Grant, Instant), PaceError> {
         loop {
-            let granted = self.slot(lane, rule, class, started, deadline).await?;
+            let (granted, now) = self.slot(lane, rule, class, started, deadline).await?;
             let Some(total) = lane.total() else {
-                return Ok(granted);
+                return Ok((granted, now));
             };
             let by = granted.slot.send_by(rule.max_late()).min(deadline);
             let of_total = total.keys();
             match self.slot(total, &of_total.rule, class, started, by).await {
-                Ok(_) => return Ok(granted),
+                Ok((_, now)) => return Ok((granted, now)),
                 Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
                     lane.series(&self.metrics).slots_dropped.inc();
                 }
@@ -139,6 +137,7 @@ impl Pacer {
                 pacer
                     .slot(&stand_in, &keys.rule, class, started, deadline)
                     .await
+                    .map(|(granted, _)| granted)
             };
             match waited.await {
                 Ok(_) => pacer
@@ -189,9 +188,10 @@ impl Pacer {
         Ok(())
     }
 
-    /// Waits in `lane`'s queue for a slot, up to `deadline`. When nobody waits here and the
-    /// store can hand out a slot that is due now ([`crate::budget::Store::take_now`]), the
-    /// request takes it at once: no wake-up of the dispatcher and back.
+    /// Waits in `lane`'s queue for a slot, up to `deadline`, and reads the clock once the
+    /// slot is due. When nobody waits here and the store can hand out a slot that is due now
+    /// ([`crate::budget::Store::take_now`]), the request takes it at once: no wake-up of the
+    /// dispatcher and back, and a slot due already costs no other reading of the clock.
     async fn slot(
         &self,
         lane: &Arc<Lane>,
@@ -199,28 +199,30 @@ impl Pacer {
         class: Class,
         started: Instant,
         deadline: Instant,
-    ) -> Result<lane::Grant, PaceError> {
+    ) -> Result<(lane::Grant, Instant), PaceError> {
+        let now = Instant::now();
         let taken = {
             // Held while the store is asked, so that no request queues meanwhile: one that
             // waits here goes first.
             let queue = lane.queue.lock();
             (queue.len() == 0 && !lane.is_retired())
-                .then(|| self.store.take_now(&lane.name, rule))
+                .then(|| self.store.take_now(&lane.name, rule, now))
                 .flatten()
         };
         if let Some(slot) = taken {
-            until(slot.at).await;
-            return Ok(lane::Grant { class, slot });
+            let now = until(slot.at, now).await;
+            return Ok((lane::Grant { class, slot }, now));
         }
         let (_seat, rx) = lane.enqueue(class, started, deadline);
         // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
         if !lane.dispatching.swap(true, Ordering::SeqCst) {
             self.dispatch(lane);
         }
-        tokio::select! {
+        let granted = tokio::select! {
             g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
             () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
-        }
+        }?;
+        Ok((granted, Instant::now()))
     }
 
     /// Counts a request sent `now` on `granted` and makes its admission.
@@ -246,6 +248,7 @@ impl Pacer {
             slot: granted.slot,
             max_late: keys.rule.max_late(),
             waited,
+            sent: now,
             _permit: permit,
         }
     }
@@ -256,18 +259,22 @@ impl Pacer {
 /// before its slot. Not by yielding: behind a few hundred ready tasks a yield can take
 /// milliseconds, and the slot would be too late to use. Not by the timer either, which waits
 /// at least a tick. A clock that does not move while spinning (paused, in tests) hands over
-/// to the timer after `SPIN` of real time.
-async fn until(at: Instant) {
+/// to the timer after `SPIN` of real time. Returns the clock as last read, at or after `at`;
+/// a slot due already by `now`, the reading it was taken at (most are), is not waited for.
+async fn until(at: Instant, now: Instant) -> Instant {
     const SPIN: Duration = Duration::from_micros(100);
-    // Most slots taken at once are due already: no second clock for them.
-    if Instant::now() >= at {
-        return;
+    if now >= at {
+        return now;
     }
     let spinning = std::time::Instant::now();
-    while Instant::now() < at {
+    loop {
+        let now = Instant::now();
+        if now >= at {
+            return now;
+        }
         if spinning.elapsed() > SPIN {
             tokio::time::sleep_until(at).await;
-            return;
+            return Instant::now();
         }
         std::hint::spin_loop();
     }

@@ -146,8 +146,12 @@ async fn exercise(config: &Config) {
             .take(4)
         {
             // A pause or a lockout refuses the next ones: their verdicts were applied.
-            let deadline = Instant::now() + Duration::from_secs(60);
-            let Ok(a) = pacer.enter(&route, &route.pace(), Class(0), deadline).await else {
+            let now = Instant::now();
+            let deadline = now + Duration::from_secs(60);
+            let Ok(a) = pacer
+                .enter(&route, &route.pace(), Class(0), now, deadline)
+                .await
+            else {
                 break;
             };
             let reading = pacer.read(&a, *status, h);

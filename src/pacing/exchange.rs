@@ -127,7 +127,11 @@ impl Pacer {
         // The keys as they are now; a reload meanwhile governs the next request.
         let pace = route.pace();
         // One deadline for the request and its retries; each retry waits in the same class.
-        let deadline = Instant::now() + route.max_wait(class, &pace);
+        let begun = Instant::now();
+        let deadline = begun + route.max_wait(class, &pace);
+        // The first wait for a slot begins at the reading the deadline counts from; every
+        // later one (a retry, a slot dropped) at its own.
+        let mut first_wait = Some(begun);
         let retryable = outgoing.retryable();
         let mut last_throttled: Option<Response<ProxyBody>> = None;
         // Shadow mode sends at once and never retries: clients see what they would without
@@ -139,8 +143,10 @@ impl Pacer {
             let expecting = upstream.expect(outgoing.uri());
             if !shadow && expecting.cold() {
                 landed(deadline, upstream.first_connection(outgoing.uri())).await?;
+                first_wait = None;
             }
-            let admission = match self.enter(route, &pace, class, deadline).await {
+            let started = first_wait.take().unwrap_or_else(Instant::now);
+            let admission = match self.enter(route, &pace, class, started, deadline).await {
                 Ok(a) => a,
                 // Out of time for another retry: the client gets the last throttled answer.
                 Err(_) if last_throttled.is_some() => {
@@ -149,7 +155,7 @@ impl Pacer {
                 Err(e) => return Err(e.into()),
             };
             *note.waited.get_or_insert_default() += admission.waited;
-            if !shadow && self.too_late(&admission) {
+            if !shadow && self.too_late(&admission, admission.sent) {
                 continue;
             }
             let req = if retryable {
@@ -223,13 +229,14 @@ impl Pacer {
         }
     }
 
-    /// Whether `admission`'s slot is too late to send on now: the request was held up after
-    /// its slot was handed out (this process descheduled, an upstream connection slow to
-    /// come), and sent now it would bunch with the next slots, and could crowd a quota
+    /// Whether `admission`'s slot is too late to send on at `now`: the request was held up
+    /// after its slot was handed out (this process descheduled, an upstream connection slow
+    /// to come), and sent then it would bunch with the next slots, and could crowd a quota
     /// window, which allows a slot used up to [`crate::budget::Rule::max_late`] late and no
-    /// more. Counted as a slot dropped; the caller waits for another.
-    pub(super) fn too_late(&self, admission: &Admission) -> bool {
-        let late = admission.slot.lateness();
+    /// more. Counted as a slot dropped; the caller waits for another. An exchange asks at
+    /// once, at the reading its admission was counted sent at.
+    pub(super) fn too_late(&self, admission: &Admission, now: Instant) -> bool {
+        let late = admission.slot.lateness(now);
         if late <= admission.max_late {
             return false;
         }
@@ -250,7 +257,7 @@ impl Pacer {
     /// `admission`'s request had no upstream connection by [`Pacer::send_by`]: like
     /// [`Pacer::too_late`], its slot is dropped and it waits for another.
     fn no_connection_in_time(&self, admission: &Admission) {
-        let late = admission.slot.lateness();
+        let late = admission.slot.lateness(Instant::now());
         self.held_up(
             admission,
             late,

@@ -449,7 +449,7 @@ impl Lane {
     /// allows ([`crate::budget::Rule::max_late`]): a slot is an instant, not a licence, and
     /// used that late it would bunch with the next ones and could crowd a quota window.
     pub(super) fn too_late(&self, slot: &Reservation) -> Option<Duration> {
-        let late = slot.lateness();
+        let late = slot.lateness(Instant::now());
         (late > self.keys.load().rule.max_late()).then_some(late)
     }
 

@@ -281,15 +281,42 @@ async fn retry_after_pauses_every_request() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_is_counted_sent_when_its_slot_is_due_and_waited_until_then() {
+    // 10/s: the first goes at once, the second 100 ms later.
+    let p = pacer(pace(10.0)).await;
+    let first = p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert_eq!(first.waited, Duration::ZERO);
+    let started = Instant::now();
+    let second = p.admit(&d(&p), ONE, far()).await.unwrap();
+    assert_eq!(second.waited, ms(100));
+    assert_eq!(second.sent, started + ms(100));
+    let waits = p.metrics.wait_seconds.with_label_values(&["d", ""]);
+    assert_eq!(waits.get_sample_count(), 2);
+    assert!(
+        (waits.get_sample_sum() - 0.1).abs() < 1e-6,
+        "{}",
+        waits.get_sample_sum()
+    );
+    // Asked at the reading it was counted sent at, its slot is on time.
+    assert!(!p.too_late(&second, second.sent));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_held_up_past_its_slot_is_not_sent_on_it() {
     // 10/s: a slot may be used up to 50 ms late.
     let p = pacer(pace(10.0)).await;
     let a = p.admit(&d(&p), ONE, far()).await.unwrap();
-    assert!(!p.too_late(&a));
+    assert!(!p.too_late(&a, Instant::now()));
     tokio::time::sleep(ms(50)).await;
-    assert!(!p.too_late(&a), "50 ms late is still on time");
+    assert!(
+        !p.too_late(&a, Instant::now()),
+        "50 ms late is still on time"
+    );
     tokio::time::sleep(ms(1)).await;
-    assert!(p.too_late(&a), "51 ms late bunches with the next slot");
+    assert!(
+        p.too_late(&a, Instant::now()),
+        "51 ms late bunches with the next slot"
+    );
     assert_eq!(
         p.metrics.slots_dropped.with_label_values(&["d", ""]).get(),
         1
@@ -308,10 +335,13 @@ async fn lateness_the_store_could_not_see_counts() {
     let mut a = p.admit(&d(&p), ONE, far()).await.unwrap();
     a.slot.unseen_late = ms(10);
     tokio::time::sleep(ms(40)).await;
-    assert!(!p.too_late(&a), "40 ms and 10 unseen is still on time");
+    assert!(
+        !p.too_late(&a, Instant::now()),
+        "40 ms and 10 unseen is still on time"
+    );
     tokio::time::sleep(ms(1)).await;
     assert!(
-        p.too_late(&a),
+        p.too_late(&a, Instant::now()),
         "41 ms and 10 unseen bunches with the next slot"
     );
 }

@@ -56,11 +56,12 @@ impl Proxy {
             }
         };
         let pace = route.pace();
-        let deadline = Deadline::now() + route.max_wait(target.class, &pace);
+        let started = Deadline::now();
+        let deadline = started + route.max_wait(target.class, &pace);
         match self
             .inner
             .pacer
-            .enter(&route, &pace, target.class, deadline)
+            .enter(&route, &pace, target.class, started, deadline)
             .await
         {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,

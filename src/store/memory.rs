@@ -271,8 +271,8 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(result))
     }
 
-    fn take_now(&self, destination: &str, rule: &Rule) -> Option<Reservation> {
-        let now = self.now();
+    fn take_now(&self, destination: &str, rule: &Rule, now: Instant) -> Option<Reservation> {
+        let now = self.offset(now);
         let mut budgets = self.budgets.lock();
         if parent_lock(&budgets, destination).is_some() {
             return None;
