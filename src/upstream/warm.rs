@@ -194,6 +194,10 @@ impl Host {
     /// once the lock is released. By age alone: this runs for every paced request, and one
     /// the upstream closed is found, and dropped, when it is taken.
     fn drain_stale(&mut self, ttl: Duration) -> Vec<Counted> {
+        // Most hosts have nothing stashed (their pooled connections serve): no clock for them.
+        if self.stash.is_empty() {
+            return Vec::new();
+        }
         let now = Instant::now();
         let fresh = |at: &Instant| now - *at < ttl;
         if self.stash.iter().all(|(at, _)| fresh(at)) {
