@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, Method, Request};
+use http::{Method, Request};
 use http_body::Body as _;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
@@ -102,14 +102,8 @@ impl Outgoing {
         kept.method = self.parts.method.clone();
         kept.uri = self.parts.uri.clone();
         kept.version = self.parts.version;
-        let mut headers = HeaderMap::with_capacity(self.parts.headers.len());
-        headers.extend(
-            self.parts
-                .headers
-                .iter()
-                .map(|(name, value)| (name.clone(), value.clone())),
-        );
-        kept.headers = headers;
+        // A clone, not a map filled again: no name is hashed and placed anew.
+        kept.headers = self.parts.headers.clone();
         std::mem::replace(&mut self.parts, kept)
     }
 
@@ -188,6 +182,7 @@ impl http_body::Body for Lent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     #[test]
     fn an_attempt_sends_the_request_s_own_map_and_a_copy_of_every_value_stays() {
