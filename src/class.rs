@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderName};
+use http::{HeaderName, HeaderValue};
 use serde::Serialize;
 
 /// The request header that names a class. Removed before forwarding.
@@ -113,13 +113,14 @@ impl Classes {
         self.max_wait.get(self.name(class)).copied()
     }
 
-    /// The class a request asks for: the `Pacegate-Class` header, else the user name of its
-    /// proxy credentials, else `fallback` (the default class, or the class of the CONNECT an
-    /// intercepted request came through). `authenticated` says whether proxy authentication
-    /// is on: then the user name is an identity first, and only a class when it names one.
+    /// The class a request asks for: its `Pacegate-Class` header (`asked`, where it has one),
+    /// else the user name of its proxy credentials, else `fallback` (the default class, or
+    /// the class of the CONNECT an intercepted request came through). `authenticated` says
+    /// whether proxy authentication is on: then the user name is an identity first, and only
+    /// a class when it names one.
     pub fn of_request(
         &self,
-        headers: &HeaderMap,
+        asked: Option<&HeaderValue>,
         user: Option<&str>,
         authenticated: bool,
         fallback: Class,
@@ -129,7 +130,7 @@ impl Classes {
             source_name,
             known: self.order.join(", "),
         };
-        if let Some(value) = headers.get(CLASS_HEADER) {
+        if let Some(value) = asked {
             let name = value.to_str().unwrap_or("(not text)").trim();
             return self
                 .lookup(name)
@@ -178,10 +179,8 @@ mod tests {
         }
     }
 
-    fn header(v: &str) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        h.insert(CLASS_HEADER, v.parse().unwrap());
-        h
+    fn header(v: &str) -> Option<HeaderValue> {
+        Some(v.parse().unwrap())
     }
 
     #[test]
@@ -198,39 +197,32 @@ mod tests {
     fn the_header_wins_over_the_user_name() {
         let c = classes();
         let d = c.default_class();
-        let none = HeaderMap::new();
         assert_eq!(
-            c.of_request(&header("interactive"), Some("backfill"), false, d),
+            c.of_request(header("interactive").as_ref(), Some("backfill"), false, d),
             Ok(Class(0))
         );
-        assert_eq!(
-            c.of_request(&none, Some("backfill"), false, d),
-            Ok(Class(2))
-        );
-        assert_eq!(c.of_request(&none, None, false, d), Ok(d));
-        assert_eq!(c.of_request(&none, None, false, Class(0)), Ok(Class(0)));
+        assert_eq!(c.of_request(None, Some("backfill"), false, d), Ok(Class(2)));
+        assert_eq!(c.of_request(None, None, false, d), Ok(d));
+        assert_eq!(c.of_request(None, None, false, Class(0)), Ok(Class(0)));
     }
 
     #[test]
     fn an_unknown_class_is_an_error_never_a_default() {
         let c = classes();
         let d = c.default_class();
-        let err = c.of_request(&header("urgent"), None, false, d).unwrap_err();
+        let err = c
+            .of_request(header("urgent").as_ref(), None, false, d)
+            .unwrap_err();
         assert!(err.to_string().contains("urgent"), "{err}");
         assert!(err.to_string().contains("interactive, scheduled, backfill"));
-        let err = c
-            .of_request(&HeaderMap::new(), Some("bakfill"), false, d)
-            .unwrap_err();
+        let err = c.of_request(None, Some("bakfill"), false, d).unwrap_err();
         assert!(err.to_string().contains("proxy user name"), "{err}");
         // With authentication on, the user name is an identity; it picks a class only when it
         // names one.
-        assert_eq!(
-            c.of_request(&HeaderMap::new(), Some("worker"), true, d),
-            Ok(d)
-        );
+        assert_eq!(c.of_request(None, Some("worker"), true, d), Ok(d));
         // Without a [classes] section, user names are not classes at all.
         assert_eq!(
-            Classes::default().of_request(&HeaderMap::new(), Some("worker"), false, Class(0)),
+            Classes::default().of_request(None, Some("worker"), false, Class(0)),
             Ok(Class(0))
         );
     }

@@ -19,8 +19,9 @@ static HOP_BY_HOP: [HeaderName; 9] = [
     header::UPGRADE,
 ];
 
-/// `Connection`'s, `TE`'s and `Upgrade`'s bits in the set of [`HOP_BY_HOP`] names present.
+/// `Connection`'s, `Proxy-Authorization`'s, `TE`'s and `Upgrade`'s bits in the set of [`HOP_BY_HOP`] names present.
 const CONNECTION_BIT: u16 = 1 << 0;
+const PROXY_AUTHORIZATION_BIT: u16 = 1 << 3;
 const TE_BIT: u16 = 1 << 5;
 const UPGRADE_BIT: u16 = 1 << 8;
 /// Bits past [`HOP_BY_HOP`]'s: the other names a request's rewrite acts on.
@@ -36,6 +37,11 @@ pub struct Found(u16);
 impl Found {
     pub fn in_headers(headers: &HeaderMap) -> Found {
         Found(headers.keys().fold(0u16, |bits, name| bits | bit_of(name)))
+    }
+
+    /// A `Proxy-Authorization` header.
+    pub fn proxy_authorization(self) -> bool {
+        self.0 & PROXY_AUTHORIZATION_BIT != 0
     }
 
     /// A `Pacegate-Class` header.
@@ -112,7 +118,7 @@ fn bit_of(name: &HeaderName) -> u16 {
         "connection" => CONNECTION_BIT,
         "keep-alive" => 1 << 1,
         "proxy-connection" => 1 << 2,
-        "proxy-authorization" => 1 << 3,
+        "proxy-authorization" => PROXY_AUTHORIZATION_BIT,
         "proxy-authenticate" => 1 << 4,
         "te" => TE_BIT,
         "trailer" => 1 << 6,

@@ -15,9 +15,10 @@ use std::time::Instant;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 
-use crate::class::Class;
+use crate::class::{Class, CLASS_HEADER};
 use crate::config::{AuthConfig, Limits, RequestLog, Unmatched};
 use crate::destination::{normalise_host, split_host_port, Routed, CONNECT, HTTP};
+use crate::headers::Found;
 use crate::log::{self, RequestLine};
 use crate::metrics::{labels, labels_and, Metrics, UNMATCHED};
 use crate::pacing::{Note, Pacer};
@@ -195,7 +196,10 @@ impl Proxy {
         // takes no reference (a count every request on every core would write).
         let policy = self.inner.policy.load();
         let begun = Begun::now(&req, &policy);
-        match self.checked(req, &policy) {
+        // The names acted on, found in one pass: the checks and the rewrite look up only
+        // those that are there.
+        let found = Found::in_headers(req.headers());
+        match self.checked(req, &policy, found) {
             Err(refused) => Either::Left(std::future::ready(self.finish(begun, refused))),
             // Boxed: a tunnel is made once for many requests, and its future is the larger.
             Ok((req, target)) if req.method() == Method::CONNECT => {
@@ -204,7 +208,9 @@ impl Proxy {
                     self.finish(begun, handled)
                 })))
             }
-            Ok((req, target)) => Either::Right(Either::Right(self.forward(req, target, begun))),
+            Ok((req, target)) => {
+                Either::Right(Either::Right(self.forward(req, target, begun, found)))
+            }
         }
     }
 
@@ -231,6 +237,7 @@ impl Proxy {
         use tokio_util::either::Either;
         let policy = self.inner.policy.load();
         let begun = Begun::now(&req, &policy);
+        let found = Found::in_headers(req.headers());
         let refused = if begun.method == Method::CONNECT {
             Handled::refused(
                 ProxyError::BadRequest(
@@ -242,10 +249,11 @@ impl Proxy {
         } else {
             // An inner request may name its own class with the header; else it keeps the
             // CONNECT's.
-            match self.class_of(&req, &policy, None, target.class, target.allowed.as_deref()) {
+            let allowed = target.allowed.as_deref();
+            match self.class_of(&req, found, &policy, None, target.class, allowed) {
                 Ok(class) => {
                     let target = Target { class, ..target };
-                    return Either::Right(self.forward(req, target, begun));
+                    return Either::Right(self.forward(req, target, begun, found));
                 }
                 Err(e) => Handled::refused(e, target.name(), target.authority()),
             }
@@ -261,6 +269,7 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         policy: &ClientPolicy,
+        found: Found,
     ) -> Result<(Request<Incoming>, Target), Handled> {
         // Written only for a refusal before the target is known.
         let target_text = || {
@@ -282,11 +291,15 @@ impl Proxy {
             Err(err) => return Err(Handled::refused(err, None, target_text())),
         };
         // The class named on the proxy connection: header, else the proxy user name.
-        let user = auth::user_name(req.headers());
+        let user = found
+            .proxy_authorization()
+            .then(|| auth::user_name(req.headers()))
+            .flatten();
         target.user = user.as_deref().map(Arc::from);
         target.allowed = allowed_classes(policy, &self.inner.pacer, user.as_deref());
         match self.class_of(
             &req,
+            found,
             policy,
             user.as_deref(),
             target.class,
@@ -323,18 +336,23 @@ impl Proxy {
     fn class_of(
         &self,
         req: &Request<Incoming>,
+        found: Found,
         policy: &ClientPolicy,
         user: Option<&str>,
         fallback: Class,
         allowed: Option<&[Class]>,
     ) -> Result<Class, ProxyError> {
         let classes = self.inner.pacer.classes();
+        let asked = found
+            .class()
+            .then(|| req.headers().get(CLASS_HEADER))
+            .flatten();
         let fallback = match allowed {
             Some(list) if !list.contains(&fallback) => list.first().copied().unwrap_or(fallback),
             _ => fallback,
         };
         let class = classes
-            .of_request(req.headers(), user, policy.auth.is_some(), fallback)
+            .of_request(asked, user, policy.auth.is_some(), fallback)
             .map_err(ProxyError::UnknownClass)?;
         match allowed {
             Some(list) if !list.contains(&class) => Err(ProxyError::ClassNotAllowed {

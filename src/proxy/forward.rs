@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use super::respond::{Outcome, ProxyError};
 use super::{Aimed, Begun, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
-use crate::headers;
+use crate::headers::{self, Found};
 use crate::metrics::UNMATCHED;
 use crate::pacing::{Note, Outgoing, Route};
 use crate::upstream::ProxyBody;
@@ -68,8 +68,9 @@ impl Proxy {
         req: Request<Incoming>,
         target: Target,
         begun: Begun,
+        found: Found,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
-        let mut prepared = prepare(req, &target);
+        let mut prepared = prepare(req, &target, found);
         async move {
             let destination = target.name();
             let (result, pace) = match (&mut prepared, &target.destination) {
@@ -122,11 +123,10 @@ impl Proxy {
 }
 
 /// Rewrites a client request for the upstream: URI from the target, HTTP/1.1 version,
-/// hop-by-hop headers removed.
-fn prepare(req: Request<Incoming>, target: &Target) -> Result<Outgoing, ProxyError> {
+/// hop-by-hop headers removed. `found` says which of the names acted on it holds (a name
+/// that is not there is not looked up).
+fn prepare(req: Request<Incoming>, target: &Target, found: Found) -> Result<Outgoing, ProxyError> {
     let (mut parts, body) = req.into_parts();
-    // The names acted on below, found in one pass: a name that is not there is not looked up.
-    let found = headers::Found::in_headers(&parts.headers);
     if let Some(protocol) = headers::upgrade_protocol(&parts.headers, found) {
         return Err(ProxyError::UpgradeUnsupported { protocol });
     }
