@@ -278,8 +278,13 @@ impl Proxy {
                 .map(ToString::to_string)
                 .unwrap_or_default()
         };
+        // Decoded once, for the check and the user name.
+        let credentials = found
+            .proxy_authorization()
+            .then(|| auth::basic_credentials(req.headers()))
+            .flatten();
         if let Some(auth) = &policy.auth {
-            if !auth::authorized(auth, req.headers()) {
+            if !auth::authorized(auth, credentials.as_ref()) {
                 let err = ProxyError::AuthRequired {
                     realm: auth.realm.clone(),
                 };
@@ -291,10 +296,7 @@ impl Proxy {
             Err(err) => return Err(Handled::refused(err, None, target_text())),
         };
         // The class named on the proxy connection: header, else the proxy user name.
-        let user = found
-            .proxy_authorization()
-            .then(|| auth::user_name(req.headers()))
-            .flatten();
+        let user = credentials.and_then(auth::user_name);
         target.user = user.as_deref().map(Arc::from);
         target.allowed = allowed_classes(policy, &self.inner.pacer, user.as_deref());
         match self.class_of(

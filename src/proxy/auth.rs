@@ -21,22 +21,22 @@ pub fn basic_credentials(headers: &HeaderMap) -> Option<(Vec<u8>, Vec<u8>)> {
     Some((decoded[..colon].to_vec(), decoded[colon + 1..].to_vec()))
 }
 
-/// Whether the request carries `Proxy-Authorization: Basic` credentials of a configured user.
-pub(super) fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
-    let Some((name, password)) = basic_credentials(headers) else {
+/// Whether `credentials` (a request's, [`basic_credentials`], decoded once) are a configured
+/// user's.
+pub(super) fn authorized(auth: &AuthConfig, credentials: Option<&(Vec<u8>, Vec<u8>)>) -> bool {
+    let Some((name, password)) = credentials else {
         return false;
     };
-    let offered = User::digest(&password);
+    let offered = User::digest(password);
     auth.users
         .iter()
         .find(|u| u.name.as_bytes() == name)
         .is_some_and(|u| bool::from(u.password_sha256[..].ct_eq(&offered[..])))
 }
 
-/// The user name of `Proxy-Authorization: Basic` credentials, if any (the password is not
-/// checked here).
-pub(super) fn user_name(headers: &HeaderMap) -> Option<String> {
-    String::from_utf8(basic_credentials(headers)?.0).ok()
+/// The user name of `credentials`, where it is text (the password is not checked here).
+pub(super) fn user_name(credentials: (Vec<u8>, Vec<u8>)) -> Option<String> {
+    String::from_utf8(credentials.0).ok()
 }
 
 #[cfg(test)]
@@ -61,6 +61,10 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(PROXY_AUTHORIZATION, value.parse().unwrap());
         h
+    }
+
+    fn authorized(auth: &AuthConfig, headers: &HeaderMap) -> bool {
+        super::authorized(auth, basic_credentials(headers).as_ref())
     }
 
     fn basic(creds: &str) -> String {
