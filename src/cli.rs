@@ -403,10 +403,11 @@ pub fn init_tracing(format: LogFormat, level: &str) -> crate::log::Flushing {
         .with_writer(writer.clone());
     match format {
         LogFormat::Text => {
+            builder.init();
+            // After `init`: the filter it set is asked once whether request lines pass.
             if !colours {
                 writer.take_request_lines();
             }
-            builder.init();
         }
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }

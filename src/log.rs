@@ -53,8 +53,9 @@ pub struct Flushing {
 }
 
 /// The buffer request lines go to unformatted, once the text log has been set up
-/// ([`Buffered::take_request_lines`]); until then they are `tracing` events.
-static REQUEST_LINES: OnceLock<Buffered> = OnceLock::new();
+/// ([`Buffered::take_request_lines`]), or none where its filter lets no request line
+/// through; until then they are `tracing` events.
+static REQUEST_LINES: OnceLock<Option<Buffered>> = OnceLock::new();
 
 /// A buffered writer to `out`, and the guard of its writing thread.
 pub fn buffered<W: Write + Send + 'static>(mut out: W) -> (Buffered, Flushing) {
@@ -97,9 +98,12 @@ pub fn buffered<W: Write + Send + 'static>(mut out: W) -> (Buffered, Flushing) {
 
 impl Buffered {
     /// From now on request lines come to this buffer as fields, and its thread formats them
-    /// as the default text format would (for the text log without colours).
+    /// as the default text format would (for the text log without colours). Called once the
+    /// subscriber is set: its filter, which does not change while pacegate runs, is asked
+    /// here once whether request lines pass, not on every request.
     pub fn take_request_lines(&self) {
-        let _ = REQUEST_LINES.set(self.clone());
+        let passes = tracing::enabled!(target: REQUEST_LOG, tracing::Level::INFO);
+        let _ = REQUEST_LINES.set(passes.then(|| self.clone()));
     }
 
     /// Appends one frame under the lock.
@@ -186,12 +190,14 @@ impl fmt::Display for Aimed<'_> {
 impl RequestLine<'_> {
     /// Logs the line at info, if the filter lets `pacegate::request` through.
     pub fn log(&self) {
-        if !tracing::enabled!(target: REQUEST_LOG, tracing::Level::INFO) {
-            return;
-        }
         match REQUEST_LINES.get() {
-            Some(buffer) => buffer.frame(|frames| self.encode(frames, SystemTime::now())),
-            None => self.event(),
+            Some(Some(buffer)) => buffer.frame(|frames| self.encode(frames, SystemTime::now())),
+            Some(None) => {}
+            None => {
+                if tracing::enabled!(target: REQUEST_LOG, tracing::Level::INFO) {
+                    self.event();
+                }
+            }
         }
     }
 

@@ -6,7 +6,7 @@ use crate::support::fleet::beside;
 
 use std::time::Duration;
 
-use support::process::{Instance, Served};
+use support::process::{config_text, spawn_binary_logging, Instance, Served};
 use support::{client, Alpn, FakeUpstream};
 
 /// The real binary with JSON logs and `[log] requests = "{requests}"`.
@@ -110,6 +110,65 @@ async fn none_logs_no_request() {
     let served = start("none");
     let lines = three_requests(&upstream, served.instance).await;
     assert_eq!(lines, Vec::<serde_json::Value>::new());
+}
+
+/// Stops `instance` with SIGTERM and returns every line it wrote, in text: the last is
+/// "pacegate stopped".
+async fn stopped_text(instance: Instance) -> Vec<String> {
+    let Instance { child, logs, .. } = instance;
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let exit = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap();
+    assert_eq!(exit.code(), Some(0));
+    support::eventually(Duration::from_secs(5), "the final log line", || async {
+        let lines = logs.lines();
+        lines
+            .iter()
+            .any(|l| l.ends_with("pacegate stopped"))
+            .then_some(lines)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_text_log_as_shipped_writes_each_request_line_unless_its_filter_says_not() {
+    let _beside = beside().await;
+    let upstream = FakeUpstream::start().await;
+    for (filter, shown) in [("info", true), ("info,pacegate::request=off", false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("pacegate.toml");
+        let rest = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000";
+        std::fs::write(&config, config_text("", "", None, rest)).unwrap();
+        let instance = spawn_binary_logging("text", &config, &[("PACEGATE_LOG", filter)]);
+        let via = client(
+            Some(&format!("http://{}", instance.proxy)),
+            &[],
+            Alpn::Http1,
+        );
+        let url = format!("{}/status/200", upstream.http_url("localhost"));
+        assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
+        let lines = stopped_text(instance).await;
+        let requests: Vec<&String> = lines
+            .iter()
+            .filter(|l| l.contains(" INFO pacegate::request: "))
+            .collect();
+        if shown {
+            assert_eq!(requests.len(), 1, "{filter}: {lines:#?}");
+            let host = upstream.http_url("localhost");
+            let host = host.strip_prefix("http://").unwrap();
+            let expected = format!(
+                "destination=\"local\" method=GET host={host} outcome=forwarded status=200 "
+            );
+            assert!(requests[0].contains(&expected), "{}", requests[0]);
+        } else {
+            assert_eq!(requests, Vec::<&String>::new(), "{filter}");
+        }
+    }
 }
 
 #[test]

@@ -40,6 +40,11 @@ impl Logs {
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect()
     }
+
+    /// Every line so far, as written.
+    pub fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
 }
 
 /// A started `pacegate serve`: the process, its proxy and admin addresses, its logs.
@@ -57,8 +62,17 @@ pub fn spawn_binary(config: &std::path::Path) -> Instance {
 
 /// [`spawn_binary`] with more environment variables.
 pub fn spawn_binary_with(config: &std::path::Path, env: &[(&str, &str)]) -> Instance {
+    spawn_binary_logging("json", config, env)
+}
+
+/// [`spawn_binary_with`], logging in `format` (`text`, as shipped, or `json`).
+pub fn spawn_binary_logging(
+    format: &str,
+    config: &std::path::Path,
+    env: &[(&str, &str)],
+) -> Instance {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pacegate"))
-        .args(["--log-format", "json", "serve", "--config"])
+        .args(["--log-format", format, "serve", "--config"])
         .arg(config)
         .envs(env.iter().copied())
         .stderr(Stdio::piped())
@@ -72,13 +86,8 @@ pub fn spawn_binary_with(config: &std::path::Path, env: &[(&str, &str)]) -> Inst
     let sink = logs.clone();
     std::thread::spawn(move || {
         for line in stderr.lines().map_while(Result::ok) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if v["message"] == "pacegate listening" {
-                    let _ = tx.send((
-                        v["proxy"].as_str().unwrap().parse().unwrap(),
-                        v["admin"].as_str().unwrap().parse().unwrap(),
-                    ));
-                }
+            if let Some(addresses) = listening(&line) {
+                let _ = tx.send(addresses);
             }
             sink.0.lock().unwrap().push(line);
         }
@@ -97,6 +106,30 @@ pub fn spawn_binary_with(config: &std::path::Path, env: &[(&str, &str)]) -> Inst
         admin,
         logs,
     }
+}
+
+/// The proxy and admin addresses a "pacegate listening" line names, in JSON or in text
+/// (`... pacegate listening proxy=127.0.0.1:41234 admin=127.0.0.1:40263 ...`).
+fn listening(line: &str) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+    if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+        if v["message"] != "pacegate listening" {
+            return None;
+        }
+        return Some((
+            v["proxy"].as_str()?.parse().ok()?,
+            v["admin"].as_str()?.parse().ok()?,
+        ));
+    }
+    if !line.contains(" pacegate listening ") {
+        return None;
+    }
+    let field = |key: &str| {
+        line.split_whitespace()
+            .find_map(|word| word.strip_prefix(key))?
+            .parse()
+            .ok()
+    };
+    Some((field("proxy=")?, field("admin=")?))
 }
 
 /// The real binary on a test config in a directory of its own: listeners on port 0, a CA
