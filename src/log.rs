@@ -359,8 +359,8 @@ impl Second {
         out.extend_from_slice(&self.text);
         out.push(b'.');
         let micros = nanos / 1000;
-        let digits: [u8; 6] =
-            std::array::from_fn(|i| b'0' + (micros / 10u32.pow(5 - i as u32) % 10) as u8);
+        const PLACES: [u32; 6] = [100_000, 10_000, 1_000, 100, 10, 1];
+        let digits: [u8; 6] = PLACES.map(|place| b'0' + (micros / place % 10) as u8);
         out.extend_from_slice(&digits);
         out.push(b'Z');
     }
