@@ -194,7 +194,9 @@ where
     // Boxing proves `Send` here, with concrete types; inside the spawned future the compiler
     // cannot (rust-lang/rust#102211).
     let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(conn));
+    // In order, as the drain's (see `Shutdown::drive`): no draw at every wake.
     tokio::select! {
+        biased;
         ended = driven => match ended {
             Ok(()) => Ended::Closed,
             Err(e) => {

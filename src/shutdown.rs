@@ -70,7 +70,10 @@ impl Shutdown {
         C: GracefulConnection,
     {
         tokio::pin!(conn);
+        // In order, the connection first: a random order costs a draw at every wake, several
+        // a request, and both branches are polled whenever the first is not ready.
         tokio::select! {
+            biased;
             res = conn.as_mut() => return res,
             () = self.drain_started() => conn.as_mut().graceful_shutdown(),
         }
