@@ -75,19 +75,22 @@ pub fn strip_found(headers: &mut HeaderMap, found: Found) {
     // `keep-alive` and `close`, by far the most common, name no other header: the list of
     // other names is made only when one is there.
     let mut named: Vec<HeaderName> = Vec::new();
+    // `Connection` is read as it is removed: one lookup, where most messages have only it.
     if present & CONNECTION_BIT != 0 {
-        for value in &headers.get_all(header::CONNECTION) {
-            if names_no_header(value.as_bytes()) {
-                continue;
+        if let header::Entry::Occupied(entry) = headers.entry(header::CONNECTION) {
+            for value in entry.remove_entry_mult().1 {
+                if names_no_header(value.as_bytes()) {
+                    continue;
+                }
+                let listed = value
+                    .to_str()
+                    .into_iter()
+                    .flat_map(|v| v.split(','))
+                    .map(str::trim)
+                    .filter(|t| !names_no_header(t.as_bytes()))
+                    .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
+                named.extend(listed);
             }
-            let listed = value
-                .to_str()
-                .into_iter()
-                .flat_map(|v| v.split(','))
-                .map(str::trim)
-                .filter(|t| !names_no_header(t.as_bytes()))
-                .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
-            named.extend(listed);
         }
     }
     let te_trailers = present & TE_BIT != 0
@@ -97,8 +100,10 @@ pub fn strip_found(headers: &mut HeaderMap, found: Found) {
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+    // `Connection` is gone already.
+    let rest = present & !CONNECTION_BIT;
     for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) != 0 {
+        if rest & (1 << i) != 0 {
             headers.remove(name);
         }
     }
