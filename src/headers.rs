@@ -19,7 +19,8 @@ static HOP_BY_HOP: [HeaderName; 9] = [
     header::UPGRADE,
 ];
 
-/// `Connection`'s, `Proxy-Authorization`'s, `TE`'s and `Upgrade`'s bits in the set of [`HOP_BY_HOP`] names present.
+/// `Connection`'s, `Proxy-Authorization`'s, `TE`'s and `Upgrade`'s bits in the set of
+/// [`HOP_BY_HOP`] names present.
 const CONNECTION_BIT: u16 = 1 << 0;
 const PROXY_AUTHORIZATION_BIT: u16 = 1 << 3;
 const TE_BIT: u16 = 1 << 5;
