@@ -3,11 +3,17 @@
 //! routing, address policy, pacing, verdicts, metrics or request log). What pacegate spends
 //! above this is its own; what this spends above nginx is the stack's.
 //!
-//!     cargo run --release --example hyper_floor -- 127.0.0.1:3129
+//!     cargo run --release --example hyper_floor -- 127.0.0.1:3129 [served]
+//!
+//! `served` serves client connections with the settings pacegate serves them with
+//! (hyper-util's builder for HTTP/1 and h2 on one listener, hyper's header-read timer): what
+//! those settings cost, told apart from what pacegate does. The floor the benches measure
+//! against is without them.
 //!
 //! Used by `benches/peers.sh` (loopback only). Not a proxy to use: it forwards to any host.
 
 use std::convert::Infallible;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
@@ -17,7 +23,8 @@ use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -29,12 +36,19 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .expect("cannot bind");
-    serve(listener).await;
+    let served = std::env::args().nth(2).as_deref() == Some("served");
+    serve_with(listener, served).await;
 }
 
 /// Forwards every request arriving on `listener` (`benches/allocations.rs` runs it
-/// in-process).
+/// in-process; this example's `main` calls [`serve_with`]).
+#[allow(dead_code)]
 pub(crate) async fn serve(listener: tokio::net::TcpListener) {
+    serve_with(listener, false).await;
+}
+
+/// [`serve`], with client connections served as pacegate serves them where `served`.
+async fn serve_with(listener: tokio::net::TcpListener, served: bool) {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     // As pacegate keeps them: up to 256 idle upstream connections per host.
@@ -68,9 +82,21 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener) {
                     Ok::<_, Infallible>(answer)
                 }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            if served {
+                let mut builder = auto::Builder::new(TokioExecutor::new());
+                builder
+                    .http1()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(Duration::from_secs(10))
+                    .keep_alive(true);
+                let _ = builder
+                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                    .await;
+            } else {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            }
         });
     }
 }
