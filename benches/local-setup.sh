@@ -1,6 +1,6 @@
 # Sourced by benches/syscalls.sh, benches/idle_memory.sh, benches/profile.sh,
-# benches/instructions.sh and benches/alternate.sh: a work dir removed on exit, a local
-# upstream answering 1 KiB to every GET, and a pacegate config with
+# benches/instructions.sh, benches/alternate.sh and benches/fresh_rounds.sh: a work dir
+# removed on exit, a local upstream answering 1 KiB to every GET, and a pacegate config with
 # destination `local` (localhost) at `rate = 1000000` and `$proxy_limits` in [proxy.limits].
 # The upstream is a small Python server, or nginx (one worker) when `$nginx` names its
 # binary: fast enough not to be the limit under load. Sets $work, $upstream_port and
