@@ -86,7 +86,7 @@ fn main() {
         .await;
         let floor_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let floor_at = floor_listener.local_addr().unwrap();
-        tokio::spawn(floor::serve(floor_listener));
+        tokio::spawn(floor::serve(floor_listener, false));
 
         let host = format!("localhost:{}", upstream.http.port());
         let absolute = format!("http://{host}/bytes/1024");

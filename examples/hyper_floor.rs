@@ -37,18 +37,12 @@ async fn main() {
         .await
         .expect("cannot bind");
     let served = std::env::args().nth(2).as_deref() == Some("served");
-    serve_with(listener, served).await;
+    serve(listener, served).await;
 }
 
-/// Forwards every request arriving on `listener` (`benches/allocations.rs` runs it
-/// in-process; this example's `main` calls [`serve_with`]).
-#[allow(dead_code)]
-pub(crate) async fn serve(listener: tokio::net::TcpListener) {
-    serve_with(listener, false).await;
-}
-
-/// [`serve`], with client connections served as pacegate serves them where `served`.
-async fn serve_with(listener: tokio::net::TcpListener, served: bool) {
+/// Forwards every request arriving on `listener`, its client connections served as pacegate
+/// serves them where `served` (`benches/allocations.rs` runs it in-process, without).
+pub(crate) async fn serve(listener: tokio::net::TcpListener, served: bool) {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     // As pacegate keeps them: up to 256 idle upstream connections per host.

@@ -6,7 +6,7 @@ use crate::support::fleet::beside;
 
 use std::time::Duration;
 
-use support::process::{config_text, spawn_binary_logging, Instance, Served};
+use support::process::{Instance, Logs, Served};
 use support::{client, Alpn, FakeUpstream};
 
 /// The real binary with JSON logs and `[log] requests = "{requests}"`.
@@ -38,9 +38,8 @@ async fn three_requests(upstream: &FakeUpstream, instance: Instance) -> Vec<serd
     stopped(instance).await
 }
 
-/// Stops `instance` with SIGTERM and returns its request lines, every one of them: the
-/// last line it writes is "pacegate stopped".
-async fn stopped(instance: Instance) -> Vec<serde_json::Value> {
+/// Stops `instance` with SIGTERM, sees it exit cleanly, and returns its logs.
+async fn terminated(instance: Instance) -> Logs {
     let Instance { child, logs, .. } = instance;
     assert!(std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -51,6 +50,13 @@ async fn stopped(instance: Instance) -> Vec<serde_json::Value> {
         .await
         .unwrap();
     assert_eq!(exit.code(), Some(0));
+    logs
+}
+
+/// Stops `instance` and returns its request lines, every one of them: the last line it
+/// writes is "pacegate stopped".
+async fn stopped(instance: Instance) -> Vec<serde_json::Value> {
+    let logs = terminated(instance).await;
     support::eventually(Duration::from_secs(5), "the final log line", || async {
         let lines = logs.json();
         lines
@@ -112,19 +118,9 @@ async fn none_logs_no_request() {
     assert_eq!(lines, Vec::<serde_json::Value>::new());
 }
 
-/// Stops `instance` with SIGTERM and returns every line it wrote, in text: the last is
-/// "pacegate stopped".
+/// Stops `instance` and returns every line it wrote, in text: the last is "pacegate stopped".
 async fn stopped_text(instance: Instance) -> Vec<String> {
-    let Instance { child, logs, .. } = instance;
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-    let exit = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap();
-    assert_eq!(exit.code(), Some(0));
+    let logs = terminated(instance).await;
     support::eventually(Duration::from_secs(5), "the final log line", || async {
         let lines = logs.lines();
         lines
@@ -140,11 +136,11 @@ async fn the_text_log_as_shipped_writes_each_request_line_unless_its_filter_says
     let _beside = beside().await;
     let upstream = FakeUpstream::start().await;
     for (filter, shown) in [("info", true), ("info,pacegate::request=off", false)] {
-        let dir = tempfile::tempdir().unwrap();
-        let config = dir.path().join("pacegate.toml");
         let rest = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000";
-        std::fs::write(&config, config_text("", "", None, rest)).unwrap();
-        let instance = spawn_binary_logging("text", &config, &[("PACEGATE_LOG", filter)]);
+        let Served {
+            instance,
+            dir: _dir,
+        } = Served::start_logging("text", &[("PACEGATE_LOG", filter)], "", None, rest);
         let via = client(
             Some(&format!("http://{}", instance.proxy)),
             &[],

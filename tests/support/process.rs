@@ -66,11 +66,7 @@ pub fn spawn_binary_with(config: &std::path::Path, env: &[(&str, &str)]) -> Inst
 }
 
 /// [`spawn_binary_with`], logging in `format` (`text`, as shipped, or `json`).
-pub fn spawn_binary_logging(
-    format: &str,
-    config: &std::path::Path,
-    env: &[(&str, &str)],
-) -> Instance {
+fn spawn_binary_logging(format: &str, config: &std::path::Path, env: &[(&str, &str)]) -> Instance {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pacegate"))
         .args(["--log-format", format, "serve", "--config"])
         .arg(config)
@@ -142,10 +138,22 @@ pub struct Served {
 
 impl Served {
     pub fn start(proxy_keys: &str, roots: Option<&std::path::Path>, rest: &str) -> Self {
+        Self::start_logging("json", &[], proxy_keys, roots, rest)
+    }
+
+    /// [`Served::start`], logging in `format` (`text`, as shipped, or `json`), with more
+    /// environment variables.
+    pub fn start_logging(
+        format: &str,
+        env: &[(&str, &str)],
+        proxy_keys: &str,
+        roots: Option<&std::path::Path>,
+        rest: &str,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("pacegate.toml");
         std::fs::write(&config, config_text(proxy_keys, "", roots, rest)).unwrap();
-        let instance = spawn_binary(&config);
+        let instance = spawn_binary_logging(format, &config, env);
         Self { instance, dir }
     }
 
