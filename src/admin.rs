@@ -16,7 +16,7 @@ use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -329,9 +329,9 @@ impl Admin {
                         Ok::<_, Infallible>(resp)
                     }
                 });
+                // The head's deadline is the watch's, as on the proxy's connections.
                 let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(limits.header_read_timeout)
+                    .header_read_timeout(None)
                     .serve_connection(TokioIo::new(watch.io(stream)), service);
                 tokio::select! {
                     _ = conn => {}

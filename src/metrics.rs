@@ -42,8 +42,9 @@ pub struct Metrics {
     /// `[proxy] clients`.
     pub clients_refused: IntCounter,
     /// `pacegate_connections_expired_total{reason}`: connections (client connections and
-    /// intercepted sessions) closed at a deadline: `silent` (no first byte), `idle` (no
-    /// request), `write_timeout` (a client that did not read).
+    /// intercepted sessions) closed at a deadline: `silent` (no first byte), `head` (an
+    /// HTTP/1 head begun, not finished), `idle` (no request), `write_timeout` (a client that
+    /// did not read).
     pub connections_expired: IntCounterVec,
     /// `pacegate_tunnels_open{kind}`: CONNECT sessions open now (`intercept` or `blind`).
     pub tunnels_open: IntGaugeVec,
@@ -188,11 +189,11 @@ impl Metrics {
         let connections_expired = IntCounterVec::new(
             Opts::new(
                 "pacegate_connections_expired_total",
-                "Connections closed at a deadline, by reason (silent, idle, write_timeout)",
+                "Connections closed at a deadline, by reason (silent, head, idle, write_timeout)",
             ),
             &["reason"],
         )?;
-        for reason in ["silent", "idle", "write_timeout"] {
+        for reason in ["silent", "head", "idle", "write_timeout"] {
             connections_expired.with_label_values(&[reason]);
         }
         let tunnels_open = IntGaugeVec::new(

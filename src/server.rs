@@ -137,8 +137,8 @@ pub enum Ended {
 }
 
 /// Serves one connection, a client's or an intercepted session's, with every deadline it has
-/// (see [`watch`]): hyper's header timeout and HTTP/2 pings, the watch's first-byte, idle and
-/// write deadlines, and the drain. `slot` goes with each request, for what outlives it.
+/// (see [`watch`]): HTTP/2 pings (hyper's), the watch's first-byte, head, idle and write
+/// deadlines, and the drain. `slot` goes with each request, for what outlives it.
 pub async fn serve_connection<I, H>(
     io: I,
     handler: H,
@@ -230,10 +230,9 @@ pub fn connection_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
-        .timer(TokioTimer::new())
-        // hyper restarts this timer whenever it waits for a request head, so it also closes
-        // kept-alive connections that sit idle.
-        .header_read_timeout(limits.header_read_timeout)
+        // The head's deadline is the connection's watch's (see `watch`): hyper's would arm a
+        // timer of its own for every request.
+        .header_read_timeout(None)
         .max_buf_size(limits.max_header_bytes)
         .keep_alive(true);
     builder

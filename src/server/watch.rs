@@ -1,11 +1,15 @@
-//! The deadlines of a served connection that hyper does not keep: the wait for a client's
-//! first byte (hyper's header timeout starts only once it has chosen HTTP/1 or HTTP/2, and
-//! that needs the first bytes), idle time with no request in flight (HTTP/2 has no header
-//! timeout at all), and a response write that the client does not read.
+//! The deadlines of a served connection, but for HTTP/2's pings (hyper's): the wait for a
+//! client's first byte, an HTTP/1 request head (`header_read_timeout`), idle time with no
+//! request in flight, and a response write that the client does not read.
 //!
 //! Idle time counts from the end of the last request (or the first byte), not from the last
 //! byte: an HTTP/2 client answers the server's pings and sends settings and window updates
-//! while it has nothing to ask, and none of that is a reason to keep its connection.
+//! while it has nothing to ask, and none of that is a reason to keep its connection. On
+//! HTTP/1 the next head is due within `header_read_timeout` of the last request's end, so a
+//! kept-alive HTTP/1 connection idles at most that long (or `idle_timeout`, if shorter).
+//! The head's deadline is kept here and not by hyper, which arms a timer of its own (an
+//! allocation and two visits to the timer wheel) for every request; the watch's one timer
+//! serves the connection.
 //!
 //! [`Watched`] wraps the connection's stream and notes its first byte and its writes;
 //! [`Watch::expired`]
@@ -26,12 +30,18 @@ use tokio::time::{Instant, Sleep};
 use crate::config::Limits;
 use crate::shutdown::quietly;
 
+/// How an HTTP/2 client's first bytes read (RFC 9113, section 3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 /// Why a connection was closed by its watch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expired {
     /// The client sent nothing within `header_read_timeout` of connecting.
     Silent,
-    /// No request in flight for `idle_timeout`.
+    /// An HTTP/1 client began a request head and did not finish it within
+    /// `header_read_timeout` (or `idle_timeout`, if shorter) of the last request's end.
+    Head,
+    /// No request in flight for `idle_timeout` (on HTTP/1, `header_read_timeout` if shorter).
     Idle,
 }
 
@@ -40,6 +50,7 @@ impl Expired {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Silent => "silent",
+            Self::Head => "head",
             Self::Idle => "idle",
         }
     }
@@ -49,7 +60,12 @@ impl std::fmt::Display for Expired {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Silent => "the client sent nothing within proxy.limits.header_read_timeout",
-            Self::Idle => "no request for proxy.limits.idle_timeout",
+            Self::Head => {
+                "the client did not finish a request head within proxy.limits.header_read_timeout"
+            }
+            Self::Idle => {
+                "no request for proxy.limits.idle_timeout (on HTTP/1.1, header_read_timeout if shorter)"
+            }
         })
     }
 }
@@ -65,8 +81,13 @@ struct Activity {
     /// Milliseconds after `since` of the first byte, or of the last request's start or end.
     last_request: AtomicU64,
     first_byte: AtomicBool,
+    /// The client spoke HTTP/2 (its first bytes were the preface): no head deadline.
+    h2: AtomicBool,
+    /// Bytes came with no request in flight since the last one began: a head under way (on
+    /// HTTP/1).
+    head_begun: AtomicBool,
     in_flight: AtomicUsize,
-    first_byte_timeout: Duration,
+    header_read_timeout: Duration,
     idle_timeout: Duration,
     write_timeout: Duration,
 }
@@ -79,8 +100,10 @@ impl Watch {
                 since: Instant::now(),
                 last_request: AtomicU64::new(0),
                 first_byte: AtomicBool::new(false),
+                h2: AtomicBool::new(false),
+                head_begun: AtomicBool::new(false),
                 in_flight: AtomicUsize::new(0),
-                first_byte_timeout: limits.header_read_timeout,
+                header_read_timeout: limits.header_read_timeout,
                 idle_timeout: limits.idle_timeout,
                 write_timeout: limits.write_timeout,
             }),
@@ -99,6 +122,7 @@ impl Watch {
     /// Marks a request in flight until the returned guard drops (with the response body).
     pub fn request(&self) -> InFlight {
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.inner.head_begun.store(false, Ordering::Relaxed);
         self.busy();
         InFlight {
             watch: self.clone(),
@@ -117,13 +141,22 @@ impl Watch {
     fn deadline(&self) -> Option<(Instant, Expired)> {
         let a = &self.inner;
         if !a.first_byte.load(Ordering::Relaxed) {
-            return Some((a.since + a.first_byte_timeout, Expired::Silent));
+            return Some((a.since + a.header_read_timeout, Expired::Silent));
         }
         if a.in_flight.load(Ordering::Relaxed) > 0 {
             return None;
         }
         let last = a.since + Duration::from_millis(a.last_request.load(Ordering::Relaxed));
-        Some((last + a.idle_timeout, Expired::Idle))
+        if a.h2.load(Ordering::Relaxed) {
+            return Some((last + a.idle_timeout, Expired::Idle));
+        }
+        // HTTP/1: the next head is due, whether or not its first bytes have come.
+        let why = if a.head_begun.load(Ordering::Relaxed) {
+            Expired::Head
+        } else {
+            Expired::Idle
+        };
+        Some((last + a.header_read_timeout.min(a.idle_timeout), why))
     }
 
     /// Resolves when a deadline has passed with nothing to put it off.
@@ -202,13 +235,22 @@ impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let result = Pin::new(&mut self.io).poll_read(cx, buf);
-        if matches!(result, Poll::Ready(Ok(())))
-            && buf.filled().len() > before
-            && !self.watch.inner.first_byte.load(Ordering::Relaxed)
-        {
-            // The idle time counts from here until a request comes.
+        if !matches!(result, Poll::Ready(Ok(()))) || buf.filled().len() == before {
+            return result;
+        }
+        let a = &self.watch.inner;
+        if !a.first_byte.load(Ordering::Relaxed) {
+            // The first bytes say the protocol, as hyper's builder reads them: HTTP/2 begins
+            // with its preface (sent whole, in one write, by every client).
+            let first = &buf.filled()[before..];
+            let h2 = first.len() >= 4 && H2_PREFACE.starts_with(&first[..first.len().min(24)]);
+            a.h2.store(h2, Ordering::Relaxed);
+            // The idle time, and an HTTP/1 head's, count from here until a request comes.
             self.watch.busy();
-            self.watch.inner.first_byte.store(true, Ordering::Relaxed);
+            a.first_byte.store(true, Ordering::Relaxed);
+        }
+        if a.in_flight.load(Ordering::Relaxed) == 0 && !a.head_begun.load(Ordering::Relaxed) {
+            a.head_begun.store(true, Ordering::Relaxed);
         }
         result
     }
@@ -250,7 +292,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
     fn limits() -> Limits {
         Limits {
@@ -276,11 +318,14 @@ mod tests {
         let mut server = watch.io(server);
         let started = Instant::now();
         let chatter = tokio::spawn(async move {
-            // A ping's answer every 3 s, both ways, for longer than the idle timeout.
-            let mut buf = [0u8; 8];
+            // An HTTP/2 client: its preface, then a ping's answer every 3 s, both ways, for
+            // longer than the idle timeout.
+            client.write_all(H2_PREFACE).await.unwrap();
+            let mut buf = [0u8; 24];
+            server.read_exact(&mut buf).await.unwrap();
             for _ in 0..10 {
                 client.write_all(b"PING-ACK").await.unwrap();
-                server.read_exact(&mut buf).await.unwrap();
+                server.read_exact(&mut buf[..8]).await.unwrap();
                 server.write_all(b"PING").await.unwrap();
                 tokio::time::sleep(Duration::from_secs(3)).await;
             }
@@ -290,25 +335,76 @@ mod tests {
         chatter.abort();
     }
 
+    /// A connection's two ends, the client's and the watched server's.
+    type Ends = (DuplexStream, Watched<DuplexStream>);
+
+    /// One request of `secs` on a connection whose client said `first`: when it ended.
+    async fn one_request(watch: &Watch, first: &[u8], secs: u64) -> (Instant, Ends) {
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut server = watch.io(server);
+        client.write_all(first).await.unwrap();
+        let mut buf = vec![0u8; first.len()];
+        server.read_exact(&mut buf).await.unwrap();
+        let request = watch.request();
+        // A request in flight: neither idle nor a head late.
+        let early = tokio::time::timeout(Duration::from_secs(secs), watch.expired()).await;
+        assert!(early.is_err(), "expired while a request was in flight");
+        drop(request);
+        (Instant::now(), (client, server))
+    }
+
     #[tokio::test(start_paused = true)]
     async fn idle_time_counts_from_the_last_request_s_end_and_not_while_one_runs() {
         let watch = Watch::new(&limits());
-        let (client, server) = tokio::io::duplex(64);
-        let mut server = watch.io(server);
-        let mut client = client;
-        client.write_all(b"GET").await.unwrap();
-        let mut buf = [0u8; 3];
-        server.read_exact(&mut buf).await.unwrap();
         let started = Instant::now();
-        let request = watch.request();
-        // A request in flight for a minute: not idle.
-        let early = tokio::time::timeout(Duration::from_secs(60), watch.expired()).await;
-        assert!(early.is_err(), "expired while a request was in flight");
-        drop(request);
-        let ended = Instant::now();
+        let (ended, _ends) = one_request(&watch, H2_PREFACE, 60).await;
         assert_eq!(watch.expired().await, Expired::Idle);
         assert_eq!(ended.elapsed(), Duration::from_secs(10));
         assert!(started.elapsed() >= Duration::from_secs(70));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_alive_http1_connection_idles_no_longer_than_the_header_timeout() {
+        let watch = Watch::new(&limits());
+        let (ended, _ends) = one_request(&watch, b"GET ", 60).await;
+        assert_eq!(watch.expired().await, Expired::Idle);
+        assert_eq!(ended.elapsed(), Duration::from_secs(2));
+        // Where the idle timeout is the shorter, it is the one.
+        let shorter = Limits {
+            idle_timeout: Duration::from_secs(1),
+            ..limits()
+        };
+        let watch = Watch::new(&shorter);
+        let (ended, _ends) = one_request(&watch, b"GET ", 5).await;
+        assert_eq!(watch.expired().await, Expired::Idle);
+        assert_eq!(ended.elapsed(), Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http1_head_begun_and_not_finished_is_late_at_the_header_timeout() {
+        // The first request's head: counted from its first byte.
+        let watch = Watch::new(&limits());
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut server = watch.io(server);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        client
+            .write_all(b"GET http://a/ HTTP/1.1\r\nHo")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 8];
+        let _ = server.read(&mut buf).await.unwrap();
+        let first_byte = Instant::now();
+        assert_eq!(watch.expired().await, Expired::Head);
+        assert_eq!(first_byte.elapsed(), Duration::from_secs(2));
+
+        // A later one: counted from the last request's end, however its bytes come.
+        let watch = Watch::new(&limits());
+        let (ended, (mut client, mut server)) = one_request(&watch, b"GET ", 5).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        client.write_all(b"G").await.unwrap();
+        let _ = server.read(&mut buf).await.unwrap();
+        assert_eq!(watch.expired().await, Expired::Head);
+        assert_eq!(ended.elapsed(), Duration::from_secs(2));
     }
 
     #[tokio::test(start_paused = true)]

@@ -67,6 +67,12 @@ async fn a_stalled_client_is_disconnected_after_the_header_timeout() {
         "the stalled connection was held for {waited:?}"
     );
     assert!(!rest.contains("200"), "{rest}");
+    // Counted as a head that did not come, not as an idle connection.
+    let head = "pacegate_connections_expired_total{reason=\"head\"}";
+    support::eventually(Duration::from_secs(5), "the head counted", || async {
+        (proxy.metric(head).await == 1.0).then_some(())
+    })
+    .await;
     still_serves(&proxy, &upstream).await;
 }
 
