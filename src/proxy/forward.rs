@@ -192,11 +192,14 @@ fn host_as_derived(target: &Target, headers: &http::HeaderMap) -> bool {
 /// leading zero. Compared as bytes, since `host` is normalised (lowercase): another spelling
 /// is not as routed.
 fn written_as(written: &str, host: &str, port: Option<u16>) -> bool {
-    let rest = if host.contains(':') {
+    // As bytes throughout: the host is short and plain, and a search for a `char` or a
+    // second pass over the digits costs more than the comparison itself.
+    let (written, host) = (written.as_bytes(), host.as_bytes());
+    let rest = if host.contains(&b':') {
         written
-            .strip_prefix('[')
+            .strip_prefix(b"[")
             .and_then(|w| w.strip_prefix(host))
-            .and_then(|w| w.strip_prefix(']'))
+            .and_then(|w| w.strip_prefix(b"]"))
     } else {
         written.strip_prefix(host)
     };
@@ -206,16 +209,20 @@ fn written_as(written: &str, host: &str, port: Option<u16>) -> bool {
     let Some(port) = port else {
         return rest.is_empty();
     };
-    let Some(digits) = rest.strip_prefix(':') else {
+    let Some(digits) = rest.strip_prefix(b":") else {
         return false;
     };
-    digits.len() <= 5
-        && digits.as_bytes().first().is_some_and(|d| *d != b'0')
-        && digits.bytes().all(|d| d.is_ascii_digit())
-        && digits
-            .bytes()
-            .fold(0u32, |n, d| n * 10 + u32::from(d - b'0'))
-            == u32::from(port)
+    if digits.is_empty() || digits.len() > 5 || digits[0] == b'0' {
+        return false;
+    }
+    let mut n = 0u32;
+    for &d in digits {
+        if !d.is_ascii_digit() {
+            return false;
+        }
+        n = n * 10 + u32::from(d - b'0');
+    }
+    n == u32::from(port)
 }
 
 #[cfg(test)]

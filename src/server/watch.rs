@@ -123,7 +123,8 @@ impl Watch {
     pub fn request(&self) -> InFlight {
         self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
         self.inner.head_begun.store(false, Ordering::Relaxed);
-        self.busy();
+        // No clock read here: the idle time is looked at only with no request in flight, and
+        // the request that ends last marks where it counts from (`InFlight`'s drop).
         InFlight {
             watch: self.clone(),
         }
