@@ -78,7 +78,7 @@ pub struct Watch {
 
 struct Activity {
     since: Instant,
-    /// Milliseconds after `since` of the first byte, or of the last request's start or end.
+    /// Milliseconds after `since` of the first byte, or of the last request's end.
     last_request: AtomicU64,
     first_byte: AtomicBool,
     /// The client spoke HTTP/2 (its first bytes were the preface): no head deadline.
@@ -242,7 +242,8 @@ impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
         let a = &self.watch.inner;
         if !a.first_byte.load(Ordering::Relaxed) {
             // The first bytes say the protocol, as hyper's builder reads them: HTTP/2 begins
-            // with its preface (sent whole, in one write, by every client).
+            // with its preface, which clients write at once. A first read too short to tell
+            // is taken for HTTP/1, whose deadlines are the stricter.
             let first = &buf.filled()[before..];
             let h2 = first.len() >= 4 && H2_PREFACE.starts_with(&first[..first.len().min(24)]);
             a.h2.store(h2, Ordering::Relaxed);
