@@ -10,11 +10,20 @@
 #   benches/instructions.sh [PACEGATE_BINARY] [SECONDS]   # target/release/pacegate, 10
 #
 # The profiles stay in target/instructions/ (callgrind_annotate --inclusive=yes FILE).
+#
+# C=256 drives 256 connections instead of 32. CACHE_SIM=1 also simulates the first-level
+# caches (32 KiB for code, 32 KiB for data, as callgrind's --cache-sim=yes takes them from
+# the machine) and prints each side's misses a request: at c=256, where each connection's
+# state is cold when its turn comes, they tell builds apart where CPU time on a busy
+# machine cannot (docs/benchmarks.md, "Eighth pass"). The simulation runs about twice as slow.
 # Needs valgrind, wrk, nginx and python3; as root on Debian it installs them. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/pacegate}
 seconds=${2:-10}
+C=${C:-32}
+cache=()
+[ "${CACHE_SIM:-0}" = 1 ] && cache=(--cache-sim=yes)
 floor=target/release/examples/hyper_floor
 
 # shellcheck source=benches/need.sh
@@ -35,7 +44,7 @@ count() { # name, command...
     local name=$1
     shift
     rm -f "$out/$name".*
-    valgrind --tool=callgrind --callgrind-out-file="$out/$name.%p" "$@" 2>"$work/$name.log" &
+    valgrind --tool=callgrind "${cache[@]}" --callgrind-out-file="$out/$name.%p" "$@" 2>"$work/$name.log" &
     local pid=$!
     local ready=
     for _ in $(seq 300); do
@@ -43,10 +52,10 @@ count() { # name, command...
         sleep 0.2
     done
     [ -n "$ready" ] || { echo "instructions: $name did not answer:" >&2; cat "$work/$name.log" >&2; exit 1; }
-    wrk -t 2 -c 32 -d 3s -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" >/dev/null
+    wrk -t 2 -c "$C" -d 3s -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" >/dev/null
     callgrind_control -z "$pid" >/dev/null 2>&1
     local requests
-    requests=$(wrk -t 2 -c 32 -d "${seconds}s" -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" |
+    requests=$(wrk -t 2 -c "$C" -d "${seconds}s" -s "$work/proxy.lua" "http://127.0.0.1:$proxy_port" |
         awk '/requests in/ {print $1}')
     callgrind_control -d "$pid" >/dev/null 2>&1
     sleep 1
@@ -57,6 +66,11 @@ count() { # name, command...
     kill "$pid"
     wait "$pid" 2>/dev/null || true
     echo "$name $requests $total" | awk '{printf "%-9s %8d requests  %6.0f instructions a request\n", $1, $2, $3 / $2}'
+    if [ ${#cache[@]} -gt 0 ]; then
+        # events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
+        awk -v n="$requests" -v name="$name" '/^summary:/ {
+            printf "%-9s L1 misses a request: code %.0f, data read %.0f, data write %.0f\n", name, $5 / n, $6 / n, $7 / n}' "$file"
+    fi
     eval "per_$name=$((total / requests))"
 }
 
