@@ -313,11 +313,18 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_secs(2));
     }
 
+    /// A connection's two ends, the client's and the watched server's.
+    type Ends = (DuplexStream, Watched<DuplexStream>);
+
+    fn connected(watch: &Watch) -> Ends {
+        let (client, server) = tokio::io::duplex(64);
+        (client, watch.io(server))
+    }
+
     #[tokio::test(start_paused = true)]
     async fn bytes_that_are_no_request_do_not_put_the_idle_time_off() {
         let watch = Watch::new(&limits());
-        let (mut client, server) = tokio::io::duplex(64);
-        let mut server = watch.io(server);
+        let (mut client, mut server) = connected(&watch);
         let started = Instant::now();
         let chatter = tokio::spawn(async move {
             // An HTTP/2 client: its preface, then a ping's answer every 3 s, both ways, for
@@ -337,13 +344,9 @@ mod tests {
         chatter.abort();
     }
 
-    /// A connection's two ends, the client's and the watched server's.
-    type Ends = (DuplexStream, Watched<DuplexStream>);
-
     /// One request of `secs` on a connection whose client said `first`: when it ended.
     async fn one_request(watch: &Watch, first: &[u8], secs: u64) -> (Instant, Ends) {
-        let (mut client, server) = tokio::io::duplex(64);
-        let mut server = watch.io(server);
+        let (mut client, mut server) = connected(watch);
         client.write_all(first).await.unwrap();
         let mut buf = vec![0u8; first.len()];
         server.read_exact(&mut buf).await.unwrap();
@@ -386,8 +389,7 @@ mod tests {
     async fn an_http1_head_begun_and_not_finished_is_late_at_the_header_timeout() {
         // The first request's head: counted from its first byte.
         let watch = Watch::new(&limits());
-        let (mut client, server) = tokio::io::duplex(64);
-        let mut server = watch.io(server);
+        let (mut client, mut server) = connected(&watch);
         tokio::time::sleep(Duration::from_secs(1)).await;
         client
             .write_all(b"GET http://a/ HTTP/1.1\r\nHo")

@@ -38,7 +38,8 @@ async fn three_requests(upstream: &FakeUpstream, instance: Instance) -> Vec<serd
     stopped(instance).await
 }
 
-/// Stops `instance` with SIGTERM, sees it exit cleanly, and returns its logs.
+/// Stops `instance` with SIGTERM, sees it exit cleanly, and returns its logs once they hold
+/// the last line it writes, "pacegate stopped" (in either format).
 async fn terminated(instance: Instance) -> Logs {
     let Instance { child, logs, .. } = instance;
     assert!(std::process::Command::new("kill")
@@ -50,26 +51,24 @@ async fn terminated(instance: Instance) -> Logs {
         .await
         .unwrap();
     assert_eq!(exit.code(), Some(0));
+    support::eventually(Duration::from_secs(5), "the final log line", || async {
+        logs.lines()
+            .iter()
+            .any(|l| l.contains("pacegate stopped"))
+            .then_some(())
+    })
+    .await;
     logs
 }
 
-/// Stops `instance` and returns its request lines, every one of them: the last line it
-/// writes is "pacegate stopped".
+/// Stops `instance` and returns its request lines, every one of them.
 async fn stopped(instance: Instance) -> Vec<serde_json::Value> {
-    let logs = terminated(instance).await;
-    support::eventually(Duration::from_secs(5), "the final log line", || async {
-        let lines = logs.json();
-        lines
-            .iter()
-            .any(|v| v["message"] == "pacegate stopped")
-            .then(|| {
-                lines
-                    .into_iter()
-                    .filter(|v| v["target"] == "pacegate::request")
-                    .collect()
-            })
-    })
-    .await
+    terminated(instance)
+        .await
+        .json()
+        .into_iter()
+        .filter(|v| v["target"] == "pacegate::request")
+        .collect()
 }
 
 fn statuses(lines: &[serde_json::Value]) -> Vec<u64> {
@@ -118,19 +117,6 @@ async fn none_logs_no_request() {
     assert_eq!(lines, Vec::<serde_json::Value>::new());
 }
 
-/// Stops `instance` and returns every line it wrote, in text: the last is "pacegate stopped".
-async fn stopped_text(instance: Instance) -> Vec<String> {
-    let logs = terminated(instance).await;
-    support::eventually(Duration::from_secs(5), "the final log line", || async {
-        let lines = logs.lines();
-        lines
-            .iter()
-            .any(|l| l.ends_with("pacegate stopped"))
-            .then_some(lines)
-    })
-    .await
-}
-
 #[tokio::test]
 async fn the_text_log_as_shipped_writes_each_request_line_unless_its_filter_says_not() {
     let _beside = beside().await;
@@ -148,7 +134,7 @@ async fn the_text_log_as_shipped_writes_each_request_line_unless_its_filter_says
         );
         let url = format!("{}/status/200", upstream.http_url("localhost"));
         assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
-        let lines = stopped_text(instance).await;
+        let lines = terminated(instance).await.lines();
         let requests: Vec<&String> = lines
             .iter()
             .filter(|l| l.contains(" INFO pacegate::request: "))
