@@ -16,6 +16,9 @@
 # the machine) and prints each side's misses a request: at c=256, where each connection's
 # state is cold when its turn comes, they tell builds apart where CPU time on a busy
 # machine cannot (docs/benchmarks.md, "Eighth pass"). The simulation runs about twice as slow.
+# LL=SIZE,WAYS,LINE with CACHE_SIM=1 sets the last level simulated, whose misses it prints
+# too: LL=1048576,8,64 is these machines' 1 MiB L2 a core, the level whose misses c=256 pays
+# for (docs/benchmarks.md, "Ninth pass").
 # Needs valgrind, wrk, nginx and python3; as root on Debian it installs them. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +27,7 @@ seconds=${2:-10}
 C=${C:-32}
 cache=()
 [ "${CACHE_SIM:-0}" = 1 ] && cache=(--cache-sim=yes)
+[ "${CACHE_SIM:-0}" = 1 ] && [ -n "${LL:-}" ] && cache+=("--LL=$LL")
 floor=target/release/examples/hyper_floor
 
 # shellcheck source=benches/need.sh
@@ -69,7 +73,8 @@ count() { # name, command...
     if [ ${#cache[@]} -gt 0 ]; then
         # events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
         awk -v n="$requests" -v name="$name" '/^summary:/ {
-            printf "%-9s L1 misses a request: code %.0f, data read %.0f, data write %.0f\n", name, $5 / n, $6 / n, $7 / n}' "$file"
+            printf "%-9s L1 misses a request: code %.0f, data read %.0f, data write %.0f\n", name, $5 / n, $6 / n, $7 / n
+            printf "%-9s LL misses a request: code %.0f, data read %.0f, data write %.0f\n", name, $8 / n, $9 / n, $10 / n}' "$file"
     fi
     eval "per_$name=$((total / requests))"
 }

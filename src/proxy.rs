@@ -591,6 +591,31 @@ mod tests {
         assert_eq!(target(true, "example.com:443"), ok("example.com", 443));
     }
 
+    /// The size of the future `make` returns, without making one.
+    fn future_size<A, F: std::future::Future>(_make: impl FnOnce(A) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    // A request's future is moved whole into its connection's slot, where, with hundreds of
+    // connections taking turns, each of its cache lines is a cold write (docs/benchmarks.md,
+    // "Tenth pass"). A step written as an `async fn` that keeps its arguments twice, or a
+    // rare wait held inline, grows it past this.
+    #[test]
+    fn a_request_future_stays_within_its_cache_lines() {
+        let size = future_size(|(proxy, req): (Proxy, Request<Incoming>)| proxy.handle(req));
+        assert!(size <= LINES * 64, "a request's future is {size} bytes");
+        let size = future_size(|(proxy, req, target): (Proxy, Request<Incoming>, Target)| {
+            proxy.handle_inner(req, target)
+        });
+        assert!(
+            size <= LINES * 64,
+            "an intercepted request's future is {size} bytes"
+        );
+    }
+
+    /// What a request's future may take, in cache lines of 64 bytes.
+    const LINES: usize = 25;
+
     #[test]
     fn a_target_that_is_not_one_says_why() {
         let why = |connect, uri| target(connect, uri).expect_err(uri);

@@ -2,12 +2,14 @@
 //! shadow mode taken by a stand-in while the request goes at once; [`Pacer::enter`] decides
 //! which by the destination's mode.
 
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use super::lane::{self, Keys, Lane};
 use super::{Admission, PaceError, PaceKeys, Pacer, Route};
@@ -20,18 +22,23 @@ impl Pacer {
     /// A slot for a request of `class` to `route` that began to wait at `started`, by `pace`
     /// (the route's keys as the request found them) and its mode: waited for
     /// ([`Pacer::admit`]), or in shadow mode counted while the request goes at once.
-    pub async fn enter(
-        self: &Arc<Self>,
-        route: &Route,
-        pace: &PaceKeys,
+    // Not an `async fn`: its future is the wait's own, not the wait's beside the arguments
+    // it was made from (so too the steps below; a request's whole future is moved into its
+    // connection's slot, and every byte of it is a cold write there).
+    pub fn enter<'a>(
+        self: &'a Arc<Self>,
+        route: &'a Route,
+        pace: &'a PaceKeys,
         class: Class,
         started: Instant,
         deadline: Instant,
-    ) -> Result<Admission, PaceError> {
+    ) -> impl Future<Output = Result<Admission, PaceError>> + Send + 'a {
         let keys = pace.keys();
         match keys.pace.mode {
-            Mode::Enforce => self.admit_by(route, keys, class, started, deadline).await,
-            Mode::Shadow => Ok(self.shadow(route, keys, class, deadline)),
+            Mode::Enforce => Either::Left(self.admit_by(route, keys, class, started, deadline)),
+            Mode::Shadow => Either::Right(std::future::ready(Ok(
+                self.shadow(route, keys, class, deadline)
+            ))),
         }
     }
 
@@ -50,34 +57,38 @@ impl Pacer {
     /// [`Pacer::admit`] by `keys`, the lane's as the exchange found them (one look at them
     /// for the whole request: each look is a load every request on every core makes), for
     /// a request that began waiting at `started`.
-    async fn admit_by(
-        &self,
-        route: &Route,
-        keys: &Keys,
+    // Not an `async fn`: see `Pacer::enter`.
+    #[allow(clippy::manual_async_fn)]
+    fn admit_by<'a>(
+        &'a self,
+        route: &'a Route,
+        keys: &'a Keys,
         class: Class,
         started: Instant,
         deadline: Instant,
-    ) -> Result<Admission, PaceError> {
-        let lane = &route.lane;
-        self.open(lane).await?;
-        let _admitting = lane.admitting();
-        let permit = match &keys.concurrency {
-            None => None,
-            Some(sem) => tokio::select! {
-                p = sem.clone().acquire_owned() => p.ok(),
-                () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
-            },
-        };
-        // The clock as it was read once the slot was due: the send, the wait and the
-        // lateness are counted from that one reading.
-        let (granted, now) = self
-            .both_slots(lane, &keys.rule, class, started, deadline)
-            .await?;
-        let waited = now.saturating_duration_since(started);
-        lane.series(&self.metrics)
-            .wait
-            .observe(waited.as_secs_f64());
-        Ok(self.sent(route, keys, granted, now, waited, permit))
+    ) -> impl Future<Output = Result<Admission, PaceError>> + Send + 'a {
+        async move {
+            let lane = &route.lane;
+            self.open(lane).await?;
+            let _admitting = lane.admitting();
+            let permit = match &keys.concurrency {
+                None => None,
+                Some(sem) => tokio::select! {
+                    p = sem.clone().acquire_owned() => p.ok(),
+                    () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
+                },
+            };
+            // The clock as it was read once the slot was due: the send, the wait and the
+            // lateness are counted from that one reading.
+            let (granted, now) = self
+                .both_slots(lane, &keys.rule, class, started, deadline)
+                .await?;
+            let waited = now.saturating_duration_since(started);
+            lane.series(&self.metrics)
+                .wait
+                .observe(waited.as_secs_f64());
+            Ok(self.sent(route, keys, granted, now, waited, permit))
+        }
     }
 
     /// A slot of `lane`, and where its parent paces the keys' total (`total_rate`), one of
@@ -85,30 +96,34 @@ impl Pacer {
     /// ([`Reservation::send_by`]): the request goes on both or on neither. A key's slot the
     /// total had no room for by then is dropped (counted with the slots dropped), and the
     /// request waits for another.
-    async fn both_slots(
-        &self,
-        lane: &Arc<Lane>,
-        rule: &Rule,
+    // Not an `async fn`: see `Pacer::enter`.
+    #[allow(clippy::manual_async_fn)]
+    fn both_slots<'a>(
+        &'a self,
+        lane: &'a Arc<Lane>,
+        rule: &'a Rule,
         class: Class,
         started: Instant,
         deadline: Instant,
-    ) -> Result<(lane::Grant, Instant), PaceError> {
-        loop {
-            let (granted, now) = self.slot(lane, rule, class, started, deadline).await?;
-            let Some(total) = lane.total() else {
-                return Ok((granted, now));
-            };
-            let by = granted.slot.send_by(rule.max_late()).min(deadline);
-            let of_total = total.keys();
-            match self.slot(total, &of_total.rule, class, started, by).await {
-                Ok((_, now)) => return Ok((granted, now)),
-                Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
-                    lane.series(&self.metrics).slots_dropped.inc();
+    ) -> impl Future<Output = Result<(lane::Grant, Instant), PaceError>> + Send + 'a {
+        async move {
+            loop {
+                let (granted, now) = self.slot(lane, rule, class, started, deadline).await?;
+                let Some(total) = lane.total() else {
+                    return Ok((granted, now));
+                };
+                let by = granted.slot.send_by(rule.max_late()).min(deadline);
+                let of_total = total.keys();
+                match self.slot(total, &of_total.rule, class, started, by).await {
+                    Ok((_, now)) => return Ok((granted, now)),
+                    Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
+                        lane.series(&self.metrics).slots_dropped.inc();
+                    }
+                    Err(PaceError::Deadline { .. }) => {
+                        return Err(lane.deadline_error(class, lane.estimated_wait()))
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(PaceError::Deadline { .. }) => {
-                    return Err(lane.deadline_error(class, lane.estimated_wait()))
-                }
-                Err(e) => return Err(e),
             }
         }
     }
@@ -192,37 +207,41 @@ impl Pacer {
     /// slot is due. When nobody waits here and the store can hand out a slot that is due now
     /// ([`crate::budget::Store::take_now`]), the request takes it at once: no wake-up of the
     /// dispatcher and back, and a slot due already costs no other reading of the clock.
-    async fn slot(
-        &self,
-        lane: &Arc<Lane>,
-        rule: &Rule,
+    // Not an `async fn`: see `Pacer::enter`.
+    #[allow(clippy::manual_async_fn)]
+    fn slot<'a>(
+        &'a self,
+        lane: &'a Arc<Lane>,
+        rule: &'a Rule,
         class: Class,
         started: Instant,
         deadline: Instant,
-    ) -> Result<(lane::Grant, Instant), PaceError> {
-        let now = Instant::now();
-        let taken = {
-            // Held while the store is asked, so that no request queues meanwhile: one that
-            // waits here goes first.
-            let queue = lane.queue.lock();
-            (queue.len() == 0 && !lane.is_retired())
-                .then(|| self.store.take_now(&lane.name, rule, now))
-                .flatten()
-        };
-        if let Some(slot) = taken {
-            let now = until(slot.at, now).await;
-            return Ok((lane::Grant { class, slot }, now));
+    ) -> impl Future<Output = Result<(lane::Grant, Instant), PaceError>> + Send + 'a {
+        async move {
+            let now = Instant::now();
+            let taken = {
+                // Held while the store is asked, so that no request queues meanwhile: one that
+                // waits here goes first.
+                let queue = lane.queue.lock();
+                (queue.len() == 0 && !lane.is_retired())
+                    .then(|| self.store.take_now(&lane.name, rule, now))
+                    .flatten()
+            };
+            if let Some(slot) = taken {
+                let now = until(slot.at, now).await;
+                return Ok((lane::Grant { class, slot }, now));
+            }
+            let (_seat, rx) = lane.enqueue(class, started, deadline);
+            // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
+            if !lane.dispatching.swap(true, Ordering::SeqCst) {
+                self.dispatch(lane);
+            }
+            let granted = tokio::select! {
+                g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
+                () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
+            }?;
+            Ok((granted, Instant::now()))
         }
-        let (_seat, rx) = lane.enqueue(class, started, deadline);
-        // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
-        if !lane.dispatching.swap(true, Ordering::SeqCst) {
-            self.dispatch(lane);
-        }
-        let granted = tokio::select! {
-            g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
-            () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
-        }?;
-        Ok((granted, Instant::now()))
     }
 
     /// Counts a request sent `now` on `granted` and makes its admission.
@@ -273,7 +292,9 @@ async fn until(at: Instant, now: Instant) -> Instant {
             return now;
         }
         if spinning.elapsed() > SPIN {
-            tokio::time::sleep_until(at).await;
+            // Boxed: rare, and the timer's entry is most of what this future would hold in
+            // every request's.
+            Box::pin(tokio::time::sleep_until(at)).await;
             return Instant::now();
         }
         std::hint::spin_loop();

@@ -9,11 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 #[cfg(test)]
 use http::HeaderMap;
 use http::Response;
 use http_body_util::{BodyExt, Either, Full};
 use tokio::time::Instant;
+use tokio_util::either::Either as Step;
 
 use super::lane::Lane;
 use super::outgoing::Outgoing;
@@ -21,7 +23,7 @@ use super::verdict::{self, Reading, Verdict};
 use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
 use crate::budget::{Event, Lockout, Observation};
 use crate::class::Class;
-use crate::destination::Mode;
+use crate::destination::{Mode, Pace};
 use crate::metrics::{labels, BudgetSeries};
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
@@ -80,113 +82,174 @@ pub struct Exchanged {
 impl Pacer {
     /// Carries `request` of `class` to `route`'s upstream through `upstream`, paced by the
     /// destination's budget, and returns the response to hand on or the refusal.
-    pub async fn exchange(
-        self: &Arc<Self>,
-        upstream: &Upstream,
-        route: &Route,
+    // Not `async fn`s, here and in `carry`: their futures hold the arguments once, where an
+    // `async fn` keeps each beside its own copy (see `Pacer::enter`).
+    #[allow(clippy::manual_async_fn)]
+    pub fn exchange<'a>(
+        self: &'a Arc<Self>,
+        upstream: &'a Upstream,
+        route: &'a Route,
         class: Class,
-        request: &mut Outgoing,
-    ) -> Exchanged {
-        let mut note = Note {
-            class: Some(class),
-            ..Note::default()
-        };
-        let response = self.carry(upstream, route, class, request, &mut note).await;
-        Exchanged { response, note }
+        request: &'a mut Outgoing,
+    ) -> impl std::future::Future<Output = Exchanged> + Send + 'a {
+        async move {
+            let mut note = Note {
+                class: Some(class),
+                ..Note::default()
+            };
+            let response = self.carry(upstream, route, class, request, &mut note).await;
+            Exchanged { response, note }
+        }
     }
 
-    async fn carry(
-        self: &Arc<Self>,
-        upstream: &Upstream,
-        route: &Route,
+    // Not an `async fn`: see `Pacer::enter`.
+    #[allow(clippy::manual_async_fn)]
+    fn carry<'a>(
+        self: &'a Arc<Self>,
+        upstream: &'a Upstream,
+        route: &'a Route,
         class: Class,
-        outgoing: &mut Outgoing,
-        note: &mut Note,
-    ) -> Result<Response<ProxyBody>, ExchangeError> {
-        // The budget of the group the request belongs to, or the destination's own; within
-        // it, its key's.
-        let picked = route.pick(outgoing.method().as_str(), outgoing.uri().path());
-        // Lent for the counts here; one reference for the log line.
-        let series = picked.lane.series(&self.metrics);
-        note.series = Some(series.clone());
-        // Only a budget split by key asks what the request offers (its host searched for in
-        // the URI again).
-        let keyed;
-        let route: &Route = if picked.lane.is_split() {
-            let asking = Asking {
-                host: outgoing.uri().host().unwrap_or_default(),
-                user: outgoing.user(),
-                headers: outgoing.headers(),
-            };
-            keyed = self.keyed(Route::clone(&picked), &asking).await?;
-            &keyed
-        } else {
-            &picked
-        };
-        let destination: &str = route.label();
-        // The keys as they are now; a reload meanwhile governs the next request.
-        let pace = route.pace();
-        // One deadline for the request and its retries; each retry waits in the same class.
-        let begun = Instant::now();
-        let deadline = begun + route.max_wait(class, &pace);
-        // The first wait for a slot begins at the reading the deadline counts from; every
-        // later one (a retry, a slot dropped) at its own.
-        let mut first_wait = Some(begun);
-        let retryable = outgoing.retryable();
-        let mut last_throttled: Option<Response<ProxyBody>> = None;
-        // Shadow mode sends at once and never retries: clients see what they would without
-        // pacegate, while the pacer counts what it would have done.
-        let shadow = pace.mode == Mode::Shadow;
-        loop {
-            // The connection is opened while the request waits, not after its slot; to a
-            // cold upstream, before the slot is asked for.
-            let expecting = upstream.expect(outgoing.uri());
-            if !shadow && expecting.cold() {
-                landed(deadline, upstream.first_connection(outgoing.uri())).await?;
-                first_wait = None;
-            }
-            let started = first_wait.take().unwrap_or_else(Instant::now);
-            let admission = match self.enter(route, &pace, class, started, deadline).await {
-                Ok(a) => a,
-                // Out of time for another retry: the client gets the last throttled answer.
-                Err(_) if last_throttled.is_some() => {
-                    return Ok(last_throttled.take().expect("checked"))
-                }
-                Err(e) => return Err(e.into()),
-            };
-            *note.waited.get_or_insert_default() += admission.waited;
-            if !shadow && self.too_late(&admission, admission.sent) {
-                continue;
-            }
-            let req = if retryable {
-                outgoing.attempt()
+        outgoing: &'a mut Outgoing,
+        note: &'a mut Note,
+    ) -> impl std::future::Future<Output = Result<Response<ProxyBody>, ExchangeError>> + Send + 'a
+    {
+        async move {
+            // The budget of the group the request belongs to, or the destination's own; within
+            // it, its key's.
+            let picked = route.pick(outgoing.method().as_str(), outgoing.uri().path());
+            // Lent for the counts here; one reference for the log line.
+            let series = picked.lane.series(&self.metrics);
+            note.series = Some(series.clone());
+            // Only a budget split by key asks what the request offers (its host searched for in
+            // the URI again).
+            let keyed;
+            let route: &Route = if picked.lane.is_split() {
+                let asking = Asking {
+                    host: outgoing.uri().host().unwrap_or_default(),
+                    user: outgoing.user(),
+                    headers: outgoing.headers(),
+                };
+                keyed = self.keyed(Route::clone(&picked), &asking).await?;
+                &keyed
             } else {
-                outgoing.lend()
+                &picked
             };
-            // The same check where the client hands out the connection: a request that would
-            // wait for one past its slot is not sent on it.
-            let by = (!shadow).then(|| self.send_by(&admission));
-            // As it came, until a look at its body or a retry boxes it: the common answer is
-            // boxed once, with its admission.
-            let mut response = match upstream.send(req, by, Some(expecting)).await {
-                Err(UpstreamError::Late(late)) => {
-                    self.no_connection_in_time(&admission);
-                    if !outgoing.take_back() {
-                        return Err(UpstreamError::Late(late).into());
+            let destination: &str = route.label();
+            // The keys as they are now; a reload meanwhile governs the next request.
+            let pace = route.pace();
+            // One deadline for the request and its retries; each retry waits in the same class.
+            let begun = Instant::now();
+            let deadline = begun + route.max_wait(class, &pace);
+            // The first wait for a slot begins at the reading the deadline counts from; every
+            // later one (a retry, a slot dropped) at its own.
+            let mut first_wait = Some(begun);
+            let retryable = outgoing.retryable();
+            // Boxed: held across every wait of the exchange, and set only for a retry.
+            let mut last_throttled: Option<Box<Response<ProxyBody>>> = None;
+            // Shadow mode sends at once and never retries: clients see what they would without
+            // pacegate, while the pacer counts what it would have done.
+            let shadow = pace.mode == Mode::Shadow;
+            loop {
+                // The connection is opened while the request waits, not after its slot; to a
+                // cold upstream, before the slot is asked for.
+                let expecting = upstream.expect(outgoing.uri());
+                if !shadow && expecting.cold() {
+                    landed(deadline, upstream.first_connection(outgoing.uri())).await?;
+                    first_wait = None;
+                }
+                let started = first_wait.take().unwrap_or_else(Instant::now);
+                let admission = match self.enter(route, &pace, class, started, deadline).await {
+                    Ok(a) => a,
+                    // Out of time for another retry: the client gets the last throttled answer.
+                    Err(_) if last_throttled.is_some() => {
+                        return Ok(*last_throttled.take().expect("checked"))
                     }
-                    // The next slot, once the connection opened for this one is there.
-                    landed(deadline, upstream.opened(outgoing.uri())).await?;
+                    Err(e) => return Err(e.into()),
+                };
+                *note.waited.get_or_insert_default() += admission.waited;
+                if !shadow && self.too_late(&admission, admission.sent) {
                     continue;
                 }
-                sent => sent?.map(Either::Left),
-            };
-            series.response(response.status()).inc();
+                let req = if retryable {
+                    outgoing.attempt()
+                } else {
+                    outgoing.lend()
+                };
+                // The same check where the client hands out the connection: a request that would
+                // wait for one past its slot is not sent on it.
+                let by = (!shadow).then(|| self.send_by(&admission));
+                // As it came, until a look at its body or a retry boxes it: the common answer is
+                // boxed once, with its admission. Handed to `judge` within one expression, so
+                // that the exchange's future keeps no room for it beside the judge's.
+                let (verdict, response) = {
+                    let response = match upstream.send(req, by, Some(expecting)).await {
+                        Err(UpstreamError::Late(late)) => {
+                            self.no_connection_in_time(&admission);
+                            if !outgoing.take_back() {
+                                return Err(UpstreamError::Late(late).into());
+                            }
+                            // The next slot, once the connection opened for this one is there.
+                            landed(deadline, upstream.opened(outgoing.uri())).await?;
+                            continue;
+                        }
+                        sent => sent?.map(Either::Left),
+                    };
+                    series.response(response.status()).inc();
+                    self.judge(route, &pace, &admission, response, outgoing)
+                }
+                .await;
+                note.verdict = Some(verdict);
+                let throttled = matches!(verdict, Verdict::Throttled { .. });
+                if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
+                    let Some(kept) = keep(response.map(boxed)).await else {
+                        return Err(UpstreamError::Protocol(
+                            "the throttled response's body failed while it was read".into(),
+                        )
+                        .into());
+                    };
+                    note.retries += 1;
+                    self.metrics
+                        .retries
+                        .with_label_values(&labels(destination))
+                        .inc();
+                    last_throttled = Some(Box::new(kept));
+                    continue;
+                }
+                // The slot's concurrency permit and in-flight count last until the body is done.
+                let (parts, body) = response.into_parts();
+                let body = body.map_frame(move |frame| {
+                    let _held = &admission;
+                    frame
+                });
+                return Ok(Response::from_parts(parts, body.boxed()));
+            }
+        }
+    }
+
+    /// The verdict of `response` to `admission`'s request, applied to the budget, and the
+    /// response to hand on (read whole, where its body had to be looked at).
+    // A future of its own: what it holds across its waits (the response, its reading) is
+    // then not held across every other wait of the exchange too, in a request's future that
+    // is moved whole into its connection's slot.
+    // Not an `async fn`: see `Pacer::enter`.
+    #[allow(clippy::manual_async_fn)]
+    fn judge<'a>(
+        &'a self,
+        route: &'a Route,
+        pace: &'a Pace,
+        admission: &'a Admission,
+        mut response: Response<Answer>,
+        outgoing: &'a Outgoing,
+    ) -> impl std::future::Future<Output = (Verdict, Response<Answer>)> + Send + 'a {
+        async move {
             let status = response.status().as_u16();
             // Read by status and headers; a lockout may still turn out a throttle by its body
             // (see [`Reading::needs_body`]).
-            let mut reading = verdict::classify(status, response.headers(), &pace);
-            if reading.needs_body(&pace) {
-                let (whole, marked) = sniff::sniff(response.map(boxed), &pace.throttle_body).await;
+            let mut reading = verdict::classify(status, response.headers(), pace);
+            if reading.needs_body(pace) {
+                // Boxed: rare, and larger than the rest of the reading.
+                let (whole, marked) =
+                    Box::pin(sniff::sniff(response.map(boxed), &pace.throttle_body)).await;
                 response = whole.map(Either::Right);
                 if marked {
                     reading = reading.marked_by_body();
@@ -198,34 +261,11 @@ impl Pacer {
                 .then(|| signals::resource(response.headers()))
                 .flatten();
             let verdict = self
-                .observe(&admission, reading, status, resource.as_deref(), || {
+                .observe(admission, reading, status, resource.as_deref(), || {
                     outgoing.request_line()
                 })
                 .await;
-            note.verdict = Some(verdict);
-            let throttled = matches!(verdict, Verdict::Throttled { .. });
-            if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
-                let Some(kept) = keep(response.map(boxed)).await else {
-                    return Err(UpstreamError::Protocol(
-                        "the throttled response's body failed while it was read".into(),
-                    )
-                    .into());
-                };
-                note.retries += 1;
-                self.metrics
-                    .retries
-                    .with_label_values(&labels(destination))
-                    .inc();
-                last_throttled = Some(kept);
-                continue;
-            }
-            // The slot's concurrency permit and in-flight count last until the body is done.
-            let (parts, body) = response.into_parts();
-            let body = body.map_frame(move |frame| {
-                let _held = &admission;
-                frame
-            });
-            return Ok(Response::from_parts(parts, body.boxed()));
+            (verdict, response)
         }
     }
 
@@ -282,16 +322,17 @@ impl Pacer {
     /// the request line, which `request` writes only for a lockout, are kept with a lockout,
     /// which halts every budget of the destination. What the vendor says goes to the budget
     /// of the group whose `resource` the response names (`resource`), else to this one.
-    pub(super) async fn observe(
-        &self,
-        admission: &Admission,
+    // Decided at once; the future is only the store's writes, where there are any (none for
+    // a clean response to a budget at rest, most responses): it sits in every request's
+    // future, which is moved whole into its connection's slot (see `Pacer::enter`).
+    pub(super) fn observe<'a>(
+        &'a self,
+        admission: &'a Admission,
         reading: Reading,
         status: u16,
         resource: Option<&str>,
         request: impl FnOnce() -> String,
-    ) -> Verdict {
-        let lane = &admission.lane;
-        let keys = lane.keys();
+    ) -> impl std::future::Future<Output = Verdict> + Send + 'a {
         let verdict = reading.verdict;
         // Written only when a lockout keeps it: a clean response costs no formatting.
         let request = if verdict == Verdict::Lockout {
@@ -309,30 +350,21 @@ impl Pacer {
                 spread: rand::random::<f64>(),
             })
         });
-        // The named group's budget for this request's key, where both are split by key.
+        // The named group's budget for this request's key, where both are split by key:
+        // what the vendor said is its, not this budget's.
         let named = resource
             .and_then(|r| admission.lanes.named(r))
-            .and_then(|l| match lane.key_name() {
+            .and_then(|l| match admission.lane.key_name() {
                 Some(key) if l.is_split() => self.key_lane(l, key).ok(),
                 _ => Some(l.clone()),
             })
-            .filter(|l| !Arc::ptr_eq(l, lane));
-        if let Some(other) = &named {
-            if let Some(v) = vendor.take() {
-                self.tell(other, Event::None, Some(v)).await;
-            }
-        }
+            .filter(|l| !Arc::ptr_eq(l, &admission.lane));
+        let to_named = named.and_then(|other| Some((other, vendor.take()?)));
         // A lockout is kept on the budget split by key, which halts every key. Any other
         // verdict borrows the admission's lane: no reference count written on a lane every
         // request shares.
-        let holder;
-        let lane = match verdict {
-            Verdict::Lockout => {
-                holder = admission.lane.lock_holder_arc();
-                &holder
-            }
-            _ => &admission.lane,
-        };
+        let holder = (verdict == Verdict::Lockout).then(|| admission.lane.lock_holder_arc());
+        let lane = holder.as_ref().unwrap_or(&admission.lane);
         // A clean response to a budget at rest changes nothing the store keeps: the backoff
         // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
         // came between) and no block streak is left to clear. Not writing it halves the
@@ -343,71 +375,86 @@ impl Pacer {
             && vendor.is_none()
             && lane.at_rest(admission.slot.generation);
         let event = match verdict {
-            Verdict::Clean => Event::Clean {
+            Verdict::Clean => Some(Event::Clean {
                 success: (200..400).contains(&status),
                 generation: admission.slot.generation,
-            },
+            }),
             Verdict::Throttled {
                 retry_after, reset, ..
-            } => Event::Throttled {
+            } => Some(Event::Throttled {
                 generation: admission.slot.generation,
                 retry_after,
                 reset,
                 spread: rand::random::<f64>() * 2.0 - 1.0,
-            },
-            Verdict::Lockout => {
-                Event::Lockout(Lockout::new(status, request.clone(), self.instance.clone()))
-            }
-            Verdict::None if vendor.is_none() => return verdict,
-            Verdict::None => Event::None,
+            }),
+            Verdict::Lockout => Some(Event::Lockout(Lockout::new(
+                status,
+                request.clone(),
+                self.instance.clone(),
+            ))),
+            Verdict::None if vendor.is_none() => None,
+            Verdict::None => Some(Event::None),
         };
         if verdict != Verdict::None {
             lane.series(&self.metrics)
                 .verdict(verdict.as_str(), verdict.reason())
                 .inc();
         }
-        if nothing_to_write {
-            return verdict;
+        let event = event.filter(|_| !nothing_to_write);
+        if to_named.is_none() && event.is_none() {
+            return Step::Left(std::future::ready(verdict));
         }
-        match self
-            .store
-            .record(&lane.name, &keys.rule, event, vendor)
-            .await
-        {
-            Ok(view) => {
-                if verdict == Verdict::Lockout && keys.pace.mode == Mode::Shadow {
-                    tracing::warn!(
-                        destination = %lane.name,
-                        status,
-                        request = request.as_str(),
-                        "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
-                        lane.name
-                    );
-                } else if verdict == Verdict::Lockout {
-                    tracing::error!(
-                        destination = %lane.name,
-                        status,
-                        request = request.as_str(),
-                        "destination locked out: nothing more is sent until `pacegate unlock {}`",
-                        lane.name
-                    );
+        // Boxed: what it holds is larger than the rest of a request's reading, and a
+        // response with something to write costs a store's write anyway.
+        Step::Right(Box::pin(async move {
+            if let Some((other, said)) = to_named {
+                self.tell(&other, Event::None, Some(said)).await;
+            }
+            let Some(event) = event else {
+                return verdict;
+            };
+            let lane = holder.as_ref().unwrap_or(&admission.lane);
+            let keys = admission.lane.keys();
+            match self
+                .store
+                .record(&lane.name, &keys.rule, event, vendor)
+                .await
+            {
+                Ok(view) => {
+                    if verdict == Verdict::Lockout && keys.pace.mode == Mode::Shadow {
+                        tracing::warn!(
+                            destination = %lane.name,
+                            status,
+                            request = request.as_str(),
+                            "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
+                            lane.name
+                        );
+                    } else if verdict == Verdict::Lockout {
+                        tracing::error!(
+                            destination = %lane.name,
+                            status,
+                            request = request.as_str(),
+                            "destination locked out: nothing more is sent until `pacegate unlock {}`",
+                            lane.name
+                        );
+                    }
+                    lane.note(view);
                 }
-                lane.note(view);
+                Err(e) => {
+                    tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
+                }
             }
-            Err(e) => {
-                tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
+            if verdict == Verdict::Lockout {
+                // A lockout is the IP's, not one bucket's: every budget of the destination
+                // halts, and with each its keys, which share its lockout channel (elsewhere,
+                // at their next reservation).
+                for other in admission.lanes.others(lane) {
+                    let lock = Lockout::new(status, request.clone(), self.instance.clone());
+                    self.tell(other, Event::Lockout(lock), None).await;
+                }
             }
-        }
-        if verdict == Verdict::Lockout {
-            // A lockout is the IP's, not one bucket's: every budget of the destination halts,
-            // and with each its keys, which share its lockout channel (elsewhere, at their
-            // next reservation).
-            for other in admission.lanes.others(lane) {
-                let lock = Lockout::new(status, request.clone(), self.instance.clone());
-                self.tell(other, Event::Lockout(lock), None).await;
-            }
-        }
-        verdict
+            verdict
+        }))
     }
 
     /// Records `event` and what the vendor said on `lane`'s budget, other than the one that
@@ -450,12 +497,14 @@ async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
 /// Waits until `deadline` for the connection `landing` awaits: its failure is the request's
 /// (a 502, or a 504 at the connect timeout). Out of time, the pacer's own deadline refuses
 /// the request when it asks for its slot.
-async fn landed(
+// A combinator, not an `async fn`: the future is the timeout's alone, not the timeout's
+// beside the `landing` it was made from.
+fn landed(
     deadline: Instant,
     landing: impl std::future::Future<Output = Result<(), UpstreamError>>,
-) -> Result<(), UpstreamError> {
-    match tokio::time::timeout_at(deadline, landing).await {
+) -> impl std::future::Future<Output = Result<(), UpstreamError>> {
+    tokio::time::timeout_at(deadline, landing).map(|landed| match landed {
         Ok(Err(unreachable)) => Err(unreachable),
         _ => Ok(()),
-    }
+    })
 }

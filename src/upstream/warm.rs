@@ -261,8 +261,16 @@ fn release(hosts: &Hosts, key: &Key, change: impl FnOnce(&mut Host)) {
 }
 
 /// The connector with a stash of connections opened ahead.
+// One reference to what it holds: the upstream client clones itself, and with it its
+// connector, for every request, and holds the clone twice over in the future it boxes. A
+// connector of one pointer costs that future no more than the plain client's, and a request
+// one reference count, not five.
 #[derive(Clone)]
 pub struct Warm {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     inner: HttpsConnector<Connector>,
     hosts: Hosts,
     /// How long a stashed connection may wait for its request: as long as an idle pooled
@@ -271,17 +279,19 @@ pub struct Warm {
     /// The connect timeout, over TCP and TLS together.
     open_timeout: Duration,
     /// Connections opened ahead, for tests and benches.
-    opened_ahead: Arc<std::sync::atomic::AtomicU64>,
+    opened_ahead: std::sync::atomic::AtomicU64,
 }
 
 impl Warm {
     pub fn new(inner: HttpsConnector<Connector>, ttl: Duration, open_timeout: Duration) -> Self {
         Self {
-            inner,
-            hosts: Arc::default(),
-            ttl,
-            open_timeout,
-            opened_ahead: Arc::default(),
+            shared: Arc::new(Shared {
+                inner,
+                hosts: Arc::default(),
+                ttl,
+                open_timeout,
+                opened_ahead: Default::default(),
+            }),
         }
     }
 
@@ -289,8 +299,8 @@ impl Warm {
     /// bounds the TCP connect alone; a handshake the upstream never answers would otherwise
     /// hold a connection being opened, and every request waiting for it, for ever.
     fn open(&self, uri: Uri) -> impl Future<Output = Result<Stream, BoxError>> + Send + 'static {
-        let mut inner = self.inner.clone();
-        let after = self.open_timeout;
+        let mut inner = self.shared.inner.clone();
+        let after = self.shared.open_timeout;
         async move {
             let host = uri.host().unwrap_or_default().to_owned();
             match tokio::time::timeout(after, inner.call(uri)).await {
@@ -302,7 +312,9 @@ impl Warm {
 
     /// Connections opened ahead so far.
     pub fn opened_ahead(&self) -> u64 {
-        self.opened_ahead.load(std::sync::atomic::Ordering::Relaxed)
+        self.shared
+            .opened_ahead
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A request to `uri` starts waiting for its slot: opens a connection ahead if those open
@@ -318,7 +330,7 @@ impl Warm {
         });
         Expecting {
             cold,
-            hosts: &self.hosts,
+            hosts: &self.shared.hosts,
             counted: key.zip(requests),
         }
     }
@@ -327,13 +339,13 @@ impl Warm {
     pub fn sending(&self, uri: &Uri) -> Busy<'_> {
         let counted = key_of(uri).map(|key| {
             // Counted under the lock: a host seen with nothing left may be forgotten.
-            let mut all = self.hosts.lock();
+            let mut all = self.shared.hosts.lock();
             let requests = host_of(&mut all, &key).requests.clone();
             requests.busy.fetch_add(1, Ordering::SeqCst);
             (key, requests)
         });
         Busy {
-            hosts: &self.hosts,
+            hosts: &self.shared.hosts,
             counted,
         }
     }
@@ -344,10 +356,10 @@ impl Warm {
     /// Says whether the upstream has no connection open (a cold one).
     fn top_up(&self, key: &Key, uri: &Uri, change: impl FnOnce(&mut Host)) -> bool {
         let (stale, short, cold) = {
-            let mut hosts = self.hosts.lock();
+            let mut hosts = self.shared.hosts.lock();
             let host = host_of(&mut hosts, key);
             change(host);
-            let stale = host.drain_stale(self.ttl);
+            let stale = host.drain_stale(self.shared.ttl);
             // They still count as alive until they are dropped, after the lock.
             let short = host.short_after(stale.len());
             host.opening += short;
@@ -355,8 +367,13 @@ impl Warm {
         };
         drop(stale);
         for _ in 0..short {
-            let (opening, hosts, key) = (self.open(uri.clone()), self.hosts.clone(), key.clone());
-            self.opened_ahead
+            let (opening, hosts, key) = (
+                self.open(uri.clone()),
+                self.shared.hosts.clone(),
+                key.clone(),
+            );
+            self.shared
+                .opened_ahead
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tokio::spawn(async move { land(&hosts, &key, opening.await) });
         }
@@ -403,13 +420,13 @@ impl Warm {
         };
         let mut waited = false;
         loop {
-            let Some(next) = landed(&self.hosts.lock()) else {
+            let Some(next) = landed(&self.shared.hosts.lock()) else {
                 break;
             };
             let notified = next.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if landed(&self.hosts.lock()).is_none() {
+            if landed(&self.shared.hosts.lock()).is_none() {
                 break;
             }
             notified.await;
@@ -419,6 +436,7 @@ impl Warm {
             }
         }
         let failed = self
+            .shared
             .hosts
             .lock()
             .get(&key)
@@ -432,12 +450,12 @@ impl Warm {
         // A connection's drop takes the lock: the stale ones are dropped after it.
         let mut stale = Vec::new();
         let found = {
-            let mut hosts = self.hosts.lock();
+            let mut hosts = self.shared.hosts.lock();
             let host = hosts.get_mut(key)?;
             let now = Instant::now();
             let mut found = None;
             while let Some((at, conn)) = host.stash.pop() {
-                if now - at < self.ttl && conn.is_open() {
+                if now - at < self.shared.ttl && conn.is_open() {
                     found = Some(conn);
                     break;
                 }
@@ -455,8 +473,9 @@ impl Service<Uri> for Warm {
     type Error = BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Counted, BoxError>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    // Always ready, as the connector it wraps is (`Connector::poll_ready`).
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
@@ -475,7 +494,7 @@ impl Service<Uri> for Warm {
             // its slot takes the one opened for it rather than open a second.
             loop {
                 let landed = {
-                    let hosts = this.hosts.lock();
+                    let hosts = this.shared.hosts.lock();
                     let host = hosts.get(&key);
                     match host {
                         Some(h) if h.opening > 0 || !h.stash.is_empty() => Some(h.landed.clone()),
@@ -491,7 +510,13 @@ impl Service<Uri> for Warm {
                     this.top_up(&key, &uri, |_| {});
                     return Ok(conn);
                 }
-                if this.hosts.lock().get(&key).is_none_or(|h| h.opening == 0) {
+                if this
+                    .shared
+                    .hosts
+                    .lock()
+                    .get(&key)
+                    .is_none_or(|h| h.opening == 0)
+                {
                     break;
                 }
                 match by {
@@ -510,17 +535,17 @@ impl Service<Uri> for Warm {
                     Ok(opened) => opened,
                     Err(_) => {
                         // Not wasted: it goes on opening, into the stash, for the next slot.
-                        host_of(&mut this.hosts.lock(), &key).opening += 1;
-                        let hosts = this.hosts.clone();
+                        host_of(&mut this.shared.hosts.lock(), &key).opening += 1;
+                        let hosts = this.shared.hosts.clone();
                         tokio::spawn(async move { land(&hosts, &key, connecting.await) });
                         return Err(NoConnectionInTime.into());
                     }
                 },
             };
             let stream = opened?;
-            let mut all = this.hosts.lock();
+            let mut all = this.shared.hosts.lock();
             let host = host_of(&mut all, &key);
-            Ok(Counted::new(stream, &this.hosts, key, host))
+            Ok(Counted::new(stream, &this.shared.hosts, key, host))
         })
     }
 }

@@ -21,7 +21,7 @@ fn warm_with(ttl: Duration, open_timeout: Duration) -> Warm {
 }
 
 fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
-    let hosts = w.hosts.lock();
+    let hosts = w.shared.hosts.lock();
     let h = hosts.get(&key_of(uri).unwrap())?;
     Some((
         h.alive,
@@ -86,7 +86,7 @@ async fn a_request_counts_as_waiting_then_as_sent_and_the_last_one_answered_forg
     let (uri, accepted) = upstream().await;
     let w = warm();
     let requests = |w: &Warm| {
-        w.hosts.lock().get(&key_of(&uri).unwrap()).map(|h| {
+        w.shared.hosts.lock().get(&key_of(&uri).unwrap()).map(|h| {
             (
                 h.requests.busy.load(SeqCst),
                 h.requests.waiting.load(SeqCst),
