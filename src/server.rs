@@ -193,7 +193,7 @@ where
     let conn = builder.serve_connection_with_upgrades(io, service);
     // Boxing proves `Send` here, with concrete types; inside the spawned future the compiler
     // cannot (rust-lang/rust#102211).
-    let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(conn));
+    let driven: BoxFuture<'_, Result<(), _>> = Box::pin(shutdown.drive(Box::pin(conn)));
     // In order, as the drain's (see `Shutdown::drive`): no draw at every wake.
     tokio::select! {
         biased;

@@ -9,6 +9,7 @@
 //!    much that was.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Poll, Waker};
@@ -65,11 +66,13 @@ impl Shutdown {
 
     /// Drives a hyper connection to completion, switching it to graceful shutdown when the
     /// drain starts and dropping it when the grace deadline passes.
-    pub async fn drive<C>(&self, conn: C) -> Result<(), C::Error>
+    // The connection comes boxed and is not moved again: pinned inside this future it would
+    // be kept twice (1.5 KiB each) in what every connection's task holds, once as it came and
+    // once where it was pinned.
+    pub async fn drive<C>(&self, mut conn: Pin<Box<C>>) -> Result<(), C::Error>
     where
         C: GracefulConnection,
     {
-        tokio::pin!(conn);
         // In order, the connection first: a random order costs a draw at every wake, several
         // a request, and both branches are polled whenever the first is not ready.
         tokio::select! {
