@@ -73,10 +73,14 @@ impl Pacer {
             let _admitting = lane.admitting();
             let permit = match &keys.concurrency {
                 None => None,
-                Some(sem) => tokio::select! {
-                    p = sem.clone().acquire_owned() => p.ok(),
-                    () = tokio::time::sleep_until(deadline) => return Err(lane.deadline_error(class, lane.estimated_wait())),
-                },
+                // Boxed: only where `max_concurrency` is set (see `Pacer::enter`).
+                Some(sem) => {
+                    let acquiring = tokio::time::timeout_at(deadline, sem.clone().acquire_owned());
+                    match Box::pin(acquiring).await {
+                        Ok(p) => p.ok(),
+                        Err(_) => return Err(lane.deadline_error(class, lane.estimated_wait())),
+                    }
+                }
             };
             // The clock as it was read once the slot was due: the send, the wait and the
             // lateness are counted from that one reading.
@@ -231,15 +235,20 @@ impl Pacer {
                 let now = until(slot.at, now).await;
                 return Ok((lane::Grant { class, slot }, now));
             }
-            let (_seat, rx) = lane.enqueue(class, started, deadline);
-            // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
-            if !lane.dispatching.swap(true, Ordering::SeqCst) {
-                self.dispatch(lane);
-            }
-            let granted = tokio::select! {
-                g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
-                () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
-            }?;
+            // Boxed: a request that waits in the queue waits for its slot anyway, and the wait
+            // is most of what this future would hold in every request's (see `Pacer::enter`).
+            let granted = Box::pin(async {
+                let (_seat, rx) = lane.enqueue(class, started, deadline);
+                // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
+                if !lane.dispatching.swap(true, Ordering::SeqCst) {
+                    self.dispatch(lane);
+                }
+                tokio::select! {
+                    g = rx => g.unwrap_or(Err(PaceError::ShuttingDown)),
+                    () = tokio::time::sleep_until(deadline) => Err(lane.deadline_error(class, lane.estimated_wait())),
+                }
+            })
+            .await?;
             Ok((granted, Instant::now()))
         }
     }
@@ -280,22 +289,24 @@ impl Pacer {
 /// at least a tick. A clock that does not move while spinning (paused, in tests) hands over
 /// to the timer after `SPIN` of real time. Returns the clock as last read, at or after `at`;
 /// a slot due already by `now`, the reading it was taken at (most are), is not waited for.
-async fn until(at: Instant, now: Instant) -> Instant {
+// Not an `async fn`: the spin is done before the future is made, which is then the clock's
+// reading, or (rarely) the timer's wait, boxed (see `Pacer::enter`).
+fn until(at: Instant, now: Instant) -> impl Future<Output = Instant> + Send {
     const SPIN: Duration = Duration::from_micros(100);
     if now >= at {
-        return now;
+        return Either::Left(std::future::ready(now));
     }
     let spinning = std::time::Instant::now();
     loop {
         let now = Instant::now();
         if now >= at {
-            return now;
+            return Either::Left(std::future::ready(now));
         }
         if spinning.elapsed() > SPIN {
-            // Boxed: rare, and the timer's entry is most of what this future would hold in
-            // every request's.
-            Box::pin(tokio::time::sleep_until(at)).await;
-            return Instant::now();
+            return Either::Right(Box::pin(async move {
+                tokio::time::sleep_until(at).await;
+                Instant::now()
+            }));
         }
         std::hint::spin_loop();
     }

@@ -156,7 +156,7 @@ async fn exercise(config: &Config) {
             };
             let reading = pacer.read(&a, *status, h);
             pacer
-                .observe(&a, reading, *status, None, || "GET https://d/".to_owned())
+                .observed(&a, reading, *status, None, || "GET https://d/".to_owned())
                 .await;
         }
     }

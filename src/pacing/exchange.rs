@@ -28,6 +28,9 @@ use crate::metrics::{labels, BudgetSeries};
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 
+/// The store writes a verdict makes, boxed (see [`Pacer::observe`]).
+type Writes<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
+
 /// An upstream response's body: as it came, or boxed once read into (see [`sniff`]).
 type Answer = Either<hyper::body::Incoming, ProxyBody>;
 
@@ -154,7 +157,8 @@ impl Pacer {
                 // cold upstream, before the slot is asked for.
                 let expecting = upstream.expect(outgoing.uri());
                 if !shadow && expecting.cold() {
-                    landed(deadline, upstream.first_connection(outgoing.uri())).await?;
+                    // Boxed, as the other rare waits here (see `Pacer::enter`).
+                    Box::pin(landed(deadline, upstream.first_connection(outgoing.uri()))).await?;
                     first_wait = None;
                 }
                 let started = first_wait.take().unwrap_or_else(Instant::now);
@@ -189,7 +193,7 @@ impl Pacer {
                                 return Err(UpstreamError::Late(late).into());
                             }
                             // The next slot, once the connection opened for this one is there.
-                            landed(deadline, upstream.opened(outgoing.uri())).await?;
+                            Box::pin(landed(deadline, upstream.opened(outgoing.uri()))).await?;
                             continue;
                         }
                         sent => sent?.map(Either::Left),
@@ -201,7 +205,7 @@ impl Pacer {
                 note.verdict = Some(verdict);
                 let throttled = matches!(verdict, Verdict::Throttled { .. });
                 if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
-                    let Some(kept) = keep(response.map(boxed)).await else {
+                    let Some(kept) = Box::pin(keep(response.map(boxed))).await else {
                         return Err(UpstreamError::Protocol(
                             "the throttled response's body failed while it was read".into(),
                         )
@@ -228,45 +232,67 @@ impl Pacer {
 
     /// The verdict of `response` to `admission`'s request, applied to the budget, and the
     /// response to hand on (read whole, where its body had to be looked at).
-    // A future of its own: what it holds across its waits (the response, its reading) is
-    // then not held across every other wait of the exchange too, in a request's future that
-    // is moved whole into its connection's slot.
-    // Not an `async fn`: see `Pacer::enter`.
-    #[allow(clippy::manual_async_fn)]
+    // Decided at once where the headers say enough (most responses): the future then holds
+    // the response, the verdict and the store's writes if there are any (boxed, see
+    // `Pacer::observe`), not a reading and a look at the body beside them, in a request's
+    // future that is moved whole into its connection's slot (see `Pacer::enter`).
     fn judge<'a>(
         &'a self,
         route: &'a Route,
         pace: &'a Pace,
         admission: &'a Admission,
-        mut response: Response<Answer>,
+        response: Response<Answer>,
         outgoing: &'a Outgoing,
     ) -> impl std::future::Future<Output = (Verdict, Response<Answer>)> + Send + 'a {
-        async move {
-            let status = response.status().as_u16();
-            // Read by status and headers; a lockout may still turn out a throttle by its body
-            // (see [`Reading::needs_body`]).
-            let mut reading = verdict::classify(status, response.headers(), pace);
-            if reading.needs_body(pace) {
-                // Boxed: rare, and larger than the rest of the reading.
-                let (whole, marked) =
-                    Box::pin(sniff::sniff(response.map(boxed), &pace.throttle_body)).await;
-                response = whole.map(Either::Right);
-                if marked {
-                    reading = reading.marked_by_body();
+        let status = response.status().as_u16();
+        // Read by status and headers; a lockout may still turn out a throttle by its body
+        // (see [`Reading::needs_body`]).
+        let reading = verdict::classify(status, response.headers(), pace);
+        if reading.needs_body(pace) {
+            // Boxed: rare, and larger than the rest of the reading.
+            return Step::Right(Box::pin(async move {
+                let (whole, marked) = sniff::sniff(response.map(boxed), &pace.throttle_body).await;
+                let response = whole.map(Either::Right);
+                let reading = if marked {
+                    reading.marked_by_body()
+                } else {
+                    reading
+                };
+                let (verdict, writes) =
+                    self.observe_on(route, admission, reading, status, &response, outgoing);
+                if let Some(writes) = writes {
+                    writes.await;
                 }
-            }
-            // Only where a group names a bucket: the lookup costs every other response nothing.
-            let resource = route
-                .names_buckets()
-                .then(|| signals::resource(response.headers()))
-                .flatten();
-            let verdict = self
-                .observe(admission, reading, status, resource.as_deref(), || {
-                    outgoing.request_line()
-                })
-                .await;
-            (verdict, response)
+                (verdict, response)
+            }));
         }
+        let (verdict, writes) =
+            self.observe_on(route, admission, reading, status, &response, outgoing);
+        let written = match writes {
+            Some(writes) => Step::Left(writes),
+            None => Step::Right(std::future::ready(())),
+        };
+        Step::Left(written.map(move |()| (verdict, response)))
+    }
+
+    /// [`Pacer::observe`] on `response` to `outgoing`: the bucket it names is looked up only
+    /// where a group names one (it costs every other response nothing).
+    fn observe_on<'a>(
+        &'a self,
+        route: &Route,
+        admission: &'a Admission,
+        reading: Reading,
+        status: u16,
+        response: &Response<Answer>,
+        outgoing: &Outgoing,
+    ) -> (Verdict, Option<Writes<'a>>) {
+        let resource = route
+            .names_buckets()
+            .then(|| signals::resource(response.headers()))
+            .flatten();
+        self.observe(admission, reading, status, resource.as_deref(), || {
+            outgoing.request_line()
+        })
     }
 
     /// Whether `admission`'s slot is too late to send on at `now`: the request was held up
@@ -318,13 +344,15 @@ impl Pacer {
         verdict::classify(status, headers, &admission.lane.keys_now().pace)
     }
 
-    /// Applies the verdict of a response to an admitted request to the budget. `status` and
+    /// The verdict of a response to an admitted request, with the store writes that apply it
+    /// to the budget, to be awaited (none where nothing changes). `status` and
     /// the request line, which `request` writes only for a lockout, are kept with a lockout,
     /// which halts every budget of the destination. What the vendor says goes to the budget
     /// of the group whose `resource` the response names (`resource`), else to this one.
-    // Decided at once; the future is only the store's writes, where there are any (none for
-    // a clean response to a budget at rest, most responses): it sits in every request's
-    // future, which is moved whole into its connection's slot (see `Pacer::enter`).
+    // Decided at once; what is left to wait for is only the store's writes, where there are
+    // any (none for a clean response to a budget at rest, most responses), boxed: they would
+    // otherwise sit in every request's future, which is moved whole into its connection's
+    // slot (see `Pacer::enter`).
     pub(super) fn observe<'a>(
         &'a self,
         admission: &'a Admission,
@@ -332,7 +360,7 @@ impl Pacer {
         status: u16,
         resource: Option<&str>,
         request: impl FnOnce() -> String,
-    ) -> impl std::future::Future<Output = Verdict> + Send + 'a {
+    ) -> (Verdict, Option<Writes<'a>>) {
         let verdict = reading.verdict;
         // Written only when a lockout keeps it: a clean response costs no formatting.
         let request = if verdict == Verdict::Lockout {
@@ -402,16 +430,16 @@ impl Pacer {
         }
         let event = event.filter(|_| !nothing_to_write);
         if to_named.is_none() && event.is_none() {
-            return Step::Left(std::future::ready(verdict));
+            return (verdict, None);
         }
         // Boxed: what it holds is larger than the rest of a request's reading, and a
         // response with something to write costs a store's write anyway.
-        Step::Right(Box::pin(async move {
+        let writes = Box::pin(async move {
             if let Some((other, said)) = to_named {
                 self.tell(&other, Event::None, Some(said)).await;
             }
             let Some(event) = event else {
-                return verdict;
+                return;
             };
             let lane = holder.as_ref().unwrap_or(&admission.lane);
             let keys = admission.lane.keys();
@@ -453,8 +481,8 @@ impl Pacer {
                     self.tell(other, Event::Lockout(lock), None).await;
                 }
             }
-            verdict
-        }))
+        });
+        (verdict, Some(writes))
     }
 
     /// Records `event` and what the vendor said on `lane`'s budget, other than the one that

@@ -35,10 +35,26 @@ impl Pacer {
     async fn answer(&self, a: &Admission, status: u16, h: &HeaderMap, request: &str) -> Verdict {
         let reading = self.read(a, status, h);
         let resource = crate::signals::resource(h);
-        self.observe(a, reading, status, resource.as_deref(), || {
+        self.observed(a, reading, status, resource.as_deref(), || {
             request.to_owned()
         })
         .await
+    }
+
+    /// [`Pacer::observe`], its writes done.
+    pub(super) async fn observed(
+        &self,
+        a: &Admission,
+        reading: verdict::Reading,
+        status: u16,
+        resource: Option<&str>,
+        request: impl FnOnce() -> String,
+    ) -> Verdict {
+        let (verdict, writes) = self.observe(a, reading, status, resource, request);
+        if let Some(writes) = writes {
+            writes.await;
+        }
+        verdict
     }
 }
 

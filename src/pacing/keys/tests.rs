@@ -200,7 +200,7 @@ async fn a_lockout_on_one_key_halts_every_key_even_new_ones() {
     let far = Instant::now() + Duration::from_secs(3600);
     let admission = p.admit(&a, ONE, far).await.unwrap();
     let reading = p.read(&admission, 403, &HeaderMap::new());
-    p.observe(&admission, reading, 403, None, || "GET http://a/".into())
+    p.observed(&admission, reading, 403, None, || "GET http://a/".into())
         .await;
     drop(admission);
     for r in [&a, &b, &route(&p, "new", &none).await.unwrap()] {
@@ -332,7 +332,7 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
         said.insert(name, value.parse().unwrap());
     }
     let reading = p.read(&admission, 200, &said);
-    p.observe(&admission, reading, 200, Some("search"), String::new)
+    p.observed(&admission, reading, 200, Some("search"), String::new)
         .await;
     let search = store.view(&format!("d/search#{key}")).await.unwrap();
     assert_eq!(
@@ -355,7 +355,7 @@ async fn a_reload_that_adds_or_removes_a_key_keeps_the_budget_and_its_keys() {
         .await
         .unwrap();
     let reading = p.read(&a, 429, &HeaderMap::new());
-    p.observe(&a, reading, 429, None, || "GET /".into()).await;
+    p.observed(&a, reading, 429, None, || "GET /".into()).await;
     drop(a);
     let dest = |pace: Pace| destination(pace, Vec::new());
     let changes = p.reconfigure(&[dest(split(100.0, "host"))]).await.unwrap();
@@ -386,7 +386,7 @@ async fn a_key_forgotten_here_while_paused_keeps_its_pause() {
         .unwrap();
     let said = crate::pacing::tests::headers(&[("retry-after", "60")]);
     let reading = p.read(&a, 429, &said);
-    p.observe(&a, reading, 429, None, || "GET /".into()).await;
+    p.observed(&a, reading, 429, None, || "GET /".into()).await;
     drop(a);
     // Idle past key_idle (10 s): its lane goes, its paused budget stays.
     tokio::time::sleep(Duration::from_secs(13)).await;
