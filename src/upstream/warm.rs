@@ -270,8 +270,12 @@ pub struct Warm {
     shared: Arc<Shared>,
 }
 
+/// What every clone of a [`Warm`] shares.
 struct Shared {
+    /// Opens a connection: TCP under the address policy (through the parent proxy where one
+    /// is set), then TLS for an https URI.
     inner: HttpsConnector<Connector>,
+    /// Each upstream's connections opened ahead and its requests' counts.
     hosts: Hosts,
     /// How long a stashed connection may wait for its request: as long as an idle pooled
     /// one (`pool_idle_timeout`), below the usual upstream keep-alive.
