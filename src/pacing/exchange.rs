@@ -31,6 +31,14 @@ use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 /// The store writes a verdict makes, boxed (see [`Pacer::observe`]).
 type Writes<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 
+/// What [`Pacer::observe`] left to wait for, done: its writes, or nothing.
+pub(super) fn written(writes: Option<Writes<'_>>) -> Step<Writes<'_>, std::future::Ready<()>> {
+    match writes {
+        Some(writes) => Step::Left(writes),
+        None => Step::Right(std::future::ready(())),
+    }
+}
+
 /// An upstream response's body: as it came, or boxed once read into (see [`sniff`]).
 type Answer = Either<hyper::body::Incoming, ProxyBody>;
 
@@ -260,19 +268,13 @@ impl Pacer {
                 };
                 let (verdict, writes) =
                     self.observe_on(route, admission, reading, status, &response, outgoing);
-                if let Some(writes) = writes {
-                    writes.await;
-                }
+                written(writes).await;
                 (verdict, response)
             }));
         }
         let (verdict, writes) =
             self.observe_on(route, admission, reading, status, &response, outgoing);
-        let written = match writes {
-            Some(writes) => Step::Left(writes),
-            None => Step::Right(std::future::ready(())),
-        };
-        Step::Left(written.map(move |()| (verdict, response)))
+        Step::Left(written(writes).map(move |()| (verdict, response)))
     }
 
     /// [`Pacer::observe`] on `response` to `outgoing`: the bucket it names is looked up only

@@ -51,9 +51,7 @@ impl Pacer {
         request: impl FnOnce() -> String,
     ) -> Verdict {
         let (verdict, writes) = self.observe(a, reading, status, resource, request);
-        if let Some(writes) = writes {
-            writes.await;
-        }
+        super::exchange::written(writes).await;
         verdict
     }
 }
