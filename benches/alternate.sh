@@ -12,6 +12,14 @@
 # PIN=1 runs the proxies on CPU 0 and wrk and the upstream on CPU 1 (as benches/peers.sh
 # does): the figures move less from round to round, and leave out what a second core costs.
 #
+# CONTROL=1 adds a second floor process, measured as a build is ("control ÷ floor"): how far
+# two runs of the same program move apart here, against which a build's spread is read
+# (docs/benchmarks.md, "Eleventh pass").
+#
+# DELAY=MS has each connection wait MS milliseconds between its requests (wrk's `delay`): the
+# proxies then serve the same requests a second, neither of them flat out, where without it
+# each serves as many as it can.
+#
 # Needs wrk and nginx (installed as root on Debian) and python3. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +43,9 @@ cat > "$work/proxy.lua" <<EOF
 wrk.path = "http://localhost:$upstream_port/"
 wrk.headers["Host"] = "localhost:$upstream_port"
 EOF
+if [ -n "${DELAY:-}" ]; then
+    echo "function delay() return $DELAY end" >> "$work/proxy.lua"
+fi
 
 names=() ports=() pids=()
 start() { # name, port, command...
@@ -56,6 +67,10 @@ for b in "$@"; do
     start "$i:$(basename "$b")" "$port" "$b" serve --config "$work/p$i.toml"
     i=$((i + 1))
 done
+if [ "${CONTROL:-0}" = 1 ]; then
+    port=$(free_port)
+    start control "$port" "$floor" "127.0.0.1:$port"
+fi
 port=$(free_port)
 start floor "$port" "$floor" "127.0.0.1:$port"
 # The upstream (nginx, its worker forked by now) beside the load.

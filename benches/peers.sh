@@ -5,7 +5,10 @@
 # shipped: request log on, a destination at rate = 1000000). Each is driven in turn, at
 # c=1, 32 and 256 (CONCURRENCY), alternating, ROUNDS times; for each it prints req/s, p50 and
 # p99 latency, and the CPU the proxy spent per request (user + system, from /proc, helpers
-# included; for "direct", the upstream's own).
+# included; for "direct", the upstream's own). pacegate and its floor swap places every other
+# round, and the run ends with pacegate ÷ floor over all its rounds (CPU and requests summed):
+# one round's figure moves with what the machine does in its five seconds (docs/benchmarks.md,
+# "Eleventh pass").
 #
 # PROTOCOLS="http https" by default:
 # - http: wrk, the request line in absolute form as a forward proxy receives it.
@@ -226,8 +229,25 @@ run() { # name, pid whose CPU counts, concurrency, wrk target args...
   local us; us=$(echo "$before $after $reqs" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
   printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request\n" "$name" "$c" "$rps" "$p50" "$p99" "$us"
   cpu_of[$name]=$us
+  add_up "$name" "$c" "$before" "$after" "$reqs"
 }
-declare -A cpu_of
+declare -A cpu_of cpu_sum req_sum
+# CPU and requests summed over the rounds, for each proxy and concurrency: the run's figure,
+# against which a round's, which moves with what the machine does in its five seconds, is read.
+add_up() { # name, concurrency, CPU before, CPU after, requests
+  local key="$1 $2"
+  cpu_sum[$key]=$(echo "${cpu_sum[$key]:-0} $3 $4" | awk '{printf "%.4f", $1 + $3 - $2}')
+  req_sum[$key]=$(( ${req_sum[$key]:-0} + ${5:-0} ))
+}
+over_rounds() { # name, floor's name, label
+  local c
+  for c in $CONCURRENCY; do
+    echo "${cpu_sum[$1 $c]:-0} ${req_sum[$1 $c]:-0} ${cpu_sum[$2 $c]:-0} ${req_sum[$2 $c]:-0}" |
+      awk -v c="$c" -v label="$3" -v rounds="$ROUNDS" '$2 > 0 && $4 > 0 && $3 > 0 {
+        printf "%s c=%-4s %.2f× CPU/request over %d rounds (%.1f against %.1f us)\n", label, c,
+          ($1 / $2) / ($3 / $4), rounds, $1 * 1e6 / $2, $3 * 1e6 / $4 }'
+  done
+}
 
 run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
   local name=$1 pid=$2 c=$3; shift 3
@@ -241,6 +261,7 @@ run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
   local us; us=$(echo "$before $after ${reqs:-0}" | awk '{ if ($3 > 0) printf "%.1f", ($2 - $1) * 1e6 / $3; else print "-" }')
   printf "%-9s c=%-4s %10s req/s  p50 %8s  p99 %8s  %6s us CPU/request  %s errors\n" "$name" "$c" "$rps" "$p50" "$p99" "$us" "${errors:-?}"
   cpu_of[$name]=$us
+  add_up "$name" "$c" "$before" "$after" "${reqs:-0}"
   [ "${errors:-1}" = 0 ] || echo "$out" | grep -v '^requests' | head -3
 }
 
@@ -251,20 +272,33 @@ for round in $(seq "$ROUNDS"); do
       run direct "$up_pid" "$c" "http://localhost:$up/1k"
       run nginx "$rp_pid" "$c" "http://127.0.0.1:$rp/1k"
       run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
-      run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
-      run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
+      if [ $((round % 2)) = 1 ]; then
+        run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
+        run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
+      else
+        run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
+        run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
+      fi
       echo "${cpu_of[pacegate]} ${cpu_of[hyper]}" | awk -v c="$c" '$2 > 0 {printf "pacegate ÷ floor   c=%-4s %.2f× CPU/request\n", c, $1 / $2}'
     fi
     if [[ " $PROTOCOLS " == *" https "* ]]; then
       run_tls direct-s "$up_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$ups"
       run_tls nginx-s "$rp_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$rps"
       run_tls squid-s "$sq_pid" "$c" --proxy "127.0.0.1:$sqb" --ca "$work/squid-ca.pem" --target "localhost:$ups"
-      run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
-      run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"
+      if [ $((round % 2)) = 1 ]; then
+        run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
+        run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"
+      else
+        run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"
+        run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
+      fi
       echo "${cpu_of[pacegate-s]} ${cpu_of[floor-s]}" | awk -v c="$c" '$2 > 0 {printf "pacegate-s ÷ floor-s c=%-4s %.2f× CPU/request\n", c, $1 / $2}'
     fi
   done
 done
+
+[[ " $PROTOCOLS " != *" http "* ]] || over_rounds pacegate hyper "pacegate ÷ floor  "
+[[ " $PROTOCOLS " != *" https "* ]] || over_rounds pacegate-s floor-s "pacegate-s ÷ floor-s"
 
 if [ "${STRACE:-0}" = 1 ]; then
   command -v strace >/dev/null 2>&1 || { echo "STRACE=1 needs strace" >&2; exit 1; }
