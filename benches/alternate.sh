@@ -14,7 +14,8 @@
 #
 # CONTROL=1 adds a second floor process, measured as a build is ("control ÷ floor"): how far
 # two runs of the same program move apart here, against which a build's spread is read
-# (docs/benchmarks.md, "Eleventh pass").
+# (docs/benchmarks.md, "Eleventh pass"). CONTROL=PATH runs that floor instead, started as
+# `PATH ADDR` (examples/own_pool_floor.rs: the floor with a pool of its own).
 #
 # DELAY=MS has each connection wait MS milliseconds between its requests (wrk's `delay`): the
 # proxies then serve the same requests a second, neither of them flat out, where without it
@@ -67,10 +68,11 @@ for b in "$@"; do
     start "$i:$(basename "$b")" "$port" "$b" serve --config "$work/p$i.toml"
     i=$((i + 1))
 done
-if [ "${CONTROL:-0}" = 1 ]; then
-    port=$(free_port)
-    start control "$port" "$floor" "127.0.0.1:$port"
-fi
+case "${CONTROL:-0}" in
+    0) ;;
+    1) port=$(free_port) && start control "$port" "$floor" "127.0.0.1:$port" ;;
+    *) port=$(free_port) && start "control:$(basename "$CONTROL")" "$port" "$CONTROL" "127.0.0.1:$port" ;;
+esac
 port=$(free_port)
 start floor "$port" "$floor" "127.0.0.1:$port"
 # The upstream (nginx, its worker forked by now) beside the load.
