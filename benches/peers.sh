@@ -265,6 +265,15 @@ run_tls() { # name, pid whose CPU counts, concurrency, connect_load args...
   [ "${errors:-1}" = 0 ] || echo "$out" | grep -v '^requests' | head -3
 }
 
+# pacegate and its floor at concurrency $c, pacegate first in odd rounds, the floor in even.
+pacegate_http() { run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"; }
+floor_http() { run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"; }
+pacegate_https() { run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"; }
+floor_https() { run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"; }
+in_turn() { # round, first, second
+  if [ $(($1 % 2)) = 1 ]; then "$2"; "$3"; else "$3"; "$2"; fi
+}
+
 echo "peers: nginx upstream 1 KiB on 127.0.0.1:$up (https :$ups); ${SECONDS_EACH}s per run, $ROUNDS rounds; $(nproc) cores; pacegate threads: $PACEGATE_THREADS"
 for round in $(seq "$ROUNDS"); do
   for c in $CONCURRENCY; do
@@ -272,26 +281,14 @@ for round in $(seq "$ROUNDS"); do
       run direct "$up_pid" "$c" "http://localhost:$up/1k"
       run nginx "$rp_pid" "$c" "http://127.0.0.1:$rp/1k"
       run squid "$sq_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$sq"
-      if [ $((round % 2)) = 1 ]; then
-        run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
-        run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
-      else
-        run hyper "$floor_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$hf"
-        run pacegate "$pacegate_pid" "$c" -s "$work/proxied.lua" "http://127.0.0.1:$pg"
-      fi
+      in_turn "$round" pacegate_http floor_http
       echo "${cpu_of[pacegate]} ${cpu_of[hyper]}" | awk -v c="$c" '$2 > 0 {printf "pacegate ÷ floor   c=%-4s %.2f× CPU/request\n", c, $1 / $2}'
     fi
     if [[ " $PROTOCOLS " == *" https "* ]]; then
       run_tls direct-s "$up_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$ups"
       run_tls nginx-s "$rp_pid" "$c" --ca "$work/up-ca.pem" --target "localhost:$rps"
       run_tls squid-s "$sq_pid" "$c" --proxy "127.0.0.1:$sqb" --ca "$work/squid-ca.pem" --target "localhost:$ups"
-      if [ $((round % 2)) = 1 ]; then
-        run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
-        run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"
-      else
-        run_tls floor-s "$ifloor_pid" "$c" --proxy "127.0.0.1:$ifl" --ca "$work/ca.pem" --target "localhost:$ups"
-        run_tls pacegate-s "$pacegate_pid" "$c" --proxy "127.0.0.1:$pg" --ca "$work/ca.pem" --target "localhost:$ups"
-      fi
+      in_turn "$round" pacegate_https floor_https
       echo "${cpu_of[pacegate-s]} ${cpu_of[floor-s]}" | awk -v c="$c" '$2 > 0 {printf "pacegate-s ÷ floor-s c=%-4s %.2f× CPU/request\n", c, $1 / $2}'
     fi
   done
