@@ -1,5 +1,6 @@
-//! The outbound side: a guarded TCP connector (address policy, connect timeout), and the pooled
-//! HTTP client that speaks HTTP/1.1 or h2 to upstreams over rustls.
+//! The outbound side: a guarded TCP connector (address policy, connect timeout), connections
+//! opened ahead for paced requests ([`Warm`]), and the pool of HTTP/1.1 and h2 connections to
+//! upstreams over rustls that requests are sent on.
 //!
 //! The address policy is applied to the very address a socket is opened to, after DNS
 //! resolution, so a name that resolves to a private address (DNS rebinding included) is refused
@@ -17,8 +18,7 @@ use http::{Request, Response, Uri, Version};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::config::{ParentProxy, UpstreamConfig};
@@ -26,6 +26,7 @@ use crate::destination::HostPattern;
 use crate::headers::strip_hop_by_hop;
 
 mod parent;
+mod pool;
 mod warm;
 
 pub use warm::{Busy, Expecting, NoConnectionInTime, Warm};
@@ -405,10 +406,10 @@ pub enum UpstreamError {
     Late(#[from] NoConnectionInTime),
 }
 
-/// The pooled outbound HTTP client.
+/// The outbound HTTP client: the pool, and what opens its connections.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<Warm, ProxyBody>,
+    pool: Arc<pool::Pool>,
     warm: Warm,
     connector: Connector,
     response_timeout: Duration,
@@ -427,15 +428,9 @@ impl Upstream {
             .enable_all_versions()
             .wrap_connector(connector.clone());
         let warm = Warm::new(https, cfg.pool_idle_timeout, cfg.connect_timeout);
-        let client = Client::builder(TokioExecutor::new())
-            // Idle pooled connections only expire when a timer is set too.
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(cfg.pool_idle_timeout)
-            .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
-            .timer(TokioTimer::new())
-            .build(warm.clone());
+        let pool = pool::Pool::new(cfg.pool_idle_timeout, cfg.pool_max_idle_per_host);
         Self {
-            client,
+            pool: Arc::new(pool),
             warm,
             connector,
             response_timeout: cfg.response_timeout,
@@ -475,10 +470,10 @@ impl Upstream {
     /// `expected` is the guard of a request that waited for its slot ([`Upstream::expect`]):
     /// it now counts as sent. The body comes as it arrives, not boxed: the caller boxes it
     /// once, with what it holds until the body ends ([`boxed`]).
-    // Not an `async fn`: the request is handed to the client before the future is made, so
-    // the future holds the client's (boxed) exchange and the guard, not the request and the
-    // guard it was given beside them (about 600 bytes of a request's future, which is moved
-    // whole into its connection's slot).
+    // Not an `async fn`: the request is handed to the pool before the future is made, so the
+    // future holds the pool's (boxed) exchange and the guard, not the request and the guard it
+    // was given beside them (about 600 bytes of a request's future, which is moved whole into
+    // its connection's slot).
     pub fn send<'a>(
         &'a self,
         req: Request<ProxyBody>,
@@ -489,24 +484,17 @@ impl Upstream {
             Some(expecting) => expecting.sending(),
             None => self.warm.sending(req.uri()),
         };
-        let exchange = self.client.request(req);
+        let exchange = Box::pin(self.pool.send(&self.warm, req, by));
         async move {
             let _busy = busy;
-            let answered = match by {
-                Some(by) => {
-                    let exchange = warm::SendBy { by, exchange };
-                    tokio::time::timeout(self.response_timeout, exchange).await
-                }
-                None => tokio::time::timeout(self.response_timeout, exchange).await,
-            };
-            match answered {
+            match tokio::time::timeout(self.response_timeout, exchange).await {
                 Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
                 Ok(Ok(mut resp)) => {
                     strip_hop_by_hop(resp.headers_mut());
                     *resp.version_mut() = Version::HTTP_11;
                     Ok(resp)
                 }
-                Ok(Err(e)) => Err(classify(e)),
+                Ok(Err(e)) => Err(classify_chain(&*e)),
             }
         }
     }
@@ -515,11 +503,6 @@ impl Upstream {
 /// An upstream response's body as the client side serves a body.
 pub fn boxed(body: Incoming) -> ProxyBody {
     body.map_err(BoxError::from).boxed()
-}
-
-/// Finds the most specific cause in a client error's source chain.
-fn classify(err: hyper_util::client::legacy::Error) -> UpstreamError {
-    classify_chain(&err)
 }
 
 /// The most specific cause in `err`'s source chain.

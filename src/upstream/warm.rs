@@ -2,13 +2,13 @@
 //! had to open a connection (TCP, then TLS), it would reach the upstream that much after its
 //! slot, and bunch with the next one. So a request that starts waiting says so
 //! ([`Warm::expect`]), and when the upstream's connections do not cover those in use and those
-//! waiting (a few at most), one is opened at once into a small stash. The pooled client asks
-//! the connector only when it has no idle connection; the connector then hands out a stashed
-//! one, already through its handshakes, and tops the stash up for whoever still waits.
+//! waiting (a few at most), one is opened at once into a small stash. The pool asks for a
+//! connection ([`Warm::connection`]) only when it has none idle; it then gets a stashed one,
+//! already through its handshakes, and the stash is topped up for whoever still waits.
 //!
-//! This is also where a paced request's send check ends: the pooled client asks the connector
-//! only when it has no idle connection, and a request that would wait for one past the latest
-//! instant its slot allows ([`SEND_BY`]) is refused with [`NoConnectionInTime`] rather than
+//! This is also where a paced request's send check ends: the pool asks for a connection only
+//! when it has none idle, and a request that would wait for one past the latest instant its
+//! slot allows (the `by` it is given) is refused with [`NoConnectionInTime`] rather than
 //! sent late. The connection it waited for goes on opening, into the stash. Opening, TCP and
 //! TLS together, is bounded by the connect timeout.
 //!
@@ -29,7 +29,7 @@ use http::uri::Authority;
 use http::Uri;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
-use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::client::legacy::connect::Connection;
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
@@ -43,13 +43,13 @@ const AHEAD: usize = 4;
 
 type Stream = MaybeHttpsStream<TokioIo<TcpStream>>;
 
-/// An upstream as hyper-util pools its connections: whether https, and the authority with
-/// its port. Compared and hashed as the bytes it is written in, in one piece: pacegate writes
-/// every upstream's host normalised (see `proxy::forward::prepare`), and hyper-util hands the
-/// connector the authority the request named. (`Authority`'s own hash lowercases it a byte
+/// An upstream as the pool keeps its connections: whether https, and the authority with its
+/// port. Compared and hashed as the bytes it is written in, in one piece: pacegate writes
+/// every upstream's host normalised (see `proxy::forward::prepare`), and the pool looks up
+/// the authority the request names. (`Authority`'s own hash lowercases it a byte
 /// at a time, on every lookup.)
 #[derive(Clone, Debug)]
-struct Key {
+pub(super) struct Key {
     https: bool,
     authority: Authority,
 }
@@ -69,7 +69,7 @@ impl std::hash::Hash for Key {
     }
 }
 
-fn key_of(uri: &Uri) -> Option<Key> {
+pub(super) fn key_of(uri: &Uri) -> Option<Key> {
     let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
     let authority = uri.authority()?;
     if has_port(authority.as_str()) {
@@ -96,39 +96,6 @@ fn has_port(authority: &str) -> bool {
         .count();
     let (rest, port) = authority.split_at(authority.len() - digits);
     rest.ends_with(':') && port.parse::<u16>().is_ok()
-}
-
-thread_local! {
-    /// The latest instant the request being sent may take its connection and still go on
-    /// its slot: set while [`SendBy`] polls a paced request's exchange, which is when the
-    /// client asks the connector for a connection.
-    static SEND_BY: std::cell::Cell<Option<tokio::time::Instant>> = const { std::cell::Cell::new(None) };
-}
-
-/// A paced request's exchange, polled with its latest instant in [`SEND_BY`].
-// A thread-local set and put back around each poll, where a tokio task-local cost a few
-// hundred instructions a request to say what the connector reads only when it opens a
-// connection.
-pub(super) struct SendBy<F> {
-    pub(super) by: tokio::time::Instant,
-    pub(super) exchange: F,
-}
-
-impl<F: Future + Unpin> Future for SendBy<F> {
-    type Output = F::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        /// Puts back what [`SEND_BY`] held, even if the exchange panics.
-        struct Restore(Option<tokio::time::Instant>);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                SEND_BY.set(self.0);
-            }
-        }
-        let this = &mut *self;
-        let _restore = Restore(SEND_BY.replace(Some(this.by)));
-        Pin::new(&mut this.exchange).poll(cx)
-    }
 }
 
 /// No connection could be handed out by the latest instant the request's slot allows (given
@@ -261,10 +228,8 @@ fn release(hosts: &Hosts, key: &Key, change: impl FnOnce(&mut Host)) {
 }
 
 /// The connector with a stash of connections opened ahead.
-// One reference to what it holds: the upstream client clones itself, and with it its
-// connector, for every request, and holds the clone twice over in the future it boxes. A
-// connector of one pointer costs that future no more than the plain client's, and a request
-// one reference count, not five.
+// One reference to what it holds: a connection being opened holds a clone of it for as long
+// as it takes, opened ahead or not.
 #[derive(Clone)]
 pub struct Warm {
     shared: Arc<Shared>,
@@ -472,21 +437,19 @@ impl Warm {
     }
 }
 
-impl Service<Uri> for Warm {
-    type Response = Counted;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Counted, BoxError>> + Send>>;
-
-    // Always ready, as the connector it wraps is (`Connector::poll_ready`).
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
+impl Warm {
+    /// A connection to `uri`'s upstream for the pool, which has none idle: one opened ahead,
+    /// or one being opened for a request that waited, or a new one. `by`, for a paced
+    /// request, is the latest instant its slot allows: without a connection by then, it is
+    /// refused with [`NoConnectionInTime`], and the connection it waited for goes on opening,
+    /// into the stash.
+    pub(super) fn connection(
+        &self,
+        uri: Uri,
+        by: Option<tokio::time::Instant>,
+    ) -> impl Future<Output = Result<Counted, BoxError>> + Send + 'static {
         let this = self.clone();
-        // Read in the sending request's task: the client may finish this future elsewhere.
-        let by = SEND_BY.get();
-        Box::pin(async move {
+        async move {
             let Some(key) = key_of(&uri) else {
                 let stream = this.open(uri).await?;
                 return Ok(Counted {
@@ -550,7 +513,7 @@ impl Service<Uri> for Warm {
             let mut all = this.shared.hosts.lock();
             let host = host_of(&mut all, &key);
             Ok(Counted::new(stream, &this.shared.hosts, key, host))
-        })
+        }
     }
 }
 
@@ -612,7 +575,7 @@ impl Drop for Busy<'_> {
 }
 
 /// A connection, counted as alive until it drops.
-pub struct Counted {
+pub(super) struct Counted {
     stream: Stream,
     hosts: Option<(Hosts, Key)>,
 }
@@ -625,6 +588,11 @@ impl Counted {
             stream,
             hosts: Some((hosts.clone(), key)),
         }
+    }
+
+    /// Whether the upstream's TLS handshake chose h2.
+    pub(super) fn is_h2(&self) -> bool {
+        self.stream.connected().is_negotiated_h2()
     }
 
     /// Whether the upstream has not closed it: no end of stream waiting to be read.
@@ -648,12 +616,6 @@ impl Drop for Counted {
         if let Some((hosts, key)) = &self.hosts {
             release(hosts, key, |h| h.alive -= 1);
         }
-    }
-}
-
-impl Connection for Counted {
-    fn connected(&self) -> Connected {
-        self.stream.connected()
     }
 }
 

@@ -66,12 +66,12 @@ async fn waiting_requests_get_connections_ahead_and_the_host_is_forgotten_after(
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 2, 2)));
     // The client asks the connector: a stashed one, and nothing new opened for `b`,
     // whose connection is already there.
-    let first = w.clone().call(uri.clone()).await.unwrap();
+    let first = w.connection(uri.clone(), None).await.unwrap();
     drop(a);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 1)));
     // A request that waits alone beside an open connection opens nothing.
     drop(b);
-    let second = w.clone().call(uri.clone()).await.unwrap();
+    let second = w.connection(uri.clone(), None).await.unwrap();
     let c = w.expect(&uri);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 0)));
     drop((c, first, second));
@@ -124,14 +124,10 @@ async fn silent_tls() -> (Uri, tokio::task::JoinHandle<()>) {
     (uri, accepted)
 }
 
-/// The client's call for a connection to `uri`, in a request that must be sent by `by`:
-/// its error.
-async fn refused_by(w: &mut Warm, uri: &Uri, by: tokio::time::Instant) -> BoxError {
-    // The call is made inside the poll, as the client makes it.
-    let call = SendBy {
-        by,
-        exchange: Box::pin(async { w.call(uri.clone()).await }),
-    };
+/// The pool's call for a connection to `uri`, for a request that must be sent by `by`: its
+/// error.
+async fn refused_by(w: &Warm, uri: &Uri, by: tokio::time::Instant) -> BoxError {
+    let call = w.connection(uri.clone(), Some(by));
     match tokio::time::timeout(Duration::from_secs(5), call).await {
         Ok(Err(e)) => e,
         Ok(Ok(_)) => panic!("a connection to an upstream that never answers"),
@@ -142,9 +138,9 @@ async fn refused_by(w: &mut Warm, uri: &Uri, by: tokio::time::Instant) -> BoxErr
 #[tokio::test]
 async fn no_connection_by_the_send_time_sends_nothing_and_the_connection_goes_on_opening() {
     let (uri, accepted) = silent_tls().await;
-    let mut w = warm();
+    let w = warm();
     let by = tokio::time::Instant::now() + Duration::from_millis(30);
-    let err = refused_by(&mut w, &uri, by).await;
+    let err = refused_by(&w, &uri, by).await;
     assert!(err.is::<NoConnectionInTime>(), "{err}");
     assert!(
         tokio::time::Instant::now() >= by,
@@ -153,7 +149,7 @@ async fn no_connection_by_the_send_time_sends_nothing_and_the_connection_goes_on
     assert_eq!(counts(&w, &uri), Some((0, 1, 0, 0)), "still opening");
     // The next request waits for that one, up to its own time, and opens no other.
     let by = tokio::time::Instant::now() + Duration::from_millis(20);
-    let err = refused_by(&mut w, &uri, by).await;
+    let err = refused_by(&w, &uri, by).await;
     assert!(err.is::<NoConnectionInTime>(), "{err}");
     assert_eq!(counts(&w, &uri), Some((0, 1, 0, 0)));
     accepted.abort();
@@ -176,7 +172,7 @@ async fn a_handshake_the_upstream_never_answers_ends_at_the_connect_timeout() {
     let w = warm_with(Duration::from_secs(4), Duration::from_millis(50));
     // Opened ahead for a waiting request, and opened by the client itself.
     let a = w.expect(&uri);
-    let err = tokio::time::timeout(Duration::from_secs(5), w.clone().call(uri.clone()))
+    let err = tokio::time::timeout(Duration::from_secs(5), w.connection(uri.clone(), None))
         .await
         .expect("within the connect timeout")
         .err()

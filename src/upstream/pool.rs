@@ -1,0 +1,323 @@
+//! The pool of upstream connections: hyper's client connections, HTTP/1.1 or h2 as the
+//! upstream's TLS handshake chose, kept per upstream (scheme, host and port) between requests.
+//!
+//! A request takes an idle HTTP/1.1 connection (the one handed back last), or shares its
+//! upstream's h2 connection, or has [`Warm`] open one (or hand over one it opened ahead). An
+//! HTTP/1.1 connection goes back to the pool once it can take the next request, that is once
+//! the response has been read off it; one the upstream closed meanwhile is dropped on the way
+//! out. A request whose reused connection turned out closed before it was written is sent
+//! again on another: the upstream never saw it. A connection idle for `pool_idle_timeout` is
+//! closed, and an upstream keeps at most `pool_max_idle_per_host` idle ones.
+//!
+//! This is the least of what a general pooled client does that pacegate needs, written here
+//! because the rest costs a request about a fifth of pacegate's own CPU (`docs/benchmarks.md`,
+//! "Twelfth pass"): no racing a connect against a connection handed back, no per-request
+//! boxing of the connection's handle, one lock taken to check out and one to hand back.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use http::header::{HeaderValue, HOST};
+use http::{Request, Response, Uri};
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::warm::{key_of, Key, Warm};
+use super::{BoxError, ConnectError, ProxyBody};
+
+/// The shortest period between two looks for expired idle connections.
+const MIN_REAP: Duration = Duration::from_millis(100);
+
+/// A connection to send one request on.
+enum Conn {
+    /// An HTTP/1.1 connection, held alone until the response is read.
+    H1(http1::SendRequest<ProxyBody>),
+    /// A handle on the upstream's h2 connection, shared.
+    H2(http2::SendRequest<ProxyBody>),
+}
+
+/// One upstream's connections between requests.
+#[derive(Default)]
+struct Idle {
+    /// HTTP/1.1 connections, each with the instant it was handed back; the latest last.
+    h1: Vec<(Instant, http1::SendRequest<ProxyBody>)>,
+    /// The upstream's h2 connection, with the instant a request last took it.
+    h2: Option<(Instant, http2::SendRequest<ProxyBody>)>,
+}
+
+/// The pool; cheap to share (see [`super::Upstream`]).
+pub(super) struct Pool {
+    shared: Arc<Shared>,
+}
+
+/// What the pool and its reaper share.
+struct Shared {
+    /// Every upstream's idle connections. A lock held for a push or a pop.
+    idle: Mutex<HashMap<Key, Idle, ahash::RandomState>>,
+    /// How long a connection may sit idle.
+    idle_timeout: Duration,
+    /// The most idle HTTP/1.1 connections kept for one upstream.
+    max_idle: usize,
+    /// Whether the task that closes expired idle connections runs (started with the first
+    /// connection handed back: the pool may be made outside a runtime).
+    reaping: AtomicBool,
+}
+
+impl Pool {
+    pub(super) fn new(idle_timeout: Duration, max_idle: usize) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                idle: Mutex::default(),
+                idle_timeout,
+                max_idle,
+                reaping: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Sends `req` (absolute URI) on a pooled connection or on one `warm` hands out, and
+    /// waits for the response head. `by`, for a paced request, is the latest instant it may
+    /// still take a new connection (see [`Warm::connection`]).
+    pub(super) async fn send(
+        &self,
+        warm: &Warm,
+        mut req: Request<ProxyBody>,
+        by: Option<tokio::time::Instant>,
+    ) -> Result<Response<Incoming>, BoxError> {
+        let key = key_of(req.uri()).ok_or(ConnectError::NoHost)?;
+        let uri = req.uri().clone();
+        set_host(&mut req);
+        loop {
+            let (conn, reused) = match self.checkout(&key) {
+                Some(conn) => (conn, true),
+                None => (self.connect(warm, uri.clone(), by).await?, false),
+            };
+            let sent = match conn {
+                Conn::H1(mut sender) => {
+                    origin_form(req.uri_mut());
+                    let sent = sender.try_send_request(req).await;
+                    if let Ok(response) = sent {
+                        self.hand_back(key, sender);
+                        return Ok(response);
+                    }
+                    sent
+                }
+                Conn::H2(mut sender) => sender.try_send_request(req).await,
+            };
+            match sent {
+                Ok(response) => return Ok(response),
+                Err(mut e) => match e.take_message() {
+                    // Not written: a connection the upstream closed while it was idle.
+                    Some(back) if reused => {
+                        tracing::debug!("a pooled connection was closed; sending again");
+                        req = back;
+                        *req.uri_mut() = uri.clone();
+                    }
+                    _ => return Err(e.into_error().into()),
+                },
+            }
+        }
+    }
+
+    /// An idle connection to `key`'s upstream that can take a request, if any: its h2
+    /// connection, or the HTTP/1.1 one handed back last. Those expired or closed are dropped
+    /// (after the lock: a connection's drop takes `Warm`'s).
+    fn checkout(&self, key: &Key) -> Option<Conn> {
+        let mut dropped = Vec::new();
+        let found = {
+            let mut all = self.shared.idle.lock();
+            let idle = all.get_mut(key)?;
+            let now = Instant::now();
+            let found = match &mut idle.h2 {
+                Some((used, h2)) if !h2.is_closed() => {
+                    *used = now;
+                    Some(Conn::H2(h2.clone()))
+                }
+                _ => {
+                    dropped.extend(idle.h2.take().map(|(_, h2)| Conn::H2(h2)));
+                    let mut found = None;
+                    while let Some((at, sender)) = idle.h1.pop() {
+                        if now - at < self.shared.idle_timeout && sender.is_ready() {
+                            found = Some(Conn::H1(sender));
+                            break;
+                        }
+                        dropped.push(Conn::H1(sender));
+                    }
+                    found
+                }
+            };
+            if idle.h1.is_empty() && idle.h2.is_none() {
+                all.remove(key);
+            }
+            found
+        };
+        drop(dropped);
+        found
+    }
+
+    /// Opens a connection (see [`Warm::connection`]) and speaks HTTP/1.1 or h2 on it, as its
+    /// TLS handshake chose; an h2 one is kept for every request to its upstream.
+    async fn connect(
+        &self,
+        warm: &Warm,
+        uri: Uri,
+        by: Option<tokio::time::Instant>,
+    ) -> Result<Conn, BoxError> {
+        let key = key_of(&uri).ok_or(ConnectError::NoHost)?;
+        let io = warm.connection(uri, by).await?;
+        if io.is_h2() {
+            let (mut sender, conn) = http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .handshake(io)
+                .await?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!("upstream h2 connection ended: {e}");
+                }
+            });
+            sender.ready().await?;
+            // Replaces one opened at the same time: requests on it finish, then it closes.
+            let replaced = self
+                .shared
+                .idle
+                .lock()
+                .entry(key)
+                .or_default()
+                .h2
+                .replace((Instant::now(), sender.clone()));
+            drop(replaced);
+            self.shared.reap_from_now();
+            Ok(Conn::H2(sender))
+        } else {
+            let (mut sender, conn) = http1::Builder::new().handshake(io).await?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!("upstream connection ended: {e}");
+                }
+            });
+            sender.ready().await?;
+            Ok(Conn::H1(sender))
+        }
+    }
+
+    /// Puts an HTTP/1.1 connection back once it can take the next request: at once where
+    /// the response was read with its head (most answers), else when it has been.
+    fn hand_back(&self, key: Key, mut sender: http1::SendRequest<ProxyBody>) {
+        if sender.is_ready() {
+            self.shared.put(key, sender);
+            return;
+        }
+        let shared = Arc::downgrade(&self.shared);
+        tokio::spawn(async move {
+            // An error: the upstream closed it, or the response was not read to its end.
+            if sender.ready().await.is_ok() {
+                if let Some(shared) = shared.upgrade() {
+                    shared.put(key, sender);
+                }
+            }
+        });
+    }
+}
+
+impl Shared {
+    /// Keeps `sender` as `key`'s latest idle connection, unless the upstream has as many as
+    /// it may keep.
+    fn put(self: &Arc<Self>, key: Key, sender: http1::SendRequest<ProxyBody>) {
+        let mut all = self.idle.lock();
+        let idle = all.entry(key).or_default();
+        if idle.h1.len() >= self.max_idle {
+            drop(all);
+            drop(sender);
+            return;
+        }
+        idle.h1.push((Instant::now(), sender));
+        drop(all);
+        self.reap_from_now();
+    }
+
+    /// Starts the task that closes idle connections as they expire, once.
+    fn reap_from_now(self: &Arc<Self>) {
+        if self.reaping.load(Ordering::Relaxed) || self.reaping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let every = self.idle_timeout.max(MIN_REAP);
+        tokio::spawn(reap(Arc::downgrade(self), every));
+    }
+
+    /// Takes the idle connections that have expired, and those closed, out of the pool.
+    fn expired(&self) -> Vec<Conn> {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        self.idle.lock().retain(|_, idle| {
+            let fresh = |at: &Instant| now - *at < self.idle_timeout;
+            if idle
+                .h2
+                .as_ref()
+                .is_some_and(|(used, h2)| !fresh(used) || h2.is_closed())
+            {
+                out.extend(idle.h2.take().map(|(_, h2)| Conn::H2(h2)));
+            }
+            let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(&mut idle.h1)
+                .into_iter()
+                .partition(|(at, sender)| fresh(at) && !sender.is_closed());
+            idle.h1 = keep;
+            out.extend(gone.into_iter().map(|(_, sender)| Conn::H1(sender)));
+            !idle.h1.is_empty() || idle.h2.is_some()
+        });
+        out
+    }
+}
+
+/// Closes expired idle connections every `every`, for as long as the pool lasts.
+async fn reap(shared: Weak<Shared>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        // Dropped after the lock: a connection's drop takes `Warm`'s.
+        drop(shared.expired());
+    }
+}
+
+/// Adds `Host` where the request has none: the URI's host, and its port unless the
+/// scheme's own.
+fn set_host(req: &mut Request<ProxyBody>) {
+    if req.headers().contains_key(HOST) {
+        return;
+    }
+    let uri = req.uri();
+    let Some(host) = uri.host() else { return };
+    let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+    let value = match uri.port_u16() {
+        Some(port) if port != if https { 443 } else { 80 } => {
+            HeaderValue::from_str(&format!("{host}:{port}"))
+        }
+        _ => HeaderValue::from_str(host),
+    };
+    if let Ok(value) = value {
+        req.headers_mut().insert(HOST, value);
+    }
+}
+
+/// An HTTP/1.1 request line names the path and query alone (origin form).
+fn origin_form(uri: &mut Uri) {
+    *uri = match uri.path_and_query() {
+        Some(path) if path.as_str() != "/" => {
+            let mut parts = http::uri::Parts::default();
+            parts.path_and_query = Some(path.clone());
+            Uri::from_parts(parts).unwrap_or_default()
+        }
+        _ => Uri::default(),
+    };
+}
+
+#[cfg(test)]
+mod tests;
