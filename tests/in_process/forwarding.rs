@@ -94,6 +94,29 @@ async fn https_is_intercepted_over_http1_and_h2() {
 }
 
 #[tokio::test]
+async fn requests_share_the_upstreams_h2_connection_and_reuse_its_http1_ones() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = proxy_for(&upstream).await;
+    // Each request on a connection of its own to pacegate (an intercepted session each).
+    let fresh = || client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let get = |url: String| {
+        let via = fresh();
+        async move { via.get(&url).send().await.unwrap().status() }
+    };
+    // Over TLS the upstream offers h2: one connection, then eight requests at once on it.
+    let slow = format!("{}/sleep/100", upstream.https_url("localhost"));
+    assert_eq!(get(slow.clone()).await, 200);
+    let at_once = futures_util::future::join_all((0..8).map(|_| get(slow.clone()))).await;
+    assert!(at_once.iter().all(|s| *s == 200), "{at_once:?}");
+    assert_eq!(upstream.connections(), 1, "one h2 connection for all");
+    // Plain http speaks HTTP/1.1: requests in turn take the connection the last one used.
+    for _ in 0..4 {
+        assert_eq!(get(upstream.http_url("localhost")).await, 200);
+    }
+    assert_eq!(upstream.connections(), 2, "one more, used in turn");
+}
+
+#[tokio::test]
 async fn h2_client_reaches_an_http1_only_upstream() {
     let upstream = FakeUpstream::start_with(false).await;
     let proxy = proxy_for(&upstream).await;

@@ -124,6 +124,8 @@ struct State {
     /// `/window`: when the current window started, and the requests in it.
     window: Mutex<Option<(Instant, u64)>>,
     received_bytes: AtomicU64,
+    /// Connections accepted, http and https.
+    accepted: AtomicU64,
     gate: Notify,
     /// How long a new connection waits before it is served (its TLS handshake too): a slow
     /// upstream or a long way to it.
@@ -168,6 +170,7 @@ impl FakeUpstream {
             flaky: Mutex::new(std::collections::HashMap::new()),
             window: Mutex::new(None),
             received_bytes: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
             gate: Notify::new(),
             slow_start_ms: AtomicU64::new(0),
         });
@@ -183,6 +186,7 @@ impl FakeUpstream {
         let s = state.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = http_listener.accept().await {
+                s.accepted.fetch_add(1, Ordering::SeqCst);
                 let _ = stream.set_nodelay(true);
                 let s = s.clone();
                 tokio::spawn(async move {
@@ -195,6 +199,7 @@ impl FakeUpstream {
         let s = state.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = https_listener.accept().await {
+                s.accepted.fetch_add(1, Ordering::SeqCst);
                 let _ = stream.set_nodelay(true);
                 let s = s.clone();
                 let acceptor = acceptor.clone();
@@ -253,6 +258,11 @@ impl FakeUpstream {
     /// Request body bytes received so far, over all requests.
     pub fn received_bytes(&self) -> u64 {
         self.state.received_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted so far, http and https.
+    pub fn connections(&self) -> u64 {
+        self.state.accepted.load(Ordering::SeqCst)
     }
 
     /// Lets `/gated` responses send the rest of their body.

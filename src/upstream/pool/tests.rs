@@ -21,7 +21,8 @@ struct Seen {
 /// How the upstream answers.
 #[derive(Clone, Copy)]
 struct Upstream {
-    /// Closes each connection after its first answer, without saying so in the answer.
+    /// Closes each connection 50 ms after its first answer (once the pool has it back),
+    /// without saying so in the answer.
     close_after_one: bool,
     /// Holds each answer until this many requests have arrived.
     hold_for: usize,
@@ -66,6 +67,7 @@ async fn upstream(how: Upstream, path: &str) -> (Uri, Arc<Seen>) {
                         return;
                     }
                     if how.close_after_one {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                         return;
                     }
                 }
@@ -189,20 +191,23 @@ async fn a_connection_the_upstream_closed_while_idle_is_not_handed_out() {
     let (pool, warm) = (Pool::new(Duration::from_secs(4), 8), warm());
     for n in 1..=5 {
         assert_eq!(exchange(&pool, &warm, get(&uri)).await, "ok");
-        // Once the pool's side has seen the close, the connection is no use.
+        // Back in the pool, then closed by the upstream: once the pool's side has seen the
+        // close, the connection is no use.
         let key = key_of(&uri).unwrap();
-        for _ in 0..500 {
-            let closed = pool
-                .shared
+        let idle_and_closed = || {
+            pool.shared
                 .idle
                 .lock()
                 .get(&key)
-                .is_none_or(|idle| idle.h1.iter().all(|(_, s)| s.is_closed()));
-            if closed {
+                .is_some_and(|idle| idle.h1.len() == 1 && idle.h1[0].1.is_closed())
+        };
+        for _ in 0..500 {
+            if idle_and_closed() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        assert!(idle_and_closed(), "kept, then closed by the upstream");
         assert_eq!(seen.accepted.load(Ordering::SeqCst), n);
     }
 }
