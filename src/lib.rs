@@ -45,7 +45,7 @@
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached; the CA's files;
 //!   upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
-//!   waits for its slot, and the pooled HTTP/1.1 + h2 client.
+//!   waits for its slot, and the pool of HTTP/1.1 and h2 connections requests are sent on.
 //! - [`headers`]: hop-by-hop hygiene at both boundaries, and the one pass over a request's
 //!   names that finds which of those pacegate acts on are there; a leaf.
 //! - [`log`]: the log's writer (a buffer that a thread of its own writes every 100 ms) and

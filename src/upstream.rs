@@ -484,7 +484,8 @@ impl Upstream {
             Some(expecting) => expecting.sending(),
             None => self.warm.sending(req.uri()),
         };
-        let exchange = Box::pin(self.pool.send(&self.warm, req, by));
+        let key = busy.key().cloned();
+        let exchange = Box::pin(self.pool.send(&self.warm, key, req, by));
         async move {
             let _busy = busy;
             match tokio::time::timeout(self.response_timeout, exchange).await {

@@ -27,7 +27,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::warm::{key_of, Key, Warm};
+use super::warm::{Key, Warm};
 use super::{BoxError, ConnectError, ProxyBody};
 
 /// The shortest period between two looks for expired idle connections.
@@ -80,25 +80,31 @@ impl Pool {
         }
     }
 
-    /// Sends `req` (absolute URI) on a pooled connection or on one `warm` hands out, and
-    /// waits for the response head. `by`, for a paced request, is the latest instant it may
-    /// still take a new connection (see [`Warm::connection`]).
+    /// Sends `req` (absolute URI) to the upstream `key` names on a pooled connection or on
+    /// one `warm` hands out, and waits for the response head. `by`, for a paced request, is
+    /// the latest instant it may still take a new connection (see [`Warm::connection`]).
     pub(super) async fn send(
         &self,
         warm: &Warm,
+        key: Option<Key>,
         mut req: Request<ProxyBody>,
         by: Option<tokio::time::Instant>,
     ) -> Result<Response<Incoming>, BoxError> {
-        let key = key_of(req.uri()).ok_or(ConnectError::NoHost)?;
+        let key = key.ok_or(ConnectError::NoHost)?;
         let uri = req.uri().clone();
-        set_host(&mut req);
         loop {
             let (conn, reused) = match self.checkout(&key) {
                 Some(conn) => (conn, true),
-                None => (self.connect(warm, uri.clone(), by).await?, false),
+                // Boxed: a new connection's handshakes are a large future, and rare.
+                None => (
+                    Box::pin(self.connect(warm, &key, uri.clone(), by)).await?,
+                    false,
+                ),
             };
             let sent = match conn {
                 Conn::H1(mut sender) => {
+                    // h2 names the authority in the request itself (`:authority`).
+                    set_host(&mut req);
                     origin_form(req.uri_mut());
                     let sent = sender.try_send_request(req).await;
                     if let Ok(response) = sent {
@@ -165,10 +171,10 @@ impl Pool {
     async fn connect(
         &self,
         warm: &Warm,
+        key: &Key,
         uri: Uri,
         by: Option<tokio::time::Instant>,
     ) -> Result<Conn, BoxError> {
-        let key = key_of(&uri).ok_or(ConnectError::NoHost)?;
         let io = warm.connection(uri, by).await?;
         if io.is_h2() {
             let (mut sender, conn) = http2::Builder::new(TokioExecutor::new())
@@ -186,7 +192,7 @@ impl Pool {
                 .shared
                 .idle
                 .lock()
-                .entry(key)
+                .entry(key.clone())
                 .or_default()
                 .h2
                 .replace((Instant::now(), sender.clone()));

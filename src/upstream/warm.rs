@@ -563,6 +563,13 @@ pub struct Busy<'a> {
     counted: Option<(Key, Arc<Requests>)>,
 }
 
+impl Busy<'_> {
+    /// The upstream the request goes to, as the pool keys it (none for a URI with no host).
+    pub(super) fn key(&self) -> Option<&Key> {
+        self.counted.as_ref().map(|(key, _)| key)
+    }
+}
+
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
         if let Some((key, requests)) = &self.counted {

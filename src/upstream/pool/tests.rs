@@ -7,6 +7,7 @@ use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
+use crate::upstream::warm::key_of;
 use crate::upstream::Connector;
 
 /// What the upstream saw.
@@ -103,10 +104,13 @@ fn get(uri: &Uri) -> Request<ProxyBody> {
 
 /// Sends `req` and reads the answer to its end.
 async fn exchange(pool: &Pool, warm: &Warm, req: Request<ProxyBody>) -> String {
-    let response = tokio::time::timeout(Duration::from_secs(5), pool.send(warm, req, None))
-        .await
-        .expect("an answer within 5 s")
-        .expect("an answer");
+    let response = tokio::time::timeout(
+        Duration::from_secs(5),
+        pool.send(warm, key_of(req.uri()), req, None),
+    )
+    .await
+    .expect("an answer within 5 s")
+    .expect("an answer");
     let body = response.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8_lossy(&body).into_owned()
 }
