@@ -6,13 +6,16 @@
 //! HTTP/1.1 connection goes back to the pool once it can take the next request, that is once
 //! the response has been read off it; one the upstream closed meanwhile is dropped on the way
 //! out. A request whose reused connection turned out closed before it was written is sent
-//! again on another: the upstream never saw it. A connection idle for `pool_idle_timeout` is
-//! closed, and an upstream keeps at most `pool_max_idle_per_host` idle ones.
+//! again on another: the upstream never saw it. An HTTP/1.1 connection idle for
+//! `pool_idle_timeout` is closed, and so is an h2 one no request has taken for as long; an
+//! upstream keeps at most `pool_max_idle_per_host` idle HTTP/1.1 ones.
 //!
-//! This is the least of what a general pooled client does that pacegate needs, written here
-//! because the rest costs a request about a fifth of pacegate's own CPU (`docs/benchmarks.md`,
-//! "Twelfth pass"): no racing a connect against a connection handed back, no per-request
-//! boxing of the connection's handle, one lock taken to check out and one to hand back.
+//! Written here rather than taken from hyper-util's pooled client, which did all this and
+//! more for about 8,700 instructions a request, more than pacegate's own work
+//! (`docs/benchmarks.md`, "Eleventh pass" and "Twelfth pass"). What it leaves out: racing a
+//! new connection against one handed back meanwhile (`Warm` opens connections ahead for paced
+//! requests instead). A request takes the pool's lock once to check out and once to hand
+//! back, and hashes its key (with aHash, as `Warm` does) at each.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
