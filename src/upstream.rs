@@ -409,7 +409,7 @@ pub enum UpstreamError {
 /// The outbound HTTP client: the pool, and what opens its connections.
 #[derive(Clone)]
 pub struct Upstream {
-    pool: Arc<pool::Pool>,
+    pool: pool::Pool,
     warm: Warm,
     connector: Connector,
     response_timeout: Duration,
@@ -428,9 +428,8 @@ impl Upstream {
             .enable_all_versions()
             .wrap_connector(connector.clone());
         let warm = Warm::new(https, cfg.pool_idle_timeout, cfg.connect_timeout);
-        let pool = pool::Pool::new(cfg.pool_idle_timeout, cfg.pool_max_idle_per_host);
         Self {
-            pool: Arc::new(pool),
+            pool: pool::Pool::new(cfg.pool_idle_timeout, cfg.pool_max_idle_per_host),
             warm,
             connector,
             response_timeout: cfg.response_timeout,

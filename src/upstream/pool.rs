@@ -53,7 +53,8 @@ struct Idle {
     h2: Option<(Instant, http2::SendRequest<ProxyBody>)>,
 }
 
-/// The pool; cheap to share (see [`super::Upstream`]).
+/// The pool; a clone shares it.
+#[derive(Clone)]
 pub(super) struct Pool {
     shared: Arc<Shared>,
 }

@@ -435,9 +435,7 @@ impl Warm {
         drop(stale);
         found
     }
-}
 
-impl Warm {
     /// A connection to `uri`'s upstream for the pool, which has none idle: one opened ahead,
     /// or one being opened for a request that waited, or a new one. `by`, for a paced
     /// request, is the latest instant its slot allows: without a connection by then, it is
