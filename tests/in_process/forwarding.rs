@@ -97,7 +97,8 @@ async fn https_is_intercepted_over_http1_and_h2() {
 async fn requests_share_the_upstreams_h2_connection_and_reuse_its_http1_ones() {
     let upstream = FakeUpstream::start().await;
     let proxy = proxy_for(&upstream).await;
-    // Each request on a connection of its own to pacegate (an intercepted session each).
+    // Each request on a connection of its own to pacegate (over https, an intercepted
+    // session each): what they share is pacegate's doing.
     let fresh = || client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
     let get = |url: String| {
         let via = fresh();
