@@ -179,7 +179,7 @@ impl Pool {
         uri: Uri,
         by: Option<tokio::time::Instant>,
     ) -> Result<Conn, BoxError> {
-        let io = warm.connection(uri, by).await?;
+        let io = warm.connection(key.clone(), uri, by).await?;
         if io.is_h2() {
             let (mut sender, conn) = http2::Builder::new(TokioExecutor::new())
                 .timer(TokioTimer::new())

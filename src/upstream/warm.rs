@@ -436,25 +436,19 @@ impl Warm {
         found
     }
 
-    /// A connection to `uri`'s upstream for the pool, which has none idle: one opened ahead,
-    /// or one being opened for a request that waited, or a new one. `by`, for a paced
-    /// request, is the latest instant its slot allows: without a connection by then, it is
-    /// refused with [`NoConnectionInTime`], and the connection it waited for goes on opening,
-    /// into the stash.
+    /// A connection to `uri`'s upstream (`key`) for the pool, which has none idle: one
+    /// opened ahead, or one being opened for a request that waited, or a new one. `by`, for
+    /// a paced request, is the latest instant its slot allows: without a connection by then,
+    /// it is refused with [`NoConnectionInTime`], and the connection it waited for goes on
+    /// opening, into the stash.
     pub(super) fn connection(
         &self,
+        key: Key,
         uri: Uri,
         by: Option<tokio::time::Instant>,
     ) -> impl Future<Output = Result<Counted, BoxError>> + Send + 'static {
         let this = self.clone();
         async move {
-            let Some(key) = key_of(&uri) else {
-                let stream = this.open(uri).await?;
-                return Ok(Counted {
-                    stream,
-                    hosts: None,
-                });
-            };
             // A connection opened ahead, or one on its way: a request that did not wait for
             // its slot takes the one opened for it rather than open a second.
             loop {
@@ -582,7 +576,8 @@ impl Drop for Busy<'_> {
 /// A connection, counted as alive until it drops.
 pub(super) struct Counted {
     stream: Stream,
-    hosts: Option<(Hosts, Key)>,
+    hosts: Hosts,
+    key: Key,
 }
 
 impl Counted {
@@ -591,7 +586,8 @@ impl Counted {
         host.h2 |= stream.connected().is_negotiated_h2();
         Self {
             stream,
-            hosts: Some((hosts.clone(), key)),
+            hosts: hosts.clone(),
+            key,
         }
     }
 
@@ -618,9 +614,7 @@ impl Counted {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        if let Some((hosts, key)) = &self.hosts {
-            release(hosts, key, |h| h.alive -= 1);
-        }
+        release(&self.hosts, &self.key, |h| h.alive -= 1);
     }
 }
 
@@ -665,4 +659,4 @@ impl Write for Counted {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
 use crate::upstream::warm::key_of;
-use crate::upstream::Connector;
+use crate::upstream::warm::tests::warm;
 
 /// What the upstream saw.
 #[derive(Default)]
@@ -83,15 +83,16 @@ const KEEPS: Upstream = Upstream {
     hold_for: 1,
 };
 
-fn warm() -> Warm {
-    let tls = crate::tls::upstream_client_config(rustls::RootCertStore::empty()).unwrap();
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_all_versions()
-        .wrap_connector(Connector::new(true, Duration::from_secs(5)));
-    Warm::new(https, Duration::from_secs(4), Duration::from_secs(5))
-}
+/// Answers two requests at once, or none.
+const PAIRS: Upstream = Upstream {
+    close_after_one: false,
+    hold_for: 2,
+};
+
+const CLOSES: Upstream = Upstream {
+    close_after_one: true,
+    hold_for: 1,
+};
 
 fn get(uri: &Uri) -> Request<ProxyBody> {
     let body = http_body_util::Empty::new()
@@ -154,11 +155,7 @@ async fn an_http1_connection_serves_one_request_after_another_in_origin_form_wit
 
 #[tokio::test]
 async fn requests_at_once_take_a_connection_each_and_the_idle_ones_kept_are_bounded() {
-    let both = Upstream {
-        close_after_one: false,
-        hold_for: 2,
-    };
-    let (uri, seen) = upstream(both, "/").await;
+    let (uri, seen) = upstream(PAIRS, "/").await;
     let (pool, warm) = (Pool::new(Duration::from_secs(4), 1), warm());
     let (a, b) = tokio::join!(
         exchange(&pool, &warm, get(&uri)),
@@ -187,11 +184,7 @@ async fn an_idle_connection_is_closed_once_it_has_been_idle_for_the_idle_timeout
 
 #[tokio::test]
 async fn a_connection_the_upstream_closed_while_idle_is_not_handed_out() {
-    let closes = Upstream {
-        close_after_one: true,
-        hold_for: 1,
-    };
-    let (uri, seen) = upstream(closes, "/").await;
+    let (uri, seen) = upstream(CLOSES, "/").await;
     let (pool, warm) = (Pool::new(Duration::from_secs(4), 8), warm());
     for n in 1..=5 {
         assert_eq!(exchange(&pool, &warm, get(&uri)).await, "ok");

@@ -2,8 +2,18 @@
 
 use super::*;
 
-fn warm() -> Warm {
+/// A connector that may reach loopback; stashed connections kept 4 s, opening bounded by 5 s.
+pub(in crate::upstream) fn warm() -> Warm {
     warm_for(Duration::from_secs(4))
+}
+
+/// The pool's call for a connection to `uri`.
+fn connection(
+    w: &Warm,
+    uri: &Uri,
+    by: Option<tokio::time::Instant>,
+) -> impl Future<Output = Result<Counted, BoxError>> {
+    w.connection(key_of(uri).unwrap(), uri.clone(), by)
 }
 
 fn warm_for(ttl: Duration) -> Warm {
@@ -66,12 +76,12 @@ async fn waiting_requests_get_connections_ahead_and_the_host_is_forgotten_after(
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 2, 2)));
     // The client asks the connector: a stashed one, and nothing new opened for `b`,
     // whose connection is already there.
-    let first = w.connection(uri.clone(), None).await.unwrap();
+    let first = connection(&w, &uri, None).await.unwrap();
     drop(a);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 1)));
     // A request that waits alone beside an open connection opens nothing.
     drop(b);
-    let second = w.connection(uri.clone(), None).await.unwrap();
+    let second = connection(&w, &uri, None).await.unwrap();
     let c = w.expect(&uri);
     assert_eq!(settled(&w, &uri).await, Some((2, 0, 1, 0)));
     drop((c, first, second));
@@ -127,7 +137,7 @@ async fn silent_tls() -> (Uri, tokio::task::JoinHandle<()>) {
 /// The pool's call for a connection to `uri`, for a request that must be sent by `by`: its
 /// error.
 async fn refused_by(w: &Warm, uri: &Uri, by: tokio::time::Instant) -> BoxError {
-    let call = w.connection(uri.clone(), Some(by));
+    let call = connection(w, uri, Some(by));
     match tokio::time::timeout(Duration::from_secs(5), call).await {
         Ok(Err(e)) => e,
         Ok(Ok(_)) => panic!("a connection to an upstream that never answers"),
@@ -172,7 +182,7 @@ async fn a_handshake_the_upstream_never_answers_ends_at_the_connect_timeout() {
     let w = warm_with(Duration::from_secs(4), Duration::from_millis(50));
     // Opened ahead for a waiting request, and opened by the client itself.
     let a = w.expect(&uri);
-    let err = tokio::time::timeout(Duration::from_secs(5), w.connection(uri.clone(), None))
+    let err = tokio::time::timeout(Duration::from_secs(5), connection(&w, &uri, None))
         .await
         .expect("within the connect timeout")
         .err()
