@@ -6,8 +6,9 @@
 -- store::postgres::model hold the two to each other.
 --
 -- A function's signature is kept for the binary of the release before, which may still run
--- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time) is
--- such a function.
+-- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time) and
+-- pacegate_reserve_many (pacegate_reserve_slots without p_lead: every slot from the
+-- database's bare "now") are such functions.
 
 -- Functions of releases two or more back, which no running binary calls.
 DROP FUNCTION IF EXISTS pacegate_reserve(text, double precision, integer, double precision);
@@ -225,7 +226,7 @@ $$;
 -- once, the sends in one INSERT, so a batch costs the database one statement.
 -- p_max_late is budget::Rule::quota_margin: the lateness a slot may still be sent with plus
 -- its way to the upstream (the name stays: CREATE OR REPLACE cannot rename a parameter).
-CREATE OR REPLACE FUNCTION pacegate_reserve_many(
+CREATE OR REPLACE FUNCTION pacegate_reserve_slots(
     p_destination text,
     p_interval double precision,
     p_burst integer,
@@ -243,7 +244,8 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_many(
     p_tell boolean,
     p_reserve bigint,
     p_most integer,
-    p_horizon double precision
+    p_horizon double precision,
+    p_lead double precision
 ) RETURNS TABLE (
     outcome text,
     slot timestamptz,
@@ -261,6 +263,8 @@ DECLARE
     b pacegate_budgets%ROWTYPE;
     parent pacegate_budgets%ROWTYPE;
     now_ts timestamptz;
+    -- The earliest slot the caller can use: its answer reaches it p_lead after now_ts.
+    earliest timestamptz;
     t interval;
     s timestamptz;
     n integer := coalesce(array_length(p_shares, 1), 0);
@@ -289,6 +293,7 @@ BEGIN
         SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
     END IF;
     now_ts := clock_timestamp();
+    earliest := now_ts + make_interval(secs => GREATEST(p_lead, 0));
     IF p_tell THEN
         PERFORM pacegate_tell(p_destination, p_instance, now_ts, p_classes, p_counts, p_oldest, p_next);
     END IF;
@@ -366,7 +371,7 @@ BEGIN
             -- need not ask again before then (another instance may hold a batch until then).
             IF first_instance IS DISTINCT FROM p_instance THEN
                 RETURN QUERY SELECT 'yield'::text,
-                    GREATEST(now_ts, b.next_at - t * (p_burst - 1), b.paused_until), now_ts, b.generation, NULL::integer,
+                    GREATEST(earliest, b.next_at - t * (p_burst - 1), b.paused_until), now_ts, b.generation, NULL::integer,
                     b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text, NULL::timestamptz[];
                 RETURN;
             END IF;
@@ -381,7 +386,7 @@ BEGIN
             new_credits[chosen + 1] := greatest(new_credits[chosen + 1] - 1, 0);
         END IF;
         -- budget::schedule::Budget::reserve: beat keeping, then quota windows.
-        s := GREATEST(now_ts, b.next_at - t * (p_burst - 1), b.paused_until);
+        s := GREATEST(earliest, b.next_at - t * (p_burst - 1), b.paused_until);
         FOR i IN 1..nq LOOP
             IF b.sends >= p_quota_limits[i] THEN
                 want := b.sends - p_quota_limits[i] + 1;
@@ -480,6 +485,44 @@ BEGIN
 END
 $$;
 
+-- The release before asks without a lead: its slots start from the database's bare "now".
+CREATE OR REPLACE FUNCTION pacegate_reserve_many(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint,
+    p_most integer,
+    p_horizon double precision
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    more timestamptz[]
+) LANGUAGE sql AS $$
+    SELECT * FROM pacegate_reserve_slots(p_destination, p_interval, p_burst, p_not_after,
+        p_instance, p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes,
+        p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, 0)
+$$;
+
 -- A binary that knows only the one-slot function keeps working beside one that batches: its
 -- reservations are batches of one.
 CREATE OR REPLACE FUNCTION pacegate_reserve_for(
@@ -513,9 +556,9 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_for(
 ) LANGUAGE sql AS $$
     SELECT r.outcome, r.slot, r.db_now, r.generation, r.class, r.backoff, r.lock_since,
         r.lock_status, r.lock_request, r.lock_instance
-    FROM pacegate_reserve_many(p_destination, p_interval, p_burst, p_not_after, p_instance,
+    FROM pacegate_reserve_slots(p_destination, p_interval, p_burst, p_not_after, p_instance,
         p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes, p_counts,
-        p_oldest, p_next, p_tell, p_reserve, 1, 0) AS r
+        p_oldest, p_next, p_tell, p_reserve, 1, 0, 0) AS r
 $$;
 
 -- What instances knew of budgets, put back into a server that may have lost it: a standby

@@ -173,6 +173,8 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
                 instances_hint: postgres.instances_hint,
                 divide_for: postgres.divide_for,
                 timeout: postgres.timeout,
+                // The multi-process tests' negative control (debug builds only).
+                hold_back: std::env::var_os("PACEGATE_TEST_NO_HOLD_BACK").is_none(),
             };
             let gauges = Gauges {
                 degraded: metrics.store_degraded.clone(),

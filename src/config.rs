@@ -37,6 +37,13 @@ const MAX_BACKOFF: f64 = 10_000.0;
 const MAX_PAUSE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The longest `[store] divide_for`: the others hold a lost instance's share back that long.
 pub const MAX_DIVIDE_FOR: Duration = Duration::from_secs(3600);
+/// The shortest `[store] divide_for`: an instance stops pacing alone a second before its lease
+/// runs out (`fleet::WINDOW`), so a shorter one would never pace alone.
+pub const MIN_DIVIDE_FOR: Duration = Duration::from_secs(2);
+/// `[store] divide_for` by default. The lease is 6 s more (`fleet::ALONE_AFTER`): a cut-off
+/// instance paces alone from 6 s to 15 s after its last heartbeat, through a failover of about
+/// 10 s, and a killed instance's share is back about 16 s after the kill.
+pub const DEFAULT_DIVIDE_FOR: Duration = Duration::from_secs(10);
 /// The longest `throttle_body` marker: markers are looked for in the first 8 KiB of a body.
 const MAX_MARKER_BYTES: usize = 256;
 

@@ -88,20 +88,35 @@ pub const VIEW_FRESH: Duration = Duration::from_secs(3);
 /// it paces alone: [`STALE_AFTER`] plus [`VIEW_FRESH`], so that by then every instance that
 /// still reaches the store has seen it stale and holds its share back.
 pub const ALONE_AFTER: Duration = Duration::from_secs(6);
+/// The window the promise is kept over. A schedule of its own may put its request of slack
+/// anywhere in one, its last request too: an instance pacing alone stops this long before its
+/// lease runs out, so that the others still hold its part back over every window its last
+/// requests fall in.
+pub const WINDOW: Duration = Duration::from_secs(1);
 /// The longest `[store] divide_for`.
 pub const MAX_ALONE: Duration = crate::config::MAX_DIVIDE_FOR;
-/// Heartbeat rows older than this concern nobody: no instance paces alone that long after.
+/// Heartbeat rows older than this concern nobody: no instance's lease runs that long.
 pub const PEERS_WITHIN: Duration =
     Duration::from_secs(ALONE_AFTER.as_secs() + MAX_ALONE.as_secs() + 2 * VIEW_FRESH.as_secs());
 
 /// What an instance writes of itself with each heartbeat: should it lose the store, it paces
-/// alone at no more than `1 / divisor` of each rate, for at most `alone_for`.
+/// alone at no more than `1 / divisor` of each rate, until its lease runs out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Report {
     /// The instances it counts, itself included.
     pub divisor: u32,
     /// `[store] divide_for`.
     pub alone_for: Duration,
+}
+
+impl Report {
+    /// How long after the store stamps this heartbeat the instance's lease runs: the time
+    /// it may still pace alone should this be the last heartbeat the store hears, and so how
+    /// long the others hold its share back. The store keeps the expiry ([`Peer::lease`]),
+    /// on its own clock, so that both sides reckon from one instant.
+    pub fn lease(&self) -> Duration {
+        ALONE_AFTER + self.alone_for
+    }
 }
 
 /// Another instance, as a heartbeat's answer tells it.
@@ -113,17 +128,9 @@ pub struct Peer {
     pub age: Duration,
     /// What it last reported of itself.
     pub report: Report,
-}
-
-impl Peer {
-    /// How long after its last heartbeat its share stays held back. It paces alone for at
-    /// most `alone_for` from [`ALONE_AFTER`] after its last *answered* heartbeat, which the
-    /// store stamped up to a heartbeat's time (the longest wait for an answer) earlier; and
-    /// ages read here may run ahead of the store's by up to [`VIEW_FRESH`] (a heartbeat of it
-    /// newer than the view).
-    fn held_until(&self) -> Duration {
-        ALONE_AFTER + self.report.alone_for + HEARTBEAT + VIEW_FRESH
-    }
+    /// How long its lease still ran when the store answered (zero once it ran out): while
+    /// it runs, the instance may be pacing alone, and its share is held back.
+    pub lease: Duration,
 }
 
 /// Where instances that share a store heartbeat and see each other: the membership seam.

@@ -55,14 +55,15 @@ impl Validator<'_> {
         })
     }
 
-    /// `[store] divide_for`: at least a second, at most [`MAX_DIVIDE_FOR`].
+    /// `[store] divide_for`: 10 s by default, at least [`MIN_DIVIDE_FOR`], at most
+    /// [`MAX_DIVIDE_FOR`].
     fn divide_for(&mut self, value: Option<Duration>) -> Duration {
-        let d = value.unwrap_or(Duration::from_secs(60));
-        if d < Duration::from_secs(1) || d > MAX_DIVIDE_FOR {
+        let d = value.unwrap_or(DEFAULT_DIVIDE_FOR);
+        if d < MIN_DIVIDE_FOR || d > MAX_DIVIDE_FOR {
             self.push(
                 "store.divide_for",
                 format!(
-                    "must be between 1s and {} (the other instances hold a lost instance's share back that long)",
+                    "must be between 2s and {} (the other instances hold a lost instance's share back that long, and it stops pacing alone a second before)",
                     humantime::format_duration(MAX_DIVIDE_FOR)
                 ),
             );

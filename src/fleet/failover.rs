@@ -8,7 +8,9 @@
 //! alone. Until the store answers again:
 //! - `divide`: this instance paces alone by its [`Standing`]: nothing for [`ALONE_AFTER`]
 //!   after its last answered heartbeat, then on a local budget at the share it reported
-//!   (`rate / n`, `n` the instances it counted), for at most `divide_for`, then it refuses.
+//!   (`rate / n`, `n` the instances it counted, less a request a second) until the lease its
+//!   last answered heartbeat stamped in the store runs out (`divide_for` after that wait),
+//!   then it refuses.
 //!   The instances that still reach the store hold that share back meanwhile, so the
 //!   aggregate ceiling holds through a full outage and a partial one alike. The local budget
 //!   starts from the last known shared one: lockouts, pauses and the last slot taken, with
@@ -64,6 +66,10 @@ pub struct Policy {
     pub divide_for: Duration,
     /// Longest wait for a reservation's answer.
     pub timeout: Duration,
+    /// Whether the shared schedule holds back the part of instances that may be pacing
+    /// alone: always, but where a test of the binary turns it off
+    /// ([`Standing::without_hold_back`], debug builds only) to show the ceiling breaks.
+    pub hold_back: bool,
 }
 
 /// The gauges a [`Failover`] keeps.
@@ -129,20 +135,25 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         policy: Policy,
         gauges: Gauges,
     ) -> Self {
+        let standing = Standing::new(
+            policy.instances_hint,
+            policy.divide_for,
+            StandingGauges {
+                instances: gauges.instances,
+                held: gauges.held,
+                alone: gauges.alone,
+            },
+        );
         Self {
             primary,
             control,
             local,
             me,
-            standing: Standing::new(
-                policy.instances_hint,
-                policy.divide_for,
-                StandingGauges {
-                    instances: gauges.instances,
-                    held: gauges.held,
-                    alone: gauges.alone,
-                },
-            ),
+            standing: if policy.hold_back {
+                standing
+            } else {
+                standing.without_hold_back()
+            },
             policy,
             degraded: AtomicBool::new(false),
             last_known: Mutex::new(HashMap::new()),
@@ -228,9 +239,9 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         let n = self.standing.divisor();
         match self.policy.on_unavailable {
             OnUnavailable::Divide => tracing::error!(
-                "pacing store unavailable ({why}); pacing alone at no more than rate / {n} (the instances last counted) from {} after the last heartbeat, for at most {}, then refusing until it returns",
+                "pacing store unavailable ({why}); pacing alone at no more than rate / {n} (the instances last counted) less a request a second, from {} after the last heartbeat until its lease in the store runs out ({} after it), then refusing until it returns",
                 humantime::format_duration(ALONE_AFTER),
-                humantime::format_duration(self.policy.divide_for),
+                humantime::format_duration(ALONE_AFTER + self.policy.divide_for),
             ),
             OnUnavailable::Refuse => {
                 tracing::error!("pacing store unavailable ({why}); refusing paced requests until it returns (on_unavailable = refuse)")
@@ -322,13 +333,13 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         rule: &Rule,
         ask: Ask<'_>,
     ) -> Result<Grant, ReserveError> {
-        let Some(part) = self.standing.shared(Instant::now()) else {
+        let Some(held) = self.standing.shared(Instant::now()) else {
             // The heartbeats have not been answered lately: an instance may have gone stale
             // unseen, so nothing is sent until a fresh view says whose share to hold back.
             return Err(ReserveError::Yield(RECHECK));
         };
-        // Instances that may be pacing alone take every request a second of it.
-        let Some(interval) = part.interval(rule.interval) else {
+        // Instances that may be pacing alone take all of it.
+        let Some(interval) = held.interval(rule.interval) else {
             return Err(ReserveError::Yield(RECHECK));
         };
         let scaled;
@@ -468,7 +479,7 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 Alone::Pace(part) => match Self::alone_rule(rule, part) {
                     Some(rule) => return self.local.reserve(destination, &rule, ask).await,
                     None => ReserveError::Store(StoreError::Unreachable(format!(
-                        "at rate / {n}, less the slack the other instances may use, nothing is left of this destination's rate to pace alone on",
+                        "at rate / {n}, less the request a second of slack a schedule of its own may add, nothing is left of this destination's rate to pace alone on (a share of a request a second or less does not pace alone)",
                         n = self.standing.divisor()
                     ))),
                 },

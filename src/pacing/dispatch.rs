@@ -15,6 +15,13 @@
 //! is asked at once: reservations are asked one after another (the store hears this
 //! instance's wait list in order), and their answers are acted on in turn.
 //!
+//! A store a network hop away answers a round trip later ([`Dispatcher::trip`], smoothed
+//! from the reservations' own times): where the interval is shorter than two of those, slots
+//! go in batches whatever the interval, and the next reservation is asked at least two round
+//! trips before the last slot granted, so that the next answer is back before the slots run
+//! out. Otherwise an instance far from its store could be served at most one slot per round
+//! trip, and a destination faster than that would run at the store's pace, not its rate.
+//!
 //! Each turn of the loop is named steps: [`Dispatcher::wait_for_waiters`], then
 //! [`Dispatcher::serve`], which for each slot granted runs [`Dispatcher::sleep_to_slot`] and
 //! [`Dispatcher::settle`] (or [`Dispatcher::refused`] when the store granted nothing).
@@ -56,6 +63,8 @@ const MAX_BATCH: usize = 4096;
 /// wait: the longest store stall that costs no slot. It is also how much longer a request on
 /// another instance may wait behind slots already granted here.
 const ASK_AHEAD: Duration = Duration::from_millis(50);
+/// How much of each new reservation's time the smoothed round trip takes in.
+const TRIP_SMOOTHING: f64 = 0.125;
 
 /// Runs one destination's dispatcher until `stop`.
 pub(super) async fn dispatch(
@@ -77,6 +86,7 @@ pub(super) async fn dispatch(
         stop,
         ahead: None,
         answered: VecDeque::new(),
+        trip: Duration::ZERO,
     };
     while let Some(latest) = d.wait_for_waiters().await {
         let next = match d.answered.pop_front() {
@@ -118,6 +128,7 @@ pub(super) async fn dispatch(
         let reserved = d.store.reserve(&d.lane.name, &keys.rule, ask).await;
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
+        d.took(started.elapsed());
         let carry_on = match reserved {
             Ok(grant) => d.serve(grant, &wait_list, turns, false).await,
             Err(no) => d.refused(no, &wait_list).await,
@@ -204,6 +215,8 @@ struct Dispatcher {
     ahead: Option<Ahead>,
     /// Reservations asked ahead and answered, in the order they were asked.
     answered: VecDeque<Answered>,
+    /// How long a reservation takes, smoothed: the store's round trip as seen from here.
+    trip: Duration,
 }
 
 impl Drop for Dispatcher {
@@ -213,9 +226,22 @@ impl Drop for Dispatcher {
 }
 
 impl Dispatcher {
-    /// How many slots to ask for with `waiting` requests waiting (see [`Ask::most`]).
+    /// Takes in how long a reservation took.
+    fn took(&mut self, took: Duration) {
+        self.trip = if self.trip.is_zero() {
+            took
+        } else {
+            self.trip.mul_f64(1.0 - TRIP_SMOOTHING) + took.mul_f64(TRIP_SMOOTHING)
+        };
+    }
+
+    /// How many slots to ask for with `waiting` requests waiting (see [`Ask::most`]): a
+    /// batch where the rule asks for one, or where the interval is shorter than two round
+    /// trips to the store.
     fn most(&self, keys: &Keys, waiting: usize) -> u32 {
-        if keys.rule.batches(self.lane.seen.lock().backoff) {
+        let backoff = self.lane.seen.lock().backoff;
+        let far = keys.rule.interval.mul_f64(backoff) < 2 * self.trip;
+        if far || keys.rule.batches(backoff) {
             u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1)
         } else {
             1
@@ -239,8 +265,9 @@ impl Dispatcher {
     }
 
     /// When to ask ahead again while the grant being handed out ends at `last`: unless a
-    /// reservation is out, [`ASK_AHEAD`] before the last slot granted. `None` while one is
-    /// out, or once one granted nothing (that answer is acted on first).
+    /// reservation is out, [`ASK_AHEAD`] (or two round trips, if longer) before the last slot
+    /// granted. `None` while one is out, or once one granted nothing (that answer is acted on
+    /// first).
     fn ask_at(&self, last: Instant) -> Option<Instant> {
         if self.ahead.is_some() {
             return None;
@@ -252,7 +279,8 @@ impl Dispatcher {
                 _ => return None,
             }
         }
-        Some(last.checked_sub(ASK_AHEAD).unwrap_or(last))
+        let ahead = ASK_AHEAD.max(2 * self.trip);
+        Some(last.checked_sub(ahead).unwrap_or(last))
     }
 
     /// Asks for the next slots while the requests `promised` still wait for slots already
@@ -434,6 +462,7 @@ impl Dispatcher {
                 // Answered while earlier slots are still to hand out: kept in order, and the
                 // next may be asked at once.
                 if let Some(ahead) = self.ahead.take() {
+                    self.took(ahead.asked.at.elapsed());
                     self.answered.push_back(Answered {
                         reply,
                         asked: ahead.asked,

@@ -63,6 +63,9 @@ pub struct PostgresStore {
     statements: AtomicU64,
     /// How statements are sent.
     mode: Statements,
+    /// Whether slots are asked for [`DbClock::lead`] after the database's "now" (off only
+    /// where a test freezes the database clock, which makes the lead meaningless).
+    lead: bool,
 }
 
 impl PostgresStore {
@@ -123,6 +126,7 @@ impl PostgresStore {
             known,
             statements: AtomicU64::new(0),
             mode: Statements::default(),
+            lead: true,
         })
     }
 
@@ -183,6 +187,30 @@ impl PostgresStore {
         self
     }
 
+    /// Asks for slots from the database's bare "now", with no lead: for a test whose
+    /// database clock stands still, where no answer's way back can be measured.
+    #[cfg(test)]
+    pub(crate) fn without_lead(mut self) -> Self {
+        self.lead = false;
+        self
+    }
+
+    /// How far one batch of slots may reach ([`crate::budget::Ask::most`]):
+    /// [`BATCH_HORIZON`], or two of the store's quickest round trips where that is longer, so
+    /// that a far store's next answer is back before a batch runs out.
+    fn horizon(&self) -> Duration {
+        BATCH_HORIZON.max(2 * self.clock.quickest())
+    }
+
+    /// The lead a reservation asks for, in seconds (see [`DbClock::lead`]).
+    fn lead(&self) -> f64 {
+        if self.lead {
+            self.clock.lead().as_secs_f64()
+        } else {
+            0.0
+        }
+    }
+
     /// Sends statements as `mode` says (see [`typed`]); prepared by default.
     pub fn with_statements(mut self, mode: Statements) -> Self {
         self.mode = mode;
@@ -216,10 +244,11 @@ impl Store for PostgresStore {
                 .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
             let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
             let interval = rule.interval.as_secs_f64();
+            let lead = self.lead();
             let sent = Instant::now();
             if let [only] = ask.queues {
                 if only.count == 1 && rule.quota.is_empty() {
-                    let params: [&dyn Param; 4] = [&destination, &interval, &burst, &limit];
+                    let params: [&dyn Param; 5] = [&destination, &interval, &burst, &limit, &lead];
                     if let Some(row) = client.opt(SQL_RESERVE_FAST, &params).await? {
                         let arrived = Instant::now();
                         drop(client);
@@ -273,7 +302,8 @@ impl Store for PostgresStore {
                         &tell,
                         &i64::from(rule.reserve),
                         &most,
-                        &BATCH_HORIZON.as_secs_f64(),
+                        &self.horizon().as_secs_f64(),
+                        &lead,
                     ],
                 )
                 .await?;
@@ -286,7 +316,7 @@ impl Store for PostgresStore {
             let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
             let at = |slot: Option<SystemTime>| {
                 slot.map(|s| clock.local(s)).ok_or_else(|| {
-                    StoreError::Refused("pacegate_reserve_many returned no slot".into())
+                    StoreError::Refused("pacegate_reserve_slots returned no slot".into())
                 })
             };
             match outcome {
@@ -338,7 +368,7 @@ impl Store for PostgresStore {
                     }
                 }
                 other => Err(ReserveError::Store(StoreError::Refused(format!(
-                    "pacegate_reserve_many answered `{other}`"
+                    "pacegate_reserve_slots answered `{other}`"
                 )))),
             }
         })

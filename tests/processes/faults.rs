@@ -6,12 +6,11 @@
 
 use crate::support;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::fleet::{alone, postgres_store, Fleet, INSTANCES};
+use support::fleet::{address_of, alone, postgres_store, store_via, Fleet, INSTANCES};
 use support::pg::Cluster;
 use support::relay::Relay;
 use support::{busiest, eventually, testdb, FakeUpstream};
@@ -110,26 +109,6 @@ fn holds(what: &str, fleet: &Fleet, upstream: &FakeUpstream, answers: (usize, us
         "{what}: busiest second {most}, achieved {achieved:.1}/s, {} answered, {} refused",
         answers.0, answers.1
     );
-}
-
-/// The address a postgres URL names.
-fn address_of(url: &str) -> SocketAddr {
-    let config: tokio_postgres::Config = url.parse().unwrap();
-    match (config.get_hosts().first(), config.get_ports().first()) {
-        (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => {
-            format!("{h}:{p}").parse().unwrap()
-        }
-        _ => panic!("{url} names no TCP address"),
-    }
-}
-
-/// A `[store]` section for `url`, through `via` instead of the database's own address.
-fn store_via(url: &str, via: Option<SocketAddr>) -> String {
-    let url = match via {
-        Some(relay) => url.replace(&address_of(url).to_string(), &relay.to_string()),
-        None => url.to_owned(),
-    };
-    format!("[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n")
 }
 
 /// Three instances on a fresh database, the first through a relay.

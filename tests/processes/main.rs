@@ -8,6 +8,8 @@ mod support;
 
 mod batches;
 mod ceiling;
+
+mod distance;
 mod failover;
 mod faults;
 mod groups;
@@ -18,4 +20,5 @@ mod parent;
 mod pooler;
 mod reload;
 mod shadow;
+mod sidecars;
 mod standby;

@@ -55,6 +55,9 @@ pub struct Fleet {
     _dirs: Vec<tempfile::TempDir>,
 }
 
+/// How long a stopping instance may take to drain and exit.
+const EXIT_WITHIN: Duration = Duration::from_secs(20);
+
 impl Fleet {
     pub async fn start(store: &str, keys: &str) -> Self {
         Self::start_n(INSTANCES, store, keys).await
@@ -234,6 +237,27 @@ impl Fleet {
         .await;
     }
 
+    /// Stops instance `i` with SIGTERM, waits for it to exit, and starts it again from the
+    /// same config (on new ports). Returns when it was signalled and when it listened again.
+    pub async fn restart(&mut self, i: usize) -> (Instant, Instant) {
+        let config = self._dirs[i].path().join("pacegate.toml");
+        let stopping = self.instances.remove(i);
+        let signalled = Instant::now();
+        assert!(std::process::Command::new("kill")
+            .args(["-TERM", &stopping.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+        let exited = tokio::task::spawn_blocking(move || stopping.child.wait());
+        let status = tokio::time::timeout(EXIT_WITHIN, exited)
+            .await
+            .expect("the instance exits within its grace after SIGTERM")
+            .unwrap();
+        assert!(status.success(), "instance {i} exited with {status}");
+        self.instances.insert(i, spawn_binary_with(&config, &[]));
+        (signalled, Instant::now())
+    }
+
     /// Kills instance `i` with SIGKILL (no goodbye to the store); returns when.
     pub fn kill_9(&mut self, i: usize) -> Instant {
         let victim = self.instances.remove(i);
@@ -336,6 +360,26 @@ pub fn arrivals_of(upstream: &FakeUpstream, class: &str) -> Vec<Instant> {
         .collect();
     at.sort();
     at
+}
+
+/// The address a postgres URL names.
+pub fn address_of(url: &str) -> std::net::SocketAddr {
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    match (config.get_hosts().first(), config.get_ports().first()) {
+        (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => {
+            format!("{h}:{p}").parse().unwrap()
+        }
+        _ => panic!("{url} names no TCP address"),
+    }
+}
+
+/// A `[store]` section for `url`, through `via` instead of the database's own address.
+pub fn store_via(url: &str, via: Option<std::net::SocketAddr>) -> String {
+    let url = match via {
+        Some(relay) => url.replace(&address_of(url).to_string(), &relay.to_string()),
+        None => url.to_owned(),
+    };
+    format!("[store]\nbackend = \"postgres\"\nurl = \"{url}\"\n")
 }
 
 /// A `[store]` section on a fresh database.

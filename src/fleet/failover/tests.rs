@@ -185,6 +185,7 @@ impl Membership for Fake {
                         id: format!("fake-{i}"),
                         age: now - p.last_seen,
                         report: p.report,
+                        lease: (p.last_seen + p.report.lease()).saturating_duration_since(now),
                     }
                 })
                 .collect()
@@ -236,6 +237,7 @@ fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake, Fake, Memory
             instances_hint: 1,
             divide_for: Duration::from_secs(30),
             timeout: Duration::from_millis(100),
+            hold_back: true,
         },
         Gauges {
             degraded: gauge("degraded"),
@@ -323,12 +325,12 @@ async fn a_lost_store_is_paced_alone_at_the_reported_share_after_a_wait_and_for_
     assert!(first.at >= last_answer + ALONE_AFTER, "{first:?}");
     assert!(first.at < last_answer + ALONE_AFTER + ms(300), "{first:?}");
     assert!(first.at >= shared.at + rule.interval * 2);
-    // Half the rate, less half a request a second: the slack the other's schedule may use.
+    // Half the rate, less a request a second: the slack its own schedule may add.
     assert_eq!(
         second.at - first.at,
-        Duration::from_secs_f64(1.0 / (5.0 - 0.5))
+        Duration::from_secs_f64(1.0 / (5.0 - 1.0))
     );
-    // For divide_for (30 s here), then refused.
+    // For divide_for (30 s here) after the wait, then refused.
     tokio::time::sleep_until(last_answer + ALONE_AFTER + Duration::from_secs(30)).await;
     let over = contract::take(&*f, "d", &rule, None).await;
     assert!(
@@ -352,11 +354,11 @@ async fn a_stale_instance_s_share_is_held_back_while_it_may_pace_alone() {
     );
     fake.silence(0);
     tokio::time::sleep(STALE_AFTER + ms(1_000)).await;
-    // The stale one reported 1/3: the shared schedule runs at the 2/3 left, less a request a
-    // second for the slack its own schedule may use.
+    // The stale one reported 1/3: the shared schedule runs at the 2/3 left, no less (its
+    // own schedule gives up its slack).
     assert_eq!(
         gap(&f, &rule).await,
-        Duration::from_secs_f64(1.0 / (10.0 * 2.0 / 3.0 - 1.0))
+        Duration::from_secs_f64(1.0 / (10.0 * 2.0 / 3.0))
     );
     assert!((f.standing.share_held() - 1.0 / 3.0).abs() < 1e-9);
     assert_eq!(
@@ -369,13 +371,13 @@ async fn a_stale_instance_s_share_is_held_back_while_it_may_pace_alone() {
     tokio::time::sleep(ms(1_100)).await;
     assert_eq!(gap(&f, &rule).await, rule.interval);
     assert_eq!(f.standing.share_held(), 0.0);
-    // Gone for good: held back for as long as it may pace alone (ALONE_AFTER + 60 s, plus
-    // the margins), then no longer counted.
+    // Gone for good: held back until its lease runs out (ALONE_AFTER + 60 s after its last
+    // heartbeat), then no longer counted.
     fake.silence(0);
     let silenced = Instant::now();
-    tokio::time::sleep(ALONE_AFTER + Duration::from_secs(60)).await;
+    tokio::time::sleep(ALONE_AFTER + Duration::from_secs(58)).await;
     assert!(f.standing.share_held() > 0.0);
-    tokio::time::sleep(ms(5_000)).await;
+    tokio::time::sleep(ms(3_000)).await;
     assert_eq!(
         gap(&f, &rule).await,
         rule.interval,

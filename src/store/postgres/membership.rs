@@ -7,8 +7,18 @@ use super::sql::*;
 use super::PostgresStore;
 use crate::budget::{StoreError, StoreFuture};
 use crate::fleet::{
-    Instance, Membership, Peer, Report, Theirs, Written, LIVE_WITHIN, PEERS_WITHIN,
+    Instance, Membership, Peer, Report, Theirs, Written, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN,
+    PEERS_WITHIN, VIEW_FRESH,
 };
+
+/// How long after its lease ran out an instance's row is deleted: past the freshest view any
+/// instance paces on, so that none still reads it as held.
+const GONE_AFTER: Duration = VIEW_FRESH;
+
+/// What the release before counts past an instance's last heartbeat and `alone_for`: the
+/// lease of a row it wrote (it stamps none).
+const OLDER_LEASE: Duration =
+    Duration::from_secs(ALONE_AFTER.as_secs() + HEARTBEAT.as_secs() + VIEW_FRESH.as_secs());
 use crate::status::InstanceStatus;
 
 impl Membership for PostgresStore {
@@ -21,14 +31,28 @@ impl Membership for PostgresStore {
             let client = self.client().await?;
             let divisor = i32::try_from(report.divisor).unwrap_or(i32::MAX);
             let alone_ms = i64::try_from(report.alone_for.as_millis()).unwrap_or(i64::MAX);
+            let old_lease = OLDER_LEASE.as_secs_f64();
             client
                 .rows(
                     SQL_HEARTBEAT,
-                    &[&me.id, &me.host, &me.pid, &me.version, &divisor, &alone_ms],
+                    &[
+                        &me.id,
+                        &me.host,
+                        &me.pid,
+                        &me.version,
+                        &divisor,
+                        &alone_ms,
+                        &report.lease().as_secs_f64(),
+                        &GONE_AFTER.as_secs_f64(),
+                        &old_lease,
+                    ],
                 )
                 .await?;
             let rows = client
-                .rows(SQL_PEERS, &[&me.id, &PEERS_WITHIN.as_secs_f64()])
+                .rows(
+                    SQL_PEERS,
+                    &[&me.id, &PEERS_WITHIN.as_secs_f64(), &old_lease],
+                )
                 .await?;
             Ok(rows
                 .iter()
@@ -41,6 +65,7 @@ impl Membership for PostgresStore {
                             u64::try_from(r.get::<_, i64>(3)).unwrap_or(0),
                         ),
                     },
+                    lease: Duration::from_secs_f64(r.get::<_, f64>(4).max(0.0)),
                 })
                 .collect())
         })

@@ -65,6 +65,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "key_secret",
         include_str!("../../../migrations/0011_key_secret.sql"),
     ),
+    (
+        12,
+        "instance_lease",
+        include_str!("../../../migrations/0012_instance_lease.sql"),
+    ),
 ];
 
 /// Every SQL function of the store, each defined once, re-applied by every migration whose

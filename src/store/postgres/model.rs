@@ -49,7 +49,8 @@ impl Db {
         let clocked = format!("{url}?options=-c%20search_path%3Dfakeclock%2Cpublic%2Cpg_catalog");
         let store = PostgresStore::new(&clocked, 1)
             .unwrap()
-            .with_instance("model");
+            .with_instance("model")
+            .without_lead();
         Self { store, control }
     }
 }

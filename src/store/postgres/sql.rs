@@ -10,10 +10,12 @@
 /// which. `c.now` is read once, before any wait for the row lock, so a contended reservation
 /// computes its slot from a slightly earlier "now": the slot can only be earlier on the beat,
 /// never closer to another slot. The database time returned is read again after the update,
-/// so that waiting for the lock does not make the local deadline late.
+/// so that waiting for the lock does not make the local deadline late. `$5` is the lead
+/// (`clock::DbClock::lead`): the slot is no earlier than `now + $5` seconds, when its answer
+/// can have reached the caller.
 pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
     SET next_at = GREATEST(b.next_at,
-            GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
+            GREATEST(c.now + make_interval(secs => $5), b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
         + make_interval(secs => $2 * b.backoff)
     FROM (SELECT clock_timestamp() AS now) AS c
     WHERE b.destination = $1
@@ -24,17 +26,18 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
       AND NOT EXISTS (SELECT 1 FROM pacegate_budgets AS p WHERE position('#' in $1) > 0
           AND p.destination = split_part($1, '#', 1) AND p.lock_status IS NOT NULL)
       AND ($4::float8 IS NULL OR
-           GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
+           GREATEST(c.now + make_interval(secs => $5), b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until)
                <= c.now + make_interval(secs => $4::float8))
-    RETURNING GREATEST(c.now, b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
+    RETURNING GREATEST(c.now + make_interval(secs => $5), b.next_at - make_interval(secs => $2 * b.backoff * $3), b.paused_until),
         clock_timestamp(), b.generation";
 /// The database clock alone: a round trip with nothing to commit (see `clock`).
 pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
 /// A reservation on the wait list, granting a batch of up to `$17` slots over at most `$18`
-/// seconds (see `budget::Ask::most`).
+/// seconds (see `budget::Ask::most`), none earlier than `$19` seconds after the database's
+/// "now" (the lead, as in [`SQL_RESERVE_FAST`]).
 pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
-    FROM pacegate_reserve_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
+    FROM pacegate_reserve_slots($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep
@@ -60,15 +63,32 @@ pub(super) const SQL_UNLOCK: &str = "WITH old AS (
     SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
     FROM old WHERE b.destination = old.destination
     RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
-pub(super) const SQL_HEARTBEAT: &str =
-    "INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen, divisor, alone_ms)
-        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp(), $5, $6)
-    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp(), divisor = $5, alone_ms = $6";
+/// This instance's heartbeat: alive now, with its report and its lease (`$7` seconds from
+/// now on the store's clock, `fleet::Report::lease`). Rows whose lease ran out more than
+/// `$8` seconds ago are deleted with their rules: nobody holds their share back any longer,
+/// and a sidecar in a crash loop leaves a row per start. A row an older binary wrote has no
+/// lease; its own is read as `last_seen + alone_ms + $9` seconds.
+pub(super) const SQL_HEARTBEAT: &str = "WITH gone AS (
+        DELETE FROM pacegate_instances
+        WHERE id <> $1 AND coalesce(lease_until,
+                last_seen + make_interval(secs => alone_ms / 1000.0 + $9::float8))
+            < clock_timestamp() - make_interval(secs => $8::float8)
+        RETURNING id),
+    rules AS (DELETE FROM pacegate_rules WHERE instance IN (SELECT id FROM gone))
+    INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen, divisor, alone_ms, lease_until)
+        VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp(), $5, $6,
+            clock_timestamp() + make_interval(secs => $7::float8))
+    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp(), divisor = $5, alone_ms = $6,
+        lease_until = clock_timestamp() + make_interval(secs => $7::float8)";
 /// The other instances a heartbeat reports back: every row younger than the longest time any
-/// instance may pace alone (the caller tells what it still counts).
+/// instance may pace alone, with what is left of its lease (the lease of a row an older
+/// binary wrote as in [`SQL_HEARTBEAT`], `$3`).
 pub(super) const SQL_PEERS: &str = "SELECT id,
         greatest(extract(epoch FROM clock_timestamp() - last_seen), 0)::double precision,
-        divisor, alone_ms
+        divisor, alone_ms,
+        greatest(extract(epoch FROM coalesce(lease_until,
+                last_seen + make_interval(secs => alone_ms / 1000.0 + $3::float8))
+            - clock_timestamp()), 0)::double precision
     FROM pacegate_instances
     WHERE id <> $1 AND last_seen > clock_timestamp() - make_interval(secs => $2)";
 pub(super) const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,

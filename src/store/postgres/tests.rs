@@ -2,13 +2,13 @@
 
 use super::*;
 use crate::budget::contract;
-use crate::fleet::{Membership, Report};
+use crate::fleet::{Membership, Report, Written};
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
     assert_eq!(
         store.migrate().await.unwrap(),
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     );
     store
 }
@@ -389,6 +389,59 @@ async fn heartbeats_count_live_instances() {
 }
 
 #[tokio::test]
+async fn a_heartbeat_stamps_a_lease_and_deletes_the_rows_whose_lease_ran_out() {
+    let store = store().await;
+    let me = |n: i32| Instance {
+        id: format!("host/{n}/x"),
+        host: "host".into(),
+        pid: n,
+        version: "test".into(),
+    };
+    store.heartbeat(&me(1), REPORT).await.unwrap();
+    let rule = [Written {
+        destination: "d".into(),
+        fingerprint: "f".into(),
+        rule: "{}".into(),
+    }];
+    store.compare_rules(&me(1), &rule, true).await.unwrap();
+    // The lease runs REPORT.lease() from the stamp, on the store's clock.
+    let peers = store.heartbeat(&me(2), REPORT).await.unwrap();
+    let lease = peers[0].lease;
+    assert!(
+        lease <= REPORT.lease() && lease > REPORT.lease() - Duration::from_secs(1),
+        "{lease:?} of a {:?} lease",
+        REPORT.lease()
+    );
+    let db = store.client().await.unwrap();
+    let rows = |sql: &'static str| {
+        let db = &db;
+        async move { db.one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    // Instance 1's lease ran out a while ago (it was killed): the next heartbeat of any
+    // instance deletes its row and its rules.
+    db.execute(
+        "UPDATE pacegate_instances SET lease_until = clock_timestamp() - interval '10 seconds' WHERE pid = 1",
+        &[],
+    )
+    .await
+    .unwrap();
+    let peers = store.heartbeat(&me(2), REPORT).await.unwrap();
+    assert!(peers.is_empty(), "{peers:?}");
+    assert_eq!(rows("SELECT count(*) FROM pacegate_instances").await, 1);
+    assert_eq!(rows("SELECT count(*) FROM pacegate_rules").await, 0);
+    // A lease that ran out only just now is still read (as nothing left), not deleted yet.
+    db.execute(
+        "UPDATE pacegate_instances SET lease_until = clock_timestamp() WHERE pid = 2",
+        &[],
+    )
+    .await
+    .unwrap();
+    let peers = store.heartbeat(&me(3), REPORT).await.unwrap();
+    assert_eq!(peers.len(), 1);
+    assert_eq!(peers[0].lease, Duration::ZERO);
+}
+
+#[tokio::test]
 async fn a_missing_row_is_recreated_at_now() {
     let store = store().await;
     let rule = contract::rule(10.0);
@@ -462,8 +515,13 @@ async fn slots_are_placed_by_a_probe_of_the_database_clock() {
         "{:?} unseen in a {round_trip:?} round trip",
         slot.unseen_late
     );
-    // The slot is "now" on the database clock: placed no earlier than the reservation was
-    // sent, and no later than its answer came.
+    // The slot is "now" on the database clock plus the lead the probe taught (its way
+    // back): placed no earlier than the reservation was sent, and about when its answer came.
     assert!(slot.at >= sent);
-    assert!(slot.at <= sent + round_trip);
+    let lead = store.clock.lead();
+    assert!(
+        lead <= round_trip,
+        "a lead of {lead:?} after a {round_trip:?} round trip"
+    );
+    assert!(slot.at <= sent + round_trip + lead);
 }
