@@ -127,8 +127,10 @@ pub struct Metrics {
     pub store_degraded: IntGauge,
     /// `pacegate_store_instances`: live instances sharing the store (last heartbeat count).
     pub store_instances: IntGauge,
-    /// `pacegate_store_share_held`: the share of every rate held back for instances that
-    /// lost the store and may be pacing alone.
+    /// `pacegate_store_share_held`: the share of a rate held back for instances that lost
+    /// the store and may be pacing alone, until their leases run out (of a destination whose
+    /// rate is above their count: a slower one holds nothing back, since they do not pace it
+    /// alone).
     pub store_share_held: Gauge,
     /// `pacegate_store_share_alone`: the share of every rate this instance would pace alone
     /// at, were it to lose the store now.
@@ -385,7 +387,7 @@ impl Metrics {
         )?;
         let store_share_held = Gauge::new(
             "pacegate_store_share_held",
-            "Share of every destination's rate left unused on the shared schedule for instances whose heartbeat is stale and that may be pacing alone",
+            "Share of a destination's rate left unused on the shared schedule for instances whose heartbeat is stale and whose lease in the store still runs (a destination whose rate is at most their count holds nothing back: they do not pace it alone)",
         )?;
         register(Box::new(store_degraded.clone()))?;
         let store_share_alone = Gauge::new(
