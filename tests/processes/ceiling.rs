@@ -641,7 +641,7 @@ async fn a_share_holds_across_instances_and_is_lent_when_idle() {
     saturate(&fleet, &upstream, 1, "backfill", 20, &backfill_stop);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let from = Instant::now();
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(15)).await;
     let to = Instant::now();
     let count = |class: &str, from: Instant, to: Instant| {
         arrivals_of(&upstream, class)
@@ -652,12 +652,12 @@ async fn a_share_holds_across_instances_and_is_lent_when_idle() {
     let (interactive, backfill) = (count("interactive", from, to), count("backfill", from, to));
     let fraction = backfill as f64 / (interactive + backfill) as f64;
     println!(
-        "with share 0.2: backfill {backfill}, interactive {interactive} in 30 s ({:.1} %)",
+        "with share 0.2: backfill {backfill}, interactive {interactive} in 15 s ({:.1} %)",
         fraction * 100.0
     );
     assert!(
         (0.18..=0.25).contains(&fraction),
-        "backfill got {backfill} of {} slots over 30 s ({:.1} %) with share 0.2",
+        "backfill got {backfill} of {} slots over 15 s ({:.1} %) with share 0.2",
         interactive + backfill,
         fraction * 100.0
     );

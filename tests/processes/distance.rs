@@ -70,7 +70,7 @@ async fn a_store_2ms_away_keeps_rate_1000() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_50ms_away_keeps_rate_10() {
-    keeps_rate_and_ceiling(10.0, Duration::from_millis(50), 6.0, 0.95).await;
+    keeps_rate_and_ceiling(10.0, Duration::from_millis(50), 4.5, 0.95).await;
 }
 
 /// The control: the relay itself, with no delay, changes nothing.
@@ -90,7 +90,7 @@ async fn a_lone_request_waits_about_one_round_trip_for_a_store_50ms_away() {
     // The first opens the upstream connection; the rest go each after an idle interval.
     assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
     let mut took = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let started = Instant::now();
         assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
