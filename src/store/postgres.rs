@@ -137,6 +137,7 @@ impl PostgresStore {
             return Ok(());
         }
         self.statements.fetch_add(1, Ordering::Relaxed);
+        client.prepare(SQL_NOW).await?;
         let sent = Instant::now();
         let row = client.one(SQL_NOW, &[]).await?;
         self.clock.read(sent, Instant::now(), row.get(0));
@@ -245,6 +246,9 @@ impl Store for PostgresStore {
             let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
             let interval = rule.interval.as_secs_f64();
             let lead = self.lead();
+            // A new connection prepares its statements first: not part of the timed trip.
+            client.prepare(SQL_RESERVE_FAST).await?;
+            client.prepare(SQL_RESERVE_MANY).await?;
             let sent = Instant::now();
             if let [only] = ask.queues {
                 if only.count == 1 && rule.quota.is_empty() {

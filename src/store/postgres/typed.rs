@@ -101,6 +101,17 @@ impl Conn {
         Self { client, mode }
     }
 
+    /// Prepares `sql` on this connection where statements are prepared (once: later calls
+    /// find it cached), so that a statement timed from its sending is not timed with its
+    /// preparing: the database clock's reading ([`super::clock`]) counts only the one round
+    /// trip. Nothing where statements go unnamed.
+    pub(super) async fn prepare(&self, sql: &str) -> Result<(), StoreError> {
+        match self.mode {
+            Statements::Prepared => self.client.prepare_cached(sql).await.map(drop).map_err(db),
+            Statements::Unnamed => Ok(()),
+        }
+    }
+
     /// Every row the statement returns.
     pub(super) async fn rows(
         &self,
