@@ -60,12 +60,12 @@ async fn a_store_2ms_away_keeps_rate_200() {
 
 /// At 1,000 a second the whole load (2,000 requests through three proxies at once) costs this
 /// 2-core machine more than the pacing: with no delay at all, or straight to the database,
-/// the same run achieved 766 to 914 a second. So this one asks for 70%, which a far store's
-/// slots too late to use (none sent, before the lead) would not reach; the ceiling holds
-/// either way.
+/// the same run achieved 766 to 914 a second, and this one 613 to 905 over eight runs. So it
+/// asks for half, which a far store's slots too late to use (none sent, before the lead)
+/// would not reach; the ceiling holds either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_2ms_away_keeps_rate_1000() {
-    keeps_rate_and_ceiling(1000.0, Duration::from_micros(2500), 2.0, 0.7).await;
+    keeps_rate_and_ceiling(1000.0, Duration::from_micros(2500), 2.0, 0.5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -391,21 +391,18 @@ async fn heartbeats_count_live_instances() {
 #[tokio::test]
 async fn a_heartbeat_stamps_a_lease_and_deletes_the_rows_whose_lease_ran_out() {
     let store = store().await;
-    let me = |n: i32| Instance {
-        id: format!("host/{n}/x"),
-        host: "host".into(),
-        pid: n,
-        version: "test".into(),
-    };
-    store.heartbeat(&me(1), REPORT).await.unwrap();
+    store.heartbeat(&instance("one"), REPORT).await.unwrap();
     let rule = [Written {
         destination: "d".into(),
         fingerprint: "f".into(),
         rule: "{}".into(),
     }];
-    store.compare_rules(&me(1), &rule, true).await.unwrap();
+    store
+        .compare_rules(&instance("one"), &rule, true)
+        .await
+        .unwrap();
     // The lease runs REPORT.lease() from the stamp, on the store's clock.
-    let peers = store.heartbeat(&me(2), REPORT).await.unwrap();
+    let peers = store.heartbeat(&instance("two"), REPORT).await.unwrap();
     let lease = peers[0].lease;
     assert!(
         lease <= REPORT.lease() && lease > REPORT.lease() - Duration::from_secs(1),
@@ -420,23 +417,23 @@ async fn a_heartbeat_stamps_a_lease_and_deletes_the_rows_whose_lease_ran_out() {
     // Instance 1's lease ran out a while ago (it was killed): the next heartbeat of any
     // instance deletes its row and its rules.
     db.execute(
-        "UPDATE pacegate_instances SET lease_until = clock_timestamp() - interval '10 seconds' WHERE pid = 1",
+        "UPDATE pacegate_instances SET lease_until = clock_timestamp() - interval '10 seconds' WHERE id = 'one'",
         &[],
     )
     .await
     .unwrap();
-    let peers = store.heartbeat(&me(2), REPORT).await.unwrap();
+    let peers = store.heartbeat(&instance("two"), REPORT).await.unwrap();
     assert!(peers.is_empty(), "{peers:?}");
     assert_eq!(rows("SELECT count(*) FROM pacegate_instances").await, 1);
     assert_eq!(rows("SELECT count(*) FROM pacegate_rules").await, 0);
     // A lease that ran out only just now is still read (as nothing left), not deleted yet.
     db.execute(
-        "UPDATE pacegate_instances SET lease_until = clock_timestamp() WHERE pid = 2",
+        "UPDATE pacegate_instances SET lease_until = clock_timestamp() WHERE id = 'two'",
         &[],
     )
     .await
     .unwrap();
-    let peers = store.heartbeat(&me(3), REPORT).await.unwrap();
+    let peers = store.heartbeat(&instance("three"), REPORT).await.unwrap();
     assert_eq!(peers.len(), 1);
     assert_eq!(peers[0].lease, Duration::ZERO);
 }
