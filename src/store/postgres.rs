@@ -9,7 +9,7 @@
 //! much later it may be (`clock`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -63,6 +63,9 @@ pub struct PostgresStore {
     statements: AtomicU64,
     /// How statements are sent.
     mode: Statements,
+    /// Whether a new connection prepares the statements a reservation sends (where they are
+    /// prepared: `mode`), read by the pool's hook.
+    prepare: Arc<AtomicBool>,
     /// Whether slots are asked for [`DbClock::lead`] after the database's "now" (off only
     /// where a test freezes the database clock, which makes the lead meaningless).
     lead: bool,
@@ -107,11 +110,31 @@ impl PostgresStore {
         let written = Arc::new(Mutex::new(HashMap::new()));
         let known = Arc::new(Reassert::new(written.clone()));
         let checks = known.clone();
+        let prepare = Arc::new(AtomicBool::new(
+            Statements::default() == Statements::Prepared,
+        ));
+        let prepares = prepare.clone();
         // Every new connection finds out which server it reached, and a new one (a failover)
-        // gets what this instance knew before any request is paced on it.
+        // gets what this instance knew before any request is paced on it. Then it prepares the
+        // statements a reservation sends, in one round trip, so that no request pays for a
+        // statement's preparing on a connection new to it (a round trip more, with a store
+        // far away).
         let check = deadpool_postgres::Hook::async_fn(move |client, _| {
             let checks = checks.clone();
-            Box::pin(async move { checks.check(client).await.map_err(HookError::Backend) })
+            let prepare = prepares.load(Ordering::Relaxed);
+            Box::pin(async move {
+                checks.check(client).await.map_err(HookError::Backend)?;
+                if prepare {
+                    // A statement the schema cannot take yet (the first connection migrates
+                    // it) is prepared when first sent instead.
+                    let _ = tokio::join!(
+                        client.prepare_cached(SQL_NOW),
+                        client.prepare_cached(SQL_RESERVE_FAST),
+                        client.prepare_cached(SQL_RESERVE_MANY),
+                    );
+                }
+                Ok(())
+            })
         });
         let pool = Pool::builder(manager)
             .max_size(connections)
@@ -126,6 +149,7 @@ impl PostgresStore {
             known,
             statements: AtomicU64::new(0),
             mode: Statements::default(),
+            prepare,
             lead: true,
         })
     }
@@ -215,6 +239,8 @@ impl PostgresStore {
     /// Sends statements as `mode` says (see [`typed`]); prepared by default.
     pub fn with_statements(mut self, mode: Statements) -> Self {
         self.mode = mode;
+        self.prepare
+            .store(mode == Statements::Prepared, Ordering::Relaxed);
         self
     }
 
