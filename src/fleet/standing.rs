@@ -312,7 +312,11 @@ impl Standing {
         // The lease the store stamped with that heartbeat runs out no earlier than its
         // length after it was sent: the others hold this share back at least that long, and
         // for a window after this instance's last request alone.
-        let lease = ALONE_AFTER + self.alone_for;
+        let lease = Report {
+            divisor: state.reported,
+            alone_for: self.alone_for,
+        }
+        .lease();
         if now + WINDOW >= view.asked + lease {
             return Alone::Refuse(StoreError::LongGone(since));
         }

@@ -32,7 +32,7 @@ use sql::*;
 
 use clock::DbClock;
 use reassert::Reassert;
-use typed::{Conn, Param};
+use typed::{no_row, Conn, Param};
 
 use crate::budget::after_grant;
 use crate::budget::{
@@ -61,11 +61,9 @@ pub struct PostgresStore {
     /// Round trips sent to the database, for benches and tests that count what a request
     /// costs it (one per operation, two when a reservation leaves the one-statement path).
     statements: AtomicU64,
-    /// How statements are sent.
-    mode: Statements,
-    /// Whether a new connection prepares the statements a reservation sends (where they are
-    /// prepared: `mode`), read by the pool's hook.
-    prepare: Arc<AtomicBool>,
+    /// Whether statements are prepared (`[store] statements`), or sent unnamed: shared with
+    /// the pool's hook, which prepares a reservation's statements on every new connection.
+    prepared: Arc<AtomicBool>,
     /// Whether slots are asked for [`DbClock::lead`] after the database's "now" (off only
     /// where a test freezes the database clock, which makes the lead meaningless).
     lead: bool,
@@ -110,10 +108,10 @@ impl PostgresStore {
         let written = Arc::new(Mutex::new(HashMap::new()));
         let known = Arc::new(Reassert::new(written.clone()));
         let checks = known.clone();
-        let prepare = Arc::new(AtomicBool::new(
+        let prepared = Arc::new(AtomicBool::new(
             Statements::default() == Statements::Prepared,
         ));
-        let prepares = prepare.clone();
+        let prepares = prepared.clone();
         // Every new connection finds out which server it reached, and a new one (a failover)
         // gets what this instance knew before any request is paced on it. Then it prepares the
         // statements a reservation sends, in one round trip, so that no request pays for a
@@ -148,8 +146,7 @@ impl PostgresStore {
             written,
             known,
             statements: AtomicU64::new(0),
-            mode: Statements::default(),
-            prepare,
+            prepared,
             lead: true,
         })
     }
@@ -161,10 +158,9 @@ impl PostgresStore {
             return Ok(());
         }
         self.statements.fetch_add(1, Ordering::Relaxed);
-        client.prepare(SQL_NOW).await?;
-        let sent = Instant::now();
-        let row = client.one(SQL_NOW, &[]).await?;
-        self.clock.read(sent, Instant::now(), row.get(0));
+        let answer = client.timed(SQL_NOW, &[]).await?;
+        let row = answer.row.ok_or_else(|| no_row(SQL_NOW))?;
+        self.clock.read(answer.sent, answer.arrived, row.get(0));
         Ok(())
     }
 
@@ -202,7 +198,12 @@ impl PostgresStore {
             PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)) => db(e),
             other => StoreError::Unreachable(format!("postgres pool: {other}")),
         })?;
-        Ok(Conn::new(client, self.mode))
+        let mode = if self.prepared.load(Ordering::Relaxed) {
+            Statements::Prepared
+        } else {
+            Statements::Unnamed
+        };
+        Ok(Conn::new(client, mode))
     }
 
     /// Whether a failover's new server gets what this instance knew (see [`reassert`]); on by
@@ -237,9 +238,8 @@ impl PostgresStore {
     }
 
     /// Sends statements as `mode` says (see [`typed`]); prepared by default.
-    pub fn with_statements(mut self, mode: Statements) -> Self {
-        self.mode = mode;
-        self.prepare
+    pub fn with_statements(self, mode: Statements) -> Self {
+        self.prepared
             .store(mode == Statements::Prepared, Ordering::Relaxed);
         self
     }
@@ -272,15 +272,12 @@ impl Store for PostgresStore {
             let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
             let interval = rule.interval.as_secs_f64();
             let lead = self.lead();
-            // A new connection prepares its statements first: not part of the timed trip.
-            client.prepare(SQL_RESERVE_FAST).await?;
-            client.prepare(SQL_RESERVE_MANY).await?;
-            let sent = Instant::now();
             if let [only] = ask.queues {
                 if only.count == 1 && rule.quota.is_empty() {
                     let params: [&dyn Param; 5] = [&destination, &interval, &burst, &limit, &lead];
-                    if let Some(row) = client.opt(SQL_RESERVE_FAST, &params).await? {
-                        let arrived = Instant::now();
+                    let answer = client.timed(SQL_RESERVE_FAST, &params).await?;
+                    if let Some(row) = answer.row {
+                        let (sent, arrived) = (answer.sent, answer.arrived);
                         drop(client);
                         let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
                         let clock = self.clock.read(sent, arrived, db_now);
@@ -311,8 +308,8 @@ impl Store for PostgresStore {
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
             let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
-            let row = client
-                .one(
+            let answer = client
+                .timed(
                     SQL_RESERVE_MANY,
                     &[
                         &destination,
@@ -337,7 +334,8 @@ impl Store for PostgresStore {
                     ],
                 )
                 .await?;
-            let arrived = Instant::now();
+            let (sent, arrived) = (answer.sent, answer.arrived);
+            let row = answer.row.ok_or_else(|| no_row(SQL_RESERVE_MANY))?;
             drop(client);
             let outcome: &str = row.get(0);
             let slot: Option<SystemTime> = row.get(1);

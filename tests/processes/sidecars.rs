@@ -16,42 +16,77 @@ use support::relay::Relay;
 use support::{busiest, testdb, FakeUpstream};
 
 /// Workers sending back to back through every instance until stopped; each path names its
-/// instance (`/?i=I&w=W&n=N`).
+/// instance (`/?i=I&w=W&n=N`), and every answer is kept.
 struct Load {
     stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Each instance's current client: a restarted one listens on new ports.
+    clients: Arc<parking_lot::Mutex<Vec<reqwest::Client>>>,
+    answers: Arc<parking_lot::Mutex<Vec<Answer>>>,
+}
+
+/// What one request of a [`Load`] got.
+struct Answer {
+    /// The instance it went through (by place in the fleet).
+    instance: usize,
+    status: u16,
+    retry_after: bool,
+    at: Instant,
 }
 
 impl Load {
     fn start(fleet: &Fleet, upstream: &FakeUpstream, workers: usize) -> Self {
+        let n = fleet.instances.len();
         let stop = Arc::new(AtomicBool::new(false));
+        let clients = Arc::new(parking_lot::Mutex::new(
+            (0..n).map(|i| fleet.client(i)).collect::<Vec<_>>(),
+        ));
+        let answers = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
-        for i in 0..fleet.instances.len() {
+        for i in 0..n {
             for w in 0..workers {
-                let via = fleet.client(i);
+                let (clients, answers, stop) = (clients.clone(), answers.clone(), stop.clone());
                 let base = upstream.http_url("localhost");
-                let stop = stop.clone();
                 tasks.push(tokio::spawn(async move {
                     let mut n = 0;
                     while !stop.load(Ordering::SeqCst) {
-                        let url = format!("{base}/?i={i}&w={w}&n={n}");
+                        let via = clients.lock()[i].clone();
                         n += 1;
-                        // A refusal, or an instance gone, is an answer too: the arrivals tell.
-                        if via.get(url).send().await.is_err() {
-                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        match via.get(format!("{base}/?i={i}&w={w}&n={n}")).send().await {
+                            Ok(r) => answers.lock().push(Answer {
+                                instance: i,
+                                status: r.status().as_u16(),
+                                retry_after: r.headers().contains_key("retry-after"),
+                                at: Instant::now(),
+                            }),
+                            // Between its stop and its start, cut off or killed: not a
+                            // refusal; the arrivals tell.
+                            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
                         }
                     }
                 }));
             }
         }
-        Self { stop, tasks }
+        Self {
+            stop,
+            tasks,
+            clients,
+            answers,
+        }
     }
 
-    async fn stop(self) {
+    /// Instance `i` listens anew: its workers send through `client` from now on.
+    fn reach(&self, i: usize, client: reqwest::Client) {
+        self.clients.lock()[i] = client;
+    }
+
+    /// Stops the workers, lets the requests in flight finish, and returns every answer.
+    async fn stop(self) -> Vec<Answer> {
         self.stop.store(true, Ordering::SeqCst);
         for t in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(20), t).await;
         }
+        std::mem::take(&mut *self.answers.lock())
     }
 }
 
@@ -168,15 +203,6 @@ async fn control_without_the_hold_back_two_cut_off_instances_break_the_ceiling()
     );
 }
 
-/// What one request through a restarting fleet got.
-struct Answer {
-    /// The instance it went through (by place in the fleet).
-    instance: usize,
-    status: u16,
-    retry_after: bool,
-    at: Instant,
-}
-
 /// Twenty sidecars as an operator's week goes: a rolling restart (SIGTERM to each in turn, one
 /// every 2 s, each started again), then a node lost with five of them (SIGKILL). Through the
 /// restart nothing is refused but what the stopping instance holds, each with Retry-After, and
@@ -190,41 +216,12 @@ async fn twenty_sidecars_through_a_rolling_restart_then_five_killed() {
     const RATE: f64 = 10.0;
     let upstream = FakeUpstream::start().await;
     let mut fleet = sidecars(N, RATE).await;
-    // Each instance's current client: a restarted one listens on new ports.
-    let clients = Arc::new(parking_lot::Mutex::new(
-        (0..N).map(|i| fleet.client(i)).collect::<Vec<_>>(),
-    ));
-    let answers = Arc::new(parking_lot::Mutex::new(Vec::<Answer>::new()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for i in 0..N {
-        for w in 0..2 {
-            let (clients, answers, stop) = (clients.clone(), answers.clone(), stop.clone());
-            let base = upstream.http_url("localhost");
-            workers.push(tokio::spawn(async move {
-                let mut n = 0;
-                while !stop.load(Ordering::SeqCst) {
-                    let via = clients.lock()[i].clone();
-                    n += 1;
-                    match via.get(format!("{base}/?i={i}&w={w}&n={n}")).send().await {
-                        Ok(r) => answers.lock().push(Answer {
-                            instance: i,
-                            status: r.status().as_u16(),
-                            retry_after: r.headers().contains_key("retry-after"),
-                            at: Instant::now(),
-                        }),
-                        // Between its stop and its start, or killed: not a refusal.
-                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                    }
-                }
-            }));
-        }
-    }
+    let load = Load::start(&fleet, &upstream, 2);
     tokio::time::sleep(SECOND).await;
     let mut restarts = Vec::new();
     for i in 0..N {
         let (signalled, back) = fleet.restart(i).await;
-        clients.lock()[i] = fleet.client(i);
+        load.reach(i, fleet.client(i));
         restarts.push((signalled, back));
         tokio::time::sleep_until((signalled + 2 * SECOND).into()).await;
     }
@@ -235,13 +232,9 @@ async fn twenty_sidecars_through_a_rolling_restart_then_five_killed() {
         fleet.kill_9(N - 5);
     }
     tokio::time::sleep_until((killed + 26 * SECOND).into()).await;
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        let _ = tokio::time::timeout(Duration::from_secs(20), w).await;
-    }
+    let answers = load.stop().await;
     // Refused: only requests in flight on a stopping instance, answered between its SIGTERM
     // and its exit, each with Retry-After.
-    let answers = answers.lock();
     let refused: Vec<&Answer> = answers.iter().filter(|a| a.status != 200).collect();
     for a in &refused {
         let (signalled, back) = restarts[a.instance];

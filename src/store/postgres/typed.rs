@@ -15,6 +15,7 @@
 use std::time::SystemTime;
 
 use deadpool_postgres::Object;
+use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Row;
 
@@ -90,6 +91,18 @@ fn values<'a>(params: &'a [&'a dyn Param]) -> Vec<&'a (dyn ToSql + Sync)> {
     params.iter().map(|p| p.as_sql()).collect()
 }
 
+/// What a statement that must return a row is refused with when it returned none.
+pub(super) fn no_row(sql: &str) -> StoreError {
+    StoreError::Refused(format!("postgres: no row from `{sql}`"))
+}
+
+/// A statement's row, if any, and when the statement was sent and answered.
+pub(super) struct Timed {
+    pub(super) row: Option<Row>,
+    pub(super) sent: Instant,
+    pub(super) arrived: Instant,
+}
+
 /// A pooled connection that sends statements as `[store] statements` says.
 pub(super) struct Conn {
     client: Object,
@@ -101,15 +114,28 @@ impl Conn {
         Self { client, mode }
     }
 
-    /// Prepares `sql` on this connection where statements are prepared (once: later calls
-    /// find it cached), so that a statement timed from its sending is not timed with its
-    /// preparing: the database clock's reading ([`super::clock`]) counts only the one round
-    /// trip. Nothing where statements go unnamed.
-    pub(super) async fn prepare(&self, sql: &str) -> Result<(), StoreError> {
-        match self.mode {
-            Statements::Prepared => self.client.prepare_cached(sql).await.map(drop).map_err(db),
-            Statements::Unnamed => Ok(()),
-        }
+    /// Every row the statement returns, and when it was sent: after its preparing (where
+    /// statements are prepared, once per connection; later calls find it cached).
+    async fn send(
+        &self,
+        sql: &str,
+        params: &[&dyn Param],
+    ) -> Result<(Vec<Row>, Instant), StoreError> {
+        let (rows, sent) = match self.mode {
+            Statements::Prepared => {
+                let statement = self.client.prepare_cached(sql).await.map_err(db)?;
+                let sent = Instant::now();
+                (self.client.query(&statement, &values(params)).await, sent)
+            }
+            Statements::Unnamed => {
+                let sent = Instant::now();
+                (
+                    self.client.query_typed(sql, &with_types(params)).await,
+                    sent,
+                )
+            }
+        };
+        Ok((rows.map_err(db)?, sent))
     }
 
     /// Every row the statement returns.
@@ -118,14 +144,22 @@ impl Conn {
         sql: &str,
         params: &[&dyn Param],
     ) -> Result<Vec<Row>, StoreError> {
-        let rows = match self.mode {
-            Statements::Prepared => match self.client.prepare_cached(sql).await {
-                Ok(statement) => self.client.query(&statement, &values(params)).await,
-                Err(e) => Err(e),
-            },
-            Statements::Unnamed => self.client.query_typed(sql, &with_types(params)).await,
-        };
-        rows.map_err(db)
+        Ok(self.send(sql, params).await?.0)
+    }
+
+    /// The row the statement returns, if any, timed from its sending (not its preparing) to
+    /// its answer's arrival: what a reading of the database clock counts ([`super::clock`]).
+    pub(super) async fn timed(
+        &self,
+        sql: &str,
+        params: &[&dyn Param],
+    ) -> Result<Timed, StoreError> {
+        let (rows, sent) = self.send(sql, params).await?;
+        Ok(Timed {
+            row: rows.into_iter().next(),
+            sent,
+            arrived: Instant::now(),
+        })
     }
 
     /// The row the statement returns, if any (each of the store's returns at most one).
@@ -139,9 +173,7 @@ impl Conn {
 
     /// The row the statement returns; refused if it returns none.
     pub(super) async fn one(&self, sql: &str, params: &[&dyn Param]) -> Result<Row, StoreError> {
-        self.opt(sql, params)
-            .await?
-            .ok_or_else(|| StoreError::Refused(format!("postgres: no row from `{sql}`")))
+        self.opt(sql, params).await?.ok_or_else(|| no_row(sql))
     }
 }
 
