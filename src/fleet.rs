@@ -99,6 +99,13 @@ pub const MAX_ALONE: Duration = crate::config::MAX_DIVIDE_FOR;
 pub const PEERS_WITHIN: Duration =
     Duration::from_secs(ALONE_AFTER.as_secs() + MAX_ALONE.as_secs() + 2 * VIEW_FRESH.as_secs());
 
+/// Peers heard within this come back in a heartbeat's answer as one [`Peer`] for each report
+/// they share; quieter ones one by one. Two heartbeats short of [`STALE_AFTER`]: a group held
+/// in a view as a whole once its oldest could be stale ([`standing`]) is, while heartbeats
+/// keep their beat, replaced by the next view first.
+pub const QUIET_AFTER: Duration =
+    Duration::from_secs(STALE_AFTER.as_secs() - 2 * HEARTBEAT.as_secs());
+
 /// What an instance writes of itself with each heartbeat: should it lose the store, it paces
 /// alone at no more than `1 / divisor` of each rate, until its lease runs out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,24 +126,30 @@ impl Report {
     }
 }
 
-/// Another instance, as a heartbeat's answer tells it.
+/// Another instance as a heartbeat's answer tells it, or the instances heard within
+/// [`QUIET_AFTER`] that reported the same: an answer's size, and what an instance does with
+/// it, does not grow with the fleet.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Peer {
-    /// Its [`Instance::id`].
+    /// Its [`Instance::id`], or for a group, how many and what they count.
     pub id: String,
-    /// How long before the answer its last heartbeat was.
+    /// How many instances this stands for.
+    pub instances: u32,
+    /// How long before the answer its last heartbeat was (the oldest's, for a group).
     pub age: Duration,
     /// What it last reported of itself.
     pub report: Report,
-    /// How long its lease still ran when the store answered (zero once it ran out): while
-    /// it runs, the instance may be pacing alone, and its share is held back.
+    /// How long its lease still ran when the store answered (zero once it ran out; the
+    /// least, for a group): while it runs, the instance may be pacing alone, and its share is
+    /// held back.
     pub lease: Duration,
 }
 
 /// Where instances that share a store heartbeat and see each other: the membership seam.
 pub trait Membership: Send + Sync + 'static {
     /// Records that `me` is alive now, with its `report`. Answers the other instances whose
-    /// heartbeat is younger than [`PEERS_WITHIN`]. (Wait lists are the budgets' and keep
+    /// heartbeat is younger than [`PEERS_WITHIN`]: those heard within [`QUIET_AFTER`] as one
+    /// [`Peer`] for each report they share, the others one by one. (Wait lists are the budgets' and keep
     /// their own lease: [`crate::budget::Store::keep_waiting`].)
     fn heartbeat<'a>(
         &'a self,

@@ -29,7 +29,8 @@ impl View {
 
     /// Peers that may be pacing alone now: stale, and their lease still runs. The store read
     /// what was left of a lease before its answer arrived, so counting it from the arrival
-    /// ends the hold no earlier than the lease.
+    /// ends the hold no earlier than the lease. A group of peers heard recently is held as a
+    /// whole once its oldest could be stale: that errs towards holding back.
     fn held(&self, now: Instant) -> impl Iterator<Item = &Peer> {
         self.peers
             .iter()
@@ -41,15 +42,25 @@ impl View {
         self.peers.iter().filter(|p| !p.lease.is_zero())
     }
 
+    /// How many instances the counted peers are.
+    fn counted_instances(&self) -> u32 {
+        self.counted()
+            .fold(0u32, |n, p| n.saturating_add(p.instances))
+    }
+
     /// The share of every rate this instance may pace alone at, having written `divisor`:
     /// never more than the others hold back for it, and where the divisors disagree (an
     /// instance that had not yet counted this one), never more than they leave.
     fn alone_share(&self, divisor: u32) -> f64 {
-        let others: f64 = self
-            .counted()
-            .map(|p| 1.0 / f64::from(p.report.divisor))
-            .sum();
+        let others: f64 = self.counted().map(Peer::share).sum();
         (1.0 / f64::from(divisor)).min(1.0 - others)
+    }
+}
+
+impl Peer {
+    /// The part of every rate these instances may pace alone at, together.
+    fn share(&self) -> f64 {
+        f64::from(self.instances) / f64::from(self.report.divisor)
     }
 }
 
@@ -207,9 +218,10 @@ impl Standing {
     /// included. Remembered as written before it is sent.
     pub fn report(&self) -> Report {
         let mut state = self.state.lock();
-        let divisor = state.view.as_ref().map_or(self.hint, |v| {
-            1 + u32::try_from(v.counted().count()).unwrap_or(u32::MAX - 1)
-        });
+        let divisor = state
+            .view
+            .as_ref()
+            .map_or(self.hint, |v| v.counted_instances().saturating_add(1));
         state.reported = state.reported.max(divisor);
         Report {
             divisor,
@@ -227,9 +239,13 @@ impl Standing {
             answered: now,
             peers,
         };
-        let live = 1 + view.peers.iter().filter(|p| p.age < LIVE_WITHIN).count();
+        let live = view
+            .peers
+            .iter()
+            .filter(|p| p.age < LIVE_WITHIN)
+            .fold(1u32, |n, p| n.saturating_add(p.instances));
         let held: Vec<&Peer> = view.held(now).collect();
-        let share_held: f64 = held.iter().map(|p| 1.0 / f64::from(p.report.divisor)).sum();
+        let share_held: f64 = held.iter().map(|p| p.share()).sum();
         let held_ids: Vec<String> = held.iter().map(|p| p.id.clone()).collect();
         let mut state = self.state.lock();
         for p in &held {
@@ -248,14 +264,12 @@ impl Standing {
                 tracing::info!(instance = %id, "an instance's share is no longer held back: it heartbeats again, or its time to pace alone is over");
             }
         }
-        let divisor = 1 + u32::try_from(view.counted().count()).unwrap_or(u32::MAX - 1);
+        let divisor = view.counted_instances().saturating_add(1);
         let alone = view.alone_share(divisor.max(report.divisor));
         state.held = held_ids;
         state.view = Some(view);
         state.reported = report.divisor;
-        self.gauges
-            .instances
-            .set(i64::try_from(live).unwrap_or(i64::MAX));
+        self.gauges.instances.set(i64::from(live));
         self.gauges.held.set(share_held.min(1.0));
         self.gauges.alone.set(alone.max(0.0));
         divisor != report.divisor
@@ -294,7 +308,11 @@ impl Standing {
         if now.saturating_duration_since(view.asked) > VIEW_FRESH {
             return None;
         }
-        Some(Held::of(view.held(now).map(|p| p.report.divisor).collect()))
+        Some(Held::of(
+            view.held(now)
+                .flat_map(|p| std::iter::repeat_n(p.report.divisor, p.instances as usize))
+                .collect(),
+        ))
     }
 
     /// How this instance may pace now, having lost the store.
@@ -369,6 +387,7 @@ mod tests {
                     .unwrap_or((Duration::ZERO, report.lease()));
                 Peer {
                     id: format!("peer-{i}"),
+                    instances: 1,
                     age,
                     report,
                     lease,
@@ -422,6 +441,53 @@ mod tests {
             [75, 80, 85, 90, 95, 100],
             "one share back at each lease's end"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_group_counts_as_its_instances_and_is_held_whole_once_its_oldest_could_be_stale() {
+        let standing = standing();
+        let me = report(20);
+        let group = |age: Duration| Peer {
+            id: "14 instances counting 20".into(),
+            instances: 14,
+            age,
+            report: me,
+            lease: me.lease() - age,
+        };
+        let mut peers = peers(20, &[(5 * S, 5 * S); 5]);
+        peers.truncate(5);
+        peers.push(group(S / 2));
+        // Twenty in all: five silent one by one, fourteen in a group, and this one.
+        assert!(!standing.answered(Instant::now(), me, peers.clone()));
+        assert_eq!(standing.report().divisor, 20);
+        assert_eq!(standing.live(), 15);
+        assert!((standing.share_held() - 0.25).abs() < 1e-9);
+        assert!((shared_rate(&standing, 100.0) - 75.0).abs() < 1e-4);
+        // Heartbeats late: the group's oldest could be stale by now, and is held whole.
+        tokio::time::advance(STALE_AFTER - S / 2).await;
+        assert!((shared_rate(&standing, 100.0) - 5.0).abs() < 1e-4);
+        // A group that had not yet counted this one (it reports 19) leaves less to pace
+        // alone on: never more than the others hold back for it.
+        let mut behind = peers.clone();
+        behind[5].report = report(19);
+        let counted = self::standing();
+        counted.answered(Instant::now(), me, behind);
+        let left = 1.0 - 5.0 / 20.0 - 14.0 / 19.0;
+        assert!((counted.gauges.alone.get() - left).abs() < 1e-9);
+        // The same instances one by one count the same.
+        let apart: Vec<Peer> = (0..14)
+            .map(|i| Peer {
+                id: format!("apart-{i}"),
+                instances: 1,
+                ..group(S / 2)
+            })
+            .chain(peers[..5].iter().cloned())
+            .collect();
+        let one_by_one = self::standing();
+        one_by_one.answered(Instant::now(), me, apart);
+        assert_eq!(one_by_one.report().divisor, 20);
+        assert_eq!(one_by_one.live(), 15);
+        assert!((shared_rate(&one_by_one, 100.0) - 75.0).abs() < 1e-4);
     }
 
     #[tokio::test(start_paused = true)]

@@ -183,6 +183,7 @@ impl Membership for Fake {
                     }
                     Peer {
                         id: format!("fake-{i}"),
+                        instances: 1,
                         age: now - p.last_seen,
                         report: p.report,
                         lease: (p.last_seen + p.report.lease()).saturating_duration_since(now),

@@ -8,7 +8,7 @@ use super::PostgresStore;
 use crate::budget::{StoreError, StoreFuture};
 use crate::fleet::{
     Instance, Membership, Peer, Report, Theirs, Written, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN,
-    PEERS_WITHIN, VIEW_FRESH,
+    PEERS_WITHIN, QUIET_AFTER, VIEW_FRESH,
 };
 
 /// How long after its lease ran out an instance's row is deleted: past the freshest view any
@@ -32,7 +32,7 @@ impl Membership for PostgresStore {
             let divisor = i32::try_from(report.divisor).unwrap_or(i32::MAX);
             let alone_ms = i64::try_from(report.alone_for.as_millis()).unwrap_or(i64::MAX);
             let old_lease = OLDER_LEASE.as_secs_f64();
-            client
+            let rows = client
                 .rows(
                     SQL_HEARTBEAT,
                     &[
@@ -45,27 +45,30 @@ impl Membership for PostgresStore {
                         &report.lease().as_secs_f64(),
                         &GONE_AFTER.as_secs_f64(),
                         &old_lease,
+                        &PEERS_WITHIN.as_secs_f64(),
+                        &QUIET_AFTER.as_secs_f64(),
                     ],
-                )
-                .await?;
-            let rows = client
-                .rows(
-                    SQL_PEERS,
-                    &[&me.id, &PEERS_WITHIN.as_secs_f64(), &old_lease],
                 )
                 .await?;
             Ok(rows
                 .iter()
-                .map(|r| Peer {
-                    id: r.get(0),
-                    age: Duration::from_secs_f64(r.get::<_, f64>(1).max(0.0)),
-                    report: Report {
+                .map(|r| {
+                    let instances = u32::try_from(r.get::<_, i64>(5)).unwrap_or(u32::MAX);
+                    let report = Report {
                         divisor: u32::try_from(r.get::<_, i32>(2)).unwrap_or(1).max(1),
                         alone_for: Duration::from_millis(
                             u64::try_from(r.get::<_, i64>(3)).unwrap_or(0),
                         ),
-                    },
-                    lease: Duration::from_secs_f64(r.get::<_, f64>(4).max(0.0)),
+                    };
+                    Peer {
+                        id: r.get::<_, Option<String>>(0).unwrap_or_else(|| {
+                            format!("{instances} instances counting {}", report.divisor)
+                        }),
+                        instances,
+                        age: Duration::from_secs_f64(r.get::<_, f64>(1).max(0.0)),
+                        report,
+                        lease: Duration::from_secs_f64(r.get::<_, f64>(4).max(0.0)),
+                    }
                 })
                 .collect())
         })

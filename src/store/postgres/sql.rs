@@ -63,34 +63,45 @@ pub(super) const SQL_UNLOCK: &str = "WITH old AS (
     SET lock_since = NULL, lock_status = NULL, lock_request = NULL, lock_instance = NULL
     FROM old WHERE b.destination = old.destination
     RETURNING old.lock_since, old.lock_status, old.lock_request, old.lock_instance";
-/// This instance's heartbeat: alive now, with its report and its lease (`$7` seconds from
-/// now on the store's clock, `fleet::Report::lease`). Rows whose lease ran out more than
-/// `$8` seconds ago are deleted with their rules: nobody holds their share back any longer,
-/// and a sidecar in a crash loop leaves a row per start. A row an older binary wrote has no
-/// lease; its own is read as `last_seen + alone_ms + $9` seconds.
+/// This instance's heartbeat, in one round trip: alive now, with its report and its lease
+/// (`$7` seconds from now on the store's clock, `fleet::Report::lease`), answered with the
+/// others. Rows whose lease ran out more than `$8` seconds ago are deleted with their rules:
+/// nobody holds their share back any longer, and a sidecar in a crash loop leaves a row per
+/// start. A row an older binary wrote has no lease; its own is read as
+/// `last_seen + alone_ms + $9` seconds.
+///
+/// The others are the rows younger than `$10` seconds (the longest any lease runs), with what
+/// is left of each lease. Those heard within `$11` seconds, the fleet at work, come back as one
+/// row for each report they share (`fleet::Peer::instances` of them, the oldest's age, the
+/// least lease); only the quiet ones come back one by one. So what an answer carries, and
+/// what its instance does with it, does not grow with the fleet. (The statement reads the table
+/// as it was before its own writes: its own row and the ones it deletes are left out by id.)
 pub(super) const SQL_HEARTBEAT: &str = "WITH gone AS (
         DELETE FROM pacegate_instances
         WHERE id <> $1 AND coalesce(lease_until,
                 last_seen + make_interval(secs => alone_ms / 1000.0 + $9::float8))
             < clock_timestamp() - make_interval(secs => $8::float8)
         RETURNING id),
-    rules AS (DELETE FROM pacegate_rules WHERE instance IN (SELECT id FROM gone))
-    INSERT INTO pacegate_instances (id, host, pid, version, started_at, last_seen, divisor, alone_ms, lease_until)
+    rules AS (DELETE FROM pacegate_rules WHERE instance IN (SELECT id FROM gone)),
+    mine AS (INSERT INTO pacegate_instances
+            (id, host, pid, version, started_at, last_seen, divisor, alone_ms, lease_until)
         VALUES ($1, $2, $3, $4, clock_timestamp(), clock_timestamp(), $5, $6,
             clock_timestamp() + make_interval(secs => $7::float8))
-    ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp(), divisor = $5, alone_ms = $6,
-        lease_until = clock_timestamp() + make_interval(secs => $7::float8)";
-/// The other instances a heartbeat reports back: every row younger than the longest time any
-/// instance may pace alone, with what is left of its lease (the lease of a row an older
-/// binary wrote as in [`SQL_HEARTBEAT`], `$3`).
-pub(super) const SQL_PEERS: &str = "SELECT id,
-        greatest(extract(epoch FROM clock_timestamp() - last_seen), 0)::double precision,
-        divisor, alone_ms,
-        greatest(extract(epoch FROM coalesce(lease_until,
-                last_seen + make_interval(secs => alone_ms / 1000.0 + $3::float8))
-            - clock_timestamp()), 0)::double precision
-    FROM pacegate_instances
-    WHERE id <> $1 AND last_seen > clock_timestamp() - make_interval(secs => $2)";
+        ON CONFLICT (id) DO UPDATE SET last_seen = clock_timestamp(), divisor = $5, alone_ms = $6,
+            lease_until = clock_timestamp() + make_interval(secs => $7::float8)),
+    peers AS (SELECT id,
+            greatest(extract(epoch FROM clock_timestamp() - last_seen), 0)::float8 AS age,
+            divisor, alone_ms,
+            greatest(extract(epoch FROM coalesce(lease_until,
+                    last_seen + make_interval(secs => alone_ms / 1000.0 + $9::float8))
+                - clock_timestamp()), 0)::float8 AS lease
+        FROM pacegate_instances
+        WHERE id <> $1 AND id NOT IN (SELECT id FROM gone)
+            AND last_seen > clock_timestamp() - make_interval(secs => $10::float8))
+    SELECT id, age, divisor, alone_ms, lease, 1::int8 FROM peers WHERE age >= $11::float8
+    UNION ALL
+    SELECT NULL, max(age), divisor, alone_ms, min(lease), count(*) FROM peers
+        WHERE age < $11::float8 GROUP BY divisor, alone_ms";
 pub(super) const SQL_LIVE: &str = "SELECT id, host, pid, version, started_at, last_seen,
         extract(epoch FROM clock_timestamp() - last_seen)::double precision
     FROM pacegate_instances

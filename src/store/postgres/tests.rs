@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::budget::contract;
-use crate::fleet::{Membership, Report, Written};
+use crate::fleet::{Membership, Report, Written, QUIET_AFTER};
 
 async fn store() -> PostgresStore {
     let store = PostgresStore::new(&testdb::fresh().await, 8).unwrap();
@@ -223,7 +223,8 @@ async fn a_heartbeat_answers_the_others_with_their_age_and_report() {
     };
     let peers = b.heartbeat(&instance("b"), three).await.unwrap();
     assert_eq!(peers.len(), 1, "{peers:?}");
-    assert_eq!((peers[0].id.as_str(), peers[0].report), ("a", REPORT));
+    // Heard just now: one of a group of those that reported the same.
+    assert_eq!((peers[0].instances, peers[0].report), (1, REPORT));
     assert!(peers[0].age < Duration::from_secs(1), "{peers:?}");
     // A stale heartbeat reads as old as it is, by the store's clock.
     a.client()
@@ -236,10 +237,74 @@ async fn a_heartbeat_answers_the_others_with_their_age_and_report() {
         .await
         .unwrap();
     let peers = a.heartbeat(&instance("a"), REPORT).await.unwrap();
-    assert_eq!((peers[0].id.as_str(), peers[0].report), ("b", three));
+    // Quiet: one by one, by name.
+    assert_eq!(
+        (peers[0].id.as_str(), peers[0].instances, peers[0].report),
+        ("b", 1, three)
+    );
     assert!(
         (10.0..11.0).contains(&peers[0].age.as_secs_f64()),
         "{peers:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_heartbeat_answers_a_fleet_at_work_in_one_row_a_report_and_the_quiet_one_by_one() {
+    let store = store().await;
+    let counting = |divisor| Report {
+        divisor,
+        alone_for: Duration::from_secs(10),
+    };
+    // Fifty instances: forty counting 50, seven still counting 49, three gone quiet.
+    for i in 0..50 {
+        let report = counting(if (40..47).contains(&i) { 49 } else { 50 });
+        store
+            .heartbeat(&instance(&format!("i{i:02}")), report)
+            .await
+            .unwrap();
+    }
+    store
+        .client()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE pacegate_instances SET last_seen = last_seen - interval '4 seconds',
+                lease_until = lease_until - interval '4 seconds' WHERE id >= 'i47'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut peers = store
+        .heartbeat(&instance("i00"), counting(50))
+        .await
+        .unwrap();
+    peers.sort_by_key(|p| (p.instances, p.id.clone()));
+    let seen: Vec<(String, u32, u32)> = peers
+        .iter()
+        .map(|p| (p.id.clone(), p.instances, p.report.divisor))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("i47".to_string(), 1, 50),
+            ("i48".to_string(), 1, 50),
+            ("i49".to_string(), 1, 50),
+            ("7 instances counting 49".to_string(), 7, 49),
+            ("39 instances counting 50".to_string(), 39, 50),
+        ]
+    );
+    for p in &peers[..3] {
+        assert!(p.age >= Duration::from_secs(4), "{p:?}");
+        assert!(
+            p.lease < counting(50).lease() - Duration::from_secs(3),
+            "{p:?}"
+        );
+    }
+    let group = &peers[4];
+    assert!(group.age < QUIET_AFTER, "{group:?}");
+    assert!(
+        group.lease > counting(50).lease() - Duration::from_secs(2),
+        "{group:?}"
     );
 }
 
