@@ -12,6 +12,11 @@
 
 -- Functions of releases two or more back, which no running binary calls.
 DROP FUNCTION IF EXISTS pacegate_reserve(text, double precision, integer, double precision);
+-- pacegate_reserve_slots before p_lost_hold, which no release called.
+DROP FUNCTION IF EXISTS pacegate_reserve_slots(text, double precision, integer,
+    double precision, text, double precision, double precision[], bigint[],
+    double precision[], double precision, integer[], integer[], double precision[],
+    double precision[], boolean, bigint, integer, double precision, double precision);
 DROP FUNCTION IF EXISTS pacegate_record(text, text, bigint, double precision, double precision,
     double precision, integer, double precision, integer, text, text);
 DROP FUNCTION IF EXISTS pacegate_reserve_for(text, double precision, integer, double precision,
@@ -245,7 +250,8 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_slots(
     p_reserve bigint,
     p_most integer,
     p_horizon double precision,
-    p_lead double precision
+    p_lead double precision,
+    p_lost_hold double precision
 ) RETURNS TABLE (
     outcome text,
     slot timestamptz,
@@ -289,7 +295,15 @@ DECLARE
 BEGIN
     SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
     IF NOT FOUND THEN
-        INSERT INTO pacegate_budgets (destination) VALUES (p_destination) ON CONFLICT DO NOTHING;
+        -- Missing where the caller paced before (p_lost_hold > 0), the row was lost (a
+        -- TRUNCATE, a restore): slots handed out from it, on any instance, may still be due,
+        -- and nothing here says when. Its schedule starts p_lost_hold from now, past them
+        -- (past the caller's own, and a while for the others').
+        INSERT INTO pacegate_budgets (destination, next_at) VALUES (p_destination,
+            CASE WHEN p_lost_hold > 0 THEN clock_timestamp()
+                + make_interval(secs => p_lost_hold + p_interval * GREATEST(p_burst - 1, 0))
+            ELSE '-infinity' END)
+            ON CONFLICT DO NOTHING;
         SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
     END IF;
     now_ts := clock_timestamp();
@@ -520,7 +534,7 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_many(
 ) LANGUAGE sql AS $$
     SELECT * FROM pacegate_reserve_slots(p_destination, p_interval, p_burst, p_not_after,
         p_instance, p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes,
-        p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, 0)
+        p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, 0, 0)
 $$;
 
 -- A binary that knows only the one-slot function keeps working beside one that batches: its
@@ -558,7 +572,7 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_for(
         r.lock_status, r.lock_request, r.lock_instance
     FROM pacegate_reserve_slots(p_destination, p_interval, p_burst, p_not_after, p_instance,
         p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes, p_counts,
-        p_oldest, p_next, p_tell, p_reserve, 1, 0, 0) AS r
+        p_oldest, p_next, p_tell, p_reserve, 1, 0, 0, 0) AS r
 $$;
 
 -- What instances knew of budgets, put back into a server that may have lost it: a standby

@@ -535,6 +535,17 @@ pub trait Store: Send + Sync + 'static {
         vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
 
+    /// Puts slots this instance handed out without this store (pacing alone while it was
+    /// lost) into its schedules: each budget's next slot comes no earlier than its mark, so
+    /// that the shared beat starts after them. Only ever tightens, so instances that put
+    /// theirs back in any order leave each schedule after the latest of them. Answered with
+    /// a round trip even when there is nothing to put: the failover's proof that the store
+    /// is back.
+    fn continue_after<'a>(
+        &'a self,
+        marks: &'a [(String, Instant)],
+    ) -> StoreFuture<'a, Result<(), StoreError>>;
+
     /// Clears a lockout; returns the one cleared, if any.
     fn unlock<'a>(
         &'a self,

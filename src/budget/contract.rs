@@ -216,6 +216,7 @@ where
 {
     slots_keep_the_beat(&fresh().await, tol).await;
     a_new_destination_starts_now(&fresh().await, tol).await;
+    slots_handed_out_elsewhere_come_first(&fresh().await, tol).await;
     burst_then_spacing(&fresh().await, tol).await;
     too_late_takes_nothing(&fresh().await, tol).await;
     throttles_widen_once_per_generation(&fresh().await, tol).await;
@@ -419,6 +420,43 @@ async fn a_new_destination_starts_now(store: &impl Store, tol: Duration) {
         (1.0, 0, 0)
     );
     assert!(view.lock.is_none());
+}
+
+/// Slots handed out without the store (pacing alone) come before its schedule: each budget
+/// continues no earlier than its mark, a budget never used included; an earlier mark changes
+/// nothing.
+async fn slots_handed_out_elsewhere_come_first(store: &impl Store, tol: Duration) {
+    let r = rule(10.0);
+    let (first, _) = read(store, "d", &r).await;
+    due(first, tol, "the first slot");
+    let mark = Instant::now() + Duration::from_secs(3);
+    let marks = [("d".to_owned(), mark), ("new".to_owned(), mark)];
+    store.continue_after(&marks).await.unwrap();
+    for budget in ["d", "new"] {
+        let (after, _) = read(store, budget, &r).await;
+        assert!(
+            after.at + tol >= mark,
+            "{budget}: {:?} before the mark {mark:?}",
+            after.at
+        );
+        assert!(
+            after.at <= mark + tol + (after.arrived - after.sent),
+            "{budget}"
+        );
+    }
+    // A mark behind the schedule does not move it back, nor on.
+    let (before, _) = read(store, "d", &r).await;
+    store
+        .continue_after(&[("d".to_owned(), Instant::now())])
+        .await
+        .unwrap();
+    store.continue_after(&[]).await.unwrap();
+    let (next, _) = read(store, "d", &r).await;
+    let gap = next.at.saturating_duration_since(before.at);
+    assert!(
+        gap + tol >= r.interval && gap <= r.interval + tol + (next.arrived - next.sent),
+        "{gap:?}"
+    );
 }
 
 async fn burst_then_spacing(store: &impl Store, tol: Duration) {

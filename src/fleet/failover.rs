@@ -120,6 +120,12 @@ pub struct Failover<B, M, L> {
     /// be written back; each halts its destination here meanwhile.
     pending: Mutex<Vec<(String, Rule, Lockout)>>,
     degraded_gauge: IntGauge,
+    /// Where each destination's schedule continues after the slots this instance handed out
+    /// alone: put into the shared store before it paces there again ([`Failover::recover`]).
+    alone_ends: Mutex<HashMap<String, Instant>>,
+    /// Held shared by every slot handed out alone, and whole while the store's return is put
+    /// in: no slot alone is handed out that the return does not put back.
+    alone_gate: tokio::sync::RwLock<()>,
     /// This instance's rules beside the other instances'.
     agreement: Agreement,
 }
@@ -161,6 +167,8 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             quota_limits: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
             degraded_gauge: gauges.degraded,
+            alone_ends: Mutex::new(HashMap::new()),
+            alone_gate: tokio::sync::RwLock::new(()),
             agreement: Agreement::new(gauges.mismatch),
         }
     }
@@ -249,13 +257,32 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         }
     }
 
+    /// The store answers again: the lockouts taken meanwhile are written, and the slots
+    /// handed out alone are put into the shared schedules (`Store::continue_after`), so that
+    /// the shared beat starts after them, before this instance takes a shared slot or tells
+    /// the others it is back (the supervisor heartbeats after this). Each instance puts back
+    /// its own, in one statement that only tightens, so the order and timing in which
+    /// instances come back make no difference. `Err` leaves the instance degraded.
     async fn recover(&self) -> Result<(), StoreError> {
         let written = self.write_back().await?;
+        let _alone = self.alone_gate.write().await;
+        let now = Instant::now();
+        let marks: Vec<(String, Instant)> = self
+            .alone_ends
+            .lock()
+            .iter()
+            .filter(|(_, at)| **at > now)
+            .map(|(d, at)| (d.clone(), *at))
+            .collect();
+        self.bounded(self.primary.continue_after(&marks)).await?;
+        self.alone_ends.lock().clear();
         if self.degraded.swap(false, Ordering::SeqCst) {
             self.degraded_gauge.set(0);
-            tracing::error!(
+            // A recovery is no alarm: WARN, so that an alert on errors does not page on it.
+            tracing::warn!(
                 lockouts_written = written,
-                "pacing store is back; pacing on the shared budget again"
+                schedules_continued = marks.len(),
+                "pacing store is back; the slots handed out alone come first, then the shared schedule"
             );
         }
         Ok(())
@@ -388,6 +415,46 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         }
     }
 
+    /// A slot handed out alone, on `alone` (`rule` at this instance's part of it), none
+    /// after `until`: remembered for the store's return, where the shared schedule continues
+    /// one interval of `rule` after it.
+    async fn alone(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        alone: &Rule,
+        ask: Ask<'_>,
+        until: Instant,
+    ) -> Result<Grant, ReserveError> {
+        let _alone = self.alone_gate.read().await;
+        if !self.is_degraded() {
+            // The store came back meanwhile: ask again, on the shared schedule.
+            return Err(ReserveError::Yield(Duration::ZERO));
+        }
+        let capped = ask.not_after.is_none_or(|t| t > until);
+        let ask = Ask {
+            queues: ask.queues,
+            not_after: Some(ask.not_after.map_or(until, |t| t.min(until))),
+            most: ask.most,
+        };
+        match self.local.reserve(destination, alone, ask).await {
+            Ok(grant) => {
+                let last = grant.more.last().copied().unwrap_or(grant.slot.at);
+                let end = last + rule.interval;
+                let mut ends = self.alone_ends.lock();
+                let at = ends.entry(destination.to_owned()).or_insert(end);
+                *at = (*at).max(end);
+                Ok(grant)
+            }
+            Err(ReserveError::TooLate { .. }) if capped => {
+                Err(ReserveError::Store(StoreError::Unreachable(
+                    "this instance's time to pace alone ends before the next slot; it refuses until the store is back".into(),
+                )))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     fn remember(&self, destination: &str, view: &BudgetView) {
         self.last_known
             .lock()
@@ -476,8 +543,8 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 OnUnavailable::Divide => self.standing.alone(Instant::now()),
             };
             let no = match alone {
-                Alone::Pace(part) => match Self::alone_rule(rule, part) {
-                    Some(rule) => return self.local.reserve(destination, &rule, ask).await,
+                Alone::Pace(part, until) => match Self::alone_rule(rule, part) {
+                    Some(alone) => return self.alone(destination, rule, &alone, ask, until).await,
                     None => ReserveError::Store(StoreError::Unreachable(format!(
                         "at rate / {n}, less the request a second of slack a schedule of its own may add, nothing is left of this destination's rate to pace alone on (a share of a request a second or less does not pace alone)",
                         n = self.standing.divisor()
@@ -506,6 +573,13 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 self.local.wait_list(destination, queues)
             }),
         )
+    }
+
+    fn continue_after<'a>(
+        &'a self,
+        marks: &'a [(String, Instant)],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.bounded(self.primary.continue_after(marks)))
     }
 
     fn record<'a>(

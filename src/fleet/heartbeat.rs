@@ -23,8 +23,9 @@ pub trait Health: Send + Sync {
     fn lost(&self, why: &StoreError);
     /// Whether the store is taken to be gone now.
     fn is_lost(&self) -> bool;
-    /// The store answered a heartbeat while it was taken to be gone; `Err` if it is not
-    /// ready to be used again (it did not take the lockouts written back).
+    /// The store is probed while it is taken to be gone, before the heartbeat: puts back
+    /// what was done without it; `Err` if it is still gone, or not ready to be used again
+    /// (it did not take what was put back). The heartbeat follows only on `Ok`.
     fn answered(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// The store answered a heartbeat: time for what is done once a heartbeat.
     fn heard(&self) -> impl Future<Output = ()> + Send;
@@ -54,26 +55,31 @@ pub async fn supervise<M: Membership, H: Health>(
 ) {
     let mut failures = 0u32;
     loop {
+        // Back from an outage, this instance first puts into the store what it did alone
+        // (lockouts, the slots it handed out), and only then heartbeats: the others hold its
+        // share back until they hear it again, so by then its slots alone are in the shared
+        // schedule, whatever the order or timing in which instances come back.
+        let back = if health.is_lost() {
+            health.answered().await
+        } else {
+            Ok(())
+        };
         let report = standing.report();
         let asked = Instant::now();
         // The heartbeat is off the request path: it gets more time than a reservation before
         // it declares the store unreachable.
-        let beat = tokio::time::timeout(HEARTBEAT, fleet.heartbeat(me, report))
-            .await
-            .unwrap_or(Err(StoreError::Timeout(HEARTBEAT)));
+        let beat = match back {
+            Ok(()) => tokio::time::timeout(HEARTBEAT, fleet.heartbeat(me, report))
+                .await
+                .unwrap_or(Err(StoreError::Timeout(HEARTBEAT))),
+            Err(e) => Err(e),
+        };
         // The count changed: tell the others at once rather than in a second.
         let mut again = false;
         match beat {
             Ok(peers) => {
                 failures = 0;
                 again = standing.answered(asked, report, peers);
-                if health.is_lost() {
-                    if let Err(e) = health.answered().await {
-                        tracing::debug!(
-                            "store answered a heartbeat but not the lockout write-back: {e}"
-                        );
-                    }
-                }
                 health.heard().await;
             }
             // An unanswered heartbeat is a lost store: nothing else tells a partition apart.
@@ -81,6 +87,8 @@ pub async fn supervise<M: Membership, H: Health>(
                 failures += 1;
                 health.lost(&e);
             }
+            // The store answers, but refused the heartbeat or what is put back on return
+            // (a lockout's write): the next heartbeat tries again.
             Err(e) => tracing::warn!("heartbeat refused: {e}"),
         }
         let pause = if again {

@@ -138,8 +138,9 @@ impl Held {
 pub enum Alone {
     /// Not yet: the others may not hold its share back yet.
     Wait(Duration),
-    /// At this part of each rate.
-    Pace(Split),
+    /// At this part of each rate, with no slot after the instant given: a [`WINDOW`] before
+    /// the lease runs out, when the others stop holding this instance's share back.
+    Pace(Split, Instant),
     /// Not at all.
     Refuse(StoreError),
 }
@@ -335,7 +336,8 @@ impl Standing {
             alone_for: self.alone_for,
         }
         .lease();
-        if now + WINDOW >= view.asked + lease {
+        let until = view.asked + lease - WINDOW;
+        if now >= until {
             return Alone::Refuse(StoreError::LongGone(since));
         }
         let share = view.alone_share(state.reported);
@@ -344,7 +346,7 @@ impl Standing {
                 "the other instances' shares leave this one none to pace alone on".into(),
             ));
         }
-        Alone::Pace(Split { share, less: 1.0 })
+        Alone::Pace(Split { share, less: 1.0 }, until)
     }
 }
 
@@ -550,11 +552,11 @@ mod tests {
         tokio::time::advance(S / 2).await;
         standing.answered(asked, me, peers(2, &[]));
         tokio::time::advance(ALONE_AFTER).await;
-        assert!(matches!(standing.alone(Instant::now()), Alone::Pace(_)));
+        assert!(matches!(standing.alone(Instant::now()), Alone::Pace(..)));
         // A window before the lease runs out, the last request alone.
         let end = asked + me.lease() - WINDOW;
         tokio::time::advance(end - Instant::now() - Duration::from_millis(1)).await;
-        assert!(matches!(standing.alone(Instant::now()), Alone::Pace(_)));
+        assert!(matches!(standing.alone(Instant::now()), Alone::Pace(..)));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(matches!(
             standing.alone(Instant::now()),

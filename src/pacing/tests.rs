@@ -872,6 +872,13 @@ impl Store for Stalling {
         self.inner.unlock(destination)
     }
 
+    fn continue_after<'a>(
+        &'a self,
+        marks: &'a [(String, Instant)],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        self.inner.continue_after(marks)
+    }
+
     fn view<'a>(
         &'a self,
         destination: &'a str,

@@ -340,6 +340,18 @@ impl Store for MemoryStore {
         })
     }
 
+    fn continue_after<'a>(
+        &'a self,
+        marks: &'a [(String, Instant)],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        let mut budgets = self.budgets.lock();
+        for (budget, at) in marks {
+            let b = budgets.entry(budget.clone()).or_default();
+            b.next_at = b.next_at.max(self.offset(*at));
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     fn unlock<'a>(
         &'a self,
         destination: &'a str,

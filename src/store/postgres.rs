@@ -43,6 +43,13 @@ use crate::class::Class;
 use crate::config::Statements;
 use crate::fleet::{Instance, WAITER_LEASE};
 
+/// How long after a budget's row is found lost (missing where this instance paced) its
+/// schedule starts at the least: past the slots any instance still holds from it. An
+/// instance busy on it holds slots a batch's reach plus its ask-ahead beyond now (a few
+/// hundred milliseconds, with a store 100 ms away), so a second covers them. The instance
+/// that finds the row missing starts it after its own slots, should they reach further.
+const LOST_ROW_HOLD: Duration = Duration::from_secs(1);
+
 /// Budgets in Postgres.
 pub struct PostgresStore {
     pool: Pool,
@@ -308,6 +315,11 @@ impl Store for PostgresStore {
             let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
             let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
             let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
+            let lost_hold = self.known.paced(destination).map_or(0.0, |next| {
+                LOST_ROW_HOLD
+                    .max(next.saturating_duration_since(Instant::now()))
+                    .as_secs_f64()
+            });
             let answer = client
                 .timed(
                     SQL_RESERVE_MANY,
@@ -331,6 +343,7 @@ impl Store for PostgresStore {
                         &most,
                         &self.horizon().as_secs_f64(),
                         &lead,
+                        &lost_hold,
                     ],
                 )
                 .await?;
@@ -536,6 +549,29 @@ impl Store for PostgresStore {
             let view = view_of(&row);
             self.known.learned(destination, &view);
             Ok(view)
+        })
+    }
+
+    fn continue_after<'a>(
+        &'a self,
+        marks: &'a [(String, Instant)],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let client = self.client().await?;
+            let budgets: Vec<&str> = marks.iter().map(|(b, _)| b.as_str()).collect();
+            // Seconds from now on this clock, read as late as can be: a store whose clock
+            // differs places each mark no earlier than it is.
+            let now = Instant::now();
+            let ahead: Vec<f64> = marks
+                .iter()
+                .map(|(_, at)| at.saturating_duration_since(now).as_secs_f64())
+                .collect();
+            client.rows(SQL_CONTINUE_AFTER, &[&budgets, &ahead]).await?;
+            // Part of what this instance knows from now on, should a failover follow.
+            for (budget, at) in marks {
+                self.known.granted(budget, *at, &[], Duration::ZERO, 0);
+            }
+            Ok(())
         })
     }
 

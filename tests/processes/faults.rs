@@ -70,7 +70,12 @@ impl Load {
     /// Runs until [`RUN`] after the start, then stops the workers and lets the requests in
     /// flight finish (they count).
     async fn finish(self) -> (usize, usize) {
-        tokio::time::sleep_until((self.started + RUN).into()).await;
+        self.finish_at(RUN).await
+    }
+
+    /// [`Load::finish`] at `run` after the start.
+    async fn finish_at(self, run: Duration) -> (usize, usize) {
+        tokio::time::sleep_until((self.started + run).into()).await;
         self.stop.store(true, Ordering::SeqCst);
         for t in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(20), t).await;
@@ -109,6 +114,62 @@ fn holds(what: &str, fleet: &Fleet, upstream: &FakeUpstream, answers: (usize, us
         "{what}: busiest second {most}, achieved {achieved:.1}/s, {} answered, {} refused",
         answers.0, answers.1
     );
+}
+
+/// The budget's row lost under load (`TRUNCATE pacegate_budgets`), twice: the instances
+/// still hold slots handed out from it, so the row comes back with its schedule after them,
+/// and pacing goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_s_row_lost_under_load() {
+    let _alone = alone().await;
+    let upstream = FakeUpstream::start().await;
+    let store = postgres_store().await;
+    let url = store
+        .lines()
+        .find_map(|l| l.strip_prefix("url = "))
+        .unwrap()
+        .trim_matches('"')
+        .to_owned();
+    let fleet = Fleet::start(&store, &format!("rate = {RATE}")).await;
+    fleet.see_shares(INSTANCES).await;
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let run = Duration::from_secs(9);
+    let load = Load::start(&fleet, &upstream);
+    let mut lost = Vec::new();
+    for at in [3, 6] {
+        load.at(Duration::from_secs(at)).await;
+        db.batch_execute("TRUNCATE pacegate_budgets").await.unwrap();
+        lost.push(Instant::now());
+    }
+    let answers = load.finish_at(run).await;
+    let at = upstream.arrivals();
+    let most = busiest(&at, Duration::from_secs(1));
+    assert!(
+        most <= CEILING,
+        "{most} arrivals within one second at rate {RATE}, the row lost at {lost:?}; {}",
+        fleet.explain(&upstream)
+    );
+    // Pacing goes on: from a second and a half after the last loss to the end, 80% of R.
+    let from = lost[1] + Duration::from_millis(1_500);
+    let after = at.iter().filter(|t| **t >= from).count() as f64;
+    let span = (load_end(&at) - from).as_secs_f64();
+    assert!(
+        after >= 0.8 * RATE * span,
+        "{after} arrivals in the {span:.1} s after the last loss; {}",
+        fleet.explain(&upstream)
+    );
+    eprintln!(
+        "row lost twice: busiest second {most}, {after} arrivals in {span:.1} s after, {} answered, {} refused",
+        answers.0, answers.1
+    );
+}
+
+/// The last arrival.
+fn load_end(at: &[Instant]) -> Instant {
+    at.iter().copied().max().unwrap()
 }
 
 /// Three instances on a fresh database, the first through a relay.

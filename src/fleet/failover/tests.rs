@@ -31,9 +31,14 @@ struct Fake {
     beats: Arc<Mutex<Vec<Instant>>>,
     /// What this instance reported with each heartbeat.
     reports: Arc<Mutex<Vec<Report>>>,
+    /// When each call was refused as by a lost store: the probes, while it is away.
+    refused: Arc<Mutex<Vec<Instant>>>,
     peers: Arc<Mutex<Vec<FakePeer>>>,
     /// Other instances' rules that differ, as the store would answer them.
     theirs: Arc<Mutex<Vec<Theirs>>>,
+    /// Instances that heartbeat through clones of this store: each one's last heartbeat and
+    /// report, answered to the others as peers.
+    table: Arc<Mutex<HashMap<String, (Instant, Report)>>>,
     live: usize,
 }
 
@@ -54,8 +59,10 @@ impl Fake {
             state: Arc::new(AtomicU8::new(UP)),
             beats: Arc::default(),
             reports: Arc::default(),
+            refused: Arc::default(),
             peers: Arc::new(Mutex::new(peers)),
             theirs: Arc::default(),
+            table: Arc::default(),
             live,
         }
     }
@@ -76,7 +83,10 @@ impl Fake {
 
     fn check(&self) -> Result<(), StoreError> {
         match self.state.load(Ordering::SeqCst) {
-            DOWN => Err(StoreError::Unreachable("connection refused".into())),
+            DOWN => {
+                self.refused.lock().push(Instant::now());
+                Err(StoreError::Unreachable("connection refused".into()))
+            }
             ODD => Err(StoreError::Refused("an odd answer".into())),
             _ => Ok(()),
         }
@@ -147,6 +157,13 @@ impl Store for Fake {
         self.answer(self.inner.unlock(destination))
     }
 
+    fn continue_after<'a>(
+        &'a self,
+        marks: &'a [(String, Instant)],
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        self.answer(self.inner.continue_after(marks))
+    }
+
     fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         self.answer(self.inner.view(destination))
     }
@@ -162,7 +179,7 @@ impl Store for Fake {
 impl Membership for Fake {
     fn heartbeat<'a>(
         &'a self,
-        _me: &'a Instance,
+        me: &'a Instance,
         report: Report,
     ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
         let now = Instant::now();
@@ -173,6 +190,19 @@ impl Membership for Fake {
             _ => self.check(),
         };
         let answer = refused.map(|()| {
+            let mut table = self.table.lock();
+            table.insert(me.id.clone(), (now, report));
+            let sharing = table
+                .iter()
+                .filter(|(id, _)| **id != me.id)
+                .map(|(id, (last_seen, report))| Peer {
+                    id: id.clone(),
+                    instances: 1,
+                    age: now - *last_seen,
+                    report: *report,
+                    lease: (*last_seen + report.lease()).saturating_duration_since(now),
+                })
+                .collect::<Vec<_>>();
             let mut peers = self.peers.lock();
             peers
                 .iter_mut()
@@ -189,6 +219,7 @@ impl Membership for Fake {
                         lease: (p.last_seen + p.report.lease()).saturating_duration_since(now),
                     }
                 })
+                .chain(sharing)
                 .collect()
         });
         Box::pin(std::future::ready(answer))
@@ -513,8 +544,9 @@ async fn probes_back_off_while_the_store_is_away_and_recovery_writes_lockouts_ba
         Err(ReserveError::Locked(_))
     ));
     tokio::time::sleep(ms(6_000)).await;
-    let beats = fake.beats.lock().clone();
-    let gaps: Vec<u128> = beats
+    // The heartbeat that found the store gone, then the probes (the return's write-back).
+    let probes = fake.refused.lock().clone();
+    let gaps: Vec<u128> = probes
         .windows(2)
         .map(|w| (w[1] - w[0]).as_millis())
         .collect();
@@ -700,4 +732,110 @@ async fn an_unlock_elsewhere_is_known_within_a_heartbeat_and_outlives_the_store(
     assert!(alone.is_ok(), "{alone:?}");
     assert!(f.is_degraded());
     stop.cancel();
+}
+
+/// The busiest 1 s window of `at` (sorted).
+fn busiest(at: &[Instant]) -> usize {
+    at.iter()
+        .enumerate()
+        .map(|(i, t)| at[i..].iter().take_while(|u| **u < *t + ms(1_000)).count())
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn three_instances_back_at_the_same_instant_put_their_slots_alone_first_and_keep_the_ceiling()
+{
+    // Three instances on one shared store, their heartbeats in step: they lose the store at
+    // the same instant, pace alone, and find it back at the same instant, four times, with
+    // ten requests each always waiting (three times the rate).
+    let fake = Fake::new(1);
+    let rule = contract::rule(10.0);
+    let fleet: Vec<_> = (0..3)
+        .map(|_| failover(&fake, OnUnavailable::Divide))
+        .collect();
+    let stops: Vec<_> = fleet.iter().map(supervise).collect();
+    tokio::time::sleep(ms(2_000)).await;
+    assert!(fleet.iter().all(|f| f.standing.divisor() == 3));
+    let sent: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let mut load = Vec::new();
+    for f in &fleet {
+        for _ in 0..10 {
+            let (f, rule, sent) = (f.clone(), rule.clone(), sent.clone());
+            load.push(tokio::spawn(async move {
+                loop {
+                    // As a request that may wait half a second for its slot.
+                    let deadline = Some(Instant::now() + ms(500));
+                    match take_patiently(&f, "d", &rule, deadline).await {
+                        Ok(slot) => {
+                            tokio::time::sleep_until(slot.at).await;
+                            sent.lock().push(slot.at);
+                        }
+                        Err(_) => tokio::time::sleep(ms(100)).await,
+                    }
+                }
+            }));
+        }
+    }
+    let mut returns = Vec::new();
+    for _ in 0..4 {
+        tokio::time::sleep(ms(3_300)).await;
+        fake.set(DOWN);
+        // Long enough to pace alone for a few seconds.
+        tokio::time::sleep(ms(9_000)).await;
+        fake.set(UP);
+        returns.push(Instant::now());
+        tokio::time::sleep(ms(1_500)).await;
+        assert!(
+            fleet.iter().all(|f| !f.is_degraded()),
+            "back on the shared store"
+        );
+    }
+    tokio::time::sleep(ms(5_000)).await;
+    for task in &load {
+        task.abort();
+    }
+    let mut sent = sent.lock().clone();
+    sent.sort();
+    let alone = returns.iter().map(|r| {
+        sent.iter()
+            .filter(|t| **t > *r - ms(3_000) && **t < *r)
+            .count()
+    });
+    assert!(
+        alone.clone().all(|n| n >= 10),
+        "the instances paced alone before each return: {:?}",
+        alone.collect::<Vec<_>>()
+    );
+    for (i, back) in returns.iter().enumerate() {
+        let around: Vec<Instant> = sent
+            .iter()
+            .copied()
+            .filter(|t| *t + ms(3_000) > *back && *t < *back + ms(5_000))
+            .collect();
+        let most = busiest(&around);
+        let offsets: Vec<u128> = around
+            .iter()
+            .map(|t| (*t + ms(3_000) - *back).as_millis())
+            .collect();
+        assert!(
+            most <= 11,
+            "return {i}: {most} slots within one second around it (ms from 3 s before): {offsets:?}"
+        );
+    }
+    assert!(
+        busiest(&sent) <= 11,
+        "the whole run: {} within one second",
+        busiest(&sent)
+    );
+    // The rate comes back: in the 4 s after the last return's first 1.5 s, at least 90% of it.
+    let last = returns[3];
+    let after = sent
+        .iter()
+        .filter(|t| **t >= last + ms(1_500) && **t < last + ms(5_500))
+        .count();
+    assert!(after >= 36, "{after} in the 4 s after the last return");
+    for stop in stops {
+        stop.cancel();
+    }
 }

@@ -135,6 +135,12 @@ impl Reassert {
         });
     }
 
+    /// Where `budget`'s next slot may be after those granted here, if any were: its row,
+    /// found missing, was lost.
+    pub(super) fn paced(&self, budget: &str) -> Option<Instant> {
+        self.marks.lock().get(budget).and_then(|m| m.next)
+    }
+
     /// The budget as the store answered it just now.
     pub(super) fn learned(&self, budget: &str, view: &BudgetView) {
         let now = Instant::now();

@@ -34,10 +34,19 @@ pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
 pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
 /// A reservation on the wait list, granting a batch of up to `$17` slots over at most `$18`
 /// seconds (see `budget::Ask::most`), none earlier than `$19` seconds after the database's
-/// "now" (the lead, as in [`SQL_RESERVE_FAST`]).
+/// "now" (the lead, as in [`SQL_RESERVE_FAST`]). A row found missing where this instance
+/// paced before was lost, and its schedule starts `$20` seconds from now (`LOST_ROW_HOLD`).
 pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
-    FROM pacegate_reserve_slots($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)";
+    FROM pacegate_reserve_slots($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)";
+/// Slots handed out without the store (`budget::Store::continue_after`): each budget `$1[i]`
+/// continues no earlier than `$2[i]` seconds from now, created if missing. One statement
+/// whatever the number, and a round trip even with none.
+pub(super) const SQL_CONTINUE_AFTER: &str =
+    "INSERT INTO pacegate_budgets AS b (destination, next_at)
+        SELECT m.destination, clock_timestamp() + make_interval(secs => m.ahead)
+        FROM unnest($1::text[], $2::float8[]) AS m(destination, ahead)
+    ON CONFLICT (destination) DO UPDATE SET next_at = GREATEST(b.next_at, EXCLUDED.next_at)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep

@@ -504,20 +504,42 @@ async fn a_heartbeat_stamps_a_lease_and_deletes_the_rows_whose_lease_ran_out() {
 }
 
 #[tokio::test]
-async fn a_missing_row_is_recreated_at_now() {
-    let store = store().await;
+async fn a_row_lost_where_this_instance_paced_starts_after_what_it_may_still_hold() {
+    let url = testdb::fresh().await;
+    let store = PostgresStore::new(&url, 2).unwrap();
+    store.migrate().await.unwrap();
     let rule = contract::rule(10.0);
+    // "d": one slot taken here; "e": slots held here up to 1.5 s ahead.
     contract::take(&store, "d", &rule, None).await.unwrap();
-    store
-        .client()
-        .await
-        .unwrap()
-        .execute("TRUNCATE pacegate_budgets", &[])
-        .await
-        .unwrap();
+    let mut last = contract::take(&store, "e", &rule, None).await.unwrap();
+    for _ in 0..15 {
+        last = contract::take(&store, "e", &rule, None).await.unwrap();
+    }
+    let db = store.client().await.unwrap();
+    db.execute("TRUNCATE pacegate_budgets", &[]).await.unwrap();
     let now = Instant::now();
-    let slot = contract::take(&store, "d", &rule, None).await.unwrap();
-    assert!(slot.at.saturating_duration_since(now) < Duration::from_millis(50));
+    let d = contract::take(&store, "d", &rule, None).await.unwrap();
+    let e = contract::take(&store, "e", &rule, None).await.unwrap();
+    // Not before the hold, for what other instances may hold.
+    let hold = d.at.saturating_duration_since(now);
+    let ms = Duration::from_millis;
+    assert!(
+        hold >= LOST_ROW_HOLD - ms(5) && hold < LOST_ROW_HOLD + ms(150),
+        "{hold:?}"
+    );
+    // And after what this instance holds.
+    assert!(
+        e.at >= last.at + rule.interval - ms(5) && e.at < last.at + ms(300),
+        "{:?} against the last slot held, {:?}",
+        e.at,
+        last.at
+    );
+    // A budget never paced here, its row missing, is new: it starts now.
+    let elsewhere = PostgresStore::new(&url, 2).unwrap();
+    db.execute("TRUNCATE pacegate_budgets", &[]).await.unwrap();
+    let now = Instant::now();
+    let slot = contract::take(&elsewhere, "d", &rule, None).await.unwrap();
+    assert!(slot.at.saturating_duration_since(now) < ms(50));
 }
 
 #[tokio::test]
