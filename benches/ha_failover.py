@@ -8,8 +8,15 @@ at 20 s its leader is killed (`scripts/ha-store failover`). Every arrival at a l
 is timed; the report gives the busiest 1 s window, the longest gap without an arrival around
 each event, and the refusals the clients saw.
 
+With a number N, it runs the store's return instead: two instances share `rate = 10` with
+three clients each, and the leader is killed N times, 30 s apart, each time brought back
+(`scripts/ha-store rejoin`) 20 s later so that the next failover has a candidate. The
+instances lose the store together and find the new leader within milliseconds of each other,
+where the slots each handed out alone meet the shared schedule; the report gives the busiest
+1 s window after each failover.
+
 Run (from the repository, after `cargo build` and `scripts/ha-store up`):
-    python3 benches/ha_failover.py
+    python3 benches/ha_failover.py [N]
 """
 
 import http.server
@@ -26,6 +33,13 @@ INSTANCES = 3
 CLIENTS = 6
 RUN = 40.0
 EVENTS = [(5.0, "switchover"), (20.0, "failover")]
+FAILOVERS = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+if FAILOVERS:
+    RATE, INSTANCES, CLIENTS = 10, 2, 3
+    EVENTS = []
+    for k in range(FAILOVERS):
+        EVENTS += [(5.0 + 30 * k, "failover"), (25.0 + 30 * k, "rejoin")]
+    RUN = 5.0 + 30 * FAILOVERS
 URL = "postgres://postgres@127.0.0.1:5441,127.0.0.1:5442/postgres?target_session_attrs=read-write"
 
 arrivals = []
@@ -109,6 +123,11 @@ def main():
         gaps = [(b - a, a) for a, b in zip(near, near[1:])]
         gap, since = max(gaps, default=(0.0, when))
         print(f"{what} at {when:.0f} s: longest gap without an arrival {gap:.2f} s (from {since:.1f} s)")
+    for when, what in EVENTS:
+        if what == "failover":
+            near = [a for a in at if when <= a < when + 20]
+            most = max((sum(1 for b in near[i:] if b - a < 1.0) for i, a in enumerate(near)), default=0)
+            print(f"failover at {when:.0f} s: busiest 1 s window in the 20 s after {most}")
     print(f"refusals or errors seen by clients: {len(refusals)}")
     for t, e in refusals[:10]:
         print(f"  {t:5.1f} s {e}")

@@ -75,9 +75,16 @@ impl KeyFrom {
             "host" => Ok(Self::Host),
             "proxy-user" => Ok(Self::ProxyUser),
             _ => match text.strip_prefix("header:") {
-                Some(name) => http::HeaderName::try_from(name)
-                    .map(Self::Header)
-                    .map_err(|_| format!("`{name}` is not a header name")),
+                Some(name) => match http::HeaderName::try_from(name) {
+                    Err(_) => Err(format!("`{name}` is not a header name")),
+                    Ok(name) if name == http::header::PROXY_AUTHORIZATION => Err(
+                        "`proxy-authorization` is taken off every request before it is keyed, so every request would take the same empty key: to key by the proxy credential, write \"proxy-user\"".into(),
+                    ),
+                    Ok(name) if crate::headers::taken_off(&name) => Err(format!(
+                        "`{name}` is taken off every request before it is keyed (a hop-by-hop or pacegate's own header), so every request would take the same empty key: key on a header that reaches the upstream, or on \"proxy-user\" or \"host\""
+                    )),
+                    Ok(name) => Ok(Self::Header(name)),
+                },
                 None => Err(format!(
                     "`{text}` is not a key: write \"host\", \"proxy-user\" or \"header:NAME\""
                 )),

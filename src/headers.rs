@@ -137,6 +137,13 @@ fn bit_of(name: &HeaderName) -> u16 {
     }
 }
 
+/// Whether pacegate takes `name` off every request before it is keyed and forwarded (a
+/// hop-by-hop name, the proxy's credentials, its class header, `Expect`): a key read from
+/// it would be empty on every request.
+pub fn taken_off(name: &HeaderName) -> bool {
+    bit_of(name) != 0
+}
+
 /// `keep-alive` or `close`: a `Connection` token that is not a header's name.
 fn names_no_header(token: &[u8]) -> bool {
     token.eq_ignore_ascii_case(b"keep-alive") || token.eq_ignore_ascii_case(b"close")

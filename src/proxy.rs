@@ -246,6 +246,8 @@ impl Proxy {
                 target.name(),
                 target.authority(),
             )
+        } else if let Err(e) = one_host(req.headers()) {
+            Handled::refused(e, target.name(), target.authority())
         } else {
             // An inner request may name its own class with the header; else it keeps the
             // CONNECT's.
@@ -290,6 +292,9 @@ impl Proxy {
                 };
                 return Err(Handled::refused(err, None, target_text()));
             }
+        }
+        if let Err(err) = one_host(req.headers()) {
+            return Err(Handled::refused(err, None, target_text()));
         }
         let mut target = match self.target_of(&req, policy) {
             Ok(t) => t,
@@ -475,6 +480,17 @@ fn allowed_classes(
         .as_ref()?;
     let classes = pacer.classes();
     Some(listed.iter().filter_map(|n| classes.lookup(n)).collect())
+}
+
+/// A request with more than one `Host` is refused (RFC 9112 section 3.2): each hop could
+/// judge it by another one.
+fn one_host(headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    match headers.get_all(http::header::HOST).iter().nth(1) {
+        Some(_) => Err(ProxyError::BadRequest(
+            "the request has more than one Host header; send exactly one".into(),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The scheme, host (normalised) and port a request goes to: the CONNECT authority, or the

@@ -203,13 +203,16 @@ impl AddressPolicy {
     }
 
     /// Whether `addr` is one of pacegate's own listeners: the same port on the same address,
-    /// or on any loopback one when the listener is loopback or unspecified.
+    /// or on any loopback one when the listener is loopback or unspecified, or on the
+    /// unspecified address (`0.0.0.0`, `::`, mapped or not), which a connect on Linux takes
+    /// to mean this host, whatever address the listener is on.
     fn is_own(&self, addr: SocketAddr) -> bool {
+        let ip = addr.ip().to_canonical();
         self.own.iter().any(|own| {
             own.port() == addr.port()
                 && (own.ip() == addr.ip()
-                    || ((own.ip().is_unspecified() || own.ip().is_loopback())
-                        && addr.ip().to_canonical().is_loopback()))
+                    || ip.is_unspecified()
+                    || ((own.ip().is_unspecified() || own.ip().is_loopback()) && ip.is_loopback()))
         })
     }
 }
@@ -489,6 +492,15 @@ impl Upstream {
             let _busy = busy;
             match tokio::time::timeout(self.response_timeout, exchange).await {
                 Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
+                // pacegate never asks for an upgrade, and an interim answer is no answer: a
+                // 1xx relayed as final leaves an HTTP/1.1 client a bare head on a dead
+                // connection, and breaks an h2 client's whole connection.
+                Ok(Ok(resp)) if resp.status().is_informational() => {
+                    Err(UpstreamError::Protocol(format!(
+                        "the upstream answered {} as a final response, which pacegate never asks for",
+                        resp.status()
+                    )))
+                }
                 Ok(Ok(mut resp)) => {
                     strip_hop_by_hop(resp.headers_mut());
                     *resp.version_mut() = Version::HTTP_11;

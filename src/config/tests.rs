@@ -704,3 +704,70 @@ fn keys_are_read_inherited_and_checked() {
         "{text}"
     );
 }
+
+#[test]
+fn a_key_on_a_header_taken_off_before_keying_is_refused_with_the_alternative() {
+    for (key, says) in [
+        ("header:proxy-authorization", "write \\\"proxy-user"),
+        ("header:Proxy-Authorization", "write \\\"proxy-user"),
+        ("header:pacegate-class", "taken off every request"),
+        ("header:connection", "taken off every request"),
+        ("header:te", "taken off every request"),
+        ("header:upgrade", "taken off every request"),
+        ("header:transfer-encoding", "taken off every request"),
+    ] {
+        let err = parse(&format!(
+            "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"{key}\"\n"
+        ))
+        .unwrap_err();
+        assert_eq!(paths(&err), ["destinations.a.key"], "{key}");
+        let text = format!("{err:?}");
+        assert!(
+            text.contains(says) && text.contains("empty key"),
+            "{key}: {text}"
+        );
+    }
+}
+
+#[test]
+fn values_that_would_make_the_proxy_unusable_are_refused() {
+    let err = parse(&format!(
+        r#"{MINIMAL}
+        [proxy.limits]
+        ping_interval = "1ns"
+        header_read_timeout = "1ns"
+        write_timeout = "99ms"
+        [destinations.a]
+        hosts = ["a.example"]
+        rate = 1
+        throttle_statuses = [200, 429]
+        lockout_statuses = [100, 302, 403]
+        "#
+    ))
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [
+            "destinations.a.lockout_statuses[0]",
+            "destinations.a.lockout_statuses[1]",
+            "destinations.a.throttle_statuses[0]",
+            "proxy.limits.header_read_timeout",
+            "proxy.limits.ping_interval",
+            "proxy.limits.write_timeout",
+        ],
+        "{err:#?}"
+    );
+    let text = format!("{err:?}");
+    assert!(
+        text.contains("not an error status") && text.contains("at least 100ms"),
+        "{text}"
+    );
+    // The shortest allowed are taken.
+    let c = parse(&format!(
+        "{MINIMAL}\n[proxy.limits]\nping_interval = \"100ms\"\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nthrottle_statuses = [400, 599]\n"
+    ))
+    .unwrap();
+    assert_eq!(c.proxy.limits.ping_interval, Duration::from_millis(100));
+}

@@ -18,6 +18,8 @@ mod pace;
 
 const HOUR: Duration = Duration::from_secs(3600);
 const DAY: Duration = Duration::from_secs(24 * 3600);
+/// The shortest `[proxy.limits]` duration.
+const MIN_LIMIT: Duration = Duration::from_millis(100);
 /// The most client connections, requests in flight or pooled connections a key may ask for:
 /// far above what one process's file descriptors allow.
 const MAX_CLIENTS: usize = 1_000_000;
@@ -92,6 +94,30 @@ impl Validator<'_> {
             return default;
         }
         d
+    }
+
+    /// A `[proxy.limits]` duration: within `max`, and no shorter than [`MIN_LIMIT`], below
+    /// which a connection's timer would fire before any client or upstream could answer.
+    fn limit_duration(
+        &mut self,
+        path: &str,
+        value: Option<Duration>,
+        default: Duration,
+        max: Duration,
+    ) -> Duration {
+        match value {
+            Some(d) if !d.is_zero() && d < MIN_LIMIT => {
+                self.push(
+                    path,
+                    format!(
+                        "must be at least {} (shorter, no client or upstream could answer in time)",
+                        humantime::format_duration(MIN_LIMIT)
+                    ),
+                );
+                default
+            }
+            _ => self.duration(path, value, default, max),
+        }
     }
 
     /// A count key within `range`. A bad value is reported and the default kept in its place.
@@ -174,43 +200,43 @@ impl Validator<'_> {
                     d.max_header_bytes,
                     8192..=1024 * 1024,
                 ),
-                header_read_timeout: self.duration(
+                header_read_timeout: self.limit_duration(
                     &format!("{p}.header_read_timeout"),
                     limits.header_read_timeout,
                     d.header_read_timeout,
                     HOUR,
                 ),
-                idle_timeout: self.duration(
+                idle_timeout: self.limit_duration(
                     &format!("{p}.idle_timeout"),
                     limits.idle_timeout,
                     d.idle_timeout,
                     DAY,
                 ),
-                ping_interval: self.duration(
+                ping_interval: self.limit_duration(
                     &format!("{p}.ping_interval"),
                     limits.ping_interval,
                     d.ping_interval,
                     HOUR,
                 ),
-                ping_timeout: self.duration(
+                ping_timeout: self.limit_duration(
                     &format!("{p}.ping_timeout"),
                     limits.ping_timeout,
                     d.ping_timeout,
                     HOUR,
                 ),
-                write_timeout: self.duration(
+                write_timeout: self.limit_duration(
                     &format!("{p}.write_timeout"),
                     limits.write_timeout,
                     d.write_timeout,
                     DAY,
                 ),
-                handshake_timeout: self.duration(
+                handshake_timeout: self.limit_duration(
                     &format!("{p}.handshake_timeout"),
                     limits.handshake_timeout,
                     d.handshake_timeout,
                     HOUR,
                 ),
-                tunnel_idle_timeout: self.duration(
+                tunnel_idle_timeout: self.limit_duration(
                     &format!("{p}.tunnel_idle_timeout"),
                     limits.tunnel_idle_timeout,
                     d.tunnel_idle_timeout,

@@ -440,6 +440,42 @@ async fn nothing_goes_to_pacegates_own_listeners() {
             ),
             proxy.admin.port(),
         ),
+        // The unspecified address reaches the local host too, in every form.
+        (
+            format!(
+                "GET http://0.0.0.0:{0}/config HTTP/1.1\r\nHost: 0.0.0.0:{0}\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
+        (
+            format!(
+                "GET http://0:{0}/config HTTP/1.1\r\nHost: 0:{0}\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
+        (
+            format!(
+                "GET http://[::ffff:0.0.0.0]:{0}/config HTTP/1.1\r\nHost: x\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
+        (
+            format!(
+                "GET http://[::]:{0}/config HTTP/1.1\r\nHost: x\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
+        (
+            format!(
+                "CONNECT 0.0.0.0:{0} HTTP/1.1\r\nHost: 0.0.0.0:{0}\r\n\r\nPOST /reload HTTP/1.1\r\nHost: 127.0.0.1:{0}\r\nContent-Length: 0\r\n\r\n",
+                proxy.admin.port()
+            ),
+            proxy.admin.port(),
+        ),
     ] {
         let answer = raw_exchange(proxy.addr, request.as_bytes(), Duration::from_secs(5)).await;
         assert!(answer.starts_with("HTTP/1.1 403"), "{request}: {answer}");
@@ -448,8 +484,8 @@ async fn nothing_goes_to_pacegates_own_listeners() {
             "{request}: {answer}"
         );
         assert!(
-            !answer.contains("[destinations"),
-            "port {port}: the admin's /config leaked: {answer}"
+            !answer.contains("[destinations") && !answer.contains("\"result\""),
+            "port {port}: the admin answered: {answer}"
         );
     }
     // Through interception the CONNECT is answered, and its inner request refused.
@@ -499,4 +535,70 @@ async fn a_destination_may_allow_private_upstreams_for_itself_alone() {
         proxy_status(&other)
     );
     assert_eq!(upstream.recorded().len(), 1);
+}
+
+#[tokio::test]
+async fn an_unsolicited_switching_protocols_is_a_bad_gateway_over_http1_and_h2() {
+    // An HTTP/1.1-only upstream that answers 101 to a request that asked for no upgrade.
+    let upstream = FakeUpstream::start_with(false).await;
+    let proxy = local(&upstream).start().await;
+    for (alpn, url) in [
+        (Alpn::Http1, upstream.http_url("localhost")),
+        (Alpn::Http1, upstream.https_url("localhost")),
+        (Alpn::H2, upstream.https_url("localhost")),
+    ] {
+        let via = client(Some(&proxy.url()), &[&proxy.ca_path()], alpn);
+        let resp = via
+            .get(format!("{url}/status/101?h=Upgrade:x&h=Connection:upgrade"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 502, "{alpn:?} {url}");
+        let ps = proxy_status(&resp);
+        assert!(
+            ps.contains("http_protocol_error") && ps.contains("101"),
+            "{ps}"
+        );
+        // The client's connection is still good: the next request on it is answered.
+        let next = via.get(format!("{url}/status/200")).send().await.unwrap();
+        assert_eq!(next.status(), 200, "{alpn:?} {url}");
+    }
+}
+
+#[tokio::test]
+async fn a_request_with_two_host_headers_is_a_bad_request_and_goes_nowhere() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = local(&upstream).start().await;
+    let port = upstream.http.port();
+    let forward = format!(
+        "GET http://localhost:{port}/x HTTP/1.1\r\nHost: localhost:{port}\r\nHost: elsewhere.example\r\n\r\n"
+    );
+    let answer = raw_exchange(proxy.addr, forward.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("more than one Host"), "{answer}");
+    // Inside an intercepted session too.
+    let tls = std::sync::Arc::new(support::client_tls(&[&proxy.ca_path()], Alpn::Http1));
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let https = upstream.https.port();
+    let connect = format!("CONNECT localhost:{https} HTTP/1.1\r\n\r\n");
+    stream.write_all(connect.as_bytes()).await.unwrap();
+    assert!(read_head(&mut stream).await.starts_with("HTTP/1.1 200"));
+    let mut session = tokio_rustls::TlsConnector::from(tls)
+        .connect(
+            rustls_pki_types::ServerName::try_from("localhost").unwrap(),
+            stream,
+        )
+        .await
+        .unwrap();
+    let inner = "GET /x HTTP/1.1\r\nHost: localhost\r\nHost: elsewhere.example\r\nConnection: close\r\n\r\n";
+    session.write_all(inner.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read_to_end(&mut session, &mut answer),
+    )
+    .await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(upstream.recorded().is_empty(), "the upstream saw a request");
 }

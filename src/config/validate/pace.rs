@@ -179,6 +179,15 @@ impl Validator<'_> {
                         &format!("{path}.{key}[{i}]"),
                         format!("{s} is not an HTTP status (100 to 599)"),
                     );
+                } else if !(400..=599).contains(s) {
+                    // A success or a redirect as a verdict would throttle or lock out a
+                    // destination that answers well.
+                    self.push(
+                        &format!("{path}.{key}[{i}]"),
+                        format!(
+                            "{s} is not an error status: a verdict is taken on 4xx and 5xx only"
+                        ),
+                    );
                 }
             }
         }
