@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::signals::Families;
 
 mod host;
+pub mod path;
 
 pub use host::{normalise_host, split_host_port};
 
@@ -312,8 +313,14 @@ impl Group {
 
 /// The group of `groups` a request belongs to: of those it fits, the one with the longest
 /// matching path prefix, then one that lists its method over one that lists none, then the
-/// first by name. `None`: the destination's own budget.
+/// first by name. `None`: the destination's own budget. The path is matched as the vendor
+/// reads it ([`path::normalise`]), never as written: `//search/x` is in `/search/`'s group.
 pub fn group_of(groups: &[Group], method: &str, path: &str) -> Option<usize> {
+    if groups.is_empty() {
+        return None;
+    }
+    let path = path::normalise(path);
+    let path = path.as_ref();
     groups
         .iter()
         .enumerate()

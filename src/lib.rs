@@ -13,7 +13,8 @@
 //!   `proxy::respond` is the one place errors become responses (with `Proxy-Status`).
 //! - [`destination`]: host patterns, the routing table, a destination's pacing keys and
 //!   quota windows, and its groups (which of its requests take a budget of their own);
-//!   `destination::host` normalises and checks a host as a request or a pattern writes it.
+//!   `destination::host` normalises and checks a host as a request or a pattern writes it;
+//!   `destination::path` reads a path as a vendor counts it, for picking its group.
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal, and the bucket it names.

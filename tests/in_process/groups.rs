@@ -191,3 +191,60 @@ async fn what_the_vendor_says_of_a_bucket_goes_to_the_budget_it_names() {
         serde_json::Value::Null
     );
 }
+
+#[tokio::test]
+async fn a_path_written_otherwise_is_paced_in_the_group_the_vendor_counts_it_in() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(Dest::new("github", &["localhost"]).rate(1000.0))
+        .section("[destinations.github.groups.search]\npaths = [\"/search/\"]\nrate = 5\n")
+        .start()
+        .await;
+    let port = upstream.http.port();
+    let written = [
+        "/search/x",
+        "//search/x",
+        "/%73earch/x",
+        "/./search/x",
+        "/a/../search/x",
+        "/%2e/search/x",
+    ];
+    let started = Instant::now();
+    let answers =
+        futures_util::future::join_all(
+            written.iter().map(|path| {
+                let request = format!(
+                    "GET http://localhost:{port}{path} HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n"
+                );
+                let addr = proxy.addr;
+                async move {
+                    support::raw_exchange(addr, request.as_bytes(), Duration::from_secs(10)).await
+                }
+            }),
+        )
+        .await;
+    for (path, answer) in written.iter().zip(&answers) {
+        assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
+    }
+    // Six at 5/s, a slot every 200 ms: a second at least, where the destination's own
+    // budget would have sent the five that escape at once.
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        proxy
+            .metric(
+                "pacegate_granted_total{class=\"default\",destination=\"github\",group=\"search\"}"
+            )
+            .await,
+        6.0
+    );
+    // The upstream got each path as it was written.
+    let mut seen: Vec<String> = upstream.recorded().iter().map(|r| r.path.clone()).collect();
+    let mut sent: Vec<String> = written.iter().map(|p| (*p).to_owned()).collect();
+    seen.sort();
+    sent.sort();
+    assert_eq!(seen, sent);
+}

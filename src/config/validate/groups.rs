@@ -80,7 +80,11 @@ impl Validator<'_> {
             own.intercept = pace.intercept;
             groups.push(Group {
                 name,
-                paths,
+                // Written as requests are read (`destination::path`).
+                paths: paths
+                    .iter()
+                    .map(|p| crate::destination::path::normalise(p).into_owned())
+                    .collect(),
                 methods: methods.iter().map(|m| m.to_ascii_uppercase()).collect(),
                 resource: g.resource.clone(),
                 pace: own,
