@@ -296,6 +296,12 @@ pub struct Limits {
     /// is closed and its upstream connection and permits are given back. Default 60 s.
     #[serde(with = "humantime_serde")]
     pub write_timeout: Duration,
+    /// Time a body may keep its reader waiting for its next bytes, either way (an upstream's
+    /// response to the client, a client's request to the upstream); then its stream is cut
+    /// and what it held (a concurrency permit, an upstream connection) given back. Default
+    /// 30 s.
+    #[serde(with = "humantime_serde")]
+    pub body_timeout: Duration,
     /// Time a client has to complete the TLS handshake of an intercepted CONNECT. Default 10 s.
     #[serde(with = "humantime_serde")]
     pub handshake_timeout: Duration,
@@ -317,6 +323,7 @@ impl Default for Limits {
             ping_interval: Duration::from_secs(30),
             ping_timeout: Duration::from_secs(20),
             write_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
             tunnel_idle_timeout: Duration::from_secs(300),
         }

@@ -46,6 +46,9 @@ pub struct Metrics {
     /// HTTP/1 head begun, not finished), `idle` (no request), `write_timeout` (a client that
     /// did not read).
     pub connections_expired: IntCounterVec,
+    /// `pacegate_bodies_cut_total{reason}`: bodies cut at `body_timeout`, by which side
+    /// stalled: `upstream` (a response body), `client` (a request body).
+    pub bodies_cut: IntCounterVec,
     /// `pacegate_tunnels_open{kind}`: CONNECT sessions open now (`intercept` or `blind`).
     pub tunnels_open: IntGaugeVec,
     /// `pacegate_tunnels_total{kind}`: CONNECT sessions started.
@@ -197,6 +200,16 @@ impl Metrics {
         )?;
         for reason in ["silent", "head", "idle", "write_timeout"] {
             connections_expired.with_label_values(&[reason]);
+        }
+        let bodies_cut = IntCounterVec::new(
+            Opts::new(
+                "pacegate_bodies_cut_total",
+                "Bodies cut after sending nothing for proxy.limits.body_timeout, by the side that stalled (upstream, client)",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["upstream", "client"] {
+            bodies_cut.with_label_values(&[reason]);
         }
         let tunnels_open = IntGaugeVec::new(
             Opts::new(
@@ -425,6 +438,7 @@ impl Metrics {
         register(Box::new(connections_total.clone()))?;
         register(Box::new(connections_rejected.clone()))?;
         register(Box::new(connections_expired.clone()))?;
+        register(Box::new(bodies_cut.clone()))?;
         register(Box::new(clients_refused.clone()))?;
         register(Box::new(tunnels_open.clone()))?;
         register(Box::new(tunnels_total.clone()))?;
@@ -477,6 +491,7 @@ impl Metrics {
             connections_total,
             connections_rejected,
             connections_expired,
+            bodies_cut,
             clients_refused,
             tunnels_open,
             tunnels_total,

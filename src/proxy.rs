@@ -24,6 +24,7 @@ use crate::metrics::{labels, labels_and, Metrics, UNMATCHED};
 use crate::pacing::{Note, Pacer};
 use crate::shutdown::Shutdown;
 use crate::tls::Authority;
+use crate::upstream::stall::Stall;
 use crate::upstream::{ProxyBody, Upstream};
 pub use forward::Target;
 use respond::{Outcome, ProxyError};
@@ -79,7 +80,24 @@ pub struct ProxyParts {
 /// The proxy service; cheap to clone.
 #[derive(Clone)]
 pub struct Proxy {
-    inner: Arc<ProxyParts>,
+    inner: Arc<Inner>,
+}
+
+/// The proxy's parts, and what it makes of them once.
+struct Inner {
+    parts: ProxyParts,
+    /// `body_timeout` on the upstreams' response bodies.
+    upstream_stall: Stall,
+    /// `body_timeout` on the clients' request bodies.
+    client_stall: Stall,
+}
+
+impl std::ops::Deref for Inner {
+    type Target = ProxyParts;
+
+    fn deref(&self) -> &ProxyParts {
+        &self.parts
+    }
 }
 
 impl crate::server::Handler for Proxy {
@@ -164,8 +182,21 @@ impl Handled {
 impl Proxy {
     /// Builds the service.
     pub fn new(parts: ProxyParts) -> Self {
+        let stall = |reason: &str, what| Stall {
+            after: parts.limits.body_timeout,
+            cut: parts.metrics.bodies_cut.with_label_values(&[reason]),
+            what,
+        };
+        let (upstream_stall, client_stall) = (
+            stall("upstream", "upstream response"),
+            stall("client", "client request"),
+        );
         Self {
-            inner: Arc::new(parts),
+            inner: Arc::new(Inner {
+                parts,
+                upstream_stall,
+                client_stall,
+            }),
         }
     }
 

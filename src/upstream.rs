@@ -27,6 +27,7 @@ use crate::headers::strip_hop_by_hop;
 
 mod parent;
 mod pool;
+pub mod stall;
 mod warm;
 
 pub use warm::{Busy, Expecting, NoConnectionInTime, Warm};

@@ -196,6 +196,8 @@ pub(super) struct RawLimits {
     #[serde(default, with = "humantime_serde")]
     pub(super) write_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
+    pub(super) body_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
     pub(super) handshake_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     pub(super) tunnel_idle_timeout: Option<Duration>,

@@ -230,6 +230,12 @@ impl Validator<'_> {
                     d.write_timeout,
                     DAY,
                 ),
+                body_timeout: self.limit_duration(
+                    &format!("{p}.body_timeout"),
+                    limits.body_timeout,
+                    d.body_timeout,
+                    DAY,
+                ),
                 handshake_timeout: self.limit_duration(
                     &format!("{p}.handshake_timeout"),
                     limits.handshake_timeout,

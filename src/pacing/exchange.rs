@@ -54,6 +54,9 @@ fn boxed(answer: Answer) -> ProxyBody {
 /// a larger one is handed to the client instead of retrying.
 const KEPT_BODY_LIMIT: usize = 64 * 1024;
 
+/// The longest a throttled response's body is read to be kept for a retry.
+const KEEP_WITHIN: Duration = Duration::from_secs(3);
+
 /// What an exchange adds to the canonical log line.
 #[derive(Debug, Default, Clone)]
 pub struct Note {
@@ -213,11 +216,14 @@ impl Pacer {
                 note.verdict = Some(verdict);
                 let throttled = matches!(verdict, Verdict::Throttled { .. });
                 if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
-                    let Some(kept) = Box::pin(keep(response.map(boxed))).await else {
-                        return Err(UpstreamError::Protocol(
-                            "the throttled response's body failed while it was read".into(),
-                        )
-                        .into());
+                    let kept = match Box::pin(keep(response.map(boxed))).await {
+                        Ok(kept) => kept,
+                        Err(why) => {
+                            return Err(UpstreamError::Protocol(format!(
+                                "the throttled response's body {why}, so the request is not retried"
+                            ))
+                            .into())
+                        }
                     };
                     note.retries += 1;
                     self.metrics
@@ -505,23 +511,37 @@ impl Pacer {
 }
 
 /// Reads a throttled response into memory so that its connection is free while the request
-/// is retried. `None` when the body fails or is larger than [`KEPT_BODY_LIMIT`]: it cannot be
-/// kept, so the caller must not retry.
-async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
+/// is retried. `Err` says why it cannot be kept (the body failed, is larger than
+/// [`KEPT_BODY_LIMIT`], or did not end within [`KEEP_WITHIN`]), so the caller must not retry.
+async fn keep(response: Response<ProxyBody>) -> Result<Response<ProxyBody>, String> {
     let (parts, mut body) = response.into_parts();
     let mut kept = Vec::new();
-    while let Some(frame) = body.frame().await {
-        if let Some(data) = frame.ok()?.data_ref() {
-            if kept.len() + data.len() > KEPT_BODY_LIMIT {
-                return None;
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("failed while it was read ({e})"))?;
+            if let Some(data) = frame.data_ref() {
+                if kept.len() + data.len() > KEPT_BODY_LIMIT {
+                    return Err(format!("is larger than {} KiB", KEPT_BODY_LIMIT / 1024));
+                }
+                kept.extend_from_slice(data);
             }
-            kept.extend_from_slice(data);
         }
-    }
+        Ok(())
+    };
+    // A whole bound, not an idle one: a body that trickles a byte a second holds the client
+    // no longer than this.
+    tokio::time::timeout(KEEP_WITHIN, read)
+        .await
+        .map_err(|_| {
+            format!(
+                "did not end within {}",
+                humantime::format_duration(KEEP_WITHIN)
+            )
+        })??;
     let body = Full::new(Bytes::from(kept))
         .map_err(|never| match never {})
         .boxed();
-    Some(Response::from_parts(parts, body))
+    Ok(Response::from_parts(parts, body))
 }
 
 /// Waits until `deadline` for the connection `landing` awaits: its failure is the request's

@@ -12,6 +12,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use parking_lot::Mutex;
 
+use crate::upstream::stall::Stall;
 use crate::upstream::{BoxError, ProxyBody};
 
 /// A request ready for the upstream client, kept as parts so that a body-less request can be
@@ -23,6 +24,8 @@ pub struct Outgoing {
     lent: Option<Arc<Mutex<Option<Incoming>>>>,
     /// The proxy user the client authenticated as, if any: a key (`key = "proxy-user"`).
     user: Option<Arc<str>>,
+    /// How long the body may keep the upstream waiting for its next bytes.
+    stall: Option<Stall>,
 }
 
 impl Outgoing {
@@ -35,7 +38,16 @@ impl Outgoing {
             body: Some(body).filter(|b| !b.is_end_stream()),
             lent: None,
             user: None,
+            stall: None,
         }
+    }
+
+    /// The request, its body cut once it keeps the upstream waiting as `stall` says.
+    pub fn with_stall(mut self, stall: &Stall) -> Self {
+        if self.body.is_some() {
+            self.stall = Some(stall.clone());
+        }
+        self
     }
 
     /// The request, sent on behalf of proxy user `user`.
@@ -57,9 +69,10 @@ impl Outgoing {
     /// The request as it is, sent once: for a request that is not paced. Its parts are
     /// moved, not copied.
     pub fn into_request(self) -> Request<ProxyBody> {
-        let body = match self.body {
-            Some(body) => body.map_err(BoxError::from).boxed(),
-            None => Empty::new().map_err(|never| match never {}).boxed(),
+        let body = match (self.body, &self.stall) {
+            (Some(body), Some(stall)) => stall.bound(body),
+            (Some(body), None) => body.map_err(BoxError::from).boxed(),
+            (None, _) => Empty::new().map_err(|never| match never {}).boxed(),
         };
         Request::from_parts(self.parts, body)
     }
@@ -87,7 +100,11 @@ impl Outgoing {
         if let Some(body) = self.body.take() {
             let cell = Arc::new(Mutex::new(Some(body)));
             self.lent = Some(cell.clone());
-            *req.body_mut() = Lent { cell, body: None }.boxed();
+            let lent = Lent { cell, body: None };
+            *req.body_mut() = match &self.stall {
+                Some(stall) => stall.bound(lent),
+                None => lent.boxed(),
+            };
         }
         req
     }
@@ -203,6 +220,7 @@ mod tests {
             body: None,
             lent: None,
             user: None,
+            stall: None,
         };
         let pairs = |h: &HeaderMap| -> Vec<(String, String)> {
             h.iter()

@@ -70,7 +70,8 @@ impl Proxy {
         begun: Begun,
         found: Found,
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static {
-        let mut prepared = prepare(req, &target, found);
+        let mut prepared =
+            prepare(req, &target, found).map(|o| o.with_stall(&self.inner.client_stall));
         async move {
             let destination = target.name();
             let (result, pace) = match (&mut prepared, &target.destination) {
@@ -91,7 +92,9 @@ impl Proxy {
             let aimed = Aimed::At(target.host, target.port);
             let handled = match result {
                 Ok(response) => Handled {
-                    response,
+                    // An upstream that stops sending its body mid-way is cut, and what the
+                    // response holds (its slot's permit, its connection) let go.
+                    response: response.map(|body| self.inner.upstream_stall.bound(body)),
                     outcome: Outcome::Forwarded,
                     destination,
                     target: aimed,

@@ -46,7 +46,12 @@ fn duration(
         } else {
             quoted(vec![min, max])
         },
-        beyond: quoted(vec!["0s", past, "300000000000y"]),
+        // Just short of a minimum above 1 ms is beyond too.
+        beyond: if min == "100ms" {
+            quoted(vec!["0s", "99ms", past, "300000000000y"])
+        } else {
+            quoted(vec!["0s", past, "300000000000y"])
+        },
     }
 }
 
@@ -76,13 +81,14 @@ fn keys() -> Vec<Key> {
         count(L, "max_requests", 1, 1_000_000),
         count(L, "max_streams", 1, 10_000),
         count(L, "max_header_bytes", 8192, 1_048_576),
-        duration(L, "header_read_timeout", "1ms", "1h", "61min"),
-        duration(L, "idle_timeout", "1ms", "1day", "25h"),
-        duration(L, "ping_interval", "1ms", "1h", "61min"),
-        duration(L, "ping_timeout", "1ms", "1h", "61min"),
-        duration(L, "write_timeout", "1ms", "1day", "25h"),
-        duration(L, "handshake_timeout", "1ms", "1h", "61min"),
-        duration(L, "tunnel_idle_timeout", "1ms", "7days", "8days"),
+        duration(L, "header_read_timeout", "100ms", "1h", "61min"),
+        duration(L, "idle_timeout", "100ms", "1day", "25h"),
+        duration(L, "ping_interval", "100ms", "1h", "61min"),
+        duration(L, "ping_timeout", "100ms", "1h", "61min"),
+        duration(L, "write_timeout", "100ms", "1day", "25h"),
+        duration(L, "body_timeout", "100ms", "1day", "25h"),
+        duration(L, "handshake_timeout", "100ms", "1h", "61min"),
+        duration(L, "tunnel_idle_timeout", "100ms", "7days", "8days"),
         duration(U, "connect_timeout", "1ms", "1h", "61min"),
         duration(U, "response_timeout", "1ms", "1day", "25h"),
         duration(U, "pool_idle_timeout", "1ms", "1h", "61min"),

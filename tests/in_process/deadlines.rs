@@ -330,3 +330,157 @@ async fn a_tunnel_ends_at_its_idle_timeout_after_a_half_close() {
     .await;
     talker.abort();
 }
+
+/// A plain-HTTP upstream on localhost that answers `/stall` with a head, ten bytes of the
+/// thousand it announces, then nothing for a minute; `/trickle` with a 429 whose 25-byte
+/// body comes a byte a second; anything else with a quick 200.
+async fn stalling_upstream() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                loop {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        if !matches!(s.read(&mut byte).await, Ok(1)) {
+                            return;
+                        }
+                        head.push(byte[0]);
+                    }
+                    let head = String::from_utf8_lossy(&head).into_owned();
+                    if head.contains(" /stall ") {
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789")
+                            .await;
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                        return;
+                    }
+                    if head.contains(" /trickle ") {
+                        let _ = s
+                            .write_all(
+                                b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 25\r\n\r\n",
+                            )
+                            .await;
+                        for _ in 0..25 {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            if s.write_all(b"x").await.is_err() {
+                                return;
+                            }
+                        }
+                        continue;
+                    }
+                    if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_stalled_upstream_body_is_cut_at_the_body_timeout_and_gives_its_permit_back() {
+    let upstream = FakeUpstream::start().await;
+    let port = stalling_upstream().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(
+            Dest::forwarding(&["localhost"])
+                .key("max_concurrency", 1)
+                .key("max_wait", "3s"),
+        )
+        .limit("body_timeout", "1s")
+        .start()
+        .await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let stall =
+        format!("GET http://localhost:{port}/stall HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n");
+    stream.write_all(stall.as_bytes()).await.unwrap();
+    // The head and the ten bytes come, then the stream is cut: closed without its end.
+    let took = closed_after(&mut stream, Duration::from_secs(10)).await;
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+        "{took:?}"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_bodies_cut_total{reason=\"upstream\"}")
+            .await,
+        1.0
+    );
+    // The one permit is back: the next request is served at once.
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let started = Instant::now();
+    let next = via
+        .get(format!("http://localhost:{port}/next"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(next.status(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_client_request_body_that_stalls_is_cut_at_the_body_timeout() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(Dest::forwarding(&["localhost"]))
+        .limit("body_timeout", "1s")
+        .start()
+        .await;
+    let port = upstream.http.port();
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let post = format!(
+        "POST http://localhost:{port}/upload HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Length: 1000\r\n\r\n0123456789"
+    );
+    stream.write_all(post.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let answer = support::read_until_close(&mut stream, Duration::from_secs(10)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert_eq!(
+        proxy
+            .metric("pacegate_bodies_cut_total{reason=\"client\"}")
+            .await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn a_throttled_body_that_trickles_holds_the_client_a_few_seconds_at_most() {
+    let upstream = FakeUpstream::start().await;
+    let port = stalling_upstream().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(
+            Dest::new("local", &["localhost"])
+                .rate(1000.0)
+                .key("retry_throttled", 3),
+        )
+        .start()
+        .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let started = Instant::now();
+    let resp = via
+        .get(format!("http://localhost:{port}/trickle"))
+        .send()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(resp.status(), 502);
+    let ps = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+    assert!(ps.contains("did not end within 3s"), "{ps}");
+    assert!(took < Duration::from_secs(6), "{took:?}");
+}
