@@ -161,28 +161,54 @@ impl Admin {
         Ok(())
     }
 
-    /// Whether a read may be answered: always, but with a read token, which it (or the write
-    /// token) must then carry. The probes and the page itself need none.
-    fn read_allowed(&self, req: &Request<Incoming>) -> bool {
-        let Some(read) = &self.read_token else {
-            return true;
-        };
-        let open = matches!(req.uri().path(), "/healthz" | "/readyz" | "/");
-        open || Self::bears(req, read) || self.token.as_deref().is_some_and(|t| Self::bears(req, t))
+    /// Whether a read may be answered; `Err` says why not. With a read token, it (or the
+    /// write token) must be carried. Without one, the request must name the listener by an
+    /// address (`10.0.0.7:9464`, `[::1]:9464`) or as `localhost`: a page on another site that
+    /// rebinds its own name to this address reaches it under that name, and must not read
+    /// the config, the status or the metrics. The probes and the page itself need neither.
+    fn read_allowed(&self, req: &Request<Incoming>, at: &Peers) -> Result<(), &'static str> {
+        if matches!(req.uri().path(), "/healthz" | "/readyz" | "/") {
+            return Ok(());
+        }
+        match &self.read_token {
+            Some(read) => {
+                if Self::bears(req, read)
+                    || self.token.as_deref().is_some_and(|t| Self::bears(req, t))
+                {
+                    Ok(())
+                } else {
+                    Err("send Authorization: Bearer TOKEN (the value of [admin] read_token_env)")
+                }
+            }
+            None => {
+                let host = req
+                    .headers()
+                    .get(header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .unwrap_or("");
+                if host.is_empty() || at.names_listener(host) || by_address(host) {
+                    Ok(())
+                } else {
+                    Err("the Host header names this admin listener by a name (a page on another site, or DNS rebinding, reaches it so): read it by its address or as localhost, or set [admin] read_token_env to read it by any name")
+                }
+            }
+        }
     }
 
     async fn route(&self, req: Request<Incoming>, at: &Peers) -> Response<Full<Bytes>> {
         let path = req.uri().path().to_owned();
-        if req.method() == Method::GET && !self.read_allowed(&req) {
-            let mut resp = text(
-                StatusCode::UNAUTHORIZED,
-                "send Authorization: Bearer TOKEN (the value of [admin] read_token_env)\n",
-            );
-            resp.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-            return resp;
+        if req.method() == Method::GET {
+            if let Err(why) = self.read_allowed(&req, at) {
+                if self.read_token.is_none() {
+                    return text(StatusCode::FORBIDDEN, format!("{why}\n"));
+                }
+                let mut resp = text(StatusCode::UNAUTHORIZED, format!("{why}\n"));
+                resp.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    header::HeaderValue::from_static("Bearer"),
+                );
+                return resp;
+            }
         }
         let write =
             req.method() == Method::POST && (path == "/reload" || unlock_target(&path).is_some());
@@ -347,6 +373,19 @@ impl Admin {
 struct Peers {
     peer: std::net::SocketAddr,
     local: std::net::SocketAddr,
+}
+
+/// Whether `host` (a Host header) names its server by an IP address or as `localhost`, with
+/// or without a port: no other site's page can send such a Host.
+fn by_address(host: &str) -> bool {
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if !name.ends_with(':') && port.bytes().all(|b| b.is_ascii_digit()) => {
+            name
+        }
+        _ => host,
+    };
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok()
 }
 
 impl Peers {

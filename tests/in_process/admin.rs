@@ -84,6 +84,47 @@ async fn without_a_token_a_write_needs_this_listeners_host_and_no_foreign_origin
 }
 
 #[tokio::test]
+async fn without_a_read_token_a_read_by_a_foreign_name_is_refused() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::with(&upstream)
+        .destination(Dest::forwarding(&["localhost"]))
+        .start()
+        .await;
+    let admin = proxy.admin;
+    let port = admin.port();
+    // A page on another site whose name now resolves here (DNS rebinding).
+    for path in ["/config", "/status", "/metrics", "/destinations/local"] {
+        for host in [
+            format!("Host: evil.example:{port}"),
+            "Host: evil.example".into(),
+        ] {
+            let (status, answer) = ask(admin, "GET", path, &[&host]).await;
+            assert_eq!(status, 403, "{host} {path}: {answer}");
+            assert!(answer.contains("read_token_env"), "{answer}");
+            assert!(
+                !answer.contains("[destinations") && !answer.contains("pacegate_"),
+                "{answer}"
+            );
+        }
+    }
+    // By address (any: a scraper reaches a listener on 0.0.0.0 by the host's own) or as
+    // localhost, and the probes by any name.
+    for host in [
+        format!("Host: {admin}"),
+        format!("Host: localhost:{port}"),
+        format!("Host: 10.1.2.3:{port}"),
+        format!("Host: [::1]:{port}"),
+    ] {
+        let (status, answer) = ask(admin, "GET", "/metrics", &[&host]).await;
+        assert_eq!(status, 200, "{host}: {answer}");
+    }
+    for path in ["/healthz", "/readyz"] {
+        let (status, _) = ask(admin, "GET", path, &["Host: evil.example"]).await;
+        assert_eq!(status, 200, "{path}");
+    }
+}
+
+#[tokio::test]
 async fn with_tokens_writes_need_the_token_and_reads_the_read_token() {
     std::env::set_var("PACEGATE_TEST_ADMIN_WRITE", "write-secret");
     std::env::set_var("PACEGATE_TEST_ADMIN_READ", "read-secret");
