@@ -146,7 +146,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         (Some(store), _) => (Arc::new(store), Arc::new(Solo), tokio::spawn(async {})),
         (None, StoreConfig::Memory(memory)) => {
             let store = Arc::new(MemoryStore::open(&memory.state_file)?.with_instance(&me.id));
-            let supervisor = tokio::spawn(store.clone().keep_sends(supervisor_stop.clone()));
+            let supervisor = tokio::spawn(store.clone().keep_state(supervisor_stop.clone()));
             (store, Arc::new(Solo), supervisor)
         }
         (None, StoreConfig::Postgres(postgres)) => {

@@ -3,9 +3,10 @@
 
 mod state_file;
 
-use std::collections::HashMap;
+use state_file::Durability;
+
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -53,13 +54,15 @@ pub struct MemoryStore {
     wall: Wall,
     budgets: Arc<Mutex<Budgets>>,
     state_file: Option<PathBuf>,
-    /// Serialises writes, so that the file always ends with the latest snapshot.
+    /// Serialises writes of the state file, so that its journal's lines are in order.
     writer: tokio::sync::Mutex<()>,
+    /// The state file's journal, once open.
+    journal: Arc<Mutex<Option<state_file::Journal>>>,
+    /// Budgets whose frequent changes are to be written (within a second).
+    dirty: Mutex<HashSet<String>>,
     /// Whose waiting requests this handle reports: one process is one instance, but tests
     /// open several handles on one store to play several instances.
     instance: String,
-    /// A quota window took a slot since the state file was last written.
-    sends_changed: AtomicBool,
     /// Keys the hash of credentials taken as keys ([`Store::key_secret`]); kept in the state
     /// file, so that a key's budget keeps its name over a restart.
     key_secret: Arc<[u8; 32]>,
@@ -74,8 +77,9 @@ impl MemoryStore {
             budgets: Arc::default(),
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
+            journal: Arc::default(),
+            dirty: Mutex::default(),
             instance: Instance::new().id,
-            sends_changed: AtomicBool::new(false),
             key_secret: Arc::new(rand::random()),
         }
     }
@@ -96,8 +100,9 @@ impl MemoryStore {
             budgets: self.budgets.clone(),
             state_file: None,
             writer: tokio::sync::Mutex::new(()),
+            journal: Arc::default(),
+            dirty: Mutex::default(),
             instance: instance.to_owned(),
-            sends_changed: AtomicBool::new(false),
             key_secret: self.key_secret.clone(),
         }
     }
@@ -246,7 +251,7 @@ impl Store for MemoryStore {
             match budget.reserve_for(rule, now, &self.instance, list, limit, ask.most) {
                 Ok(granted) => {
                     if !rule.quota.is_empty() {
-                        self.sends_changed.store(true, Ordering::Relaxed);
+                        self.mark(destination);
                     }
                     Ok(Grant {
                         slot: Reservation {
@@ -289,7 +294,7 @@ impl Store for MemoryStore {
             .reserve(rule, now, Some(now + rule.interval.min(NEAR)))
             .ok()?;
         if !rule.quota.is_empty() {
-            self.sends_changed.store(true, Ordering::Relaxed);
+            self.mark(destination);
         }
         Some(Reservation {
             at: self.instant(slot),
@@ -325,16 +330,25 @@ impl Store for MemoryStore {
         vendor: Option<Observation>,
     ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
         Box::pin(async move {
-            let (changed, view) = {
+            let (kept, view) = {
                 let (now, wall) = (self.now(), self.wall_now());
                 let mut budgets = self.budgets.lock();
                 let budget = budgets.entry(destination.to_owned()).or_default();
+                let before = self.state_file.is_some().then(|| budget.clone());
                 let seen = vendor.is_some_and(|v| budget.observe(rule, &v, now, wall));
                 let changed = budget.apply(rule, &event, now, wall);
-                (changed || seen, self.view_of(budget, now))
+                let kept = match before {
+                    Some(before) if changed || seen => self.kept_change(&before, budget),
+                    _ => Durability::None,
+                };
+                (kept, self.view_of(budget, now))
             };
-            if changed {
-                self.persist().await?;
+            match kept {
+                // A lockout, a pause, a block, the backoff: kept before the response goes.
+                Durability::Now => self.write_now(&[destination]).await?,
+                // The vendor's count and the like: within a second, off the response's way.
+                Durability::Soon => self.mark(destination),
+                Durability::None => {}
             }
             Ok(view)
         })
@@ -364,7 +378,7 @@ impl Store for MemoryStore {
                 .and_then(|b| b.lock.take())
                 .map(|l| *l);
             if cleared.is_some() {
-                self.persist().await?;
+                self.write_now(&[destination]).await?;
             }
             Ok(cleared)
         })
@@ -392,9 +406,20 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, Result<u64, StoreError>> {
         let now = self.now();
         let mut budgets = self.budgets.lock();
-        let before = budgets.len();
-        budgets.retain(|name, b| halted_by(name) != Some(parent) || !b.idle_for(now, idle));
-        let gone = (before - budgets.len()) as u64;
+        let mut forgotten = Vec::new();
+        budgets.retain(|name, b| {
+            let keep = halted_by(name) != Some(parent) || !b.idle_for(now, idle);
+            if !keep {
+                forgotten.push(name.clone());
+            }
+            keep
+        });
+        drop(budgets);
+        let gone = forgotten.len() as u64;
+        // Written as gone within a second, so that a restart does not bring them back.
+        for name in &forgotten {
+            self.mark(name);
+        }
         Box::pin(std::future::ready(Ok(gone)))
     }
 

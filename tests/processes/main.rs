@@ -22,3 +22,4 @@ mod reload;
 mod shadow;
 mod sidecars;
 mod standby;
+mod state_file;

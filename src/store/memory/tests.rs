@@ -96,7 +96,7 @@ async fn quota_windows_survive_a_restart() {
     let first = {
         let store = Arc::new(MemoryStore::open(&path).unwrap());
         let stop = CancellationToken::new();
-        let keeper = tokio::spawn(store.clone().keep_sends(stop.clone()));
+        let keeper = tokio::spawn(store.clone().keep_state(stop.clone()));
         let first = contract::take(&*store, "q", &rule, None).await.unwrap();
         contract::take(&*store, "q", &rule, None).await.unwrap();
         stop.cancel();
@@ -130,12 +130,14 @@ async fn the_state_file_is_private_and_written_through_a_name_of_its_own() {
         .await
         .unwrap();
     #[cfg(unix)]
-    {
+    for file in [path.clone(), dir.path().join("state.json.log")] {
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
         assert_eq!(
-            mode, 0o600,
-            "the state file is readable by others: {mode:o}"
+            mode,
+            0o600,
+            "{} is readable by others: {mode:o}",
+            file.display()
         );
     }
     assert_eq!(std::fs::read(&planted).unwrap(), b"someone else's");
@@ -146,7 +148,7 @@ async fn the_state_file_is_private_and_written_through_a_name_of_its_own() {
     names.sort();
     assert_eq!(
         names,
-        vec!["state.json", "state.json.tmp"],
+        vec!["state.json", "state.json.log", "state.json.tmp"],
         "no temporary file left"
     );
     assert!(MemoryStore::open(&path)
@@ -252,4 +254,154 @@ fn a_corrupt_state_file_is_refused_with_advice() {
     std::fs::write(&path, "{not json").unwrap();
     let err = MemoryStore::open(&path).err().unwrap();
     assert!(err.to_string().contains("move it aside"), "{err}");
+}
+
+/// A vendor's observation with `remaining` left.
+fn vendor_saw(remaining: u64) -> Observation {
+    Observation {
+        family: crate::signals::Family::XRateLimit,
+        remaining,
+        limit: Some(5000),
+        reset: crate::budget::Pause::For(Duration::from_secs(3600)),
+        spread: 0.0,
+    }
+}
+
+#[tokio::test]
+async fn a_lockout_is_kept_before_its_answer_and_a_vendor_s_count_within_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let rule = contract::rule(10.0);
+    let store = Arc::new(MemoryStore::open(&path).unwrap());
+    let stop = CancellationToken::new();
+    let keeper = tokio::spawn(store.clone().keep_state(stop.clone()));
+    let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
+    store
+        .record("a", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    store
+        .record(
+            "b",
+            &rule,
+            Event::Clean {
+                success: true,
+                generation: 0,
+            },
+            Some(vendor_saw(4999)),
+        )
+        .await
+        .unwrap();
+    // As a `kill -9` would find it now: the lockout is there, the count not yet.
+    let now = MemoryStore::open_read_only(&path);
+    assert!(now.view("a").await.unwrap().lock.is_some());
+    assert!(now.view("b").await.unwrap().vendor.is_none());
+    // Within a second, the count too.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let later = MemoryStore::open_read_only(&path);
+    let vendor = later
+        .view("b")
+        .await
+        .unwrap()
+        .vendor
+        .expect("the count was kept");
+    assert_eq!(vendor.remaining, 4999);
+    stop.cancel();
+    keeper.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_write_is_one_budget_s_line_however_many_budgets_there_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let journal = dir.path().join("state.json.log");
+    let rule = contract::rule(10.0);
+    let store = Arc::new(MemoryStore::open(&path).unwrap());
+    for i in 0..20_000 {
+        store
+            .record(
+                &format!("k#{i:05}"),
+                &rule,
+                Event::Clean {
+                    success: true,
+                    generation: 0,
+                },
+                Some(vendor_saw(100)),
+            )
+            .await
+            .unwrap();
+    }
+    // Written out by the keeper's next round, then folded into a snapshot.
+    store.save_marked().await.unwrap();
+    store.save_marked().await.unwrap();
+    let size = |p: &std::path::Path| std::fs::metadata(p).unwrap().len();
+    let before = size(&journal);
+    let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
+    store
+        .record("k#00007", &rule, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+    let grew = size(&journal) - before;
+    assert!(grew > 0 && grew < 1024, "a lockout wrote {grew} bytes");
+    assert!(size(&path) > 1_000_000, "the snapshot holds every budget");
+    let reopened = MemoryStore::open_read_only(&path);
+    assert!(reopened.view("k#00007").await.unwrap().lock.is_some());
+    assert_eq!(
+        reopened
+            .view("k#19999")
+            .await
+            .unwrap()
+            .vendor
+            .unwrap()
+            .remaining,
+        100
+    );
+}
+
+#[tokio::test]
+async fn a_torn_last_line_is_skipped_and_lines_a_snapshot_holds_are_not_read_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let journal = dir.path().join("state.json.log");
+    let rule = contract::rule(10.0);
+    let lock = Lockout::new(403, "GET https://a/x".into(), "test".into());
+    let locked_line;
+    {
+        let store = MemoryStore::open(&path).unwrap();
+        store
+            .record("a", &rule, Event::Lockout(lock), None)
+            .await
+            .unwrap();
+        locked_line = std::fs::read_to_string(&journal).unwrap();
+        store.unlock("a").await.unwrap();
+        let lock = Lockout::new(403, "GET https://b/x".into(), "test".into());
+        store
+            .record("b", &rule, Event::Lockout(lock), None)
+            .await
+            .unwrap();
+    }
+    // A crash tore the last line being written.
+    let mut torn = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&journal)
+        .unwrap();
+    std::io::Write::write_all(&mut torn, b"{\"seq\":99,\"budget\":\"c\",\"sta").unwrap();
+    drop(torn);
+    let store = MemoryStore::open(&path).unwrap();
+    assert!(
+        store.view("a").await.unwrap().lock.is_none(),
+        "the unlock holds"
+    );
+    assert!(store.view("b").await.unwrap().lock.is_some());
+    drop(store);
+    // A crash after a compaction's snapshot, before its new journal: the old journal's
+    // lines are older than the snapshot and must not be read over it (the unlock of `a`
+    // would be undone by its lockout's line).
+    std::fs::write(&journal, locked_line).unwrap();
+    let store = MemoryStore::open(&path).unwrap();
+    assert!(
+        store.view("a").await.unwrap().lock.is_none(),
+        "the unlock still holds"
+    );
+    assert!(store.view("b").await.unwrap().lock.is_some());
 }
