@@ -75,6 +75,7 @@ async fn make_keys(p: &Arc<Pacer>, from: usize, to: usize) {
             host: &host,
             user: None,
             headers: &headers,
+            client: None,
         };
         let route = p.destination("d").unwrap();
         let route = p.keyed(route, &asking).await.unwrap();
@@ -102,6 +103,7 @@ async fn keyed_path(n: usize) {
         host: "api.example",
         user: None,
         headers: &headers,
+        client: None,
     };
     let route = split.keyed(split.destination("d").unwrap(), &asking).await;
     assert!(

@@ -50,6 +50,7 @@ impl Pace {
             throttle_body: vec!["rate limit".into(), "too many requests".into()],
             key: None,
             max_keys: 10_000,
+            max_keys_per_client: 5_000,
             key_idle: Duration::from_secs(600),
             total_rate: None,
         }
@@ -476,6 +477,10 @@ pub struct Pace {
     /// The most keys this instance keeps a budget for at once; a request with a new key past
     /// it is refused. Default 10,000.
     pub max_keys: usize,
+    /// The most of those keys one client (its proxy user, else its address) may have made:
+    /// one client minting keys cannot take every place and refuse every new tenant. Default
+    /// half of `max_keys`.
+    pub max_keys_per_client: usize,
     /// How long a key's budget is kept after its last request. Default 10 min.
     #[serde(with = "humantime_serde")]
     pub key_idle: Duration,

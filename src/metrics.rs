@@ -76,6 +76,9 @@ pub struct Metrics {
     /// `pacegate_keys_refused_total{destination}`: requests refused for a new key past
     /// `max_keys`.
     pub keys_refused: IntCounterVec,
+    /// `pacegate_keys_refused_client_total{destination,group}`: requests refused for a new
+    /// key past its client's `max_keys_per_client`.
+    pub keys_refused_client: IntCounterVec,
     /// `pacegate_wait_seconds{destination}`: time from arrival to slot.
     pub wait_seconds: HistogramVec,
     /// `pacegate_shadow_wait_seconds{destination}`: in shadow mode, how long each request
@@ -256,6 +259,13 @@ impl Metrics {
             Opts::new(
                 "pacegate_keys_refused_total",
                 "Requests refused because their key would pass max_keys, by destination",
+            ),
+            &["destination", "group"],
+        )?;
+        let keys_refused_client = IntCounterVec::new(
+            Opts::new(
+                "pacegate_keys_refused_client_total",
+                "Requests refused because their client made max_keys_per_client keys of the budget already, by destination",
             ),
             &["destination", "group"],
         )?;
@@ -450,6 +460,7 @@ impl Metrics {
             &retries,
             &slots_dropped,
             &keys_refused,
+            &keys_refused_client,
             &granted,
             &shadow_refusals,
         ] {
@@ -504,6 +515,7 @@ impl Metrics {
             keys,
             key_wait_max,
             keys_refused,
+            keys_refused_client,
             wait_seconds,
             shadow_wait,
             shadow_refusals,

@@ -81,6 +81,18 @@ pub enum PaceError {
         /// Its `key_idle`: how long until an idle key makes room.
         key_idle: Duration,
     },
+    /// A new key past the `max_keys_per_client` of the client that would make it.
+    #[error("budget `{budget}` keeps {limit} keys made by {client} already")]
+    ClientKeys {
+        /// The budget split by key.
+        budget: String,
+        /// Who: `proxy user NAME` or `client ADDRESS`.
+        client: String,
+        /// Its `max_keys_per_client`.
+        limit: usize,
+        /// Its `key_idle`: how long until an idle key makes room.
+        key_idle: Duration,
+    },
     /// The store failed.
     #[error("{0}")]
     Store(#[from] StoreError),

@@ -81,6 +81,8 @@ pub struct ProxyParts {
 #[derive(Clone)]
 pub struct Proxy {
     inner: Arc<Inner>,
+    /// The address of the client connection whose requests this clone serves.
+    client: Option<std::net::IpAddr>,
 }
 
 /// The proxy's parts, and what it makes of them once.
@@ -89,7 +91,7 @@ struct Inner {
     /// `body_timeout` on the upstreams' response bodies.
     upstream_stall: Stall,
     /// `body_timeout` on the clients' request bodies.
-    client_stall: Stall,
+    client_stall: Arc<Stall>,
 }
 
 impl std::ops::Deref for Inner {
@@ -110,6 +112,13 @@ impl crate::server::Handler for Proxy {
 
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         self.refuse_busy(&req)
+    }
+
+    fn for_peer(&self, peer: std::net::SocketAddr) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            client: Some(peer.ip().to_canonical()),
+        }
     }
 }
 
@@ -189,7 +198,7 @@ impl Proxy {
         };
         let (upstream_stall, client_stall) = (
             stall("upstream", "upstream response"),
-            stall("client", "client request"),
+            Arc::new(stall("client", "client request")),
         );
         Self {
             inner: Arc::new(Inner {
@@ -197,6 +206,7 @@ impl Proxy {
                 upstream_stall,
                 client_stall,
             }),
+            client: None,
         }
     }
 
@@ -439,6 +449,7 @@ impl Proxy {
             class: self.inner.pacer.classes().default_class(),
             allowed: None,
             user: None,
+            client: self.client,
         })
     }
 

@@ -43,6 +43,10 @@ pub trait Handler: Clone + Send + Sync + 'static {
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static;
     /// Answers, at once, a request that finds `max_requests` in flight already.
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody>;
+    /// The handler for the requests of a connection from `peer`.
+    fn for_peer(&self, _peer: std::net::SocketAddr) -> Self {
+        self.clone()
+    }
 }
 
 /// The requests in flight over every connection and intercepted session (`max_requests`):
@@ -308,7 +312,7 @@ pub async fn serve<H: Handler>(
             _permit: permit,
             open: metrics.connections_open.clone(),
         }));
-        let handler = handler.clone();
+        let handler = handler.for_peer(peer);
         let gate = gate.clone();
         let limits = limits.clone();
         let metrics = metrics.clone();

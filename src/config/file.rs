@@ -286,6 +286,7 @@ pub(super) struct RawDestination {
     pub(super) throttle_body: Option<Vec<String>>,
     pub(super) key: Option<String>,
     pub(super) max_keys: Option<usize>,
+    pub(super) max_keys_per_client: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     pub(super) key_idle: Option<Duration>,
     pub(super) total_rate: Option<f64>,
@@ -326,6 +327,7 @@ impl RawDestination {
             throttle_body,
             key,
             max_keys,
+            max_keys_per_client,
             key_idle,
             total_rate
         )

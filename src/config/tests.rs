@@ -771,3 +771,19 @@ fn values_that_would_make_the_proxy_unusable_are_refused() {
     .unwrap();
     assert_eq!(c.proxy.limits.ping_interval, Duration::from_millis(100));
 }
+
+#[test]
+fn a_client_s_share_of_the_keys_defaults_to_half_and_stays_within_max_keys() {
+    let c = parse(&format!(
+        "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = 101\n[destinations.b]\nhosts = [\"b.example\"]\nrate = 1\nkey = \"host\"\nmax_keys_per_client = 7\n"
+    ))
+    .unwrap();
+    let by = |name: &str| c.destinations.iter().find(|d| d.name == name).unwrap();
+    assert_eq!(by("a").pace.max_keys_per_client, 50);
+    assert_eq!(by("b").pace.max_keys_per_client, 7);
+    let err = parse(&format!(
+        "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = 10\nmax_keys_per_client = 11\n"
+    ))
+    .unwrap_err();
+    assert_eq!(paths(&err), ["destinations.a.max_keys_per_client"]);
+}

@@ -142,6 +142,7 @@ impl Pacer {
                     host: outgoing.uri().host().unwrap_or_default(),
                     user: outgoing.user(),
                     headers: outgoing.headers(),
+                    client: outgoing.client(),
                 };
                 keyed = self.keyed(Route::clone(&picked), &asking).await?;
                 &keyed
@@ -391,7 +392,11 @@ impl Pacer {
         let named = resource
             .and_then(|r| admission.lanes.named(r))
             .and_then(|l| match admission.lane.key_name() {
-                Some(key) if l.is_split() => self.key_lane(l, key).ok(),
+                // Made for the client that made the admission's key.
+                Some(key) if l.is_split() => {
+                    let maker = admission.lane.maker().map(ToString::to_string);
+                    self.key_lane(l, key, || maker.unwrap_or_default()).ok()
+                }
                 _ => Some(l.clone()),
             })
             .filter(|l| !Arc::ptr_eq(l, &admission.lane));

@@ -34,6 +34,20 @@ pub struct Asking<'a> {
     pub user: Option<&'a str>,
     /// The request's headers.
     pub headers: &'a HeaderMap,
+    /// The client connection's address.
+    pub client: Option<std::net::IpAddr>,
+}
+
+impl Asking<'_> {
+    /// Who makes a new key, for `max_keys_per_client`: the proxy user, else the client's
+    /// address.
+    fn maker(&self) -> String {
+        match (self.user, self.client) {
+            (Some(user), _) => format!("proxy user {user}"),
+            (None, Some(ip)) => format!("client {ip}"),
+            (None, None) => String::new(),
+        }
+    }
 }
 
 impl Pacer {
@@ -50,9 +64,11 @@ impl Pacer {
             return Ok(route);
         };
         let key = self.key_of(from, asking).await?;
-        let lane = match self.key_lane(&route.lane, &key) {
+        let lane = match self.key_lane(&route.lane, &key, || asking.maker()) {
             Ok(lane) => lane,
-            Err(PaceError::TooManyKeys { .. }) if keys.pace.mode == Mode::Shadow => {
+            Err(PaceError::TooManyKeys { .. } | PaceError::ClientKeys { .. })
+                if keys.pace.mode == Mode::Shadow =>
+            {
                 self.metrics
                     .shadow_refusals
                     .with_label_values(&labels_and(route.label(), "max_keys"))
@@ -68,8 +84,14 @@ impl Pacer {
     }
 
     /// The lane of `parent`'s key `key`, made if it is new (its dispatcher starts with the
-    /// first request to queue).
-    pub(super) fn key_lane(&self, parent: &Arc<Lane>, key: &str) -> Result<Arc<Lane>, PaceError> {
+    /// first request to queue) for the client `maker` names (empty: nobody in particular),
+    /// within `max_keys` and that client's `max_keys_per_client`.
+    pub(super) fn key_lane(
+        &self,
+        parent: &Arc<Lane>,
+        key: &str,
+        maker: impl FnOnce() -> String,
+    ) -> Result<Arc<Lane>, PaceError> {
         let Some(children) = parent.children() else {
             return Ok(parent.clone());
         };
@@ -90,8 +112,31 @@ impl Pacer {
                             key_idle: parent.keys().pace.key_idle,
                         });
                     }
+                    let maker: Arc<str> = Arc::from(maker());
+                    if !maker.is_empty() {
+                        let per_client = parent.keys().pace.max_keys_per_client;
+                        let mut makers = parent.makers().expect("a budget's own lane").lock();
+                        let made = makers.entry(maker.clone()).or_insert(0);
+                        if *made >= per_client {
+                            self.metrics
+                                .keys_refused_client
+                                .with_label_values(&labels(parent.label()))
+                                .inc();
+                            return Err(PaceError::ClientKeys {
+                                budget: parent.name.to_string(),
+                                client: maker.to_string(),
+                                limit: per_client,
+                                key_idle: parent.keys().pace.key_idle,
+                            });
+                        }
+                        *made += 1;
+                    }
                     // Its dispatcher starts with the first request to queue.
-                    let lane = Arc::new(Lane::key(parent, key));
+                    let lane = Arc::new(Lane::key(
+                        parent,
+                        key,
+                        Some(maker).filter(|m| !m.is_empty()),
+                    ));
                     children.insert(ByKey(lane.clone()));
                     lane
                 }
@@ -166,7 +211,8 @@ fn forget_idle(parent: &Lane, idle: Duration) -> Vec<Arc<Lane>> {
     let Some(children) = parent.children() else {
         return gone;
     };
-    children.lock().retain(|ByKey(lane)| {
+    let mut children = children.lock();
+    children.retain(|ByKey(lane)| {
         let held_by_us = 1 + usize::from(lane.dispatching.load(Ordering::SeqCst));
         let idle = Arc::strong_count(lane) <= held_by_us
             && lane.queue.lock().len() == 0
@@ -176,6 +222,19 @@ fn forget_idle(parent: &Lane, idle: Duration) -> Vec<Arc<Lane>> {
         }
         !idle
     });
+    // Their makers may make as many again.
+    if let Some(makers) = parent.makers() {
+        let mut makers = makers.lock();
+        for maker in gone.iter().filter_map(|l| l.maker()) {
+            if let Some(made) = makers.get_mut(maker) {
+                *made = made.saturating_sub(1);
+                if *made == 0 {
+                    makers.remove(maker);
+                }
+            }
+        }
+    }
+    drop(children);
     gone
 }
 

@@ -1,7 +1,7 @@
 //! A destination's lane: its rule, the queue of requests waiting for a slot (one FIFO per
 //! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -130,6 +130,8 @@ pub(crate) struct Lane {
     pub(super) name: Arc<str>,
     /// A key's lane: the lane of the budget split by key, whose lockout halts it.
     pub(super) parent: Option<Arc<Lane>>,
+    /// A key's lane: the client that made it (`max_keys_per_client`), by proxy user or address.
+    maker: Option<Arc<str>>,
     /// What only a budget's own lane holds; none for a key's, whose every byte counts a
     /// hundred thousand times.
     whole: Option<Box<Whole>>,
@@ -167,6 +169,9 @@ struct Whole {
     destination: Arc<str>,
     /// A budget split by key: its keys' lanes, by key, made on first use (`pacing::keys`).
     children: Mutex<HashSet<ByKey>>,
+    /// How many of its keys each client made (`max_keys_per_client`). Taken after
+    /// `children`, never before.
+    makers: Mutex<HashMap<Arc<str>, usize>>,
     /// The keys its keys' lanes share (see [`Lane::key_keys`]).
     key_keys: Mutex<Option<Arc<Keys>>>,
     /// What only the store knows, as its last snapshot said (see `pacing::status`).
@@ -300,9 +305,11 @@ impl Lane {
         Self {
             name: Arc::from(name),
             parent: None,
+            maker: None,
             whole: Some(Box::new(Whole {
                 destination: Arc::from(destination),
                 children: Mutex::default(),
+                makers: Mutex::default(),
                 key_keys: Mutex::default(),
                 store_said: Mutex::default(),
                 lock_polled: AtomicU64::new(0),
@@ -325,11 +332,12 @@ impl Lane {
     /// The lane of `parent`'s key `key` (see [`crate::budget::KEY_MARK`]): its rule, its
     /// counts and its lockout are the parent's; its schedule, backoff, pauses and quota
     /// windows its own. It starts halted if the parent is.
-    pub(super) fn key(parent: &Arc<Lane>, key: &str) -> Self {
+    pub(super) fn key(parent: &Arc<Lane>, key: &str, maker: Option<Arc<str>>) -> Self {
         let classes = parent.classes.clone();
         Self {
             name: Arc::from(format!("{}{KEY_MARK}{key}", parent.name)),
             parent: Some(parent.clone()),
+            maker,
             whole: None,
             last_used: AtomicU64::new(now_ms()),
             tally: parent.tally.clone(),
@@ -382,6 +390,16 @@ impl Lane {
     /// A budget's own lane: its keys' lanes, by key (none for a key's lane).
     pub(super) fn children(&self) -> Option<&Mutex<HashSet<ByKey>>> {
         self.whole.as_ref().map(|w| &w.children)
+    }
+
+    /// A budget's own lane: how many of its keys each client made.
+    pub(super) fn makers(&self) -> Option<&Mutex<HashMap<Arc<str>, usize>>> {
+        self.whole.as_ref().map(|w| &w.makers)
+    }
+
+    /// A key's lane: who made it.
+    pub(super) fn maker(&self) -> Option<&Arc<str>> {
+        self.maker.as_ref()
     }
 
     /// What only the store knows of the budget, as its last snapshot said. Status reads
@@ -501,6 +519,9 @@ impl Lane {
             for key in std::mem::take(&mut *children.lock()) {
                 key.0.retire();
             }
+        }
+        if let Some(makers) = self.makers() {
+            makers.lock().clear();
         }
     }
 

@@ -22,10 +22,12 @@ pub struct Outgoing {
     body: Option<Incoming>,
     /// The body lent to the attempt under way ([`Outgoing::lend`]).
     lent: Option<Arc<Mutex<Option<Incoming>>>>,
-    /// The proxy user the client authenticated as, if any: a key (`key = "proxy-user"`).
-    user: Option<Arc<str>>,
-    /// How long the body may keep the upstream waiting for its next bytes.
-    stall: Option<Stall>,
+    /// Who sends it: a key (`key = "proxy-user"`), and who made a new key
+    /// (`max_keys_per_client`).
+    sender: Sender,
+    /// How long the body may keep the upstream waiting for its next bytes (shared: a
+    /// request's future holds its `Outgoing`, and every byte of it is moved with it).
+    stall: Option<Arc<Stall>>,
 }
 
 impl Outgoing {
@@ -37,13 +39,29 @@ impl Outgoing {
             // A body that is already over is sent as none: nothing to lend, or to take back.
             body: Some(body).filter(|b| !b.is_end_stream()),
             lent: None,
-            user: None,
+            sender: Sender::Unknown,
             stall: None,
         }
     }
 
+    /// The request, sent for the client at `client` (unless a proxy user sends it).
+    pub fn with_client(mut self, client: Option<std::net::IpAddr>) -> Self {
+        if let (Sender::Unknown, Some(ip)) = (&self.sender, client) {
+            self.sender = Sender::Address(ip);
+        }
+        self
+    }
+
+    /// The client's address, where no proxy user sends the request.
+    pub(super) fn client(&self) -> Option<std::net::IpAddr> {
+        match self.sender {
+            Sender::Address(ip) => Some(ip),
+            _ => None,
+        }
+    }
+
     /// The request, its body cut once it keeps the upstream waiting as `stall` says.
-    pub fn with_stall(mut self, stall: &Stall) -> Self {
+    pub fn with_stall(mut self, stall: &Arc<Stall>) -> Self {
         if self.body.is_some() {
             self.stall = Some(stall.clone());
         }
@@ -52,13 +70,18 @@ impl Outgoing {
 
     /// The request, sent on behalf of proxy user `user`.
     pub fn with_user(mut self, user: Option<Arc<str>>) -> Self {
-        self.user = user;
+        if let Some(user) = user {
+            self.sender = Sender::User(user);
+        }
         self
     }
 
     /// The proxy user the request is sent for.
     pub(super) fn user(&self) -> Option<&str> {
-        self.user.as_deref()
+        match &self.sender {
+            Sender::User(user) => Some(user),
+            _ => None,
+        }
     }
 
     /// The request's headers, as they go upstream.
@@ -151,6 +174,14 @@ impl Outgoing {
     }
 }
 
+/// Who sends a request: its proxy user, else its client's address. One field, not two: a
+/// request's future holds it.
+enum Sender {
+    User(Arc<str>),
+    Address(std::net::IpAddr),
+    Unknown,
+}
+
 /// A request body lent to one attempt at sending ([`Outgoing::lend`]). It stays in the
 /// shared cell until the upstream connection first asks for a frame, so an attempt given up
 /// before it had a connection leaves the body whole for the next.
@@ -219,7 +250,7 @@ mod tests {
             parts,
             body: None,
             lent: None,
-            user: None,
+            sender: Sender::Unknown,
             stall: None,
         };
         let pairs = |h: &HeaderMap| -> Vec<(String, String)> {

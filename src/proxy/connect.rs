@@ -48,6 +48,7 @@ impl Proxy {
             host: &target.host,
             user: target.user.as_deref(),
             headers: req.headers(),
+            client: target.client,
         };
         let route = match self.inner.pacer.keyed(route, &asking).await {
             Ok(route) => route,

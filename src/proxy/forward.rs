@@ -37,6 +37,8 @@ pub struct Target {
     pub allowed: Option<Arc<[Class]>>,
     /// The proxy user named on the proxy connection (CONNECT or absolute-form request).
     pub user: Option<Arc<str>>,
+    /// The address of the client connection.
+    pub client: Option<std::net::IpAddr>,
 }
 
 impl Target {
@@ -168,7 +170,9 @@ fn prepare(req: Request<Incoming>, target: &Target, found: Found) -> Result<Outg
         parts.headers.remove(EXPECT);
     }
     parts.extensions = http::Extensions::new();
-    Ok(Outgoing::new(parts, body).with_user(target.user.clone()))
+    Ok(Outgoing::new(parts, body)
+        .with_user(target.user.clone())
+        .with_client(target.client))
 }
 
 /// Whether `headers` hold one `Host`, and it is the one the upstream client would derive
@@ -245,6 +249,7 @@ mod tests {
             class: Class(0),
             allowed: None,
             user: None,
+            client: None,
         };
         host_as_derived(&target, &headers)
     }

@@ -185,6 +185,10 @@ fn paced_details(e: &PaceError) -> String {
             "budget `{budget}` is split by key and keeps {max_keys} keys already (max_keys); a request with a new key is refused, never sent unpaced. A key idle for {} (key_idle) makes room: retry later, or raise max_keys",
             humantime::format_duration(*key_idle)
         ),
+        PaceError::ClientKeys { budget, client, limit, key_idle } => format!(
+            "budget `{budget}` is split by key, and {client} made {limit} of its keys already (max_keys_per_client): one client may not take every key's place. A request with a new key from it is refused until one of its keys is idle for {} (key_idle): retry later, or raise max_keys_per_client",
+            humantime::format_duration(*key_idle)
+        ),
         PaceError::Store(e) => format!("pacing store unavailable: {e}"),
         PaceError::ShuttingDown => "pacegate is shutting down; retry on another instance or after the restart".into(),
     }
@@ -238,7 +242,7 @@ impl ProxyError {
                     "destination_unavailable",
                     Outcome::Deadline,
                 ),
-                PaceError::TooManyKeys { .. } => (
+                PaceError::TooManyKeys { .. } | PaceError::ClientKeys { .. } => (
                     S::SERVICE_UNAVAILABLE,
                     "destination_unavailable",
                     Outcome::TooManyKeys,
@@ -342,7 +346,9 @@ impl ProxyError {
                 Some(1)
             }
             // A key makes room once one idles out; the sweep runs at least every minute.
-            Self::Paced(PaceError::TooManyKeys { key_idle, .. }) => Some(retry_after_secs(
+            Self::Paced(
+                PaceError::TooManyKeys { key_idle, .. } | PaceError::ClientKeys { key_idle, .. },
+            ) => Some(retry_after_secs(
                 (*key_idle).min(std::time::Duration::from_secs(60)),
             )),
             _ => None,

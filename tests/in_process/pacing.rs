@@ -800,3 +800,42 @@ async fn a_cold_upstream_that_never_answers_costs_no_slot() {
     assert_eq!(granted, 0.0, "no slot spent");
     held.abort();
 }
+
+#[tokio::test]
+async fn one_client_minting_keys_is_refused_past_its_share_and_says_who() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(
+        &upstream,
+        "rate = 1000\nkey = \"header:x-tenant\"\nmax_keys = 10\nmax_keys_per_client = 2",
+    )
+    .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let url = format!("{}/x", upstream.http_url("localhost"));
+    let mut statuses = Vec::new();
+    let mut last = None;
+    for tenant in ["a", "b", "c", "a"] {
+        let resp = via
+            .get(&url)
+            .header("x-tenant", tenant)
+            .send()
+            .await
+            .unwrap();
+        statuses.push(resp.status().as_u16());
+        if resp.status() == 503 {
+            last = Some(resp.headers()["proxy-status"].to_str().unwrap().to_owned());
+        }
+    }
+    // Its third key is refused; a key it made still goes.
+    assert_eq!(statuses, [200, 200, 503, 200]);
+    let ps = last.unwrap();
+    assert!(
+        ps.contains("client 127.0.0.1") && ps.contains("max_keys_per_client"),
+        "{ps}"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_keys_refused_client_total{destination=\"local\",group=\"\"}")
+            .await,
+        1.0
+    );
+}

@@ -36,7 +36,7 @@ impl Validator<'_> {
             );
         }
         let default = Pace::new(rate);
-        let pace = Pace {
+        let mut pace = Pace {
             burst: self.count(
                 &format!("{path}.burst"),
                 d.burst,
@@ -106,6 +106,8 @@ impl Validator<'_> {
                 default.max_keys,
                 1..=MAX_KEYS,
             ),
+            // Set below, once max_keys is known.
+            max_keys_per_client: 0,
             key_idle: self.duration(
                 &format!("{path}.key_idle"),
                 d.key_idle,
@@ -114,6 +116,17 @@ impl Validator<'_> {
             ),
             total_rate: d.total_rate,
             rate,
+        };
+        pace.max_keys_per_client = match d.max_keys_per_client {
+            None => (pace.max_keys / 2).max(1),
+            Some(n) if (1..=pace.max_keys).contains(&n) => n,
+            Some(n) => {
+                self.push(
+                    &format!("{path}.max_keys_per_client"),
+                    format!("{n}: must be from 1 to max_keys ({})", pace.max_keys),
+                );
+                pace.max_keys
+            }
         };
         if let Some(total) = pace.total_rate {
             if pace.key.is_none() {

@@ -66,6 +66,7 @@ async fn route(p: &Pacer, host: &str, headers: &HeaderMap) -> Result<Route, Pace
         host,
         user: None,
         headers,
+        client: None,
     };
     p.keyed(p.destination("d").unwrap(), &asking).await
 }
@@ -307,6 +308,7 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
         host: "h",
         user: None,
         headers: &headers,
+        client: None,
     };
     let core = p
         .destination("d")
@@ -425,4 +427,72 @@ async fn in_shadow_mode_a_key_past_max_keys_is_counted_not_refused() {
         .shadow_refusals
         .with_label_values(&["d", "", "max_keys"]);
     assert_eq!(counted.get(), 1);
+}
+
+/// The route of a request with `authorization` from `client`, or as proxy user `user`.
+async fn route_from(
+    p: &Pacer,
+    authorization: &str,
+    client: &str,
+    user: Option<&str>,
+) -> Result<Route, PaceError> {
+    let headers = token(authorization);
+    let asking = Asking {
+        host: "h",
+        user,
+        headers: &headers,
+        client: Some(client.parse().unwrap()),
+    };
+    p.keyed(p.destination("d").unwrap(), &asking).await
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_client_makes_at_most_its_share_of_the_keys_and_leaves_room_for_the_others() {
+    let p = pacer(
+        Pace {
+            max_keys: 4,
+            max_keys_per_client: 2,
+            ..split(10.0, "header:authorization")
+        },
+        Arc::new(MemoryStore::ephemeral()),
+    )
+    .await;
+    tokio::spawn(p.clone().keep_keys());
+    // One client mints keys: two go, the third is refused, as a client of its own.
+    route_from(&p, "t1", "10.0.0.1", None).await.unwrap();
+    route_from(&p, "t2", "10.0.0.1", None).await.unwrap();
+    match route_from(&p, "t3", "10.0.0.1", None).await {
+        Err(PaceError::ClientKeys { client, limit, .. }) => {
+            assert_eq!((client.as_str(), limit), ("client 10.0.0.1", 2));
+        }
+        other => panic!("expected ClientKeys, got {other:?}"),
+    }
+    assert_eq!(
+        p.metrics
+            .keys_refused_client
+            .with_label_values(&["d", ""])
+            .get(),
+        1
+    );
+    // A key it made goes on; a key another made is no new key for it.
+    route_from(&p, "t1", "10.0.0.1", None).await.unwrap();
+    // Another client, and a proxy user from the same address, each have their own share.
+    route_from(&p, "t4", "10.0.0.2", None).await.unwrap();
+    route_from(&p, "t5", "10.0.0.1", Some("alice"))
+        .await
+        .unwrap();
+    route_from(&p, "t2", "10.0.0.2", None).await.unwrap();
+    // The budget is full (4 keys): max_keys says so, whoever asks.
+    assert!(matches!(
+        route_from(&p, "t6", "10.0.0.3", None).await,
+        Err(PaceError::TooManyKeys { .. })
+    ));
+    // Once the first client's keys idle out, it may make as many again.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    route_from(&p, "t7", "10.0.0.1", None)
+        .await
+        .expect("room made");
+    route_from(&p, "t8", "10.0.0.1", None)
+        .await
+        .expect("room made");
 }
