@@ -479,7 +479,7 @@ pub struct Pace {
     pub max_keys: usize,
     /// The most of those keys one client (its proxy user, else its address) may have made:
     /// one client minting keys cannot take every place and refuse every new tenant. Default
-    /// half of `max_keys`.
+    /// half of `max_keys`, and never under 100 (or `max_keys`, where that is less).
     pub max_keys_per_client: usize,
     /// How long a key's budget is kept after its last request. Default 10 min.
     #[serde(with = "humantime_serde")]

@@ -775,12 +775,23 @@ fn values_that_would_make_the_proxy_unusable_are_refused() {
 #[test]
 fn a_client_s_share_of_the_keys_defaults_to_half_and_stays_within_max_keys() {
     let c = parse(&format!(
-        "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = 101\n[destinations.b]\nhosts = [\"b.example\"]\nrate = 1\nkey = \"host\"\nmax_keys_per_client = 7\n"
+        "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = 1001\n[destinations.b]\nhosts = [\"b.example\"]\nrate = 1\nkey = \"host\"\nmax_keys_per_client = 7\n"
     ))
     .unwrap();
     let by = |name: &str| c.destinations.iter().find(|d| d.name == name).unwrap();
-    assert_eq!(by("a").pace.max_keys_per_client, 50);
+    assert_eq!(by("a").pace.max_keys_per_client, 500);
     assert_eq!(by("b").pace.max_keys_per_client, 7);
+    // Never under 100, or all of them where fewer.
+    for (max_keys, share) in [(150, 100), (2, 2), (100, 100), (10_000, 5_000)] {
+        let c = parse(&format!(
+            "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = {max_keys}\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.destinations[0].pace.max_keys_per_client, share,
+            "{max_keys}"
+        );
+    }
     let err = parse(&format!(
         "{MINIMAL}\n[destinations.a]\nhosts = [\"a.example\"]\nrate = 1\nkey = \"host\"\nmax_keys = 10\nmax_keys_per_client = 11\n"
     ))

@@ -118,7 +118,9 @@ impl Validator<'_> {
             rate,
         };
         pace.max_keys_per_client = match d.max_keys_per_client {
-            None => (pace.max_keys / 2).max(1),
+            // Half, but never under 100 (or all of them, where fewer): a budget of few keys
+            // is one client's as often as not.
+            None => (pace.max_keys / 2).max(pace.max_keys.min(100)),
             Some(n) if (1..=pace.max_keys).contains(&n) => n,
             Some(n) => {
                 self.push(
