@@ -112,10 +112,15 @@ impl Pacer {
                             key_idle: parent.keys().pace.key_idle,
                         });
                     }
-                    let maker: Arc<str> = Arc::from(maker());
+                    let maker = maker();
+                    let mut made_by = None;
                     if !maker.is_empty() {
                         let per_client = parent.keys().pace.max_keys_per_client;
                         let mut makers = parent.makers().expect("a budget's own lane").lock();
+                        // One name for all of a client's keys, not one each.
+                        let maker: Arc<str> = makers
+                            .get_key_value(maker.as_str())
+                            .map_or_else(|| Arc::from(maker.as_str()), |(name, _)| name.clone());
                         let made = makers.entry(maker.clone()).or_insert(0);
                         if *made >= per_client {
                             self.metrics
@@ -130,13 +135,10 @@ impl Pacer {
                             });
                         }
                         *made += 1;
+                        made_by = Some(maker);
                     }
                     // Its dispatcher starts with the first request to queue.
-                    let lane = Arc::new(Lane::key(
-                        parent,
-                        key,
-                        Some(maker).filter(|m| !m.is_empty()),
-                    ));
+                    let lane = Arc::new(Lane::key(parent, key, made_by));
                     children.insert(ByKey(lane.clone()));
                     lane
                 }
