@@ -229,7 +229,12 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         &config.upstream,
         AddressPolicy::of(&config, vec![proxy_addr, admin_addr]),
         tls::upstream_client_config(roots)?,
-    );
+    )
+    .with_stall(crate::upstream::stall::Stall {
+        after: config.proxy.limits.body_timeout,
+        cut: metrics.bodies_cut.with_label_values(&["upstream"]),
+        what: "upstream response",
+    });
 
     let shutdown = Shutdown::new();
     let gate = crate::server::Gate::new(&config.proxy.limits);

@@ -88,9 +88,7 @@ pub struct Proxy {
 /// The proxy's parts, and what it makes of them once.
 struct Inner {
     parts: ProxyParts,
-    /// `body_timeout` on the upstreams' response bodies.
-    upstream_stall: Stall,
-    /// `body_timeout` on the clients' request bodies.
+    /// `body_timeout` on the clients' request bodies (on responses: `Upstream::body`).
     client_stall: Arc<Stall>,
 }
 
@@ -196,14 +194,10 @@ impl Proxy {
             cut: parts.metrics.bodies_cut.with_label_values(&[reason]),
             what,
         };
-        let (upstream_stall, client_stall) = (
-            stall("upstream", "upstream response"),
-            Arc::new(stall("client", "client request")),
-        );
+        let client_stall = Arc::new(stall("client", "client request"));
         Self {
             inner: Arc::new(Inner {
                 parts,
-                upstream_stall,
                 client_stall,
             }),
             client: None,

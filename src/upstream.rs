@@ -417,6 +417,8 @@ pub struct Upstream {
     warm: Warm,
     connector: Connector,
     response_timeout: Duration,
+    /// `[proxy.limits] body_timeout` on response bodies, once set.
+    stall: Option<stall::Stall>,
 }
 
 impl Upstream {
@@ -437,6 +439,26 @@ impl Upstream {
             warm,
             connector,
             response_timeout: cfg.response_timeout,
+            stall: None,
+        }
+    }
+
+    /// Cuts a response body that keeps its reader waiting as `stall` says.
+    pub fn with_stall(mut self, stall: stall::Stall) -> Self {
+        self.stall = Some(stall);
+        self
+    }
+
+    /// A response body as the client side serves it, boxed once: cut as the stall bound
+    /// says, where one is set.
+    pub fn body<B>(&self, body: B) -> ProxyBody
+    where
+        B: http_body::Body<Data = Bytes> + Unpin + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
+        match &self.stall {
+            Some(stall) => stall.bound(body),
+            None => body.map_err(Into::into).boxed(),
         }
     }
 

@@ -234,13 +234,14 @@ impl Pacer {
                     last_throttled = Some(Box::new(kept));
                     continue;
                 }
-                // The slot's concurrency permit and in-flight count last until the body is done.
+                // The slot's concurrency permit and in-flight count last until the body is
+                // done, or cut for stalling (`body_timeout`): boxed once, with both.
                 let (parts, body) = response.into_parts();
                 let body = body.map_frame(move |frame| {
                     let _held = &admission;
                     frame
                 });
-                return Ok(Response::from_parts(parts, body.boxed()));
+                return Ok(Response::from_parts(parts, upstream.body(body)));
             }
         }
     }

@@ -94,9 +94,7 @@ impl Proxy {
             let aimed = Aimed::At(target.host, target.port);
             let handled = match result {
                 Ok(response) => Handled {
-                    // An upstream that stops sending its body mid-way is cut, and what the
-                    // response holds (its slot's permit, its connection) let go.
-                    response: response.map(|body| self.inner.upstream_stall.bound(body)),
+                    response,
                     outcome: Outcome::Forwarded,
                     destination,
                     target: aimed,
@@ -118,8 +116,9 @@ impl Proxy {
             .inner
             .upstream
             .send(outgoing.into_request(), None, None)
-            .await?
-            .map(crate::upstream::boxed);
+            .await?;
+        // Boxed once, and cut should it stall (`body_timeout`).
+        let response = response.map(|body| self.inner.upstream.body(body));
         self.inner
             .metrics
             .upstream_response(UNMATCHED, response.status());
