@@ -440,35 +440,6 @@ async fn nothing_goes_to_pacegates_own_listeners() {
             ),
             proxy.admin.port(),
         ),
-        // The unspecified address reaches the local host too, in every form.
-        (
-            format!(
-                "GET http://0.0.0.0:{0}/config HTTP/1.1\r\nHost: 0.0.0.0:{0}\r\n\r\n",
-                proxy.admin.port()
-            ),
-            proxy.admin.port(),
-        ),
-        (
-            format!(
-                "GET http://0:{0}/config HTTP/1.1\r\nHost: 0:{0}\r\n\r\n",
-                proxy.admin.port()
-            ),
-            proxy.admin.port(),
-        ),
-        (
-            format!(
-                "GET http://[::ffff:0.0.0.0]:{0}/config HTTP/1.1\r\nHost: x\r\n\r\n",
-                proxy.admin.port()
-            ),
-            proxy.admin.port(),
-        ),
-        (
-            format!(
-                "GET http://[::]:{0}/config HTTP/1.1\r\nHost: x\r\n\r\n",
-                proxy.admin.port()
-            ),
-            proxy.admin.port(),
-        ),
         (
             format!(
                 "CONNECT 0.0.0.0:{0} HTTP/1.1\r\nHost: 0.0.0.0:{0}\r\n\r\nPOST /reload HTTP/1.1\r\nHost: 127.0.0.1:{0}\r\nContent-Length: 0\r\n\r\n",
@@ -476,7 +447,16 @@ async fn nothing_goes_to_pacegates_own_listeners() {
             ),
             proxy.admin.port(),
         ),
-    ] {
+    ]
+    .into_iter()
+    // The unspecified address reaches the local host too, in every form.
+    .chain(["0.0.0.0", "0", "[::ffff:0.0.0.0]", "[::]"].map(|host| {
+        let port = proxy.admin.port();
+        let request =
+            format!("GET http://{host}:{port}/config HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n");
+        (request, port)
+    }))
+    {
         let answer = raw_exchange(proxy.addr, request.as_bytes(), Duration::from_secs(5)).await;
         assert!(answer.starts_with("HTTP/1.1 403"), "{request}: {answer}");
         assert!(

@@ -116,13 +116,9 @@ fn holds(what: &str, fleet: &Fleet, upstream: &FakeUpstream, answers: (usize, us
     );
 }
 
-/// The budget's row lost under load (`TRUNCATE pacegate_budgets`), twice: the instances
-/// still hold slots handed out from it, so the row comes back with its schedule after them,
-/// and pacing goes on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_budget_s_row_lost_under_load() {
-    let _alone = alone().await;
-    let upstream = FakeUpstream::start().await;
+/// A fresh postgres store's `[store]` section, and its database's URL, for a scenario that
+/// reaches into the database beside the instances.
+async fn store_and_url() -> (String, String) {
     let store = postgres_store().await;
     let url = store
         .lines()
@@ -130,6 +126,17 @@ async fn the_budget_s_row_lost_under_load() {
         .unwrap()
         .trim_matches('"')
         .to_owned();
+    (store, url)
+}
+
+/// The budget's row lost under load (`TRUNCATE pacegate_budgets`), twice: the instances
+/// still hold slots handed out from it, so the row comes back with its schedule after them,
+/// and pacing goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_s_row_lost_under_load() {
+    let _alone = alone().await;
+    let upstream = FakeUpstream::start().await;
+    let (store, url) = store_and_url().await;
     let fleet = Fleet::start(&store, &format!("rate = {RATE}")).await;
     fleet.see_shares(INSTANCES).await;
     let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
@@ -190,12 +197,7 @@ async fn with_a_relay() -> (Fleet, Relay) {
 async fn a_row_lock_held_elsewhere_only_delays_slots() {
     let _alone = alone().await;
     let upstream = FakeUpstream::start().await;
-    let store = postgres_store().await;
-    let url = store
-        .lines()
-        .find_map(|l| l.strip_prefix("url = "))
-        .unwrap();
-    let url = url.trim_matches('"').to_owned();
+    let (store, url) = store_and_url().await;
     let fleet = Fleet::start(&store, &format!("rate = {RATE}")).await;
     let load = Load::start(&fleet, &upstream);
     // Another connection takes the destination's row for 0.5 s, every 2.5 s.
