@@ -38,7 +38,7 @@
 //!   divide or refuse, lockout write-back, the shared state read back each heartbeat),
 //!   instances whose rules differ (`fleet::drift`).
 //! - [`store`]: the stores: `store::memory`, the embedded one (what survives a restart in
-//!   `memory::state_file`), and `store::postgres`, the
+//!   `memory::state_file`: a snapshot and a journal of what changed), and `store::postgres`, the
 //!   shared one (`sql`, `migrations`, `rows` apart, `typed`, which sends statements prepared
 //!   or, for a pooler in transaction mode, unnamed, `clock`, which places its slots on this
 //!   instance's clock, `reassert`, which puts what this instance knew back into a server
@@ -46,7 +46,8 @@
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached; the CA's files;
 //!   upstream roots.
 //! - [`upstream`]: the guarded connector (address policy), connections opened while a request
-//!   waits for its slot, and the pool of HTTP/1.1 and h2 connections requests are sent on.
+//!   waits for its slot, and the pool of HTTP/1.1 and h2 connections requests are sent on;
+//!   `upstream::stall` cuts a body, either way, that stops moving (`body_timeout`).
 //! - [`headers`]: hop-by-hop hygiene at both boundaries, and the one pass over a request's
 //!   names that finds which of those pacegate acts on are there; a leaf.
 //! - [`log`]: the log's writer (a buffer that a thread of its own writes every 100 ms) and
