@@ -7,16 +7,12 @@
 --
 -- A function's signature is kept for the binary of the release before, which may still run
 -- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time) and
--- pacegate_reserve_many (pacegate_reserve_slots without p_lead: every slot from the
+-- pacegate_reserve_slots (pacegate_reserve_batch without p_lost_hold: a lost row starts at
+-- "now") and pacegate_reserve_many (without p_lead either: every slot from the
 -- database's bare "now") are such functions.
 
 -- Functions of releases two or more back, which no running binary calls.
 DROP FUNCTION IF EXISTS pacegate_reserve(text, double precision, integer, double precision);
--- pacegate_reserve_slots before p_lost_hold, which no release called.
-DROP FUNCTION IF EXISTS pacegate_reserve_slots(text, double precision, integer,
-    double precision, text, double precision, double precision[], bigint[],
-    double precision[], double precision, integer[], integer[], double precision[],
-    double precision[], boolean, bigint, integer, double precision, double precision);
 DROP FUNCTION IF EXISTS pacegate_record(text, text, bigint, double precision, double precision,
     double precision, integer, double precision, integer, text, text);
 DROP FUNCTION IF EXISTS pacegate_reserve_for(text, double precision, integer, double precision,
@@ -231,7 +227,7 @@ $$;
 -- once, the sends in one INSERT, so a batch costs the database one statement.
 -- p_max_late is budget::Rule::quota_margin: the lateness a slot may still be sent with plus
 -- its way to the upstream (the name stays: CREATE OR REPLACE cannot rename a parameter).
-CREATE OR REPLACE FUNCTION pacegate_reserve_slots(
+CREATE OR REPLACE FUNCTION pacegate_reserve_batch(
     p_destination text,
     p_interval double precision,
     p_burst integer,
@@ -499,6 +495,45 @@ BEGIN
 END
 $$;
 
+-- The release before does not tell a lost row from a new one: it starts at "now".
+CREATE OR REPLACE FUNCTION pacegate_reserve_slots(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint,
+    p_most integer,
+    p_horizon double precision,
+    p_lead double precision
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    more timestamptz[]
+) LANGUAGE sql AS $$
+    SELECT * FROM pacegate_reserve_batch(p_destination, p_interval, p_burst, p_not_after,
+        p_instance, p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes,
+        p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, p_lead, 0)
+$$;
+
 -- The release before asks without a lead: its slots start from the database's bare "now".
 CREATE OR REPLACE FUNCTION pacegate_reserve_many(
     p_destination text,
@@ -532,7 +567,7 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_many(
     lock_instance text,
     more timestamptz[]
 ) LANGUAGE sql AS $$
-    SELECT * FROM pacegate_reserve_slots(p_destination, p_interval, p_burst, p_not_after,
+    SELECT * FROM pacegate_reserve_batch(p_destination, p_interval, p_burst, p_not_after,
         p_instance, p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes,
         p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, 0, 0)
 $$;
@@ -570,7 +605,7 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_for(
 ) LANGUAGE sql AS $$
     SELECT r.outcome, r.slot, r.db_now, r.generation, r.class, r.backoff, r.lock_since,
         r.lock_status, r.lock_request, r.lock_instance
-    FROM pacegate_reserve_slots(p_destination, p_interval, p_burst, p_not_after, p_instance,
+    FROM pacegate_reserve_batch(p_destination, p_interval, p_burst, p_not_after, p_instance,
         p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes, p_counts,
         p_oldest, p_next, p_tell, p_reserve, 1, 0, 0, 0) AS r
 $$;

@@ -357,7 +357,7 @@ impl Store for PostgresStore {
             let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
             let at = |slot: Option<SystemTime>| {
                 slot.map(|s| clock.local(s)).ok_or_else(|| {
-                    StoreError::Refused("pacegate_reserve_slots returned no slot".into())
+                    StoreError::Refused("pacegate_reserve_batch returned no slot".into())
                 })
             };
             match outcome {
@@ -409,7 +409,7 @@ impl Store for PostgresStore {
                     }
                 }
                 other => Err(ReserveError::Store(StoreError::Refused(format!(
-                    "pacegate_reserve_slots answered `{other}`"
+                    "pacegate_reserve_batch answered `{other}`"
                 )))),
             }
         })

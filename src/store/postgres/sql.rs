@@ -38,7 +38,7 @@ pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
 /// paced before was lost, and its schedule starts `$20` seconds from now (`LOST_ROW_HOLD`).
 pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
-    FROM pacegate_reserve_slots($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)";
+    FROM pacegate_reserve_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)";
 /// Slots handed out without the store (`budget::Store::continue_after`): each budget `$1[i]`
 /// continues no earlier than `$2[i]` seconds from now, created if missing. One statement
 /// whatever the number, and a round trip even with none.
