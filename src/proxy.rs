@@ -189,12 +189,11 @@ impl Handled {
 impl Proxy {
     /// Builds the service.
     pub fn new(parts: ProxyParts) -> Self {
-        let stall = |reason: &str, what| Stall {
+        let client_stall = Arc::new(Stall {
             after: parts.limits.body_timeout,
-            cut: parts.metrics.bodies_cut.with_label_values(&[reason]),
-            what,
-        };
-        let client_stall = Arc::new(stall("client", "client request"));
+            cut: parts.metrics.bodies_cut.with_label_values(&["client"]),
+            what: "client request",
+        });
         Self {
             inner: Arc::new(Inner {
                 parts,
