@@ -192,9 +192,11 @@ fn no_valid_config_panics_at_start_or_on_any_verdict() {
         })
         .unwrap();
     // Drawn from the edges, most configs are refused; enough must pass to mean something.
+    // About a fifth pass (42 to 64 of 256 over runs): a tenth is four and a half standard
+    // deviations under that, so a random draw does not fail the suite.
     let (valid, cases) = (valid.get(), cases.get());
     assert!(
-        valid * 6 >= cases,
+        valid * 10 >= cases,
         "only {valid} of {cases} configs were valid"
     );
     eprintln!("{valid} of {cases} configs were valid");

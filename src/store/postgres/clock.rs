@@ -21,7 +21,8 @@
 //! their paths' asymmetries.
 //!
 //! The store places a slot no earlier than its "now" plus [`DbClock::lead`]: the time its
-//! answers take from the database's reading of the clock to their arrival here, smoothed. A
+//! answers take from the database's reading of the clock to their arrival here, smoothed,
+//! plus twice how far they stray from that (a commit's log flush that stalls now and then). A
 //! slot at the database's bare "now" would reach the instance half a
 //! round trip old, and a store farther away than the interval would grant only slots too late
 //! to use. Under load the slots lie ahead anyway; the lead costs a lone request that time.
@@ -61,11 +62,22 @@ struct State {
     /// How long answers take from the database's clock reading to their arrival here,
     /// smoothed, in nanoseconds.
     back: Option<f64>,
+    /// How far answers' ways back stray from `back`, smoothed, in nanoseconds.
+    stray: f64,
 }
 
 /// How much of each new answer's way back the smoothed one takes in (as TCP smooths its
 /// round trip, RFC 6298).
 const SMOOTHING: f64 = 0.125;
+
+/// How much of each new answer's stray from the smoothed way back the smoothed stray takes in
+/// (RFC 6298's β).
+const STRAY_SMOOTHING: f64 = 0.25;
+
+/// How many smoothed strays the lead adds to the smoothed way back: a commit that stalls on
+/// its log flush now and then (a busy disk) would otherwise bring its slot late beyond
+/// `max_late`, and a dropped slot costs the destination its rate.
+const STRAYS: f64 = 2.0;
 
 /// The longest lead asked for: a store this far away is not one to pace on.
 pub(super) const MAX_LEAD: Duration = Duration::from_secs(1);
@@ -145,6 +157,9 @@ impl DbClock {
         let middle = (narrowed.lower + narrowed.upper) / 2;
         // This answer's way back: from the database's reading, placed by the middle, to here.
         let back = (seen.upper - middle).max(0) as f64;
+        if let Some(b) = state.back {
+            state.stray += STRAY_SMOOTHING * ((back - b).abs() - state.stray);
+        }
         state.back = Some(state.back.map_or(back, |b| b + SMOOTHING * (back - b)));
         Reading {
             base: self.base,
@@ -154,13 +169,15 @@ impl DbClock {
     }
 
     /// How far after its "now" the store places a slot for this instance, so that it arrives
-    /// here about when it is due: the time answers take to come back, smoothed, at most
+    /// here about when it is due: the time answers take to come back, smoothed, and twice
+    /// how far they stray from that (as TCP sets its timeout, RFC 6298), at most
     /// [`MAX_LEAD`]. An answer slower than that arrives late by the difference, which the
     /// lateness check allows up to [`crate::budget::Rule::max_late`], as next to the store.
     /// Zero before any answer.
     pub(super) fn lead(&self) -> Duration {
-        self.state.lock().back.map_or(Duration::ZERO, |b| {
-            Duration::from_nanos(b.max(0.0) as u64).min(MAX_LEAD)
+        let state = self.state.lock();
+        state.back.map_or(Duration::ZERO, |b| {
+            Duration::from_nanos((b + STRAYS * state.stray).max(0.0) as u64).min(MAX_LEAD)
         })
     }
 
@@ -318,6 +335,21 @@ mod tests {
                     "a store {one_way:?} away, commits {commits:?}: a slot arrived {late:?} late"
                 );
             }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_commit_that_stalls_now_and_then_brings_no_slot_late() {
+        let max_late = 2 * MS;
+        // Every fourth log flush stalls for 4 ms (a busy disk): the smoothed way back alone
+        // would bring those slots 2.6 ms late.
+        let stalling = [MS / 2, MS / 2, MS / 2, 4 * MS];
+        for one_way in [MS, 25 * MS, 50 * MS] {
+            let late = latest_arrival(one_way, &stalling);
+            assert!(
+                late <= max_late,
+                "a store {one_way:?} away, commits {stalling:?}: a slot arrived {late:?} late"
+            );
         }
     }
 
