@@ -173,11 +173,15 @@ impl DbClock {
     /// how far they stray from that (as TCP sets its timeout, RFC 6298), at most
     /// [`MAX_LEAD`]. An answer slower than that arrives late by the difference, which the
     /// lateness check allows up to [`crate::budget::Rule::max_late`], as next to the store.
+    /// The margin for strays is at most half the quickest round trip: a lone request waits
+    /// for it, and should wait about one round trip to the store, however jittery the path.
     /// Zero before any answer.
     pub(super) fn lead(&self) -> Duration {
         let state = self.state.lock();
         state.back.map_or(Duration::ZERO, |b| {
-            Duration::from_nanos((b + STRAYS * state.stray).max(0.0) as u64).min(MAX_LEAD)
+            let one_way = state.quickest.unwrap_or_default().as_nanos() as f64 / 2.0;
+            let margin = (STRAYS * state.stray).min(one_way);
+            Duration::from_nanos((b + margin).max(0.0) as u64).min(MAX_LEAD)
         })
     }
 
@@ -342,9 +346,10 @@ mod tests {
     async fn a_commit_that_stalls_now_and_then_brings_no_slot_late() {
         let max_late = 2 * MS;
         // Every fourth log flush stalls for 4 ms (a busy disk): the smoothed way back alone
-        // would bring those slots 2.6 ms late.
+        // would bring those slots 2.6 ms late. (A store 1 ms away gets a margin of half a
+        // millisecond at most: not enough for stalls of 4 ms.)
         let stalling = [MS / 2, MS / 2, MS / 2, 4 * MS];
-        for one_way in [MS, 25 * MS, 50 * MS] {
+        for one_way in [5 * MS, 25 * MS, 50 * MS] {
             let late = latest_arrival(one_way, &stalling);
             assert!(
                 late <= max_late,
