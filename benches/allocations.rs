@@ -9,6 +9,12 @@
 //! Run: `cargo bench --bench allocations 2>/dev/null` (the request log goes to stderr).
 //! Figures are recorded in docs/benchmarks.md.
 
+#![allow(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "measures real time, across processes and threads of its own; clippy.toml's rules are the library's"
+)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

@@ -13,6 +13,12 @@
 //! Run: `cargo bench --bench keys`. Uses `PACEGATE_TEST_DATABASE_URL` when set, else a
 //! throwaway cluster. Under `cargo test` it runs a short smoke version of each part.
 
+#![allow(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "measures real time, across processes and threads of its own; clippy.toml's rules are the library's"
+)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

@@ -5,6 +5,12 @@
 //! Run: `cargo bench --bench pacing_precision` (250 requests). Under `cargo test` it runs a
 //! short smoke version. Figures are recorded in docs/benchmarks.md.
 
+#![allow(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "measures real time, across processes and threads of its own; clippy.toml's rules are the library's"
+)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

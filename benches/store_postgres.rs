@@ -9,6 +9,12 @@
 //! else starts a throwaway cluster from the local PostgreSQL binaries. Under `cargo test` it
 //! runs a short smoke version. Figures are recorded in docs/benchmarks.md.
 
+#![allow(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "measures real time, across processes and threads of its own; clippy.toml's rules are the library's"
+)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

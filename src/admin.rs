@@ -315,6 +315,7 @@ impl Admin {
 
     /// Serves until `stop` is cancelled.
     pub async fn serve(self, listener: TcpListener, stop: CancellationToken) {
+        // The status page's history; ends with `stop`.
         tokio::spawn(self.history.clone().keep(self.pacer.clone(), stop.clone()));
         let Ok(local) = listener.local_addr() else {
             tracing::error!("the admin listener has no address");
@@ -342,6 +343,8 @@ impl Admin {
             let stop = stop.clone();
             let at = Arc::new(Peers { peer, local });
             let watch = Watch::new(&limits);
+            // One admin connection, owned by its slot: it ends with the connection, which
+            // its deadlines (`Watch`) bound and `stop` closes.
             tokio::spawn(async move {
                 let _slot = slot;
                 let requests = watch.clone();
@@ -463,6 +466,8 @@ pub async fn call(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| http(e.to_string()))?;
+    // The CLI's one connection to an admin listener: ends once the answer is read and the
+    // sender dropped.
     tokio::spawn(conn);
     let mut req = Request::builder()
         .method(method)

@@ -465,6 +465,10 @@ mod tests {
     }
 
     #[test]
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the writer is a thread of its own: waited for on the real clock"
+    )]
     fn lines_are_written_within_a_tick_and_all_of_them_at_the_end() {
         let sink = Sink::default();
         let (mut writer, guard) = buffered(sink.clone());

@@ -373,7 +373,7 @@ impl Pacer {
         Ok(())
     }
 
-    /// Starts `lane`'s dispatcher.
+    /// Starts `lane`'s dispatcher. Owned by the pacer: it ends with the pacer's `stop`.
     fn dispatch(&self, lane: &Arc<Lane>) {
         tokio::spawn(dispatch::dispatch(
             lane.clone(),

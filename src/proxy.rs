@@ -10,7 +10,7 @@ mod peek;
 pub mod respond;
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
@@ -110,6 +110,10 @@ impl crate::server::Handler for Proxy {
 
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         self.refuse_busy(&req)
+    }
+
+    fn refuse_connection(&self, why: crate::server::Refused) -> Vec<u8> {
+        ProxyError::from(why).to_closing_bytes()
     }
 
     fn for_peer(&self, peer: std::net::SocketAddr) -> Self {

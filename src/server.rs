@@ -43,10 +43,25 @@ pub trait Handler: Clone + Send + Sync + 'static {
     ) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'static;
     /// Answers, at once, a request that finds `max_requests` in flight already.
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody>;
+    /// The answer, as bytes that close the connection, to a connection refused before
+    /// anything is read from it.
+    fn refuse_connection(&self, why: Refused) -> Vec<u8>;
     /// The handler for the requests of a connection from `peer`.
     fn for_peer(&self, _peer: std::net::SocketAddr) -> Self {
         self.clone()
     }
+}
+
+/// Why a connection is refused before anything is read from it.
+#[derive(Debug, Clone, Copy)]
+pub enum Refused {
+    /// Its address is outside `[proxy] clients`.
+    Client,
+    /// `max_connections` client connections are open already.
+    Connections {
+        /// The limit.
+        limit: usize,
+    },
 }
 
 /// The requests in flight over every connection and intercepted session (`max_requests`):
@@ -296,13 +311,16 @@ pub async fn serve<H: Handler>(
             if !allowed.iter().any(|net| net.contains(&source)) {
                 metrics.clients_refused.inc();
                 tracing::info!(%peer, "refused a client outside [proxy] clients");
-                tokio::spawn(refuse_client(stream));
+                shutdown.spawn(refuse(stream, handler.refuse_connection(Refused::Client)));
                 continue;
             }
         }
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             metrics.connections_rejected.inc();
-            tokio::spawn(refuse_overloaded(stream, limits.max_connections));
+            let answer = handler.refuse_connection(Refused::Connections {
+                limit: limits.max_connections,
+            });
+            shutdown.spawn(refuse(stream, answer));
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -338,27 +356,9 @@ pub async fn serve<H: Handler>(
     tracing::info!("proxy listener closed");
 }
 
-/// The answer to a connection from outside `[proxy] clients`, written before anything is read.
-async fn refuse_client(mut stream: TcpStream) {
-    let details = "pacegate does not serve this client address ([proxy] clients); ask its operator to add your network";
-    let body = format!("pacegate: {details}\n");
-    let head = format!(
-        "HTTP/1.1 403 Forbidden\r\nProxy-Status: pacegate; error=http_request_denied; details=\"{details}\"\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(head.as_bytes())).await;
-}
-
-async fn refuse_overloaded(mut stream: TcpStream, limit: usize) {
-    let details = format!(
-        "pacegate has {limit} client connections open (proxy.limits.max_connections); retry shortly or raise the limit"
-    );
-    let body = format!("pacegate: {details}\n");
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\nProxy-Status: pacegate; error=connection_limit_reached; details=\"{details}\"\r\nRetry-After: 1\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(head.as_bytes())).await;
+/// Writes `answer` to a connection refused before anything is read, and closes it.
+async fn refuse(mut stream: TcpStream, answer: Vec<u8>) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&answer)).await;
 }
 
 #[cfg(test)]

@@ -203,17 +203,20 @@ impl AddressPolicy {
             .map_or(self.allow_private, |(_, allow)| *allow)
     }
 
-    /// Whether `addr` is one of pacegate's own listeners: the same port on the same address,
-    /// or on any loopback one when the listener is loopback or unspecified, or on the
-    /// unspecified address (`0.0.0.0`, `::`, mapped or not), which a connect on Linux takes
-    /// to mean this host, whatever address the listener is on.
+    /// Whether `addr` is one of pacegate's own listeners: the same port on the same address
+    /// (mapped or not), or on any loopback one when the listener is on the unspecified
+    /// address, or on the unspecified address (`0.0.0.0`, `::`, mapped or not), which a
+    /// connect on Linux takes to mean this host, whatever address the listener is on. A
+    /// listener on 127.0.0.1 is not reached through 127.0.0.2: an upstream may listen there
+    /// on the same port.
     fn is_own(&self, addr: SocketAddr) -> bool {
         let ip = addr.ip().to_canonical();
         self.own.iter().any(|own| {
+            let mine = own.ip().to_canonical();
             own.port() == addr.port()
-                && (own.ip() == addr.ip()
+                && (mine == ip
                     || ip.is_unspecified()
-                    || ((own.ip().is_unspecified() || own.ip().is_loopback()) && ip.is_loopback()))
+                    || (mine.is_unspecified() && ip.is_loopback()))
         })
     }
 }
@@ -609,6 +612,32 @@ fn clone_connect_error(e: &ConnectError) -> ConnectError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_listeners_are_the_addresses_that_reach_them_and_no_other() {
+        let own = |at: &str| AddressPolicy {
+            own: vec![at.parse().unwrap()],
+            ..AddressPolicy::default()
+        };
+        let loopback = own("127.0.0.1:4000");
+        for reaching in [
+            "127.0.0.1:4000",
+            "[::ffff:127.0.0.1]:4000",
+            "0.0.0.0:4000",
+            "[::]:4000",
+        ] {
+            assert!(loopback.is_own(reaching.parse().unwrap()), "{reaching}");
+        }
+        // Another loopback address, or another port, is another socket: an upstream's.
+        for elsewhere in ["127.0.0.2:4000", "[::1]:4000", "127.0.0.1:4001"] {
+            assert!(!loopback.is_own(elsewhere.parse().unwrap()), "{elsewhere}");
+        }
+        // A listener on every address is reached through any loopback one.
+        let everywhere = own("0.0.0.0:4000");
+        for reaching in ["127.0.0.2:4000", "[::1]:4000", "0.0.0.0:4000"] {
+            assert!(everywhere.is_own(reaching.parse().unwrap()), "{reaching}");
+        }
+    }
 
     #[test]
     fn private_and_special_addresses_are_forbidden() {

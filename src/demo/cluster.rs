@@ -195,6 +195,10 @@ impl Cluster {
     }
 
     /// Waits up to 30 s for `sql` to answer true.
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "a blocking thread's wait for a child process, off every runtime"
+    )]
     fn wait_for(&self, sql: &str) -> Result<(), ClusterError> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
@@ -365,6 +369,10 @@ impl Cluster {
 }
 
 impl Drop for Cluster {
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "dropped on a blocking thread (see `demo`), waiting for child processes"
+    )]
     fn drop(&mut self) {
         let running = self.pids();
         let _ = self.down();

@@ -146,6 +146,8 @@ impl Pacer {
         let lane = route.lane.clone();
         let pacer = self.clone();
         let stand_in = lane.clone();
+        // Shadow mode's stand-in, owned by the request's admission it counts for: it ends
+        // with its slot, or at the request's deadline.
         tokio::spawn(async move {
             let started = Instant::now();
             let name = stand_in.label();
@@ -291,6 +293,10 @@ impl Pacer {
 /// a slot due already by `now`, the reading it was taken at (most are), is not waited for.
 // Not an `async fn`: the spin is done before the future is made, which is then the clock's
 // reading, or (rarely) the timer's wait, boxed (see `Pacer::enter`).
+#[expect(
+    clippy::disallowed_methods,
+    reason = "the spin's own bound is real time: a paused clock does not move while it spins"
+)]
 fn until(at: Instant, now: Instant) -> impl Future<Output = Instant> + Send {
     const SPIN: Duration = Duration::from_micros(100);
     if now >= at {
@@ -309,5 +315,37 @@ fn until(at: Instant, now: Instant) -> impl Future<Output = Instant> + Send {
             }));
         }
         std::hint::spin_loop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_slot_due_already_is_not_waited_for() {
+        let now = Instant::now();
+        assert_eq!(until(now - Duration::from_millis(1), now).await, now);
+        assert_eq!(until(now, now).await, now);
+    }
+
+    /// The slot a take hands out at most `store::memory::NEAR` ahead: spun for on the real
+    /// clock, never returned before it.
+    #[tokio::test]
+    async fn a_slot_a_moment_ahead_is_spun_for_and_never_returned_early() {
+        for _ in 0..100 {
+            let now = Instant::now();
+            let at = now + Duration::from_micros(10);
+            let reading = until(at, now).await;
+            assert!(reading >= at, "{:?} before its slot", at - reading);
+        }
+    }
+
+    /// On a paused clock the spin cannot end: it hands over to the timer after its bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_that_does_not_move_hands_over_to_the_timer() {
+        let now = Instant::now();
+        let at = now + Duration::from_millis(3);
+        assert_eq!(until(at, now).await, at);
     }
 }

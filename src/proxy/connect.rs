@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::{Request, Response};
 use http_body_util::{BodyExt, Empty};
@@ -15,6 +15,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 use tokio::time::Instant as Deadline;
 use tokio_rustls::TlsAcceptor;
 
@@ -346,5 +347,9 @@ impl Handler for Session {
 
     fn refuse_busy(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         self.proxy.refuse_busy(&req)
+    }
+
+    fn refuse_connection(&self, why: crate::server::Refused) -> Vec<u8> {
+        ProxyError::from(why).to_closing_bytes()
     }
 }

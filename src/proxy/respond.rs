@@ -12,6 +12,7 @@ use http_body_util::{BodyExt, Full};
 
 use crate::class::UnknownClass;
 use crate::pacing::{ExchangeError, PaceError};
+use crate::server::Refused;
 use crate::upstream::{ConnectError, ProxyBody, UpstreamError};
 
 /// How a request ended, for the `outcome` metric label and the canonical log line.
@@ -153,9 +154,28 @@ pub enum ProxyError {
         /// The limit.
         limit: usize,
     },
+    /// The client's address is outside `[proxy] clients`: refused before anything is read.
+    #[error("this client address is outside [proxy] clients; ask pacegate's operator to add your network")]
+    ClientRefused,
+    /// As many client connections as `proxy.limits.max_connections` allows were open
+    /// already: refused before anything is read.
+    #[error("pacegate has {limit} client connections open (proxy.limits.max_connections); retry shortly or raise the limit")]
+    TooManyConnections {
+        /// The limit.
+        limit: usize,
+    },
     /// The request names a class that is not configured.
     #[error("{0}: name one of them in the Pacegate-Class header or the proxy URL's user name (http://CLASS@host:port), or none for the default")]
     UnknownClass(UnknownClass),
+}
+
+impl From<Refused> for ProxyError {
+    fn from(why: Refused) -> Self {
+        match why {
+            Refused::Client => Self::ClientRefused,
+            Refused::Connections { limit } => Self::TooManyConnections { limit },
+        }
+    }
 }
 
 impl From<ExchangeError> for ProxyError {
@@ -215,15 +235,14 @@ impl ProxyError {
             Self::Unmatched { .. }
             | Self::PortRefused { .. }
             | Self::UnmatchedPortRefused { .. }
-            | Self::ClassNotAllowed { .. } => {
-                (S::FORBIDDEN, "http_request_denied", Outcome::Denied)
-            }
+            | Self::ClassNotAllowed { .. }
+            | Self::ClientRefused => (S::FORBIDDEN, "http_request_denied", Outcome::Denied),
             Self::UpgradeUnsupported { .. } => (
                 S::NOT_IMPLEMENTED,
                 "http_upgrade_failed",
                 Outcome::UpgradeRefused,
             ),
-            Self::Busy { .. } => (
+            Self::Busy { .. } | Self::TooManyConnections { .. } => (
                 S::SERVICE_UNAVAILABLE,
                 "connection_limit_reached",
                 Outcome::Busy,
@@ -342,9 +361,9 @@ impl ProxyError {
             Self::Paced(PaceError::Deadline { retry_after, .. }) => {
                 Some(retry_after_secs(*retry_after))
             }
-            Self::Paced(PaceError::Store(_) | PaceError::ShuttingDown) | Self::Busy { .. } => {
-                Some(1)
-            }
+            Self::Paced(PaceError::Store(_) | PaceError::ShuttingDown)
+            | Self::Busy { .. }
+            | Self::TooManyConnections { .. } => Some(1),
             // A key makes room once one idles out; the sweep runs at least every minute.
             Self::Paced(
                 PaceError::TooManyKeys { key_idle, .. } | PaceError::ClientKeys { key_idle, .. },
@@ -363,6 +382,31 @@ impl ProxyError {
             }
         }
         resp
+    }
+}
+
+impl ProxyError {
+    /// The response as HTTP/1.1 bytes that close the connection: for a connection refused
+    /// before a request is read, written to its socket rather than served by hyper.
+    pub fn to_closing_bytes(&self) -> Vec<u8> {
+        let resp = self.to_response();
+        let body = format!("pacegate: {self}\n");
+        let mut out = format!("HTTP/1.1 {}\r\n", resp.status()).into_bytes();
+        for (name, value) in resp.headers() {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(
+            format!(
+                "content-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
+        out.extend_from_slice(body.as_bytes());
+        out
     }
 }
 

@@ -30,7 +30,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::warm::{Key, Warm};
+use super::warm::{Key, NoConnectionInTime, Warm};
 use super::{BoxError, ConnectError, ProxyBody};
 
 /// The shortest period between two looks for expired idle connections.
@@ -67,6 +67,8 @@ struct Shared {
     idle_timeout: Duration,
     /// The most idle HTTP/1.1 connections kept for one upstream.
     max_idle: usize,
+    /// The line of requests opening a connection, per upstream that may speak h2.
+    connecting: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>, ahash::RandomState>>,
     /// Whether the task that closes expired idle connections runs (started with the first
     /// connection handed back: the pool may be made outside a runtime).
     reaping: AtomicBool,
@@ -77,6 +79,7 @@ impl Pool {
         Self {
             shared: Arc::new(Shared {
                 idle: Mutex::default(),
+                connecting: Mutex::default(),
                 idle_timeout,
                 max_idle,
                 reaping: AtomicBool::new(false),
@@ -100,10 +103,7 @@ impl Pool {
             let (conn, reused) = match self.checkout(&key) {
                 Some(conn) => (conn, true),
                 // Boxed: a new connection's handshakes are a large future, and rare.
-                None => (
-                    Box::pin(self.connect(warm, &key, uri.clone(), by)).await?,
-                    false,
-                ),
+                None => Box::pin(self.connect_one(warm, &key, uri.clone(), by)).await?,
             };
             let sent = match conn {
                 Conn::H1(mut sender) => {
@@ -170,6 +170,39 @@ impl Pool {
         found
     }
 
+    /// A connection for a request that found none idle, and whether it was taken from the
+    /// pool after all. To an upstream that speaks h2, or may (https, none open), connections
+    /// are opened one at a time: a request that comes meanwhile waits for the one being
+    /// opened and shares it if it is h2 (hyper-util's pool holds the same lock), rather
+    /// than open one of its own. Once the upstream is known to speak HTTP/1.1 no one waits.
+    async fn connect_one(
+        &self,
+        warm: &Warm,
+        key: &Key,
+        uri: Uri,
+        by: Option<tokio::time::Instant>,
+    ) -> Result<(Conn, bool), BoxError> {
+        if warm.speaks_h2(key) == Some(false) {
+            return Ok((self.connect(warm, key, uri, by).await?, false));
+        }
+        let turn = Turn::take(&self.shared, key);
+        let held = match by {
+            Some(by) => tokio::time::timeout_at(by, turn.lock.clone().lock_owned())
+                .await
+                .map_err(|_| NoConnectionInTime)?,
+            None => turn.lock.clone().lock_owned().await,
+        };
+        if let Some(conn) = self.checkout(key) {
+            return Ok((conn, true));
+        }
+        if warm.speaks_h2(key) == Some(false) {
+            // Learned meanwhile: the next in line need not wait for this one's handshakes.
+            drop(held);
+            drop(turn);
+        }
+        Ok((self.connect(warm, key, uri, by).await?, false))
+    }
+
     /// Opens a connection (see [`Warm::connection`]) and speaks HTTP/1.1 or h2 on it, as its
     /// TLS handshake chose; an h2 one is kept for every request to its upstream.
     async fn connect(
@@ -185,6 +218,8 @@ impl Pool {
                 .timer(TokioTimer::new())
                 .handshake(io)
                 .await?;
+            // Drives the connection; owned by its senders (the pool's and the requests'), it
+            // ends once the last is dropped and its streams are done, or the upstream closes.
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!("upstream h2 connection ended: {e}");
@@ -205,6 +240,8 @@ impl Pool {
             Ok(Conn::H2(sender))
         } else {
             let (mut sender, conn) = http1::Builder::new().handshake(io).await?;
+            // Drives the connection; ends when its sender is dropped (by the request, the
+            // pool's bound or the reaper) or the upstream closes it.
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!("upstream connection ended: {e}");
@@ -223,6 +260,8 @@ impl Pool {
             return;
         }
         let shared = Arc::downgrade(&self.shared);
+        // Owned by the response's body: ends when the body is read to its end (the
+        // connection is then ready) or dropped (an error).
         tokio::spawn(async move {
             // An error: the upstream closed it, or the response was not read to its end.
             if sender.ready().await.is_ok() {
@@ -231,6 +270,37 @@ impl Pool {
                 }
             }
         });
+    }
+}
+
+/// A request's place in line to open a connection to an upstream that may speak h2 (see
+/// [`Pool::connect_one`]). The line's entry goes with the last request in it.
+struct Turn<'a> {
+    shared: &'a Shared,
+    key: &'a Key,
+    lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl<'a> Turn<'a> {
+    fn take(shared: &'a Shared, key: &'a Key) -> Self {
+        let lock = shared
+            .connecting
+            .lock()
+            .entry(key.clone())
+            .or_default()
+            .clone();
+        Self { shared, key, lock }
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let mut lines = self.shared.connecting.lock();
+        // The line's own reference and this one: no one else is in it (a guard on the lock
+        // holds a reference too, and is dropped first).
+        if Arc::strong_count(&self.lock) == 2 {
+            lines.remove(self.key);
+        }
     }
 }
 
@@ -256,6 +326,7 @@ impl Shared {
             return;
         }
         let every = self.idle_timeout.max(MIN_REAP);
+        // Owned by the pool: ends at the first tick after the pool is dropped.
         tokio::spawn(reap(Arc::downgrade(self), every));
     }
 

@@ -23,7 +23,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::uri::Authority;
 use http::Uri;
@@ -33,6 +33,7 @@ use hyper_util::client::legacy::connect::Connection;
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 use tower_service::Service;
 
 use super::{ConnectError, Connector};
@@ -147,14 +148,21 @@ impl Host {
     }
 
     /// Connections to open now for the requests in use and waiting, once `gone` of those
-    /// open are dropped.
-    fn short_after(&self, gone: usize) -> usize {
+    /// open are dropped. One at most while an https upstream has none open: it may answer
+    /// in h2, and then one connection serves every request.
+    fn short_after(&self, gone: usize, https: bool) -> usize {
         if self.h2 {
             return 0;
         }
+        let alive = self.alive.saturating_sub(gone);
         let want = self.requests.busy.load(Ordering::SeqCst)
             + self.requests.waiting.load(Ordering::SeqCst).min(AHEAD);
-        want.saturating_sub(self.alive.saturating_sub(gone) + self.opening)
+        let want = if https && alive == 0 {
+            want.min(1)
+        } else {
+            want
+        };
+        want.saturating_sub(alive + self.opening)
     }
 
     /// Takes the stashed connections too old to use out of the stash; the caller drops them
@@ -279,6 +287,16 @@ impl Warm {
         }
     }
 
+    /// Whether `key`'s upstream speaks h2, as its open connections' handshakes chose; `None`
+    /// for an https one with no connection open, whose handshake has yet to say.
+    pub(super) fn speaks_h2(&self, key: &Key) -> Option<bool> {
+        if !key.https {
+            return Some(false);
+        }
+        let hosts = self.shared.hosts.lock();
+        hosts.get(key).filter(|h| h.alive > 0).map(|h| h.h2)
+    }
+
     /// Connections opened ahead so far.
     pub fn opened_ahead(&self) -> u64 {
         self.shared
@@ -330,7 +348,7 @@ impl Warm {
             change(host);
             let stale = host.drain_stale(self.shared.ttl);
             // They still count as alive until they are dropped, after the lock.
-            let short = host.short_after(stale.len());
+            let short = host.short_after(stale.len(), key.https);
             host.opening += short;
             (stale, short, host.alive == 0)
         };
@@ -344,6 +362,7 @@ impl Warm {
             self.shared
                 .opened_ahead
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // Owned by the host's count (`opening`): ends within the connect timeout.
             tokio::spawn(async move { land(&hosts, &key, opening.await) });
         }
         cold
@@ -496,6 +515,7 @@ impl Warm {
                         // Not wasted: it goes on opening, into the stash, for the next slot.
                         host_of(&mut this.shared.hosts.lock(), &key).opening += 1;
                         let hosts = this.shared.hosts.clone();
+                        // As one opened ahead: ends within the connect timeout.
                         tokio::spawn(async move { land(&hosts, &key, connecting.await) });
                         return Err(NoConnectionInTime.into());
                     }

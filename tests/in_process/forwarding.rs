@@ -117,6 +117,36 @@ async fn requests_share_the_upstreams_h2_connection_and_reuse_its_http1_ones() {
     assert_eq!(upstream.connections(), 2, "one more, used in turn");
 }
 
+/// hyper-util's pool holds a connecting lock for an h2 upstream; pacegate's must too: a burst
+/// to an upstream never seen must not open a connection per request (or per request opened
+/// ahead) before it learns the upstream multiplexes one. Paced, the requests wait for the
+/// first connection opened ahead; in shadow mode they are sent at once, each asking the pool.
+#[tokio::test]
+async fn sixteen_requests_at_once_to_a_cold_h2_upstream_open_one_connection() {
+    for mode in ["", "mode = \"shadow\""] {
+        let upstream = FakeUpstream::start().await;
+        let proxy = TestProxy::start(
+            &upstream.ca.cert_path,
+            "",
+            &format!("[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n{mode}\n"),
+        )
+        .await;
+        let slow = format!("{}/sleep/100", upstream.https_url("localhost"));
+        let at_once = futures_util::future::join_all((0..16).map(|_| {
+            let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+            let url = slow.clone();
+            async move { via.get(&url).send().await.unwrap().status() }
+        }))
+        .await;
+        assert!(at_once.iter().all(|s| *s == 200), "{mode}: {at_once:?}");
+        assert_eq!(
+            upstream.connections(),
+            1,
+            "{mode}: one h2 connection from cold"
+        );
+    }
+}
+
 #[tokio::test]
 async fn h2_client_reaches_an_http1_only_upstream() {
     let upstream = FakeUpstream::start_with(false).await;

@@ -2,6 +2,12 @@
 //! pacing measured at the upstream, classes, what the vendor says, refusals, hostile clients,
 //! shutdown, plus the fuzz targets' short run and the module layering check.
 
+#![allow(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "measures real time, across processes and threads of its own; clippy.toml's rules are the library's"
+)]
+
 #[path = "../support/mod.rs"]
 mod support;
 

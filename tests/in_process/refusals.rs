@@ -345,7 +345,9 @@ async fn a_client_outside_the_allowed_networks_is_refused_and_counted() {
     let answer = raw_exchange(elsewhere.addr, request.as_bytes(), Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
     assert!(
-        answer.contains("Proxy-Status: pacegate; error=http_request_denied")
+        answer
+            .to_ascii_lowercase()
+            .contains("proxy-status: pacegate; error=http_request_denied")
             && answer.contains("[proxy] clients"),
         "{answer}"
     );

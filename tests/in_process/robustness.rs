@@ -185,7 +185,9 @@ async fn connections_beyond_the_limit_get_a_503() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(
-        answer.contains("Proxy-Status: pacegate; error=connection_limit_reached"),
+        answer
+            .to_ascii_lowercase()
+            .contains("proxy-status: pacegate; error=connection_limit_reached"),
         "{answer}"
     );
     assert!(answer.contains("max_connections"), "{answer}");

@@ -3,6 +3,12 @@
 //! for what only a process shows (reload by SIGHUP, the request log, shadow mode, a parent
 //! proxy), and the store behind PgBouncer in transaction mode. The timing scenarios run one at a time (`support::fleet::one_at_a_time`).
 
+#![allow(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "measures real time, across processes and threads of its own; clippy.toml's rules are the library's"
+)]
+
 #[path = "../support/mod.rs"]
 mod support;
 
