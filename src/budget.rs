@@ -15,8 +15,6 @@ pub(crate) mod contract;
 #[cfg(test)]
 pub(crate) mod model;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -36,9 +34,6 @@ pub use crate::destination::{GROUP_MARK, KEY_MARK};
 pub fn halted_by(budget: &str) -> Option<&str> {
     budget.split_once(KEY_MARK).map(|(parent, _)| parent)
 }
-
-/// A boxed, sendable future borrowing the store.
-pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A destination's pacing rule, from its config.
 #[derive(Debug, Clone, PartialEq)]
@@ -481,18 +476,19 @@ impl Default for BudgetView {
 
 /// Where budgets live. Every method is atomic per destination; none holds anything (lock,
 /// connection) after it returns, so waiting for a slot holds nothing.
+#[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     /// `memory` or `postgres`, for the `store` metric label.
     fn kind(&self) -> &'static str;
 
     /// Tells the store this instance's waiting requests and reserves the next slot of
     /// `destination` for one of them if one deserves it (see [`Ask`]).
-    fn reserve<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-        ask: Ask<'a>,
-    ) -> StoreFuture<'a, Result<Grant, ReserveError>>;
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError>;
 
     /// Takes the next slot of `destination` for a request that has not queued, if it is due
     /// `now` (or a moment ahead, the memory store's `NEAR`, which the request waits out itself)
@@ -506,34 +502,30 @@ pub trait Store: Send + Sync + 'static {
 
     /// Tells the store this instance's waiting requests without reserving: `queues` replaces
     /// what it said before (empty: nothing waits here any more).
-    fn wait_list<'a>(
-        &'a self,
-        destination: &'a str,
-        queues: &'a [ClassQueue],
-    ) -> StoreFuture<'a, Result<(), StoreError>>;
+    async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError>;
 
     /// Renews the lease of this instance's wait lists (the store keeps them while it runs,
     /// the fleet's `WAITER_LEASE` from the last renewal) and drops the lists whose lease ran
     /// out: an instance gone without a word. Called once a heartbeat. A store of one
     /// instance keeps no lease.
-    fn keep_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
-        Box::pin(std::future::ready(Ok(())))
+    async fn keep_waiting(&self) -> Result<(), StoreError> {
+        Ok(())
     }
 
     /// Drops this instance's wait lists (a clean shutdown).
-    fn forget_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
-        Box::pin(std::future::ready(Ok(())))
+    async fn forget_waiting(&self) -> Result<(), StoreError> {
+        Ok(())
     }
 
     /// Applies what the vendor said, if anything, then a verdict, and returns the budget
     /// after them.
-    fn record<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
+    async fn record(
+        &self,
+        destination: &str,
+        rule: &Rule,
         event: Event,
         vendor: Option<Observation>,
-    ) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+    ) -> Result<BudgetView, StoreError>;
 
     /// Puts slots this instance handed out without this store (pacing alone while it was
     /// lost) into its schedules: each budget's next slot comes no earlier than its mark, so
@@ -541,32 +533,22 @@ pub trait Store: Send + Sync + 'static {
     /// theirs back in any order leave each schedule after the latest of them. Answered with
     /// a round trip even when there is nothing to put: the failover's proof that the store
     /// is back.
-    fn continue_after<'a>(
-        &'a self,
-        marks: &'a [(String, Instant)],
-    ) -> StoreFuture<'a, Result<(), StoreError>>;
+    async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError>;
 
     /// Clears a lockout; returns the one cleared, if any.
-    fn unlock<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>>;
+    async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError>;
 
     /// The budget as it stands.
-    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>>;
+    async fn view(&self, destination: &str) -> Result<BudgetView, StoreError>;
 
     /// The secret that keys the hash of a credential taken as a key: made once, the same for
     /// every instance that shares the store, so that they all name a key's budget alike.
-    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>>;
+    async fn key_secret(&self) -> Result<Vec<u8>, StoreError>;
 
     /// Deletes the budgets of `parent`'s keys (see [`KEY_MARK`]) that have been idle for
     /// `idle`: no slot, no quota window's send, no pause and no request waiting anywhere for
     /// that long. Returns how many went. Run by a background sweep, never on a request's way.
-    fn forget_keys<'a>(
-        &'a self,
-        parent: &'a str,
-        idle: Duration,
-    ) -> StoreFuture<'a, Result<u64, StoreError>>;
+    async fn forget_keys(&self, parent: &str, idle: Duration) -> Result<u64, StoreError>;
 
     /// This instance no longer paces `budget` (a key gone idle): what it holds of it in
     /// memory beside the budget itself (caches) goes. The budget stays until
@@ -578,10 +560,7 @@ pub trait Store: Send + Sync + 'static {
     /// round trip whatever their number: each budget ([`Store::view`]), every live
     /// instance's waiting requests by class, and its quota windows' use (the slots taken in
     /// each window that ends now, counting those reserved ahead, so at most the limit).
-    fn snapshot<'a>(
-        &'a self,
-        destinations: &'a [(&'a str, &'a Rule)],
-    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>>;
+    async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError>;
 }
 
 /// One destination as the store holds it, for status: see [`Store::snapshot`].

@@ -21,9 +21,10 @@ pub mod failover;
 pub mod heartbeat;
 pub mod standing;
 
+use std::future::Future;
 use std::time::Duration;
 
-use crate::budget::{Rule, StoreError, StoreFuture};
+use crate::budget::{Rule, StoreError};
 use crate::status::InstanceStatus;
 
 /// How often the supervisor heartbeats (and the longest it waits for a heartbeat's answer
@@ -151,29 +152,29 @@ pub trait Membership: Send + Sync + 'static {
     /// heartbeat is younger than [`PEERS_WITHIN`]: those heard within [`QUIET_AFTER`] as one
     /// [`Peer`] for each report they share, the others one by one. (Wait lists are the budgets' and keep
     /// their own lease: [`crate::budget::Store::keep_waiting`].)
-    fn heartbeat<'a>(
-        &'a self,
-        me: &'a Instance,
+    fn heartbeat(
+        &self,
+        me: &Instance,
         report: Report,
-    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>>;
+    ) -> impl Future<Output = Result<Vec<Peer>, StoreError>> + Send;
 
     /// Instances whose last heartbeat is younger than `within`.
     fn live_instances(
         &self,
         within: Duration,
-    ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>>;
+    ) -> impl Future<Output = Result<Vec<InstanceStatus>, StoreError>> + Send;
 
     /// Removes `me` from the live instances and their rules (a clean shutdown).
-    fn forget<'a>(&'a self, me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>>;
+    fn forget(&self, me: &Instance) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Writes `mine` (when `write`: this instance's rules, one per destination) and answers
     /// the live instances' rules that differ from them (see [`drift`]).
-    fn compare_rules<'a>(
-        &'a self,
-        me: &'a Instance,
-        mine: &'a [Written],
+    fn compare_rules(
+        &self,
+        me: &Instance,
+        mine: &[Written],
         write: bool,
-    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>>;
+    ) -> impl Future<Output = Result<Vec<Theirs>, StoreError>> + Send;
 }
 
 /// A rule as instances compare it: canonical JSON, and its fingerprint (made by
@@ -202,9 +203,10 @@ pub struct Theirs {
 }
 
 /// This instance among the others, as pacing, status and the admin listener see it.
+#[async_trait::async_trait]
 pub trait Fleet: Send + Sync + 'static {
     /// The live instances sharing the store; empty where it is not shared.
-    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>>;
+    async fn instances(&self) -> Result<Vec<InstanceStatus>, StoreError>;
 
     /// This instance's rule for every destination, to compare with the other instances'
     /// (see [`drift`]).
@@ -219,9 +221,10 @@ pub trait Fleet: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Solo;
 
+#[async_trait::async_trait]
 impl Fleet for Solo {
-    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
-        Box::pin(std::future::ready(Ok(Vec::new())))
+    async fn instances(&self) -> Result<Vec<InstanceStatus>, StoreError> {
+        Ok(Vec::new())
     }
 
     fn announce(&self, _rules: &[(String, Rule)]) {}

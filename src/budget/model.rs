@@ -18,9 +18,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tokio::time::Instant;
 
 use super::schedule::{Budget, NoSlot, Waiting};
-use super::{
-    Ask, ClassQueue, Event, Lockout, Observation, Pause, ReserveError, Rule, Store, StoreFuture,
-};
+use super::{Ask, ClassQueue, Event, Lockout, Observation, Pause, ReserveError, Rule, Store};
 use crate::class::Class;
 use crate::destination::{Block, Quota};
 use crate::signals::Family;
@@ -193,17 +191,18 @@ pub(crate) fn model_row(b: &Budget, now: Duration) -> Row {
 }
 
 /// A store under the model test.
-pub(crate) trait Modelled {
+#[async_trait::async_trait]
+pub(crate) trait Modelled: Sync {
     /// The store, through its seam.
     fn store(&self) -> &dyn Store;
 
     /// Sets the store's clock to the model's `now`: its instant, and its wall clock to
     /// [`wall`]`(now)`. The local instant that corresponds is [`Instant::now`] afterwards.
-    fn set_now(&self, now: Duration) -> StoreFuture<'_, ()>;
+    async fn set_now(&self, now: Duration);
 
     /// The budget of `destination` as the store keeps it, in the model's terms at its `now`;
     /// `None` for a destination never touched.
-    fn row<'a>(&'a self, destination: &'a str, now: Duration) -> StoreFuture<'a, Option<Row>>;
+    async fn row(&self, destination: &str, now: Duration) -> Option<Row>;
 }
 
 /// The wall clock at the model's `now`.

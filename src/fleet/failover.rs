@@ -45,7 +45,7 @@ use super::standing::{Alone, Split, Standing, StandingGauges};
 use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
 use crate::budget::{
     halted_by, Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule,
-    Snapshot, Store, StoreError, StoreFuture,
+    Snapshot, Store, StoreError,
 };
 use crate::config::OnUnavailable;
 use crate::destination::Quota;
@@ -494,9 +494,10 @@ impl<B: Store, M: Membership, L: Fallback> Health for Failover<B, M, L> {
     }
 }
 
+#[async_trait::async_trait]
 impl<B: Store, M: Membership, L: Fallback> Fleet for Failover<B, M, L> {
-    fn instances(&self) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
-        Box::pin(self.bounded(self.control.live_instances(LIVE_WITHIN)))
+    async fn instances(&self) -> Result<Vec<InstanceStatus>, StoreError> {
+        self.bounded(self.control.live_instances(LIVE_WITHIN)).await
     }
 
     fn announce(&self, rules: &[(String, Rule)]) {
@@ -508,186 +509,164 @@ impl<B: Store, M: Membership, L: Fallback> Fleet for Failover<B, M, L> {
     }
 }
 
+#[async_trait::async_trait]
 impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
     fn kind(&self) -> &'static str {
         self.primary.kind()
     }
 
-    fn reserve<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-        ask: Ask<'a>,
-    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
-        Box::pin(async move {
-            let governing = self.agreement.governing(destination);
-            let rule = governing.as_deref().unwrap_or(rule);
-            if let Some(limit) = rule.quota.iter().map(|q| q.limit).max() {
-                let mut limits = self.quota_limits.lock();
-                if limits.get(destination) != Some(&limit) {
-                    limits.insert(destination.to_owned(), limit);
-                }
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
+        let governing = self.agreement.governing(destination);
+        let rule = governing.as_deref().unwrap_or(rule);
+        if let Some(limit) = rule.quota.iter().map(|q| q.limit).max() {
+            let mut limits = self.quota_limits.lock();
+            if limits.get(destination) != Some(&limit) {
+                limits.insert(destination.to_owned(), limit);
             }
-            // A lockout not yet written halts its destination here all the same.
-            if let Some(lock) = self.unwritten_lock(destination) {
-                return Err(ReserveError::Locked(lock));
+        }
+        // A lockout not yet written halts its destination here all the same.
+        if let Some(lock) = self.unwritten_lock(destination) {
+            return Err(ReserveError::Locked(lock));
+        }
+        if !self.is_degraded() {
+            match self.shared(destination, rule, ask).await {
+                Err(ReserveError::Store(e)) if e.is_lost() => self.degrade(&e),
+                answer => return answer,
             }
-            if !self.is_degraded() {
-                match self.shared(destination, rule, ask).await {
-                    Err(ReserveError::Store(e)) if e.is_lost() => self.degrade(&e),
-                    answer => return answer,
-                }
-            }
-            let alone = match self.policy.on_unavailable {
-                OnUnavailable::Refuse => Alone::Refuse(StoreError::Unavailable),
-                OnUnavailable::Divide => self.standing.alone(Instant::now()),
-            };
-            let no = match alone {
-                Alone::Pace(part, until) => match Self::alone_rule(rule, part) {
-                    Some(alone) => return self.alone(destination, rule, &alone, ask, until).await,
-                    None => ReserveError::Store(StoreError::Unreachable(format!(
-                        "at rate / {n}, less the request a second of slack a schedule of its own may add, nothing is left of this destination's rate to pace alone on (a share of a request a second or less does not pace alone)",
-                        n = self.standing.divisor()
-                    ))),
-                },
-                // The others may not hold this instance's share back yet. Ask again shortly:
-                // the store may be back by then.
-                Alone::Wait(left) => ReserveError::Yield(left.min(RECHECK)),
-                Alone::Refuse(why) => ReserveError::Store(why),
-            };
-            // A lockout known here is the clearer refusal.
-            match self.local.view(destination).await.ok().and_then(|v| v.lock) {
-                Some(lock) => Err(ReserveError::Locked(lock)),
-                None => Err(no),
-            }
+        }
+        let alone = match self.policy.on_unavailable {
+            OnUnavailable::Refuse => Alone::Refuse(StoreError::Unavailable),
+            OnUnavailable::Divide => self.standing.alone(Instant::now()),
+        };
+        let no = match alone {
+            Alone::Pace(part, until) => match Self::alone_rule(rule, part) {
+                Some(alone) => return self.alone(destination, rule, &alone, ask, until).await,
+                None => ReserveError::Store(StoreError::Unreachable(format!(
+                    "at rate / {n}, less the request a second of slack a schedule of its own may add, nothing is left of this destination's rate to pace alone on (a share of a request a second or less does not pace alone)",
+                    n = self.standing.divisor()
+                ))),
+            },
+            // The others may not hold this instance's share back yet. Ask again shortly:
+            // the store may be back by then.
+            Alone::Wait(left) => ReserveError::Yield(left.min(RECHECK)),
+            Alone::Refuse(why) => ReserveError::Store(why),
+        };
+        // A lockout known here is the clearer refusal.
+        match self.local.view(destination).await.ok().and_then(|v| v.lock) {
+            Some(lock) => Err(ReserveError::Locked(lock)),
+            None => Err(no),
+        }
+    }
+
+    async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
+        self.shared_or_local(self.primary.wait_list(destination, queues), || {
+            self.local.wait_list(destination, queues)
         })
+        .await
     }
 
-    fn wait_list<'a>(
-        &'a self,
-        destination: &'a str,
-        queues: &'a [ClassQueue],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        Box::pin(
-            self.shared_or_local(self.primary.wait_list(destination, queues), || {
-                self.local.wait_list(destination, queues)
-            }),
-        )
+    async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {
+        self.bounded(self.primary.continue_after(marks)).await
     }
 
-    fn continue_after<'a>(
-        &'a self,
-        marks: &'a [(String, Instant)],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.bounded(self.primary.continue_after(marks)))
-    }
-
-    fn record<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
+    async fn record(
+        &self,
+        destination: &str,
+        rule: &Rule,
         event: Event,
         vendor: Option<Observation>,
-    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        Box::pin(async move {
-            let governing = self.agreement.governing(destination);
-            let rule = governing.as_deref().unwrap_or(rule);
-            let to_share = event.clone();
-            let shared = async move {
-                let view = self
-                    .primary
-                    .record(destination, rule, to_share, vendor)
-                    .await?;
-                self.remember(destination, &view);
-                Ok(view)
-            };
-            let lockout = match &event {
-                Event::Lockout(lock) => Some(lock.clone()),
-                _ => None,
-            };
-            let keep = |lock: Lockout| {
-                self.pending
-                    .lock()
-                    .push((destination.to_owned(), rule.clone(), lock));
-            };
-            let local_event = event.clone();
-            let answer = self
-                .shared_or_local(shared, || {
-                    // Written to the shared store when it is back, so that no lockout is lost.
-                    if let Some(lock) = lockout.clone() {
-                        keep(lock);
-                    }
-                    self.local.record(destination, rule, local_event, vendor)
-                })
-                .await;
-            match (answer, lockout) {
-                // The store answers but did not take the lockout: this instance halts the
-                // destination now and writes it again each heartbeat.
-                (Err(e), Some(lock)) => {
-                    tracing::error!(destination, "cannot write a lockout to the shared store ({e}); the destination is halted here and the write is tried again each heartbeat");
-                    if self.unwritten_lock(destination).is_none() {
-                        keep(lock);
-                    }
-                    self.local.record(destination, rule, event, None).await
-                }
-                (answer, _) => answer,
-            }
-        })
-    }
-
-    fn unlock<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
-        Box::pin(async move {
-            if self.is_degraded() {
-                return Err(StoreError::Unreachable(
-                    "a lockout can only be cleared in the shared store; retry when it is back"
-                        .into(),
-                ));
-            }
-            let cleared = self.bounded(self.primary.unlock(destination)).await?;
-            // Its keys hold the lockout they met at a reservation (see `halted_by`).
-            for (name, view) in self.last_known.lock().iter_mut() {
-                if name == destination || halted_by(name) == Some(destination) {
-                    view.lock = None;
-                }
-            }
-            // A lockout not yet written is cleared too, not written after the unlock.
+    ) -> Result<BudgetView, StoreError> {
+        let governing = self.agreement.governing(destination);
+        let rule = governing.as_deref().unwrap_or(rule);
+        let to_share = event.clone();
+        let shared = async move {
+            let view = self
+                .primary
+                .record(destination, rule, to_share, vendor)
+                .await?;
+            self.remember(destination, &view);
+            Ok(view)
+        };
+        let lockout = match &event {
+            Event::Lockout(lock) => Some(lock.clone()),
+            _ => None,
+        };
+        let keep = |lock: Lockout| {
             self.pending
                 .lock()
-                .retain(|(dest, _, _)| dest != destination);
-            Ok(cleared)
-        })
+                .push((destination.to_owned(), rule.clone(), lock));
+        };
+        let local_event = event.clone();
+        let answer = self
+            .shared_or_local(shared, || {
+                // Written to the shared store when it is back, so that no lockout is lost.
+                if let Some(lock) = lockout.clone() {
+                    keep(lock);
+                }
+                self.local.record(destination, rule, local_event, vendor)
+            })
+            .await;
+        match (answer, lockout) {
+            // The store answers but did not take the lockout: this instance halts the
+            // destination now and writes it again each heartbeat.
+            (Err(e), Some(lock)) => {
+                tracing::error!(destination, "cannot write a lockout to the shared store ({e}); the destination is halted here and the write is tried again each heartbeat");
+                if self.unwritten_lock(destination).is_none() {
+                    keep(lock);
+                }
+                self.local.record(destination, rule, event, None).await
+            }
+            (answer, _) => answer,
+        }
     }
 
-    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+    async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError> {
+        if self.is_degraded() {
+            return Err(StoreError::Unreachable(
+                "a lockout can only be cleared in the shared store; retry when it is back".into(),
+            ));
+        }
+        let cleared = self.bounded(self.primary.unlock(destination)).await?;
+        // Its keys hold the lockout they met at a reservation (see `halted_by`).
+        for (name, view) in self.last_known.lock().iter_mut() {
+            if name == destination || halted_by(name) == Some(destination) {
+                view.lock = None;
+            }
+        }
+        // A lockout not yet written is cleared too, not written after the unlock.
+        self.pending
+            .lock()
+            .retain(|(dest, _, _)| dest != destination);
+        Ok(cleared)
+    }
+
+    async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
         let shared = async {
             let view = self.primary.view(destination).await?;
             self.remember(destination, &view);
             Ok(view)
         };
-        Box::pin(self.shared_or_local(shared, || self.local.view(destination)))
+        self.shared_or_local(shared, || self.local.view(destination))
+            .await
     }
 
     /// Only the shared store's: a secret of this instance's own would name keys' budgets
     /// apart from the others'.
-    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
-        Box::pin(self.bounded(self.primary.key_secret()))
+    async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
+        self.bounded(self.primary.key_secret()).await
     }
 
-    fn forget_keys<'a>(
-        &'a self,
-        parent: &'a str,
-        idle: Duration,
-    ) -> StoreFuture<'a, Result<u64, StoreError>> {
-        Box::pin(async move {
-            let local = self.local.forget_keys(parent, idle).await?;
-            if self.is_degraded() {
-                return Ok(local);
-            }
-            self.bounded(self.primary.forget_keys(parent, idle)).await
-        })
+    async fn forget_keys(&self, parent: &str, idle: Duration) -> Result<u64, StoreError> {
+        let local = self.local.forget_keys(parent, idle).await?;
+        if self.is_degraded() {
+            return Ok(local);
+        }
+        self.bounded(self.primary.forget_keys(parent, idle)).await
     }
 
     /// What seeds the local store is kept while it holds a pause or a lockout: an idle key
@@ -708,10 +687,7 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         self.primary.forget_budget(budget);
     }
 
-    fn snapshot<'a>(
-        &'a self,
-        destinations: &'a [(&'a str, &'a Rule)],
-    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
+    async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
         let shared = async {
             let snapshots = self.primary.snapshot(destinations).await?;
             for ((destination, _), s) in destinations.iter().zip(&snapshots) {
@@ -719,7 +695,8 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
             }
             Ok(snapshots)
         };
-        Box::pin(self.shared_or_local(shared, || self.local.snapshot(destinations)))
+        self.shared_or_local(shared, || self.local.snapshot(destinations))
+            .await
     }
 }
 

@@ -149,7 +149,6 @@ mod tests {
     use prometheus::{Gauge, IntGauge};
 
     use super::*;
-    use crate::budget::StoreFuture;
     use crate::fleet::standing::StandingGauges;
     use crate::fleet::{Peer, Report};
     use crate::status::InstanceStatus;
@@ -159,33 +158,33 @@ mod tests {
     struct Beats(Mutex<Vec<Instant>>);
 
     impl Membership for Beats {
-        fn heartbeat<'a>(
-            &'a self,
-            _me: &'a Instance,
+        async fn heartbeat(
+            &self,
+            _me: &Instance,
             _report: Report,
-        ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
+        ) -> Result<Vec<Peer>, StoreError> {
             self.0.lock().push(Instant::now());
-            Box::pin(std::future::ready(Ok(Vec::new())))
+            Ok(Vec::new())
         }
 
-        fn live_instances(
+        async fn live_instances(
             &self,
             _within: Duration,
-        ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
-            Box::pin(std::future::ready(Ok(Vec::new())))
+        ) -> Result<Vec<InstanceStatus>, StoreError> {
+            Ok(Vec::new())
         }
 
-        fn forget<'a>(&'a self, _me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
-            Box::pin(std::future::ready(Ok(())))
+        async fn forget(&self, _me: &Instance) -> Result<(), StoreError> {
+            Ok(())
         }
 
-        fn compare_rules<'a>(
-            &'a self,
-            _me: &'a Instance,
-            _mine: &'a [crate::fleet::Written],
+        async fn compare_rules(
+            &self,
+            _me: &Instance,
+            _mine: &[crate::fleet::Written],
             _write: bool,
-        ) -> StoreFuture<'a, Result<Vec<crate::fleet::Theirs>, StoreError>> {
-            Box::pin(std::future::ready(Ok(Vec::new())))
+        ) -> Result<Vec<crate::fleet::Theirs>, StoreError> {
+            Ok(Vec::new())
         }
     }
 

@@ -8,7 +8,7 @@ use prometheus::Registry;
 use tokio::time::Instant;
 
 use super::*;
-use crate::budget::{Event, ReserveError, StoreFuture};
+use crate::budget::{Event, ReserveError};
 use crate::destination::{Destination, Group, Pace};
 use crate::pacing::verdict::Verdict;
 use crate::store::memory::MemoryStore;
@@ -825,86 +825,72 @@ impl Default for Stalling {
     }
 }
 
+#[async_trait::async_trait]
 impl Store for Stalling {
     fn kind(&self) -> &'static str {
         "memory"
     }
 
-    fn reserve<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a crate::budget::Rule,
-        ask: crate::budget::Ask<'a>,
-    ) -> StoreFuture<'a, Result<crate::budget::Grant, ReserveError>> {
-        Box::pin(async move {
-            let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            if call == self.nth {
-                tokio::time::sleep(self.stall).await;
-            }
-            self.inner.reserve(destination, rule, ask).await
-        })
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &crate::budget::Rule,
+        ask: crate::budget::Ask<'_>,
+    ) -> Result<crate::budget::Grant, ReserveError> {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if call == self.nth {
+            tokio::time::sleep(self.stall).await;
+        }
+        self.inner.reserve(destination, rule, ask).await
     }
 
-    fn wait_list<'a>(
-        &'a self,
-        destination: &'a str,
-        queues: &'a [crate::budget::ClassQueue],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        self.inner.wait_list(destination, queues)
+    async fn wait_list(
+        &self,
+        destination: &str,
+        queues: &[crate::budget::ClassQueue],
+    ) -> Result<(), StoreError> {
+        self.inner.wait_list(destination, queues).await
     }
 
-    fn record<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a crate::budget::Rule,
+    async fn record(
+        &self,
+        destination: &str,
+        rule: &crate::budget::Rule,
         event: crate::budget::Event,
         vendor: Option<crate::budget::Observation>,
-    ) -> StoreFuture<'a, Result<crate::budget::BudgetView, StoreError>> {
+    ) -> Result<crate::budget::BudgetView, StoreError> {
         self.records
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.record(destination, rule, event, vendor)
+        self.inner.record(destination, rule, event, vendor).await
     }
 
-    fn unlock<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
-        self.inner.unlock(destination)
+    async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError> {
+        self.inner.unlock(destination).await
     }
 
-    fn continue_after<'a>(
-        &'a self,
-        marks: &'a [(String, Instant)],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        self.inner.continue_after(marks)
+    async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {
+        self.inner.continue_after(marks).await
     }
 
-    fn view<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<crate::budget::BudgetView, StoreError>> {
+    async fn view(&self, destination: &str) -> Result<crate::budget::BudgetView, StoreError> {
         self.read();
-        self.inner.view(destination)
+        self.inner.view(destination).await
     }
 
-    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
-        self.inner.key_secret()
+    async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
+        self.inner.key_secret().await
     }
 
-    fn forget_keys<'a>(
-        &'a self,
-        parent: &'a str,
-        idle: Duration,
-    ) -> StoreFuture<'a, Result<u64, StoreError>> {
-        self.inner.forget_keys(parent, idle)
+    async fn forget_keys(&self, parent: &str, idle: Duration) -> Result<u64, StoreError> {
+        self.inner.forget_keys(parent, idle).await
     }
 
-    fn snapshot<'a>(
-        &'a self,
-        destinations: &'a [(&'a str, &'a crate::budget::Rule)],
-    ) -> StoreFuture<'a, Result<Vec<crate::budget::Snapshot>, StoreError>> {
+    async fn snapshot(
+        &self,
+        destinations: &[(&str, &crate::budget::Rule)],
+    ) -> Result<Vec<crate::budget::Snapshot>, StoreError> {
         self.read();
-        self.inner.snapshot(destinations)
+        self.inner.snapshot(destinations).await
     }
 }
 

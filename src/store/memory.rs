@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::budget::schedule::{Budget, NoSlot, Waiting};
 use crate::budget::{
     halted_by, Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation,
-    Reservation, ReserveError, Rule, Snapshot, Store, StoreError, StoreFuture, VendorView,
+    Reservation, ReserveError, Rule, Snapshot, Store, StoreError, VendorView,
 };
 use crate::fleet::failover::Fallback;
 use crate::fleet::Instance;
@@ -217,17 +217,18 @@ impl MemoryStore {
     }
 }
 
+#[async_trait::async_trait]
 impl Store for MemoryStore {
     fn kind(&self) -> &'static str {
         "memory"
     }
 
-    fn reserve<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-        ask: Ask<'a>,
-    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
         let result = {
             let now = self.now();
             let limit = ask.not_after.map(|t| self.offset(t));
@@ -245,7 +246,7 @@ impl Store for MemoryStore {
             };
             let mut budgets = self.budgets.lock();
             if let Some(lock) = parent_lock(&budgets, destination) {
-                return Box::pin(std::future::ready(Err(ReserveError::Locked(lock))));
+                return Err(ReserveError::Locked(lock));
             }
             let budget = budgets.entry(destination.to_owned()).or_default();
             match budget.reserve_for(rule, now, &self.instance, list, limit, ask.most) {
@@ -273,7 +274,7 @@ impl Store for MemoryStore {
                 }
             }
         };
-        Box::pin(std::future::ready(result))
+        result
     }
 
     fn take_now(&self, destination: &str, rule: &Rule, now: Instant) -> Option<Reservation> {
@@ -303,11 +304,7 @@ impl Store for MemoryStore {
         })
     }
 
-    fn wait_list<'a>(
-        &'a self,
-        destination: &'a str,
-        queues: &'a [ClassQueue],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
+    async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
         let list: Vec<Waiting> = queues.iter().map(|q| self.waiting_of(q)).collect();
         let mut budgets = self.budgets.lock();
         match budgets.get_mut(destination) {
@@ -319,72 +316,62 @@ impl Store for MemoryStore {
                 .or_default()
                 .tell(&self.instance, &list),
         }
-        Box::pin(std::future::ready(Ok(())))
+        Ok(())
     }
 
-    fn record<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
+    async fn record(
+        &self,
+        destination: &str,
+        rule: &Rule,
         event: Event,
         vendor: Option<Observation>,
-    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        Box::pin(async move {
-            let (kept, view) = {
-                let (now, wall) = (self.now(), self.wall_now());
-                let mut budgets = self.budgets.lock();
-                let budget = budgets.entry(destination.to_owned()).or_default();
-                let before = self.state_file.is_some().then(|| budget.clone());
-                let seen = vendor.is_some_and(|v| budget.observe(rule, &v, now, wall));
-                let changed = budget.apply(rule, &event, now, wall);
-                let kept = match before {
-                    Some(before) if changed || seen => self.kept_change(&before, budget),
-                    _ => Durability::None,
-                };
-                (kept, self.view_of(budget, now))
+    ) -> Result<BudgetView, StoreError> {
+        let (kept, view) = {
+            let (now, wall) = (self.now(), self.wall_now());
+            let mut budgets = self.budgets.lock();
+            let budget = budgets.entry(destination.to_owned()).or_default();
+            let before = self.state_file.is_some().then(|| budget.clone());
+            let seen = vendor.is_some_and(|v| budget.observe(rule, &v, now, wall));
+            let changed = budget.apply(rule, &event, now, wall);
+            let kept = match before {
+                Some(before) if changed || seen => self.kept_change(&before, budget),
+                _ => Durability::None,
             };
-            match kept {
-                // A lockout, a pause, a block, the backoff: kept before the response goes.
-                Durability::Now => self.write_now(&[destination]).await?,
-                // The vendor's count and the like: within a second, off the response's way.
-                Durability::Soon => self.mark(destination),
-                Durability::None => {}
-            }
-            Ok(view)
-        })
+            (kept, self.view_of(budget, now))
+        };
+        match kept {
+            // A lockout, a pause, a block, the backoff: kept before the response goes.
+            Durability::Now => self.write_now(&[destination]).await?,
+            // The vendor's count and the like: within a second, off the response's way.
+            Durability::Soon => self.mark(destination),
+            Durability::None => {}
+        }
+        Ok(view)
     }
 
-    fn continue_after<'a>(
-        &'a self,
-        marks: &'a [(String, Instant)],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
+    async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {
         let mut budgets = self.budgets.lock();
         for (budget, at) in marks {
             let b = budgets.entry(budget.clone()).or_default();
             b.next_at = b.next_at.max(self.offset(*at));
         }
-        Box::pin(std::future::ready(Ok(())))
+        Ok(())
     }
 
-    fn unlock<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
-        Box::pin(async move {
-            let cleared = self
-                .budgets
-                .lock()
-                .get_mut(destination)
-                .and_then(|b| b.lock.take())
-                .map(|l| *l);
-            if cleared.is_some() {
-                self.write_now(&[destination]).await?;
-            }
-            Ok(cleared)
-        })
+    async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError> {
+        let cleared = self
+            .budgets
+            .lock()
+            .get_mut(destination)
+            .and_then(|b| b.lock.take())
+            .map(|l| *l);
+        if cleared.is_some() {
+            self.write_now(&[destination]).await?;
+        }
+        Ok(cleared)
     }
 
-    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+    async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
         let now = self.now();
         let view = self
             .budgets
@@ -392,18 +379,14 @@ impl Store for MemoryStore {
             .get(destination)
             .map(|b| self.view_of(b, now))
             .unwrap_or_else(|| self.view_of(&Budget::default(), now));
-        Box::pin(std::future::ready(Ok(view)))
+        Ok(view)
     }
 
-    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
-        Box::pin(std::future::ready(Ok(self.key_secret.to_vec())))
+    async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
+        Ok(self.key_secret.to_vec())
     }
 
-    fn forget_keys<'a>(
-        &'a self,
-        parent: &'a str,
-        idle: Duration,
-    ) -> StoreFuture<'a, Result<u64, StoreError>> {
+    async fn forget_keys(&self, parent: &str, idle: Duration) -> Result<u64, StoreError> {
         let now = self.now();
         let mut budgets = self.budgets.lock();
         let mut forgotten = Vec::new();
@@ -420,24 +403,19 @@ impl Store for MemoryStore {
         for name in &forgotten {
             self.mark(name);
         }
-        Box::pin(std::future::ready(Ok(gone)))
+        Ok(gone)
     }
 
-    fn snapshot<'a>(
-        &'a self,
-        destinations: &'a [(&'a str, &'a Rule)],
-    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
-        Box::pin(async move {
-            let mut out = Vec::with_capacity(destinations.len());
-            for (destination, rule) in destinations {
-                out.push(Snapshot {
-                    view: self.view(destination).await?,
-                    waiting: self.waiting_now(destination),
-                    quota_used: self.quota_used_now(destination, rule),
-                });
-            }
-            Ok(out)
-        })
+    async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
+        let mut out = Vec::with_capacity(destinations.len());
+        for (destination, rule) in destinations {
+            out.push(Snapshot {
+                view: self.view(destination).await?,
+                waiting: self.waiting_now(destination),
+                quota_used: self.quota_used_now(destination, rule),
+            });
+        }
+        Ok(out)
     }
 }
 

@@ -37,7 +37,7 @@ use typed::{no_row, Conn, Param};
 use crate::budget::after_grant;
 use crate::budget::{
     Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, Reservation, ReserveError,
-    Rule, Snapshot, Store, StoreError, StoreFuture, BATCH_HORIZON,
+    Rule, Snapshot, Store, StoreError, BATCH_HORIZON,
 };
 use crate::class::Class;
 use crate::config::Statements;
@@ -259,342 +259,317 @@ impl PostgresStore {
     }
 }
 
+#[async_trait::async_trait]
 impl Store for PostgresStore {
     fn kind(&self) -> &'static str {
         "postgres"
     }
 
-    fn reserve<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-        ask: Ask<'a>,
-    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            self.probe_clock(&client).await?;
-            let limit = ask
-                .not_after
-                .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
-            let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
-            let interval = rule.interval.as_secs_f64();
-            let lead = self.lead();
-            if let [only] = ask.queues {
-                if only.count == 1 && rule.quota.is_empty() {
-                    let params: [&dyn Param; 5] = [&destination, &interval, &burst, &limit, &lead];
-                    let answer = client.timed(SQL_RESERVE_FAST, &params).await?;
-                    if let Some(row) = answer.row {
-                        let (sent, arrived) = (answer.sent, answer.arrived);
-                        drop(client);
-                        let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
-                        let clock = self.clock.read(sent, arrived, db_now);
-                        // The fast path runs only while no instance has rows for the
-                        // destination.
-                        self.wrote(destination, Vec::new());
-                        let at = clock.local(slot);
-                        self.known.granted(destination, at, &[], rule.interval, 0);
-                        return Ok(Grant {
-                            slot: Reservation {
-                                at,
-                                generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
-                                unseen_late: clock.unseen_late,
-                            },
-                            class: only.class,
-                            more: Vec::new(),
-                        });
-                    }
-                }
-            }
-            if matches!(ask.queues, [only] if only.count == 1) && rule.quota.is_empty() {
-                // The one-statement path answered nothing: a second statement follows.
-                self.statements.fetch_add(1, Ordering::Relaxed);
-            }
-            let rows = rows_of(ask.queues);
-            let tell = !self.unchanged(destination, &rows);
-            let (classes, counts, oldest, next) = columns(ask.queues);
-            let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
-            let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
-            let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
-            let lost_hold = self.known.paced(destination).map_or(0.0, |next| {
-                LOST_ROW_HOLD
-                    .max(next.saturating_duration_since(Instant::now()))
-                    .as_secs_f64()
-            });
-            let answer = client
-                .timed(
-                    SQL_RESERVE_MANY,
-                    &[
-                        &destination,
-                        &interval,
-                        &burst,
-                        &limit,
-                        &self.instance,
-                        &WAITER_LEASE.as_secs_f64(),
-                        &&*rule.shares,
-                        &limits,
-                        &pers,
-                        &rule.quota_margin().as_secs_f64(),
-                        &classes,
-                        &counts,
-                        &oldest,
-                        &next,
-                        &tell,
-                        &i64::from(rule.reserve),
-                        &most,
-                        &self.horizon().as_secs_f64(),
-                        &lead,
-                        &lost_hold,
-                    ],
-                )
-                .await?;
-            let (sent, arrived) = (answer.sent, answer.arrived);
-            let row = answer.row.ok_or_else(|| no_row(SQL_RESERVE_MANY))?;
-            drop(client);
-            let outcome: &str = row.get(0);
-            let slot: Option<SystemTime> = row.get(1);
-            let db_now: SystemTime = row.get(2);
-            let clock = self.clock.read(sent, arrived, db_now);
-            let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
-            let at = |slot: Option<SystemTime>| {
-                slot.map(|s| clock.local(s)).ok_or_else(|| {
-                    StoreError::Refused("pacegate_reserve_batch returned no slot".into())
-                })
-            };
-            match outcome {
-                "granted" => {
-                    let class = Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0));
-                    let more: Vec<Instant> = row
-                        .get::<_, Option<Vec<SystemTime>>>(10)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|s| clock.local(s))
-                        .collect();
-                    let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
-                    self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
-                    let first = at(slot)?;
-                    let keep = rule.quota.iter().map(|q| q.limit).max().unwrap_or(0);
-                    self.known
-                        .granted(destination, first, &more, rule.interval, keep as usize);
-                    Ok(Grant {
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
+        let client = self.client().await?;
+        self.probe_clock(&client).await?;
+        let limit = ask
+            .not_after
+            .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64());
+        let burst = i32::try_from(rule.burst).unwrap_or(i32::MAX);
+        let interval = rule.interval.as_secs_f64();
+        let lead = self.lead();
+        if let [only] = ask.queues {
+            if only.count == 1 && rule.quota.is_empty() {
+                let params: [&dyn Param; 5] = [&destination, &interval, &burst, &limit, &lead];
+                let answer = client.timed(SQL_RESERVE_FAST, &params).await?;
+                if let Some(row) = answer.row {
+                    let (sent, arrived) = (answer.sent, answer.arrived);
+                    drop(client);
+                    let (slot, db_now): (SystemTime, SystemTime) = (row.get(0), row.get(1));
+                    let clock = self.clock.read(sent, arrived, db_now);
+                    // The fast path runs only while no instance has rows for the
+                    // destination.
+                    self.wrote(destination, Vec::new());
+                    let at = clock.local(slot);
+                    self.known.granted(destination, at, &[], rule.interval, 0);
+                    return Ok(Grant {
                         slot: Reservation {
-                            at: first,
-                            generation,
+                            at,
+                            generation: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
                             unseen_late: clock.unseen_late,
                         },
-                        class,
-                        more,
-                    })
+                        class: only.class,
+                        more: Vec::new(),
+                    });
                 }
-                // Another instance's request goes first: tell the list again next time, in
-                // case the store dropped these rows (a lease that ran out while this process
-                // stalled), or this instance would yield for ever.
-                "yield" => {
-                    let free_in = slot.map_or(Duration::ZERO, |s| after(s, db_now));
-                    Err(ReserveError::Yield(rule.yield_for(row.get(5), free_in)))
-                }
-                "too_late" => {
-                    self.wrote(destination, rows);
-                    Err(ReserveError::TooLate { slot: at(slot)? })
-                }
-                "locked" => {
-                    self.wrote(destination, rows);
-                    match lockout(row.get(6), row.get(7), row.get(8), row.get(9)) {
-                        Some(lock) => {
-                            self.known.locked(destination, &lock);
-                            Err(ReserveError::Locked(lock))
-                        }
-                        None => Err(ReserveError::Store(StoreError::Refused(
-                            "a lockout without a status".into(),
-                        ))),
-                    }
-                }
-                other => Err(ReserveError::Store(StoreError::Refused(format!(
-                    "pacegate_reserve_batch answered `{other}`"
-                )))),
             }
-        })
-    }
-
-    fn wait_list<'a>(
-        &'a self,
-        destination: &'a str,
-        queues: &'a [ClassQueue],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            let rows = rows_of(queues);
-            if self.unchanged(destination, &rows) {
+        }
+        if matches!(ask.queues, [only] if only.count == 1) && rule.quota.is_empty() {
+            // The one-statement path answered nothing: a second statement follows.
+            self.statements.fetch_add(1, Ordering::Relaxed);
+        }
+        let rows = rows_of(ask.queues);
+        let tell = !self.unchanged(destination, &rows);
+        let (classes, counts, oldest, next) = columns(ask.queues);
+        let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
+        let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
+        let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
+        let lost_hold = self.known.paced(destination).map_or(0.0, |next| {
+            LOST_ROW_HOLD
+                .max(next.saturating_duration_since(Instant::now()))
+                .as_secs_f64()
+        });
+        let answer = client
+            .timed(
+                SQL_RESERVE_MANY,
+                &[
+                    &destination,
+                    &interval,
+                    &burst,
+                    &limit,
+                    &self.instance,
+                    &WAITER_LEASE.as_secs_f64(),
+                    &&*rule.shares,
+                    &limits,
+                    &pers,
+                    &rule.quota_margin().as_secs_f64(),
+                    &classes,
+                    &counts,
+                    &oldest,
+                    &next,
+                    &tell,
+                    &i64::from(rule.reserve),
+                    &most,
+                    &self.horizon().as_secs_f64(),
+                    &lead,
+                    &lost_hold,
+                ],
+            )
+            .await?;
+        let (sent, arrived) = (answer.sent, answer.arrived);
+        let row = answer.row.ok_or_else(|| no_row(SQL_RESERVE_MANY))?;
+        drop(client);
+        let outcome: &str = row.get(0);
+        let slot: Option<SystemTime> = row.get(1);
+        let db_now: SystemTime = row.get(2);
+        let clock = self.clock.read(sent, arrived, db_now);
+        let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
+        let at = |slot: Option<SystemTime>| {
+            slot.map(|s| clock.local(s)).ok_or_else(|| {
+                StoreError::Refused("pacegate_reserve_batch returned no slot".into())
+            })
+        };
+        match outcome {
+            "granted" => {
+                let class = Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0));
+                let more: Vec<Instant> = row
+                    .get::<_, Option<Vec<SystemTime>>>(10)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|s| clock.local(s))
+                    .collect();
+                let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
+                self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
+                let first = at(slot)?;
+                let keep = rule.quota.iter().map(|q| q.limit).max().unwrap_or(0);
+                self.known
+                    .granted(destination, first, &more, rule.interval, keep as usize);
+                Ok(Grant {
+                    slot: Reservation {
+                        at: first,
+                        generation,
+                        unseen_late: clock.unseen_late,
+                    },
+                    class,
+                    more,
+                })
+            }
+            // Another instance's request goes first: tell the list again next time, in
+            // case the store dropped these rows (a lease that ran out while this process
+            // stalled), or this instance would yield for ever.
+            "yield" => {
+                let free_in = slot.map_or(Duration::ZERO, |s| after(s, db_now));
+                Err(ReserveError::Yield(rule.yield_for(row.get(5), free_in)))
+            }
+            "too_late" => {
                 self.wrote(destination, rows);
-                return Ok(());
+                Err(ReserveError::TooLate { slot: at(slot)? })
             }
-            let (classes, counts, oldest, next) = columns(queues);
-            let client = self.client().await?;
-            client
-                .rows(
-                    SQL_TELL,
-                    &[
-                        &destination,
-                        &self.instance,
-                        &classes,
-                        &counts,
-                        &oldest,
-                        &next,
-                    ],
-                )
-                .await?;
+            "locked" => {
+                self.wrote(destination, rows);
+                match lockout(row.get(6), row.get(7), row.get(8), row.get(9)) {
+                    Some(lock) => {
+                        self.known.locked(destination, &lock);
+                        Err(ReserveError::Locked(lock))
+                    }
+                    None => Err(ReserveError::Store(StoreError::Refused(
+                        "a lockout without a status".into(),
+                    ))),
+                }
+            }
+            other => Err(ReserveError::Store(StoreError::Refused(format!(
+                "pacegate_reserve_batch answered `{other}`"
+            )))),
+        }
+    }
+
+    async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
+        let rows = rows_of(queues);
+        if self.unchanged(destination, &rows) {
             self.wrote(destination, rows);
-            Ok(())
-        })
+            return Ok(());
+        }
+        let (classes, counts, oldest, next) = columns(queues);
+        let client = self.client().await?;
+        client
+            .rows(
+                SQL_TELL,
+                &[
+                    &destination,
+                    &self.instance,
+                    &classes,
+                    &counts,
+                    &oldest,
+                    &next,
+                ],
+            )
+            .await?;
+        self.wrote(destination, rows);
+        Ok(())
     }
 
-    fn keep_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            client
-                .rows(
-                    SQL_KEEP_WAITING,
-                    &[&self.instance, &WAITER_LEASE.as_secs_f64()],
-                )
-                .await?;
-            // Behind a pooler the server can change under a connection that stays open.
-            self.known.check(&client).await.map_err(db)?;
-            Ok(())
-        })
+    async fn keep_waiting(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .rows(
+                SQL_KEEP_WAITING,
+                &[&self.instance, &WAITER_LEASE.as_secs_f64()],
+            )
+            .await?;
+        // Behind a pooler the server can change under a connection that stays open.
+        self.known.check(&client).await.map_err(db)?;
+        Ok(())
     }
 
-    fn forget_waiting(&self) -> StoreFuture<'_, Result<(), StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            client.rows(SQL_FORGET_WAITING, &[&self.instance]).await?;
-            Ok(())
-        })
+    async fn forget_waiting(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client.rows(SQL_FORGET_WAITING, &[&self.instance]).await?;
+        Ok(())
     }
 
-    fn record<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
+    async fn record(
+        &self,
+        destination: &str,
+        rule: &Rule,
         event: Event,
         vendor: Option<Observation>,
-    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        Box::pin(async move {
-            let none = (None, None);
-            let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
-                Event::Clean {
-                    success,
-                    generation,
-                } => (
-                    "clean",
-                    i64::try_from(*generation).unwrap_or(i64::MAX),
-                    *success,
-                    none,
-                    none,
-                    0.0,
-                    None,
-                ),
-                Event::Throttled {
-                    generation,
-                    retry_after,
-                    reset,
-                    spread,
-                } => (
-                    "throttled",
-                    i64::try_from(*generation).unwrap_or(i64::MAX),
-                    false,
-                    pause_args(*retry_after),
-                    pause_args(*reset),
-                    *spread,
-                    None,
-                ),
-                Event::Lockout(l) => ("lockout", 0, false, none, none, 0.0, Some(l)),
-                Event::None => ("none", 0, false, none, none, 0.0, None),
-            };
-            let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
-            let decay_after = i32::try_from(rule.decay_after).unwrap_or(i32::MAX);
-            let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-            let vendor_reset = pause_args(vendor.map(|v| v.reset));
-            let client = self.client().await?;
-            let row = client
-                .one(
-                    SQL_RECORD,
-                    &[
-                        &destination,
-                        &kind,
-                        &generation,
-                        &success,
-                        &retry_after.0,
-                        &retry_after.1,
-                        &reset.0,
-                        &reset.1,
-                        &spread,
-                        &rule.backoff_factor,
-                        &rule.backoff_max,
-                        &decay_after,
-                        &rule.retry_after_max.as_secs_f64(),
-                        &i64::from(rule.reserve),
-                        &rule.block.map(|b| us(b.min)),
-                        &rule.block.map(|b| us(b.max)),
-                        &rule.block.map_or(0.0, |b| b.jitter),
-                        &lock.map(|l| i32::from(l.status)),
-                        &lock.map(|l| l.request.as_str()),
-                        &lock.map(|l| l.instance.as_str()),
-                        &vendor.map(|v| v.family.as_str()),
-                        &vendor.map(|v| count(v.remaining)),
-                        &vendor.and_then(|v| v.limit).map(count),
-                        &vendor_reset.0,
-                        &vendor_reset.1,
-                        &vendor.map_or(0, |v| us(v.jitter())),
-                    ],
-                )
-                .await?;
-            let view = view_of(&row);
-            self.known.learned(destination, &view);
-            Ok(view)
-        })
+    ) -> Result<BudgetView, StoreError> {
+        let none = (None, None);
+        let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
+            Event::Clean {
+                success,
+                generation,
+            } => (
+                "clean",
+                i64::try_from(*generation).unwrap_or(i64::MAX),
+                *success,
+                none,
+                none,
+                0.0,
+                None,
+            ),
+            Event::Throttled {
+                generation,
+                retry_after,
+                reset,
+                spread,
+            } => (
+                "throttled",
+                i64::try_from(*generation).unwrap_or(i64::MAX),
+                false,
+                pause_args(*retry_after),
+                pause_args(*reset),
+                *spread,
+                None,
+            ),
+            Event::Lockout(l) => ("lockout", 0, false, none, none, 0.0, Some(l)),
+            Event::None => ("none", 0, false, none, none, 0.0, None),
+        };
+        let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+        let decay_after = i32::try_from(rule.decay_after).unwrap_or(i32::MAX);
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let vendor_reset = pause_args(vendor.map(|v| v.reset));
+        let client = self.client().await?;
+        let row = client
+            .one(
+                SQL_RECORD,
+                &[
+                    &destination,
+                    &kind,
+                    &generation,
+                    &success,
+                    &retry_after.0,
+                    &retry_after.1,
+                    &reset.0,
+                    &reset.1,
+                    &spread,
+                    &rule.backoff_factor,
+                    &rule.backoff_max,
+                    &decay_after,
+                    &rule.retry_after_max.as_secs_f64(),
+                    &i64::from(rule.reserve),
+                    &rule.block.map(|b| us(b.min)),
+                    &rule.block.map(|b| us(b.max)),
+                    &rule.block.map_or(0.0, |b| b.jitter),
+                    &lock.map(|l| i32::from(l.status)),
+                    &lock.map(|l| l.request.as_str()),
+                    &lock.map(|l| l.instance.as_str()),
+                    &vendor.map(|v| v.family.as_str()),
+                    &vendor.map(|v| count(v.remaining)),
+                    &vendor.and_then(|v| v.limit).map(count),
+                    &vendor_reset.0,
+                    &vendor_reset.1,
+                    &vendor.map_or(0, |v| us(v.jitter())),
+                ],
+            )
+            .await?;
+        let view = view_of(&row);
+        self.known.learned(destination, &view);
+        Ok(view)
     }
 
-    fn continue_after<'a>(
-        &'a self,
-        marks: &'a [(String, Instant)],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            let budgets: Vec<&str> = marks.iter().map(|(b, _)| b.as_str()).collect();
-            // Seconds from now on this clock, read as late as can be: a store whose clock
-            // differs places each mark no earlier than it is.
-            let now = Instant::now();
-            let ahead: Vec<f64> = marks
-                .iter()
-                .map(|(_, at)| at.saturating_duration_since(now).as_secs_f64())
-                .collect();
-            client.rows(SQL_CONTINUE_AFTER, &[&budgets, &ahead]).await?;
-            // Part of what this instance knows from now on, should a failover follow.
-            for (budget, at) in marks {
-                self.known.granted(budget, *at, &[], Duration::ZERO, 0);
-            }
-            Ok(())
-        })
+    async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let budgets: Vec<&str> = marks.iter().map(|(b, _)| b.as_str()).collect();
+        // Seconds from now on this clock, read as late as can be: a store whose clock
+        // differs places each mark no earlier than it is.
+        let now = Instant::now();
+        let ahead: Vec<f64> = marks
+            .iter()
+            .map(|(_, at)| at.saturating_duration_since(now).as_secs_f64())
+            .collect();
+        client.rows(SQL_CONTINUE_AFTER, &[&budgets, &ahead]).await?;
+        // Part of what this instance knows from now on, should a failover follow.
+        for (budget, at) in marks {
+            self.known.granted(budget, *at, &[], Duration::ZERO, 0);
+        }
+        Ok(())
     }
 
-    fn unlock<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            let row = client.opt(SQL_UNLOCK, &[&destination]).await?;
-            self.known.unlocked(destination);
-            Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
-        })
+    async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError> {
+        let client = self.client().await?;
+        let row = client.opt(SQL_UNLOCK, &[&destination]).await?;
+        self.known.unlocked(destination);
+        Ok(row.and_then(|r| lockout(r.get(0), r.get(1), r.get(2), r.get(3))))
     }
 
-    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            let row = client.opt(SQL_VIEW, &[&destination]).await?;
-            let view = row.map_or(BudgetView::default(), |r| view_of(&r));
-            self.known.learned(destination, &view);
-            Ok(view)
-        })
+    async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
+        let client = self.client().await?;
+        let row = client.opt(SQL_VIEW, &[&destination]).await?;
+        let view = row.map_or(BudgetView::default(), |r| view_of(&r));
+        self.known.learned(destination, &view);
+        Ok(view)
     }
 
     fn forget_budget(&self, budget: &str) {
@@ -602,50 +577,37 @@ impl Store for PostgresStore {
         self.known.forget(budget);
     }
 
-    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            Ok(client.one(SQL_KEY_SECRET, &[]).await?.get(0))
-        })
+    async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
+        let client = self.client().await?;
+        Ok(client.one(SQL_KEY_SECRET, &[]).await?.get(0))
     }
 
-    fn forget_keys<'a>(
-        &'a self,
-        parent: &'a str,
-        idle: Duration,
-    ) -> StoreFuture<'a, Result<u64, StoreError>> {
-        Box::pin(async move {
-            let client = self.client().await?;
-            let secs = idle.as_secs_f64();
-            let row = client.one(SQL_FORGET_KEYS, &[&parent, &secs]).await?;
-            Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
-        })
+    async fn forget_keys(&self, parent: &str, idle: Duration) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let secs = idle.as_secs_f64();
+        let row = client.one(SQL_FORGET_KEYS, &[&parent, &secs]).await?;
+        Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
     }
 
-    fn snapshot<'a>(
-        &'a self,
-        destinations: &'a [(&'a str, &'a Rule)],
-    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
-        Box::pin(async move {
-            let names: Vec<&str> = destinations.iter().map(|(d, _)| *d).collect();
-            let (windows, pers): (Vec<&str>, Vec<f64>) = destinations
-                .iter()
-                .flat_map(|(d, rule)| rule.quota.iter().map(move |q| (*d, q.per.as_secs_f64())))
-                .unzip();
-            let client = self.client().await?;
-            let rows = client
-                .rows(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
-                .await?;
-            let snapshots: Vec<Snapshot> = rows
-                .iter()
-                .zip(destinations)
-                .map(|(r, (_, rule))| snapshot_of(r, rule))
-                .collect();
-            for ((destination, _), s) in destinations.iter().zip(&snapshots) {
-                self.known.learned(destination, &s.view);
-            }
-            Ok(snapshots)
-        })
+    async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
+        let names: Vec<&str> = destinations.iter().map(|(d, _)| *d).collect();
+        let (windows, pers): (Vec<&str>, Vec<f64>) = destinations
+            .iter()
+            .flat_map(|(d, rule)| rule.quota.iter().map(move |q| (*d, q.per.as_secs_f64())))
+            .unzip();
+        let client = self.client().await?;
+        let rows = client
+            .rows(SQL_SNAPSHOT, &[&names, &windows, &pers, &self.instance])
+            .await?;
+        let snapshots: Vec<Snapshot> = rows
+            .iter()
+            .zip(destinations)
+            .map(|(r, (_, rule))| snapshot_of(r, rule))
+            .collect();
+        for ((destination, _), s) in destinations.iter().zip(&snapshots) {
+            self.known.learned(destination, &s.view);
+        }
+        Ok(snapshots)
     }
 }
 

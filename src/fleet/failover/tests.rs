@@ -92,96 +92,73 @@ impl Fake {
         }
     }
 
-    fn answer<'a, T: Send + 'a>(
-        &'a self,
-        call: StoreFuture<'a, Result<T, StoreError>>,
-    ) -> StoreFuture<'a, Result<T, StoreError>> {
-        Box::pin(async move {
-            self.check()?;
-            call.await
-        })
+    async fn answer<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        self.check()?;
+        call.await
     }
 }
 
+#[async_trait::async_trait]
 impl Store for Fake {
     fn kind(&self) -> &'static str {
         "fake"
     }
 
-    fn reserve<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
-        ask: Ask<'a>,
-    ) -> StoreFuture<'a, Result<Grant, ReserveError>> {
-        Box::pin(async move {
-            self.check()?;
-            self.inner.reserve(destination, rule, ask).await
-        })
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
+        self.check()?;
+        self.inner.reserve(destination, rule, ask).await
     }
 
-    fn wait_list<'a>(
-        &'a self,
-        destination: &'a str,
-        queues: &'a [ClassQueue],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        self.answer(self.inner.wait_list(destination, queues))
+    async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
+        self.answer(self.inner.wait_list(destination, queues)).await
     }
 
-    fn key_secret(&self) -> StoreFuture<'_, Result<Vec<u8>, StoreError>> {
-        self.answer(self.inner.key_secret())
+    async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
+        self.answer(self.inner.key_secret()).await
     }
 
-    fn forget_keys<'a>(
-        &'a self,
-        parent: &'a str,
-        idle: Duration,
-    ) -> StoreFuture<'a, Result<u64, StoreError>> {
-        self.answer(self.inner.forget_keys(parent, idle))
+    async fn forget_keys(&self, parent: &str, idle: Duration) -> Result<u64, StoreError> {
+        self.answer(self.inner.forget_keys(parent, idle)).await
     }
 
-    fn record<'a>(
-        &'a self,
-        destination: &'a str,
-        rule: &'a Rule,
+    async fn record(
+        &self,
+        destination: &str,
+        rule: &Rule,
         event: Event,
         vendor: Option<Observation>,
-    ) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
+    ) -> Result<BudgetView, StoreError> {
         self.answer(self.inner.record(destination, rule, event, vendor))
+            .await
     }
 
-    fn unlock<'a>(
-        &'a self,
-        destination: &'a str,
-    ) -> StoreFuture<'a, Result<Option<Lockout>, StoreError>> {
-        self.answer(self.inner.unlock(destination))
+    async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError> {
+        self.answer(self.inner.unlock(destination)).await
     }
 
-    fn continue_after<'a>(
-        &'a self,
-        marks: &'a [(String, Instant)],
-    ) -> StoreFuture<'a, Result<(), StoreError>> {
-        self.answer(self.inner.continue_after(marks))
+    async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {
+        self.answer(self.inner.continue_after(marks)).await
     }
 
-    fn view<'a>(&'a self, destination: &'a str) -> StoreFuture<'a, Result<BudgetView, StoreError>> {
-        self.answer(self.inner.view(destination))
+    async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
+        self.answer(self.inner.view(destination)).await
     }
 
-    fn snapshot<'a>(
-        &'a self,
-        destinations: &'a [(&'a str, &'a Rule)],
-    ) -> StoreFuture<'a, Result<Vec<Snapshot>, StoreError>> {
-        self.answer(self.inner.snapshot(destinations))
+    async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
+        self.answer(self.inner.snapshot(destinations)).await
     }
 }
 
 impl Membership for Fake {
-    fn heartbeat<'a>(
-        &'a self,
-        me: &'a Instance,
-        report: Report,
-    ) -> StoreFuture<'a, Result<Vec<Peer>, StoreError>> {
+    async fn heartbeat(&self, me: &Instance, report: Report) -> Result<Vec<Peer>, StoreError> {
         let now = Instant::now();
         self.beats.lock().push(now);
         self.reports.lock().push(report);
@@ -222,13 +199,10 @@ impl Membership for Fake {
                 .chain(sharing)
                 .collect()
         });
-        Box::pin(std::future::ready(answer))
+        answer
     }
 
-    fn live_instances(
-        &self,
-        _within: Duration,
-    ) -> StoreFuture<'_, Result<Vec<InstanceStatus>, StoreError>> {
+    async fn live_instances(&self, _within: Duration) -> Result<Vec<InstanceStatus>, StoreError> {
         let live = (0..self.live)
             .map(|i| InstanceStatus {
                 id: format!("fake-{i}"),
@@ -239,21 +213,21 @@ impl Membership for Fake {
                 last_seen_seconds_ago: 0.0,
             })
             .collect();
-        Box::pin(std::future::ready(self.check().map(|()| live)))
+        self.check().map(|()| live)
     }
 
-    fn forget<'a>(&'a self, _me: &'a Instance) -> StoreFuture<'a, Result<(), StoreError>> {
-        Box::pin(std::future::ready(Ok(())))
+    async fn forget(&self, _me: &Instance) -> Result<(), StoreError> {
+        Ok(())
     }
 
-    fn compare_rules<'a>(
-        &'a self,
-        _me: &'a Instance,
-        _mine: &'a [Written],
+    async fn compare_rules(
+        &self,
+        _me: &Instance,
+        _mine: &[Written],
         _write: bool,
-    ) -> StoreFuture<'a, Result<Vec<Theirs>, StoreError>> {
+    ) -> Result<Vec<Theirs>, StoreError> {
         let theirs = self.theirs.lock().clone();
-        Box::pin(std::future::ready(self.check().map(|()| theirs)))
+        self.check().map(|()| theirs)
     }
 }
 

@@ -28,17 +28,18 @@ impl OnPausedTime {
     }
 }
 
+#[async_trait::async_trait]
 impl Modelled for OnPausedTime {
     fn store(&self) -> &dyn Store {
         &self.store
     }
 
-    fn set_now(&self, now: Duration) -> StoreFuture<'_, ()> {
+    async fn set_now(&self, now: Duration) {
         let step = now - std::mem::replace(&mut *self.at.lock(), now);
-        Box::pin(tokio::time::advance(step))
+        tokio::time::advance(step).await
     }
 
-    fn row<'a>(&'a self, destination: &'a str, now: Duration) -> StoreFuture<'a, Option<Row>> {
+    async fn row(&self, destination: &str, now: Duration) -> Option<Row> {
         // The store's timeline runs `shift` ahead of the model's; "long ago" (zero) stays.
         let shift = self.store.now() - now;
         let back = |t: &mut Duration| *t = t.saturating_sub(shift);
@@ -57,7 +58,7 @@ impl Modelled for OnPausedTime {
                 }
                 model::model_row(&b, now)
             });
-        Box::pin(std::future::ready(row))
+        row
     }
 }
 

@@ -55,52 +55,49 @@ impl Db {
     }
 }
 
+#[async_trait::async_trait]
 impl Modelled for Db {
     fn store(&self) -> &dyn Store {
         &self.store
     }
 
-    fn set_now(&self, now: Duration) -> StoreFuture<'_, ()> {
-        Box::pin(async move {
-            let us = T0_US + now.as_micros() as i64;
-            self.control
-                .execute(
-                    "UPDATE fakeclock.now_t SET t = to_timestamp($1::float8 / 1000000)",
-                    &[&(us as f64)],
-                )
-                .await
-                .unwrap();
-            // to_timestamp goes through float8: check that it landed on the µs.
-            let back: i64 = self
-                .control
-                .query_one(
-                    "SELECT (extract(epoch FROM t) * 1000000)::bigint FROM fakeclock.now_t",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            assert_eq!(back, us, "the fake clock is exact");
-        })
+    async fn set_now(&self, now: Duration) {
+        let us = T0_US + now.as_micros() as i64;
+        self.control
+            .execute(
+                "UPDATE fakeclock.now_t SET t = to_timestamp($1::float8 / 1000000)",
+                &[&(us as f64)],
+            )
+            .await
+            .unwrap();
+        // to_timestamp goes through float8: check that it landed on the µs.
+        let back: i64 = self
+            .control
+            .query_one(
+                "SELECT (extract(epoch FROM t) * 1000000)::bigint FROM fakeclock.now_t",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(back, us, "the fake clock is exact");
     }
 
-    fn row<'a>(&'a self, destination: &'a str, _now: Duration) -> StoreFuture<'a, Option<Row>> {
-        Box::pin(async move {
-            self.control
-                .query_opt(SQL_ROW, &[&destination, &T0_US])
-                .await
-                .unwrap()
-                .map(|r| Row {
-                    beat: (r.get(0), r.get(1), r.get(3), r.get(4), r.get(5)),
-                    backoff: r.get(2),
-                    paused_by: r.get(6),
-                    block_streak: r.get(7),
-                    vendor: r
-                        .get::<_, Option<bool>>(12)
-                        .unwrap_or(false)
-                        .then(|| (r.get(8), r.get(9), r.get(10), r.get(11))),
-                })
-        })
+    async fn row(&self, destination: &str, _now: Duration) -> Option<Row> {
+        self.control
+            .query_opt(SQL_ROW, &[&destination, &T0_US])
+            .await
+            .unwrap()
+            .map(|r| Row {
+                beat: (r.get(0), r.get(1), r.get(3), r.get(4), r.get(5)),
+                backoff: r.get(2),
+                paused_by: r.get(6),
+                block_streak: r.get(7),
+                vendor: r
+                    .get::<_, Option<bool>>(12)
+                    .unwrap_or(false)
+                    .then(|| (r.get(8), r.get(9), r.get(10), r.get(11))),
+            })
     }
 }
 
