@@ -68,9 +68,13 @@ async fn a_store_2ms_away_keeps_rate_1000() {
     keeps_rate_and_ceiling(1000.0, Duration::from_micros(2500), 2.0, 0.5).await;
 }
 
+/// Over 9 s: at rate 10, one stall of a few hundred milliseconds on a 2-core machine (three
+/// instances, the relay and PostgreSQL at once) drops three slots as late, 7% of 4.5 s but
+/// under 4% of 9 s (seen once in CI: one instance, at 1.2 s). A loss that comes with the
+/// distance itself recurs every second, and fails either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_50ms_away_keeps_rate_10() {
-    keeps_rate_and_ceiling(10.0, Duration::from_millis(50), 4.5, 0.95).await;
+    keeps_rate_and_ceiling(10.0, Duration::from_millis(50), 9.0, 0.95).await;
 }
 
 /// The control: the relay itself, with no delay, changes nothing.
