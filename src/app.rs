@@ -164,6 +164,12 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
             } else {
                 store.check_schema().await?;
             }
+            // A reservation, a heartbeat's chores beside it, and one more: none waits for a
+            // connection to open (see `PostgresStore::warm`). Best effort: the pool opens them
+            // when asked anyway.
+            if let Err(e) = store.warm(3).await {
+                tracing::debug!("cannot open the store's connections ahead: {e}");
+            }
             // One connection of the configured ones is kept for heartbeats (see Failover).
             let control = PostgresStore::with_roots(url, 1, roots)?
                 .with_instance(&me.id)

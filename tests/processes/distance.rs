@@ -94,7 +94,7 @@ async fn a_lone_request_waits_about_one_round_trip_for_a_store_50ms_away() {
     // The first opens the upstream connection; the rest go each after an idle interval.
     assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
     let mut took = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let started = Instant::now();
         assert_eq!(via.get(&url).send().await.unwrap().status(), 200);
@@ -108,6 +108,15 @@ async fn a_lone_request_waits_about_one_round_trip_for_a_store_50ms_away() {
     assert!(
         median <= round_trip + Duration::from_millis(15),
         "a lone request took {median:?} (all: {took:?}) with the store {round_trip:?} away; {}",
+        fleet.explain(&upstream)
+    );
+    // And none two: a reservation that met no idle connection (a heartbeat's chores had it)
+    // or one that had not prepared its statement (the one that migrated) paid a round trip
+    // or three more (see `PostgresStore::warm`).
+    let slowest = took[took.len() - 1];
+    assert!(
+        slowest < round_trip * 2 - Duration::from_millis(10),
+        "a lone request took {slowest:?} (all: {took:?}) with the store {round_trip:?} away: two round trips; {}",
         fleet.explain(&upstream)
     );
 }
