@@ -350,6 +350,6 @@ impl Handler for Session {
     }
 
     fn refuse_connection(&self, why: crate::server::Refused) -> Vec<u8> {
-        ProxyError::from(why).to_closing_bytes()
+        Handler::refuse_connection(&self.proxy, why)
     }
 }

@@ -341,12 +341,35 @@ impl ProxyError {
         self.classify().2
     }
 
+    /// The response as HTTP/1.1 bytes that close the connection: for a connection refused
+    /// before a request is read, written to its socket rather than served by hyper.
+    pub fn to_closing_bytes(&self) -> Vec<u8> {
+        let resp = self.to_response();
+        let body = body(&self.to_string());
+        let mut out = format!("HTTP/1.1 {}\r\n", resp.status()).into_bytes();
+        for (name, value) in resp.headers() {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(
+            format!(
+                "content-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
+        out.extend_from_slice(body.as_bytes());
+        out
+    }
+
     /// The response to send the client.
     pub fn to_response(&self) -> Response<ProxyBody> {
         let (status, token, _) = self.classify();
         let details = self.to_string();
         let mut resp = Response::new(
-            Full::new(Bytes::from(format!("pacegate: {details}\n")))
+            Full::new(Bytes::from(body(&details)))
                 .map_err(|never| match never {})
                 .boxed(),
         );
@@ -385,29 +408,9 @@ impl ProxyError {
     }
 }
 
-impl ProxyError {
-    /// The response as HTTP/1.1 bytes that close the connection: for a connection refused
-    /// before a request is read, written to its socket rather than served by hyper.
-    pub fn to_closing_bytes(&self) -> Vec<u8> {
-        let resp = self.to_response();
-        let body = format!("pacegate: {self}\n");
-        let mut out = format!("HTTP/1.1 {}\r\n", resp.status()).into_bytes();
-        for (name, value) in resp.headers() {
-            out.extend_from_slice(name.as_str().as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value.as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        out.extend_from_slice(
-            format!(
-                "content-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            )
-            .as_bytes(),
-        );
-        out.extend_from_slice(body.as_bytes());
-        out
-    }
+/// The text of every refusal's body.
+fn body(details: &str) -> String {
+    format!("pacegate: {details}\n")
 }
 
 /// `Proxy-Status: pacegate; error=TOKEN; details="..."`.
