@@ -8,6 +8,7 @@
 //! is what every store must pass. Nothing here knows HTTP, how responses are classified, or
 //! which instances share a store (that is the `fleet`'s).
 
+pub mod known;
 pub mod schedule;
 
 #[cfg(test)]
@@ -27,6 +28,7 @@ use crate::signals::Family;
 use crate::status::LockStatus;
 
 pub use crate::destination::{GROUP_MARK, KEY_MARK};
+pub use known::Known;
 
 /// The budget whose lockout halts `budget` too: a key's parent (`PARENT` of `PARENT#KEY`). A
 /// lockout is the IP's, so it is kept on the parent alone, and every key, on any instance and
@@ -480,6 +482,12 @@ impl Default for BudgetView {
 pub trait Store: Send + Sync + 'static {
     /// `memory` or `postgres`, for the `store` metric label.
     fn kind(&self) -> &'static str;
+
+    /// What this instance knows of each budget from this store's answers, for a store shared
+    /// with other instances (see [`known`]); `None` for a store of this instance alone.
+    fn known(&self) -> Option<&Known> {
+        None
+    }
 
     /// Tells the store this instance's waiting requests and reserves the next slot of
     /// `destination` for one of them if one deserves it (see [`Ask`]).

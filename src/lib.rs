@@ -31,7 +31,8 @@
 //!   host, credential or tenant, made on first use, bounded, forgotten when idle).
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite and the model test (`budget::model`) each
-//!   store passes; no I/O.
+//!   store passes, and what this instance knows of each budget (`budget::known`), which the
+//!   shared store feeds and both ways of losing it read; no I/O.
 //! - [`fleet`]: this instance among the others sharing a store: its identity (made once,
 //!   passed in), the membership seam, heartbeats and its share of each rate
 //!   (`fleet::standing`), what happens while a shared store is lost (`fleet::failover`:

@@ -44,7 +44,7 @@ use super::heartbeat::{self, Health};
 use super::standing::{Alone, Split, Standing, StandingGauges};
 use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
 use crate::budget::{
-    halted_by, Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, ReserveError, Rule,
+    Ask, BudgetView, ClassQueue, Event, Grant, Known, Lockout, Observation, ReserveError, Rule,
     Snapshot, Store, StoreError,
 };
 use crate::config::OnUnavailable;
@@ -109,13 +109,6 @@ pub struct Failover<B, M, L> {
     policy: Policy,
     degraded: AtomicBool,
     standing: Standing,
-    /// The last budget read from the store, per destination, to seed the local one.
-    last_known: Mutex<HashMap<String, BudgetView>>,
-    /// The end of the last interval this instance reserved, per destination: where the local
-    /// schedule continues when the store goes away.
-    last_slot_end: Mutex<HashMap<String, Instant>>,
-    /// Each destination's largest quota limit, for destinations that have quota windows.
-    quota_limits: Mutex<HashMap<String, u32>>,
     /// Lockouts not yet in the shared store (taken while degraded, or whose write failed), to
     /// be written back; each halts its destination here meanwhile.
     pending: Mutex<Vec<(String, Rule, Lockout)>>,
@@ -162,15 +155,18 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             },
             policy,
             degraded: AtomicBool::new(false),
-            last_known: Mutex::new(HashMap::new()),
-            last_slot_end: Mutex::new(HashMap::new()),
-            quota_limits: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
             degraded_gauge: gauges.degraded,
             alone_ends: Mutex::new(HashMap::new()),
             alone_gate: tokio::sync::RwLock::new(()),
             agreement: Agreement::new(gauges.mismatch),
         }
+    }
+
+    /// The shared store, for a test that plays a failover of its server under this one.
+    #[cfg(test)]
+    pub(crate) fn primary(&self) -> &B {
+        &self.primary
     }
 
     /// Whether the store is degraded now.
@@ -221,30 +217,9 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             return;
         }
         self.agreement.unwritten();
-        // Start the local budgets from the last shared ones: a lockout must not be forgotten,
-        // and the local schedule continues after the last slot taken, without a burst.
-        let known = self.last_known.lock().clone();
-        let ends = self.last_slot_end.lock().clone();
-        let unwritten: HashMap<String, Lockout> = self
-            .pending
-            .lock()
-            .iter()
-            .map(|(dest, _, lock)| (dest.clone(), lock.clone()))
-            .collect();
-        for dest in known.keys().chain(ends.keys()).chain(unwritten.keys()) {
-            let mut view = known.get(dest).cloned().unwrap_or_default();
-            if let Some(lock) = unwritten.get(dest) {
-                view.lock = Some(lock.clone());
-            }
-            self.local.seed(dest, &view, ends.get(dest).copied());
-        }
-        // How full the shared quota windows are cannot be known from here: assume them full
-        // at the moment of loss, so that pacing alone cannot overfill one.
-        for (dest, limit) in self.quota_limits.lock().iter() {
-            self.local.fill_windows(dest, *limit);
-        }
-        self.degraded_gauge.set(1);
         let n = self.standing.divisor();
+        self.seed_local(n);
+        self.degraded_gauge.set(1);
         match self.policy.on_unavailable {
             OnUnavailable::Divide => tracing::error!(
                 "pacing store unavailable ({why}); pacing alone at no more than rate / {n} (the instances last counted) less a request a second, from {} after the last heartbeat until its lease in the store runs out ({} after it), then refusing until it returns",
@@ -254,6 +229,43 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             OnUnavailable::Refuse => {
                 tracing::error!("pacing store unavailable ({why}); refusing paced requests until it returns (on_unavailable = refuse)")
             }
+        }
+    }
+
+    /// Starts the local budgets from what this instance knew of the shared ones (the
+    /// primary's [`Known`]): a lockout must not be forgotten, and the local schedule continues
+    /// after the last slot taken, without a burst. Pacing alone, slots are spaced at least
+    /// `n` intervals apart, so the schedule continues `n` intervals after the last one.
+    fn seed_local(&self, n: u32) {
+        let mut unwritten: HashMap<String, Lockout> = self
+            .pending
+            .lock()
+            .iter()
+            .map(|(dest, _, lock)| (dest.clone(), lock.clone()))
+            .collect();
+        let marks = self.primary.known().map(Known::marks).unwrap_or_default();
+        for (dest, mark) in marks {
+            let mut view = mark.view.map(|(_, v)| v).unwrap_or_default();
+            if let Some(lock) = unwritten.remove(&dest) {
+                view.lock = Some(lock);
+            }
+            let next = mark
+                .last
+                .map(|(at, interval)| at + interval * n)
+                .max(mark.next);
+            self.local.seed(&dest, &view, next);
+            // How full the shared quota windows are cannot be known from here: assume them
+            // full at the moment of loss, so that pacing alone cannot overfill one.
+            if mark.window > 0 {
+                self.local.fill_windows(&dest, mark.window);
+            }
+        }
+        for (dest, lock) in unwritten {
+            let view = BudgetView {
+                lock: Some(lock),
+                ..BudgetView::default()
+            };
+            self.local.seed(&dest, &view, None);
         }
     }
 
@@ -298,7 +310,7 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
                 .bounded(self.primary.record(dest, rule, event, None))
                 .await
             {
-                Ok(view) => self.remember(dest, &view),
+                Ok(_) => {}
                 Err(e) => {
                     self.pending.lock().extend(pending[i..].iter().cloned());
                     return Err(e);
@@ -325,10 +337,8 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             return Ok(());
         }
         let asked: Vec<(&str, &Rule)> = announced.iter().map(|(d, r)| (d.as_str(), r)).collect();
-        let snapshots = self.bounded(self.primary.snapshot(&asked)).await?;
-        for ((destination, _), s) in asked.iter().zip(&snapshots) {
-            self.remember(destination, &s.view);
-        }
+        // The answer feeds what this instance knows (the primary's `Known`).
+        self.bounded(self.primary.snapshot(&asked)).await?;
         Ok(())
     }
 
@@ -381,34 +391,7 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         };
         let timeout = self.policy.timeout;
         match tokio::time::timeout(timeout, self.primary.reserve(destination, rule, ask)).await {
-            // A lockout set elsewhere, met here: kept for pacing alone, should the store be
-            // lost before a view or verdict says so again.
-            Ok(Err(ReserveError::Locked(lock))) => {
-                self.last_known
-                    .lock()
-                    .entry(destination.to_owned())
-                    .or_default()
-                    .lock = Some(lock.clone());
-                Err(ReserveError::Locked(lock))
-            }
-            // The shared schedule's next slot (a pause, a block, a vendor's reset): pacing
-            // alone must not come sooner.
-            Ok(Err(ReserveError::TooLate { slot })) => {
-                let mut ends = self.last_slot_end.lock();
-                let end = ends.entry(destination.to_owned()).or_insert(slot);
-                *end = (*end).max(slot);
-                Err(ReserveError::TooLate { slot })
-            }
-            Ok(Ok(grant)) => {
-                // Pacing alone, slots are spaced at least `interval * n` apart.
-                let n = self.standing.divisor();
-                let end = grant.slot.at + rule.interval * n;
-                self.last_slot_end
-                    .lock()
-                    .insert(destination.to_owned(), end);
-                Ok(grant)
-            }
-            Ok(result) => result,
+            Ok(answer) => answer,
             // Slow is not gone: pacing locally beside instances that still reach the store
             // could exceed the ceiling, so a slow answer only delays this slot.
             Err(_) => Err(ReserveError::Busy(timeout)),
@@ -453,12 +436,6 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             }
             Err(e) => Err(e),
         }
-    }
-
-    fn remember(&self, destination: &str, view: &BudgetView) {
-        self.last_known
-            .lock()
-            .insert(destination.to_owned(), view.clone());
     }
 }
 
@@ -523,12 +500,6 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
     ) -> Result<Grant, ReserveError> {
         let governing = self.agreement.governing(destination);
         let rule = governing.as_deref().unwrap_or(rule);
-        if let Some(limit) = rule.quota.iter().map(|q| q.limit).max() {
-            let mut limits = self.quota_limits.lock();
-            if limits.get(destination) != Some(&limit) {
-                limits.insert(destination.to_owned(), limit);
-            }
-        }
         // A lockout not yet written halts its destination here all the same.
         if let Some(lock) = self.unwritten_lock(destination) {
             return Err(ReserveError::Locked(lock));
@@ -584,14 +555,7 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         let governing = self.agreement.governing(destination);
         let rule = governing.as_deref().unwrap_or(rule);
         let to_share = event.clone();
-        let shared = async move {
-            let view = self
-                .primary
-                .record(destination, rule, to_share, vendor)
-                .await?;
-            self.remember(destination, &view);
-            Ok(view)
-        };
+        let shared = self.primary.record(destination, rule, to_share, vendor);
         let lockout = match &event {
             Event::Lockout(lock) => Some(lock.clone()),
             _ => None,
@@ -632,12 +596,6 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
             ));
         }
         let cleared = self.bounded(self.primary.unlock(destination)).await?;
-        // Its keys hold the lockout they met at a reservation (see `halted_by`).
-        for (name, view) in self.last_known.lock().iter_mut() {
-            if name == destination || halted_by(name) == Some(destination) {
-                view.lock = None;
-            }
-        }
         // A lockout not yet written is cleared too, not written after the unlock.
         self.pending
             .lock()
@@ -646,13 +604,10 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
     }
 
     async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
-        let shared = async {
-            let view = self.primary.view(destination).await?;
-            self.remember(destination, &view);
-            Ok(view)
-        };
-        self.shared_or_local(shared, || self.local.view(destination))
-            .await
+        self.shared_or_local(self.primary.view(destination), || {
+            self.local.view(destination)
+        })
+        .await
     }
 
     /// Only the shared store's: a secret of this instance's own would name keys' budgets
@@ -669,34 +624,19 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         self.bounded(self.primary.forget_keys(parent, idle)).await
     }
 
-    /// What seeds the local store is kept while it holds a pause or a lockout: an idle key
-    /// may still be paused, and losing the shared store must not lift that.
+    /// What seeds the local store is kept while it holds a pause or a lockout (see
+    /// [`Known::forget`]): an idle key may still be paused, and losing the shared store must
+    /// not lift that.
     fn forget_budget(&self, budget: &str) {
-        {
-            let mut known = self.last_known.lock();
-            if known
-                .get(budget)
-                .is_some_and(|v| v.paused_for.is_zero() && v.lock.is_none())
-            {
-                known.remove(budget);
-            }
-        }
-        self.last_slot_end.lock().remove(budget);
-        self.quota_limits.lock().remove(budget);
         self.local.forget_budget(budget);
         self.primary.forget_budget(budget);
     }
 
     async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
-        let shared = async {
-            let snapshots = self.primary.snapshot(destinations).await?;
-            for ((destination, _), s) in destinations.iter().zip(&snapshots) {
-                self.remember(destination, &s.view);
-            }
-            Ok(snapshots)
-        };
-        self.shared_or_local(shared, || self.local.snapshot(destinations))
-            .await
+        self.shared_or_local(self.primary.snapshot(destinations), || {
+            self.local.snapshot(destinations)
+        })
+        .await
     }
 }
 

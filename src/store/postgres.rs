@@ -36,8 +36,8 @@ use typed::{no_row, Conn, Param};
 
 use crate::budget::after_grant;
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, Event, Grant, Lockout, Observation, Reservation, ReserveError,
-    Rule, Snapshot, Store, StoreError, BATCH_HORIZON,
+    Ask, BudgetView, ClassQueue, Event, Grant, Known, Lockout, Observation, Reservation,
+    ReserveError, Rule, Snapshot, Store, StoreError, BATCH_HORIZON,
 };
 use crate::class::Class;
 use crate::config::Statements;
@@ -63,8 +63,11 @@ pub struct PostgresStore {
     /// so that an answer that never came, or rows another instance expired, are written again.
     /// A failover clears it: the new server holds none of these rows.
     written: Arc<Mutex<HashMap<String, Option<Vec<Row>>>>>,
-    /// What this instance knows of each budget, put back into a new server after a failover.
-    known: Arc<Reassert>,
+    /// What this instance knows of each budget, from this handle's answers: the failover's
+    /// local fallback starts from it, and [`reassert`] puts it back into a new server.
+    known: Arc<Known>,
+    /// The server paced on, and what a new one gets.
+    reassert: Arc<Reassert>,
     /// Round trips sent to the database, for benches and tests that count what a request
     /// costs it (one per operation, two when a reservation leaves the one-statement path).
     statements: AtomicU64,
@@ -125,8 +128,9 @@ impl PostgresStore {
             },
         );
         let written = Arc::new(Mutex::new(HashMap::new()));
-        let known = Arc::new(Reassert::new(written.clone()));
-        let checks = known.clone();
+        let known = Arc::new(Known::default());
+        let reassert = Arc::new(Reassert::new(known.clone(), written.clone()));
+        let checks = reassert.clone();
         let prepared = Arc::new(AtomicBool::new(
             Statements::default() == Statements::Prepared,
         ));
@@ -158,6 +162,7 @@ impl PostgresStore {
             instance: Instance::new().id,
             written,
             known,
+            reassert,
             statements: AtomicU64::new(0),
             prepared,
             lead: true,
@@ -242,7 +247,7 @@ impl PostgresStore {
     /// Whether a failover's new server gets what this instance knew (see [`reassert`]); on by
     /// default.
     pub fn with_reassert(self, on: bool) -> Self {
-        self.known.set_on(on);
+        self.reassert.set_on(on);
         self
     }
 
@@ -277,21 +282,8 @@ impl PostgresStore {
         self
     }
 
-    /// Every budget in the store, by destination name.
-    pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
-        let client = self.client().await?;
-        let rows = client.rows(SQL_BUDGETS, &[]).await?;
-        Ok(rows.iter().map(|r| (r.get(14), view_of(r))).collect())
-    }
-}
-
-#[async_trait::async_trait]
-impl Store for PostgresStore {
-    fn kind(&self) -> &'static str {
-        "postgres"
-    }
-
-    async fn reserve(
+    /// A reservation as [`Store::reserve`] asks it, on the server.
+    async fn reserve_on_server(
         &self,
         destination: &str,
         rule: &Rule,
@@ -318,7 +310,6 @@ impl Store for PostgresStore {
                     // destination.
                     self.wrote(destination, Vec::new());
                     let at = clock.local(slot);
-                    self.known.granted(destination, at, &[], rule.interval, 0);
                     return Ok(Grant {
                         slot: Reservation {
                             at,
@@ -341,7 +332,8 @@ impl Store for PostgresStore {
         let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
         let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
         let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
-        let lost_hold = self.known.paced(destination).map_or(0.0, |next| {
+        let paced = self.reassert.is_on().then(|| self.known.next(destination));
+        let lost_hold = paced.flatten().map_or(0.0, |next| {
             LOST_ROW_HOLD
                 .max(next.saturating_duration_since(Instant::now()))
                 .as_secs_f64()
@@ -398,9 +390,6 @@ impl Store for PostgresStore {
                 let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
                 self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
                 let first = at(slot)?;
-                let keep = rule.quota.iter().map(|q| q.limit).max().unwrap_or(0);
-                self.known
-                    .granted(destination, first, &more, rule.interval, keep as usize);
                 Ok(Grant {
                     slot: Reservation {
                         at: first,
@@ -425,10 +414,7 @@ impl Store for PostgresStore {
             "locked" => {
                 self.wrote(destination, rows);
                 match lockout(row.get(6), row.get(7), row.get(8), row.get(9)) {
-                    Some(lock) => {
-                        self.known.locked(destination, &lock);
-                        Err(ReserveError::Locked(lock))
-                    }
+                    Some(lock) => Err(ReserveError::Locked(lock)),
                     None => Err(ReserveError::Store(StoreError::Refused(
                         "a lockout without a status".into(),
                     ))),
@@ -438,6 +424,35 @@ impl Store for PostgresStore {
                 "pacegate_reserve_batch answered `{other}`"
             )))),
         }
+    }
+
+    /// Every budget in the store, by destination name.
+    pub async fn budgets(&self) -> Result<Vec<(String, BudgetView)>, StoreError> {
+        let client = self.client().await?;
+        let rows = client.rows(SQL_BUDGETS, &[]).await?;
+        Ok(rows.iter().map(|r| (r.get(14), view_of(r))).collect())
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn known(&self) -> Option<&Known> {
+        Some(&self.known)
+    }
+
+    async fn reserve(
+        &self,
+        destination: &str,
+        rule: &Rule,
+        ask: Ask<'_>,
+    ) -> Result<Grant, ReserveError> {
+        let answer = self.reserve_on_server(destination, rule, ask).await;
+        self.known.reserved(destination, rule, &answer);
+        answer
     }
 
     async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
@@ -474,7 +489,7 @@ impl Store for PostgresStore {
             )
             .await?;
         // Behind a pooler the server can change under a connection that stays open.
-        self.known.check(&client).await.map_err(db)?;
+        self.reassert.check(&client).await.map_err(db)?;
         Ok(())
     }
 
@@ -576,10 +591,7 @@ impl Store for PostgresStore {
             .map(|(_, at)| at.saturating_duration_since(now).as_secs_f64())
             .collect();
         client.rows(SQL_CONTINUE_AFTER, &[&budgets, &ahead]).await?;
-        // Part of what this instance knows from now on, should a failover follow.
-        for (budget, at) in marks {
-            self.known.granted(budget, *at, &[], Duration::ZERO, 0);
-        }
+        self.known.continued(marks);
         Ok(())
     }
 

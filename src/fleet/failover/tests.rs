@@ -26,6 +26,8 @@ struct FakePeer {
 #[derive(Clone)]
 struct Fake {
     inner: Arc<MemoryStore>,
+    /// What the answers taught, as a shared store keeps it.
+    known: Arc<Known>,
     state: Arc<AtomicU8>,
     /// When each heartbeat was sent.
     beats: Arc<Mutex<Vec<Instant>>>,
@@ -56,6 +58,7 @@ impl Fake {
             .collect();
         Self {
             inner: Arc::new(MemoryStore::ephemeral()),
+            known: Arc::default(),
             state: Arc::new(AtomicU8::new(UP)),
             beats: Arc::default(),
             reports: Arc::default(),
@@ -107,6 +110,10 @@ impl Store for Fake {
         "fake"
     }
 
+    fn known(&self) -> Option<&Known> {
+        Some(&self.known)
+    }
+
     async fn reserve(
         &self,
         destination: &str,
@@ -114,7 +121,9 @@ impl Store for Fake {
         ask: Ask<'_>,
     ) -> Result<Grant, ReserveError> {
         self.check()?;
-        self.inner.reserve(destination, rule, ask).await
+        let answer = self.inner.reserve(destination, rule, ask).await;
+        self.known.reserved(destination, rule, &answer);
+        answer
     }
 
     async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
@@ -136,24 +145,42 @@ impl Store for Fake {
         event: Event,
         vendor: Option<Observation>,
     ) -> Result<BudgetView, StoreError> {
-        self.answer(self.inner.record(destination, rule, event, vendor))
-            .await
+        let view = self
+            .answer(self.inner.record(destination, rule, event, vendor))
+            .await?;
+        self.known.learned(destination, &view);
+        Ok(view)
     }
 
     async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError> {
-        self.answer(self.inner.unlock(destination)).await
+        let cleared = self.answer(self.inner.unlock(destination)).await?;
+        self.known.unlocked(destination);
+        Ok(cleared)
     }
 
     async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {
-        self.answer(self.inner.continue_after(marks)).await
+        self.answer(self.inner.continue_after(marks)).await?;
+        self.known.continued(marks);
+        Ok(())
     }
 
     async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
-        self.answer(self.inner.view(destination)).await
+        let view = self.answer(self.inner.view(destination)).await?;
+        self.known.learned(destination, &view);
+        Ok(view)
     }
 
     async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
-        self.answer(self.inner.snapshot(destinations)).await
+        let snapshots = self.answer(self.inner.snapshot(destinations)).await?;
+        for ((destination, _), s) in destinations.iter().zip(&snapshots) {
+            self.known.learned(destination, &s.view);
+        }
+        Ok(snapshots)
+    }
+
+    fn forget_budget(&self, budget: &str) {
+        self.inner.forget_budget(budget);
+        self.known.forget(budget);
     }
 }
 

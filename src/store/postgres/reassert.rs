@@ -2,10 +2,10 @@
 //!
 //! A standby promoted after the primary's last commits never reached it starts from less than
 //! the fleet knew: a lockout taken after the standby was cut off is gone, and so are a pause,
-//! a block streak, the backoff, the vendor's view and the latest slots. Every instance keeps a
-//! high-water mark of what it learned of each budget (from its own grants and verdicts, and
-//! from the shared state read back once a heartbeat), and notices a new server by its system
-//! identifier and timeline. The first connection to a new server merges every mark into it
+//! a block streak, the backoff, the vendor's view and the latest slots. Every store handle
+//! keeps the high-water marks of what it learned of each budget ([`Known`], from its own
+//! grants and verdicts, and from the shared state read back once a heartbeat), and notices a
+//! new server by its system identifier and timeline. The first connection to a new server merges every mark into it
 //! (`pacegate_reassert`) before the pool hands that connection, or any other, to a request;
 //! the merge only ever tightens a budget, so instances that put back the same knowledge, in
 //! any order, leave it as the strictest of them knew it.
@@ -17,10 +17,10 @@
 //! Times are put back as seconds from now on this instance's clock, each read as late as it
 //! can be, so a new server with another clock places them no earlier than they were.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -28,7 +28,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Client;
 
 use super::rows::Row;
-use crate::budget::{halted_by, BudgetView, Lockout};
+use crate::budget::Known;
 
 /// The server this pool paces on: its system identifier and timeline, as
 /// `IDENTIFIER:TIMELINE`. `NULL` from a standby, which is never paced from.
@@ -44,32 +44,12 @@ const SQL_TIMELINE: &str = "SELECT CASE WHEN NOT pg_is_in_recovery() THEN
 const SQL_REASSERT: &str = "SELECT pacegate_reassert($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
     $11, $12, $13, $14, $15, $16, $17, $18)";
 
-/// What this instance knows of one budget.
-#[derive(Debug, Default)]
-struct Mark {
-    /// The earliest the budget's next slot may be: after the latest slot granted here.
-    next: Option<Instant>,
-    /// The budget as last read from the store, and when.
-    view: Option<(Instant, BudgetView)>,
-    /// The latest slots granted here, for a budget with quota windows: as many as its
-    /// largest window holds.
-    sends: VecDeque<Instant>,
-}
-
-impl Mark {
-    /// Whether forgetting it could lift a halt: a lockout or a pause still in force.
-    fn halts(&self, now: Instant) -> bool {
-        self.view.as_ref().is_some_and(|(read, v)| {
-            v.lock.is_some() || (!v.paused_for.is_zero() && *read + v.paused_for > now)
-        })
-    }
-}
-
-/// The high-water marks of one store handle, and the server they were learned on.
+/// The server a store handle paces on, and what is put back into a new one.
 pub(super) struct Reassert {
     /// Off: a new server is trusted as it is (`[store] reassert = false`).
     on: AtomicBool,
-    marks: Mutex<HashMap<String, Mark>>,
+    /// What is put back: the store handle's record of its answers.
+    known: Arc<Known>,
     /// The server last paced on; held while a new one is merged into, so that no connection
     /// to it serves a request before then.
     server: tokio::sync::Mutex<Option<String>>,
@@ -80,10 +60,13 @@ pub(super) struct Reassert {
 }
 
 impl Reassert {
-    pub(super) fn new(written: Arc<Mutex<HashMap<String, Option<Vec<Row>>>>>) -> Self {
+    pub(super) fn new(
+        known: Arc<Known>,
+        written: Arc<Mutex<HashMap<String, Option<Vec<Row>>>>>,
+    ) -> Self {
         Self {
             on: AtomicBool::new(true),
-            marks: Mutex::new(HashMap::new()),
+            known,
             server: tokio::sync::Mutex::new(None),
             written,
             blind: AtomicBool::new(false),
@@ -92,91 +75,10 @@ impl Reassert {
 
     pub(super) fn set_on(&self, on: bool) {
         self.on.store(on, Ordering::Relaxed);
-        if !on {
-            self.marks.lock().clear();
-        }
     }
 
-    fn is_on(&self) -> bool {
+    pub(super) fn is_on(&self) -> bool {
         self.on.load(Ordering::Relaxed)
-    }
-
-    fn with_mark(&self, budget: &str, f: impl FnOnce(&mut Mark)) {
-        if !self.is_on() {
-            return;
-        }
-        let mut marks = self.marks.lock();
-        match marks.get_mut(budget) {
-            Some(mark) => f(mark),
-            None => f(marks.entry(budget.to_owned()).or_default()),
-        }
-    }
-
-    /// Slots granted here, `first` and `more` after it: the next one comes after the last,
-    /// `interval` later. `keep` is the largest quota window's limit (0 without windows).
-    pub(super) fn granted(
-        &self,
-        budget: &str,
-        first: Instant,
-        more: &[Instant],
-        interval: Duration,
-        keep: usize,
-    ) {
-        let last = more.iter().copied().fold(first, Instant::max);
-        self.with_mark(budget, |mark| {
-            let next = last + interval;
-            mark.next = Some(mark.next.map_or(next, |n| n.max(next)));
-            if keep > 0 {
-                mark.sends.push_back(first);
-                mark.sends.extend(more);
-                let over = mark.sends.len().saturating_sub(keep);
-                mark.sends.drain(..over);
-            }
-        });
-    }
-
-    /// Where `budget`'s next slot may be after those granted here, if any were: its row,
-    /// found missing, was lost.
-    pub(super) fn paced(&self, budget: &str) -> Option<Instant> {
-        self.marks.lock().get(budget).and_then(|m| m.next)
-    }
-
-    /// The budget as the store answered it just now.
-    pub(super) fn learned(&self, budget: &str, view: &BudgetView) {
-        let now = Instant::now();
-        self.with_mark(budget, |mark| mark.view = Some((now, view.clone())));
-    }
-
-    /// A lockout met at a reservation: kept on the budget that holds it.
-    pub(super) fn locked(&self, budget: &str, lock: &Lockout) {
-        let holder = halted_by(budget).unwrap_or(budget);
-        let now = Instant::now();
-        self.with_mark(holder, |mark| {
-            let (_, view) = mark
-                .view
-                .get_or_insert_with(|| (now, BudgetView::default()));
-            view.lock = Some(lock.clone());
-        });
-    }
-
-    /// An operator cleared `budget`'s lockout.
-    pub(super) fn unlocked(&self, budget: &str) {
-        if let Some((_, view)) = self
-            .marks
-            .lock()
-            .get_mut(budget)
-            .and_then(|m| m.view.as_mut())
-        {
-            view.lock = None;
-        }
-    }
-
-    /// Forgets an idle budget, unless that would lift a lockout or a pause still in force.
-    pub(super) fn forget(&self, budget: &str) {
-        let mut marks = self.marks.lock();
-        if marks.get(budget).is_some_and(|m| !m.halts(Instant::now())) {
-            marks.remove(budget);
-        }
     }
 
     /// Reads which server `client` is on; if it is not the one paced on so far, puts every
@@ -241,8 +143,8 @@ impl Reassert {
         let now = Instant::now();
         let ahead = |at: Instant| at.saturating_duration_since(now).as_secs_f64();
         let mut m = Merge::default();
-        for (budget, mark) in self.marks.lock().iter() {
-            m.budgets.push(budget.clone());
+        for (budget, mark) in self.known.marks() {
+            m.budgets.push(budget);
             m.next_in.push(mark.next.filter(|n| *n > now).map(ahead));
             let view = mark.view.as_ref();
             let paused = view

@@ -6,14 +6,23 @@
 
 use std::time::Duration;
 
+use prometheus::{Gauge, IntGauge, IntGaugeVec, Opts};
+
 use tokio::time::Instant;
 
 use super::super::PostgresStore;
 use crate::budget::contract::{rule, take};
-use crate::budget::{Event, Lockout, Observation, Pause, Reservation, ReserveError, Rule, Store};
+use crate::budget::{
+    Event, Lockout, Observation, Pause, Reservation, ReserveError, Rule, Store, StoreError,
+};
+use crate::config::OnUnavailable;
 use crate::demo::cluster::Cluster;
 use crate::destination::{Block, Quota};
+use crate::fleet::failover::{Failover, Gauges, Policy};
+use crate::fleet::heartbeat::Health;
+use crate::fleet::Instance;
 use crate::signals::Family;
+use crate::store::memory::MemoryStore;
 
 /// What the promoted standby answered for each budget written after the cut.
 struct After {
@@ -211,7 +220,7 @@ async fn a_new_server_behind_an_open_connection_is_found_at_the_heartbeat() {
         .await
         .unwrap();
     drop(client);
-    *store.known.server.lock().await = Some("the server before".into());
+    *store.reassert.server.lock().await = Some("the server before".into());
     store.keep_waiting().await.unwrap();
     let after = take(&store, "locked", &slow, None).await;
     assert!(
@@ -236,10 +245,77 @@ async fn a_server_that_keeps_its_identifier_to_itself_is_still_paced_on() {
     let store = PostgresStore::new(&url, 2).unwrap();
     store.migrate().await.unwrap();
     take(&store, "d", &rule(10.0), None).await.unwrap();
-    let server = store.known.server.lock().await.clone();
+    let server = store.reassert.server.lock().await.clone();
     assert_eq!(
         server.as_deref(),
         Some("00000001"),
         "the server as told apart"
+    );
+}
+
+/// What this instance knows of a budget is one record, fed by the store's answers: the local
+/// fallback (the store lost) and the re-assertion (a new server) both read it. A lockout
+/// written through the failover reaches both: a new server that lost its row gets it back,
+/// and a local budget paced on once the store is gone starts with it.
+#[tokio::test]
+async fn the_fallback_and_the_reassertion_read_one_record() {
+    let url = super::super::testdb::fresh().await;
+    let store = PostgresStore::new(&url, 2).unwrap();
+    store.migrate().await.unwrap();
+    let control = PostgresStore::new(&url, 1).unwrap();
+    let gauge = |name: &str| IntGauge::new(name, "test").unwrap();
+    let failover = Failover::new(
+        store,
+        control,
+        MemoryStore::ephemeral(),
+        Instance::new(),
+        Policy {
+            on_unavailable: OnUnavailable::Refuse,
+            instances_hint: 1,
+            divide_for: Duration::from_secs(30),
+            timeout: Duration::from_secs(5),
+            hold_back: true,
+        },
+        Gauges {
+            degraded: gauge("degraded"),
+            instances: gauge("instances"),
+            held: Gauge::new("held", "test").unwrap(),
+            alone: Gauge::new("alone", "test").unwrap(),
+            mismatch: IntGaugeVec::new(Opts::new("mismatch", "test"), &["destination"]).unwrap(),
+        },
+    );
+    let slow = rule(0.5);
+    let lock = Lockout::new(403, "GET https://locked/x".into(), "instance-a".into());
+    failover
+        .record("locked", &slow, Event::Lockout(lock), None)
+        .await
+        .unwrap();
+
+    // A new server that lost the row.
+    let store = failover.primary();
+    let client = store.client().await.unwrap();
+    client
+        .execute(
+            "DELETE FROM pacegate_budgets WHERE destination = 'locked'",
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(client);
+    *store.reassert.server.lock().await = Some("the server before".into());
+    store.keep_waiting().await.unwrap();
+    let reasserted = take(store, "locked", &slow, None).await;
+
+    // The store lost: this instance paces on its own (here: refuses, saying why).
+    failover.lost(&StoreError::Unreachable("connection refused".into()));
+    let alone = take(&failover, "locked", &slow, None).await;
+
+    assert!(
+        matches!(reasserted, Err(ReserveError::Locked(_))),
+        "the new server after the re-assertion: {reasserted:?}"
+    );
+    assert!(
+        matches!(alone, Err(ReserveError::Locked(_))),
+        "the local fallback: {alone:?}"
     );
 }
