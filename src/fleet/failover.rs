@@ -86,6 +86,22 @@ pub struct Gauges {
     pub mismatch: IntGaugeVec,
 }
 
+#[cfg(test)]
+impl Gauges {
+    /// Gauges of no registry, for a test that reads none of them.
+    pub(crate) fn unregistered() -> Self {
+        let gauge = |name: &str| IntGauge::new(name, "test").unwrap();
+        Self {
+            degraded: gauge("degraded"),
+            instances: gauge("instances"),
+            held: Gauge::new("held", "test").unwrap(),
+            alone: Gauge::new("alone", "test").unwrap(),
+            mismatch: IntGaugeVec::new(prometheus::Opts::new("mismatch", "test"), &["destination"])
+                .unwrap(),
+        }
+    }
+}
+
 /// The store a [`Failover`] paces on while the shared one is lost: this instance's budgets
 /// alone (the memory store is one), started from the last shared ones.
 pub trait Fallback: Store {

@@ -259,7 +259,6 @@ impl Membership for Fake {
 }
 
 fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake, Fake, MemoryStore>> {
-    let gauge = |name: &str| IntGauge::new(name, "test").unwrap();
     Arc::new(Failover::new(
         fake.clone(),
         fake.clone(),
@@ -272,14 +271,7 @@ fn failover(fake: &Fake, mode: OnUnavailable) -> Arc<Failover<Fake, Fake, Memory
             timeout: Duration::from_millis(100),
             hold_back: true,
         },
-        Gauges {
-            degraded: gauge("degraded"),
-            instances: gauge("instances"),
-            held: Gauge::new("held", "test").unwrap(),
-            alone: Gauge::new("alone", "test").unwrap(),
-            mismatch: IntGaugeVec::new(prometheus::Opts::new("mismatch", "test"), &["destination"])
-                .unwrap(),
-        },
+        Gauges::unregistered(),
     ))
 }
 

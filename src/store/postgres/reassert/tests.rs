@@ -6,8 +6,6 @@
 
 use std::time::Duration;
 
-use prometheus::{Gauge, IntGauge, IntGaugeVec, Opts};
-
 use tokio::time::Instant;
 
 use super::super::PostgresStore;
@@ -198,6 +196,22 @@ async fn control_without_reassertion_the_failover_loses_them() {
     );
 }
 
+/// Plays a new server that lost `budget`'s row on the one `store` paces on: the row goes, and
+/// the server is taken for another at the heartbeat's check.
+async fn lose_row_on_a_new_server(store: &PostgresStore, budget: &str) {
+    let client = store.client().await.unwrap();
+    client
+        .execute(
+            "DELETE FROM pacegate_budgets WHERE destination = $1",
+            &[&budget],
+        )
+        .await
+        .unwrap();
+    drop(client);
+    *store.reassert.server.lock().await = Some("the server before".into());
+    store.keep_waiting().await.unwrap();
+}
+
 /// Behind a pooler the server can change while this handle's connections stay open, so no
 /// new connection would find it: the heartbeat's check does. Played on one server, which
 /// loses a budget's row and is taken for another.
@@ -211,17 +225,7 @@ async fn a_new_server_behind_an_open_connection_is_found_at_the_heartbeat() {
         .record("locked", &slow, Event::Lockout(lock), None)
         .await
         .unwrap();
-    let client = store.client().await.unwrap();
-    client
-        .execute(
-            "DELETE FROM pacegate_budgets WHERE destination = 'locked'",
-            &[],
-        )
-        .await
-        .unwrap();
-    drop(client);
-    *store.reassert.server.lock().await = Some("the server before".into());
-    store.keep_waiting().await.unwrap();
+    lose_row_on_a_new_server(&store, "locked").await;
     let after = take(&store, "locked", &slow, None).await;
     assert!(
         matches!(after, Err(ReserveError::Locked(_))),
@@ -263,7 +267,6 @@ async fn the_fallback_and_the_reassertion_read_one_record() {
     let store = PostgresStore::new(&url, 2).unwrap();
     store.migrate().await.unwrap();
     let control = PostgresStore::new(&url, 1).unwrap();
-    let gauge = |name: &str| IntGauge::new(name, "test").unwrap();
     let failover = Failover::new(
         store,
         control,
@@ -276,13 +279,7 @@ async fn the_fallback_and_the_reassertion_read_one_record() {
             timeout: Duration::from_secs(5),
             hold_back: true,
         },
-        Gauges {
-            degraded: gauge("degraded"),
-            instances: gauge("instances"),
-            held: Gauge::new("held", "test").unwrap(),
-            alone: Gauge::new("alone", "test").unwrap(),
-            mismatch: IntGaugeVec::new(Opts::new("mismatch", "test"), &["destination"]).unwrap(),
-        },
+        Gauges::unregistered(),
     );
     let slow = rule(0.5);
     let lock = Lockout::new(403, "GET https://locked/x".into(), "instance-a".into());
@@ -293,17 +290,7 @@ async fn the_fallback_and_the_reassertion_read_one_record() {
 
     // A new server that lost the row.
     let store = failover.primary();
-    let client = store.client().await.unwrap();
-    client
-        .execute(
-            "DELETE FROM pacegate_budgets WHERE destination = 'locked'",
-            &[],
-        )
-        .await
-        .unwrap();
-    drop(client);
-    *store.reassert.server.lock().await = Some("the server before".into());
-    store.keep_waiting().await.unwrap();
+    lose_row_on_a_new_server(store, "locked").await;
     let reasserted = take(store, "locked", &slow, None).await;
 
     // The store lost: this instance paces on its own (here: refuses, saying why).
