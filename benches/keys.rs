@@ -74,7 +74,6 @@ async fn pacer_keyed(keys: &str) -> (Arc<Pacer>, Arc<Metrics>) {
 /// Makes keys `from..to` of `p`'s destination, as a request to each would (route, slot).
 async fn make_keys(p: &Arc<Pacer>, from: usize, to: usize) {
     let headers = HeaderMap::new();
-    let far = tokio::time::Instant::now() + Duration::from_secs(60);
     for n in from..to {
         let host = format!("h{n}.example");
         let asking = Asking {
@@ -84,9 +83,8 @@ async fn make_keys(p: &Arc<Pacer>, from: usize, to: usize) {
             client: None,
         };
         let route = p.destination("d").unwrap();
-        let route = p.keyed(route, &asking).await.unwrap();
         drop(
-            p.admit(&route, pacegate::class::Class(0), far)
+            p.tunnel(route, &asking, pacegate::class::Class(0))
                 .await
                 .unwrap(),
         );

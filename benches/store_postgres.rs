@@ -26,7 +26,7 @@ use pacegate::class::{Class, Classes};
 use pacegate::config::Statements;
 use pacegate::destination::{Destination, Pace};
 use pacegate::metrics::Metrics;
-use pacegate::pacing::Pacer;
+use pacegate::pacing::{Asking, Pacer};
 use pacegate::store::postgres::PostgresStore;
 
 fn rule() -> Rule {
@@ -216,7 +216,11 @@ async fn paced(
         let d = Destination {
             name: destination.clone(),
             hosts: vec![],
-            pace: Pace::new(rate),
+            // Each slot is waited for up to 5 s.
+            pace: Pace {
+                max_wait: Duration::from_secs(5),
+                ..Pace::new(rate)
+            },
             ports: Default::default(),
             allow_private_upstreams: None,
             groups: Vec::new(),
@@ -243,10 +247,16 @@ async fn paced(
             let name = destination.clone();
             tasks.push(tokio::spawn(async move {
                 let route = pacer.destination(&name).unwrap();
+                let headers = http::HeaderMap::new();
+                let asking = Asking {
+                    host: &name,
+                    user: None,
+                    headers: &headers,
+                    client: None,
+                };
                 let mut times = Vec::new();
                 while tokio::time::Instant::now() < stop_at {
-                    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-                    if pacer.admit(&route, Class(0), deadline).await.is_ok() {
+                    if pacer.tunnel(route.clone(), &asking, Class(0)).await.is_ok() {
                         times.push(tokio::time::Instant::now() - started);
                     }
                 }

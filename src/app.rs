@@ -213,12 +213,8 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         .with_fleet(fleet),
     );
     pacer.start().await?;
-    // What only the store knows (every instance's waiting requests, quota windows), for the
-    // gauges; it ends with the pacer's `stop`.
-    tokio::spawn(pacer.clone().keep_current());
-    // Keys gone idle are forgotten here and in the store, off the requests' way; it ends with
-    // the pacer's `stop`.
-    tokio::spawn(pacer.clone().keep_keys());
+    // It ends with the pacer's `stop`.
+    tokio::spawn(pacer.clone().keep_up());
     let bind = |what: &'static str, addr: SocketAddr| async move {
         let bound = async {
             let listener = TcpListener::bind(addr).await?;

@@ -267,6 +267,22 @@ pub struct Admission {
     _permit: Option<OwnedSemaphorePermit>,
 }
 
+impl Admission {
+    /// The latest instant its request may take an upstream connection and still go on its
+    /// slot: the deadline the upstream client is given for one.
+    fn send_by(&self) -> Instant {
+        self.slot.send_by(self.max_late)
+    }
+
+    /// How late its slot is at `now`, where later than it may be used: sent then, the
+    /// request would bunch with the next slots, and could crowd a quota window, which allows
+    /// a slot used up to [`crate::budget::Rule::max_late`] late and no more.
+    fn too_late_at(&self, now: Instant) -> Option<Duration> {
+        let late = self.slot.lateness(now);
+        (late > self.max_late).then_some(late)
+    }
+}
+
 impl Drop for Admission {
     fn drop(&mut self) {
         self.lane.tally.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -427,6 +443,13 @@ impl Pacer {
         }
         self.announce();
         Ok(changes)
+    }
+
+    /// The pacer's chores off the requests' way, until [`Pacer::stop`]: the store's snapshot
+    /// kept current for the gauges (what only the store knows: every instance's waiting
+    /// requests, quota windows), and keys gone idle forgotten here and in the store.
+    pub async fn keep_up(self: Arc<Self>) {
+        tokio::join!(self.clone().keep_current(), self.keep_keys());
     }
 
     /// Refuses every waiting request and stops the dispatchers.

@@ -1,6 +1,7 @@
-//! How a request gets its slot: waited for in its lane's queue ([`Pacer::admit`]), or in
-//! shadow mode taken by a stand-in while the request goes at once; [`Pacer::enter`] decides
-//! which by the destination's mode.
+//! How a request gets its slot: waited for in its lane's queue, or in shadow mode taken by a
+//! stand-in while the request goes at once; [`Pacer::enter`] decides which by the
+//! destination's mode. A forwarded request enters from its exchange, a blind tunnel through
+//! [`Pacer::tunnel`].
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -12,20 +13,36 @@ use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use super::lane::{self, Keys, Lane};
-use super::{Admission, PaceError, PaceKeys, Pacer, Route};
+use super::{Admission, Asking, PaceError, PaceKeys, Pacer, Route};
 use crate::budget::{Reservation, Rule};
 use crate::class::Class;
 use crate::destination::Mode;
 use crate::metrics::{labels, labels_and};
 
 impl Pacer {
+    /// The one slot a blind tunnel to `route` takes (`intercept = false`): of its key's
+    /// budget, by what the CONNECT shows (`asking`), waited for up to the class's `max_wait`.
+    /// The tunnel sees no response, so nothing is observed after it.
+    pub async fn tunnel(
+        self: &Arc<Self>,
+        route: Route,
+        asking: &Asking<'_>,
+        class: Class,
+    ) -> Result<Admission, PaceError> {
+        let route = self.keyed(route, asking).await?;
+        let pace = route.pace();
+        let started = Instant::now();
+        let deadline = started + route.max_wait(class, &pace);
+        self.enter(&route, &pace, class, started, deadline).await
+    }
+
     /// A slot for a request of `class` to `route` that began to wait at `started`, by `pace`
     /// (the route's keys as the request found them) and its mode: waited for
-    /// ([`Pacer::admit`]), or in shadow mode counted while the request goes at once.
+    /// (`Pacer::admit_by`), or in shadow mode counted while the request goes at once.
     // Not an `async fn`: its future is the wait's own, not the wait's beside the arguments
     // it was made from (so too the steps below; a request's whole future is moved into its
     // connection's slot, and every byte of it is a cold write there).
-    pub fn enter<'a>(
+    pub(super) fn enter<'a>(
         self: &'a Arc<Self>,
         route: &'a Route,
         pace: &'a PaceKeys,
@@ -42,9 +59,11 @@ impl Pacer {
         }
     }
 
-    /// Waits for a slot of `route` for a request of `class`, up to `deadline`.
+    /// Waits for a slot of `route` for a request of `class`, up to `deadline`: the pacer's
+    /// tests take slots so, by the route's keys as they are now.
     /// Cancel-safe: dropping the future leaves the queue at once.
-    pub async fn admit(
+    #[cfg(test)]
+    pub(super) async fn admit(
         &self,
         route: &Route,
         class: Class,
@@ -54,9 +73,9 @@ impl Pacer {
             .await
     }
 
-    /// [`Pacer::admit`] by `keys`, the lane's as the exchange found them (one look at them
-    /// for the whole request: each look is a load every request on every core makes), for
-    /// a request that began waiting at `started`.
+    /// A slot of `route` for a request of `class` that began waiting at `started`, up to
+    /// `deadline`, by `keys`: the lane's as the exchange found them (one look at them for the
+    /// whole request: each look is a load every request on every core makes).
     // Not an `async fn`: see `Pacer::enter`.
     #[allow(clippy::manual_async_fn)]
     fn admit_by<'a>(

@@ -193,7 +193,7 @@ impl Pacer {
                 };
                 // The same check where the client hands out the connection: a request that would
                 // wait for one past its slot is not sent on it.
-                let by = (!shadow).then(|| self.send_by(&admission));
+                let by = (!shadow).then(|| admission.send_by());
                 // As it came, until a look at its body or a retry boxes it: the common answer is
                 // boxed once, with its admission. Handed to `judge` within one expression, so
                 // that the exchange's future keeps no room for it beside the judge's.
@@ -312,10 +312,9 @@ impl Pacer {
     /// more. Counted as a slot dropped; the caller waits for another. An exchange asks at
     /// once, at the reading its admission was counted sent at.
     pub(super) fn too_late(&self, admission: &Admission, now: Instant) -> bool {
-        let late = admission.slot.lateness(now);
-        if late <= admission.max_late {
+        let Some(late) = admission.too_late_at(now) else {
             return false;
-        }
+        };
         self.held_up(
             admission,
             late,
@@ -324,13 +323,7 @@ impl Pacer {
         true
     }
 
-    /// The latest instant `admission`'s request may take its upstream connection and still
-    /// go on its slot: the upstream client waits for a connection no longer than this.
-    fn send_by(&self, admission: &Admission) -> Instant {
-        admission.slot.send_by(admission.max_late)
-    }
-
-    /// `admission`'s request had no upstream connection by [`Pacer::send_by`]: like
+    /// `admission`'s request had no upstream connection by [`Admission::send_by`]: like
     /// [`Pacer::too_late`], its slot is dropped and it waits for another.
     fn no_connection_in_time(&self, admission: &Admission) {
         let late = admission.slot.lateness(Instant::now());

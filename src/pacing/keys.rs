@@ -170,7 +170,7 @@ impl Pacer {
     /// Forgets, every so often, the keys gone idle for their budget's `key_idle`: here, their
     /// lanes (none that a request holds), and in the store, their budgets (every instance's).
     /// Runs until the pacer stops.
-    pub async fn keep_keys(self: Arc<Self>) {
+    pub(super) async fn keep_keys(self: Arc<Self>) {
         loop {
             let split: Vec<Arc<Lane>> = self
                 .lanes()

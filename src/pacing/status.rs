@@ -98,7 +98,7 @@ impl Pacer {
 
     /// Keeps the store's snapshot at most 5 s old while nobody asks for status, until the
     /// pacer stops. The gauges are set from it when they are scraped, not here.
-    pub async fn keep_current(self: Arc<Self>) {
+    pub(super) async fn keep_current(self: Arc<Self>) {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(SNAPSHOT_EVERY) => {}

@@ -16,7 +16,6 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tokio::time::Instant as Deadline;
 use tokio_rustls::TlsAcceptor;
 
 use super::peek::Peeked;
@@ -51,21 +50,7 @@ impl Proxy {
             headers: req.headers(),
             client: target.client,
         };
-        let route = match self.inner.pacer.keyed(route, &asking).await {
-            Ok(route) => route,
-            Err(e) => {
-                return Handled::refused(ProxyError::Paced(e), target.name(), target.authority())
-            }
-        };
-        let pace = route.pace();
-        let started = Deadline::now();
-        let deadline = started + route.max_wait(target.class, &pace);
-        match self
-            .inner
-            .pacer
-            .enter(&route, &pace, target.class, started, deadline)
-            .await
-        {
+        match self.inner.pacer.tunnel(route, &asking, target.class).await {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,
             Err(e) => Handled::refused(ProxyError::Paced(e), target.name(), target.authority()),
         }
