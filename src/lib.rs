@@ -46,7 +46,8 @@
 //!   that a failover left with less, and `membership`).
 //! - [`tls`]: the local CA, leaf certificates minted per CONNECT host and cached; the CA's files;
 //!   upstream roots.
-//! - [`upstream`]: the guarded connector (address policy), connections opened while a request
+//! - [`upstream`]: the guarded connector (`upstream::connector`, under the address policy of
+//!   `upstream::address`, directly or through a parent proxy), connections opened while a request
 //!   waits for its slot, and the pool of HTTP/1.1 and h2 connections requests are sent on;
 //!   `upstream::stall` cuts a body, either way, that stops moving (`body_timeout`).
 //! - [`headers`]: hop-by-hop hygiene at both boundaries, and the one pass over a request's
