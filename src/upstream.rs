@@ -1,7 +1,8 @@
 //! The outbound side: the client requests are sent through ([`Upstream`]), over a pool of
-//! HTTP/1.1 and h2 connections to upstreams over rustls and connections opened ahead for
-//! paced requests ([`Warm`]), which a guarded TCP connector opens (`connector`: the address
-//! policy of `address`, the connect timeout, a parent proxy).
+//! HTTP/1.1 and h2 connections to upstreams over rustls (`pool`) and connections opened
+//! ahead for paced requests ([`Warm`]), both kept in one table per upstream (`table`), which
+//! a guarded TCP connector opens (`connector`: the address policy of `address`, the connect
+//! timeout, a parent proxy).
 
 use std::future::Future;
 use std::time::Duration;
@@ -19,6 +20,7 @@ mod address;
 mod connector;
 mod pool;
 pub mod stall;
+mod table;
 mod warm;
 
 pub use address::{is_forbidden, AddressPolicy};
@@ -80,9 +82,10 @@ impl Upstream {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(connector.clone());
-        let warm = Warm::new(https, cfg.pool_idle_timeout, cfg.connect_timeout);
+        let table = table::Table::new(cfg.pool_idle_timeout, cfg.pool_max_idle_per_host);
+        let warm = Warm::new(https, table.clone(), cfg.connect_timeout);
         Self {
-            pool: pool::Pool::new(cfg.pool_idle_timeout, cfg.pool_max_idle_per_host),
+            pool: pool::Pool::new(table),
             warm,
             connector,
             response_timeout: cfg.response_timeout,

@@ -1,14 +1,25 @@
 //! The pool against a loopback HTTP/1.1 upstream that shows what reached it: the connections
 //! it accepted and saw closed, and each request's head.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
-use crate::upstream::warm::key_of;
-use crate::upstream::warm::tests::warm;
+use crate::upstream::table::key_of;
+use crate::upstream::warm::tests::warm_on;
+
+/// A pool and the connections opened ahead for it, on one table: connections unused for
+/// `idle` are closed, and at most `max_idle` idle ones are kept per upstream.
+fn pool(idle: Duration, max_idle: usize) -> (Pool, Warm) {
+    let table = Table::new(idle, max_idle);
+    (
+        Pool::new(table.clone()),
+        warm_on(table, Duration::from_secs(5)),
+    )
+}
 
 /// What the upstream saw.
 #[derive(Default)]
@@ -133,7 +144,7 @@ async fn eventually(count: &AtomicUsize, want: usize, what: &str) {
 #[tokio::test]
 async fn an_http1_connection_serves_one_request_after_another_in_origin_form_with_a_host() {
     let (uri, seen) = upstream(KEEPS, "/a/b?c=d").await;
-    let (pool, warm) = (Pool::new(Duration::from_secs(4), 8), warm());
+    let (pool, warm) = pool(Duration::from_secs(4), 8);
     for _ in 0..3 {
         assert_eq!(exchange(&pool, &warm, get(&uri)).await, "ok");
     }
@@ -156,7 +167,7 @@ async fn an_http1_connection_serves_one_request_after_another_in_origin_form_wit
 #[tokio::test]
 async fn requests_at_once_take_a_connection_each_and_the_idle_ones_kept_are_bounded() {
     let (uri, seen) = upstream(PAIRS, "/").await;
-    let (pool, warm) = (Pool::new(Duration::from_secs(4), 1), warm());
+    let (pool, warm) = pool(Duration::from_secs(4), 1);
     let (a, b) = tokio::join!(
         exchange(&pool, &warm, get(&uri)),
         exchange(&pool, &warm, get(&uri))
@@ -170,7 +181,7 @@ async fn requests_at_once_take_a_connection_each_and_the_idle_ones_kept_are_boun
 #[tokio::test]
 async fn an_idle_connection_is_closed_once_it_has_been_idle_for_the_idle_timeout() {
     let (uri, seen) = upstream(KEEPS, "/").await;
-    let (pool, warm) = (Pool::new(Duration::from_millis(100), 8), warm());
+    let (pool, warm) = pool(Duration::from_millis(100), 8);
     assert_eq!(exchange(&pool, &warm, get(&uri)).await, "ok");
     eventually(&seen.closed, 1, "connections closed").await;
     assert_eq!(exchange(&pool, &warm, get(&uri)).await, "ok");
@@ -179,24 +190,23 @@ async fn an_idle_connection_is_closed_once_it_has_been_idle_for_the_idle_timeout
         2,
         "a new one for the next"
     );
-    assert!(pool.shared.idle.lock().len() <= 1);
+    assert!(pool.table.lock().len() <= 1);
 }
 
 #[tokio::test]
 async fn a_connection_the_upstream_closed_while_idle_is_not_handed_out() {
     let (uri, seen) = upstream(CLOSES, "/").await;
-    let (pool, warm) = (Pool::new(Duration::from_secs(4), 8), warm());
+    let (pool, warm) = pool(Duration::from_secs(4), 8);
     for n in 1..=5 {
         assert_eq!(exchange(&pool, &warm, get(&uri)).await, "ok");
         // Back in the pool, then closed by the upstream: once the pool's side has seen the
         // close, the connection is no use.
         let key = key_of(&uri).unwrap();
         let idle_and_closed = || {
-            pool.shared
-                .idle
+            pool.table
                 .lock()
                 .get(&key)
-                .is_some_and(|idle| idle.h1.len() == 1 && idle.h1[0].1.is_closed())
+                .is_some_and(|host| host.idle.len() == 1 && host.idle[0].1.is_closed())
         };
         for _ in 0..500 {
             if idle_and_closed() {

@@ -21,17 +21,22 @@ fn warm_for(ttl: Duration) -> Warm {
 }
 
 fn warm_with(ttl: Duration, open_timeout: Duration) -> Warm {
+    warm_on(Table::new(ttl, 8), open_timeout)
+}
+
+/// A connector that may reach loopback, opening into `table` within `open_timeout`.
+pub(in crate::upstream) fn warm_on(table: Arc<Table>, open_timeout: Duration) -> Warm {
     let tls = crate::tls::upstream_client_config(rustls::RootCertStore::empty()).unwrap();
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(Connector::new(true, Duration::from_secs(5)));
-    Warm::new(https, ttl, open_timeout)
+    Warm::new(https, table, open_timeout)
 }
 
 fn counts(w: &Warm, uri: &Uri) -> Option<(usize, usize, usize, usize)> {
-    let hosts = w.shared.hosts.lock();
+    let hosts = w.shared.table.lock();
     let h = hosts.get(&key_of(uri).unwrap())?;
     Some((
         h.alive,
@@ -96,7 +101,7 @@ async fn a_request_counts_as_waiting_then_as_sent_and_the_last_one_answered_forg
     let (uri, accepted) = upstream().await;
     let w = warm();
     let requests = |w: &Warm| {
-        w.shared.hosts.lock().get(&key_of(&uri).unwrap()).map(|h| {
+        w.shared.table.lock().get(&key_of(&uri).unwrap()).map(|h| {
             (
                 h.requests.busy.load(SeqCst),
                 h.requests.waiting.load(SeqCst),
@@ -214,33 +219,4 @@ async fn a_stashed_connection_too_old_to_use_counts_for_nothing() {
     assert_eq!(w.opened_ahead(), 2);
     drop(b);
     accepted.abort();
-}
-
-#[test]
-fn a_port_is_read_from_the_end_as_the_uri_would_read_it() {
-    for authority in [
-        "localhost:8080",
-        "localhost:1",
-        "[::1]:443",
-        "a:65535",
-        "user@host:80",
-    ] {
-        let uri: Uri = format!("http://{authority}/").parse().unwrap();
-        assert!(has_port(authority), "{authority}");
-        assert!(uri.authority().unwrap().port_u16().is_some(), "{authority}");
-    }
-    for authority in [
-        "localhost",
-        "host8080",
-        "[::1]",
-        "localhost:",
-        "a:65536",
-        "a:123456",
-        "[::1]:x",
-    ] {
-        assert!(!has_port(authority), "{authority}");
-        if let Ok(uri) = format!("http://{authority}/").parse::<Uri>() {
-            assert!(uri.authority().unwrap().port_u16().is_none(), "{authority}");
-        }
-    }
 }
