@@ -26,8 +26,9 @@
 //!   (waited for, or counted by a stand-in in shadow mode); `pacing::lane` queues waiting
 //!   requests and hands slots out, `pacing::dispatch` asks the store for slots,
 //!   `pacing::status` is what status and the gauges show (a scrape reads no store),
-//!   `pacing::rate` counts the achieved rate, `pacing::verdict` reads a response and
-//!   `pacing::sniff` the start of its body; `pacing::keys` splits a budget by key (a lane per
+//!   `pacing::rate` counts the achieved rate, `pacing::verdict` reads a response,
+//!   `pacing::sniff` the start of its body, and `pacing::observe` applies the verdict to the
+//!   budget; `pacing::keys` splits a budget by key (a lane per
 //!   host, credential or tenant, made on first use, bounded, forgotten when idle).
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite and the model test (`budget::model`) each
@@ -48,8 +49,9 @@
 //!   upstream roots.
 //! - [`upstream`]: the guarded connector (`upstream::connector`, under the address policy of
 //!   `upstream::address`, directly or through a parent proxy), connections opened while a request
-//!   waits for its slot, and the pool of HTTP/1.1 and h2 connections requests are sent on;
-//!   `upstream::stall` cuts a body, either way, that stops moving (`body_timeout`).
+//!   waits for its slot (`upstream::warm`), and the pool of HTTP/1.1 and h2 connections
+//!   requests are sent on (`upstream::pool`), both kept in one table per upstream
+//!   (`upstream::table`); `upstream::stall` cuts a body, either way, that stops moving (`body_timeout`).
 //! - [`headers`]: hop-by-hop hygiene at both boundaries, and the one pass over a request's
 //!   names that finds which of those pacegate acts on are there; a leaf.
 //! - [`log`]: the log's writer (a buffer that a thread of its own writes every 100 ms) and

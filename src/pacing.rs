@@ -21,6 +21,7 @@ mod dispatch;
 mod exchange;
 mod keys;
 mod lane;
+mod observe;
 mod outgoing;
 mod rate;
 mod sniff;

@@ -18,6 +18,7 @@ use crate::headers::strip_hop_by_hop;
 
 mod address;
 mod connector;
+mod key;
 mod pool;
 pub mod stall;
 mod table;

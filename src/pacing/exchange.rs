@@ -10,34 +10,20 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-#[cfg(test)]
-use http::HeaderMap;
 use http::Response;
 use http_body_util::{BodyExt, Either, Full};
 use tokio::time::Instant;
 use tokio_util::either::Either as Step;
 
-use super::lane::Lane;
+use super::observe::{written, Writes};
 use super::outgoing::Outgoing;
 use super::verdict::{self, Reading, Verdict};
 use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
-use crate::budget::{Event, Lockout, Observation};
 use crate::class::Class;
 use crate::destination::{Mode, Pace};
 use crate::metrics::{labels, BudgetSeries};
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
-
-/// The store writes a verdict makes, boxed (see [`Pacer::observe`]).
-type Writes<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
-
-/// What [`Pacer::observe`] left to wait for, done: its writes, or nothing.
-pub(super) fn written(writes: Option<Writes<'_>>) -> Step<Writes<'_>, std::future::Ready<()>> {
-    match writes {
-        Some(writes) => Step::Left(writes),
-        None => Step::Right(std::future::ready(())),
-    }
-}
 
 /// An upstream response's body: as it came, or boxed once read into (see [`sniff`]).
 type Answer = Either<hyper::body::Incoming, ProxyBody>;
@@ -164,8 +150,11 @@ impl Pacer {
             // Shadow mode sends at once and never retries: clients see what they would without
             // pacegate, while the pacer counts what it would have done.
             let shadow = pace.mode == Mode::Shadow;
+            // The steps of docs/pacing-model.md, once per attempt; an attempt that ends
+            // without an answer to hand on (a slot too late, no connection in time, a
+            // throttle retried) goes round again for a fresh slot.
             loop {
-                // The connection is opened while the request waits, not after its slot; to a
+                // 1. A connection, opened while the request waits, not after its slot; to a
                 // cold upstream, before the slot is asked for.
                 let expecting = upstream.expect(outgoing.uri());
                 if !shadow && expecting.cold() {
@@ -173,6 +162,7 @@ impl Pacer {
                     Box::pin(landed(deadline, upstream.first_connection(outgoing.uri()))).await?;
                     first_wait = None;
                 }
+                // 2. The slot ("Reserving a slot", "Waiting, deadlines, concurrency").
                 let started = first_wait.take().unwrap_or_else(Instant::now);
                 let admission = match self.enter(route, &pace, class, started, deadline).await {
                     Ok(a) => a,
@@ -183,6 +173,7 @@ impl Pacer {
                     Err(e) => return Err(e.into()),
                 };
                 *note.waited.get_or_insert_default() += admission.waited;
+                // 3. Still on time: a slot come to too late is dropped, never sent on.
                 if !shadow && self.too_late(&admission, admission.sent) {
                     continue;
                 }
@@ -191,8 +182,9 @@ impl Pacer {
                 } else {
                     outgoing.lend()
                 };
-                // The same check where the client hands out the connection: a request that would
-                // wait for one past its slot is not sent on it.
+                // 4. The send, on a connection in time: the same check where the client hands
+                // out the connection; a request that would wait for one past its slot is not
+                // sent on it.
                 let by = (!shadow).then(|| admission.send_by());
                 // As it came, until a look at its body or a retry boxes it: the common answer is
                 // boxed once, with its admission. Handed to `judge` within one expression, so
@@ -214,7 +206,10 @@ impl Pacer {
                     self.judge(route, &pace, &admission, response, outgoing)
                 }
                 .await;
+                // 5. The verdict ("Verdicts"), applied to the budget in `judge`.
                 note.verdict = Some(verdict);
+                // 6. "Throttle, don't shut down": an idempotent request goes back for a fresh
+                // slot, the throttled answer kept for the client should none come in time.
                 let throttled = matches!(verdict, Verdict::Throttled { .. });
                 if throttled && retryable && !shadow && note.retries < pace.retry_throttled {
                     let kept = match Box::pin(keep(response.map(boxed))).await {
@@ -234,8 +229,9 @@ impl Pacer {
                     last_throttled = Some(Box::new(kept));
                     continue;
                 }
-                // The slot's concurrency permit and in-flight count last until the body is
-                // done, or cut for stalling (`body_timeout`): boxed once, with both.
+                // 7. The answer handed on. The slot's concurrency permit and in-flight count
+                // last until the body is done, or cut for stalling (`body_timeout`): boxed
+                // once, with both.
                 let (parts, body) = response.into_parts();
                 let body = body.map_frame(move |frame| {
                     let _held = &admission;
@@ -338,174 +334,6 @@ impl Pacer {
         let lane = &admission.lane;
         lane.series(&self.metrics).slots_dropped.inc();
         tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "{why}");
-    }
-
-    /// Reads a response to an admitted request by status and headers, by the keys of its
-    /// lane now (an exchange reads by the keys it found at its start).
-    #[cfg(test)]
-    pub(super) fn read(&self, admission: &Admission, status: u16, headers: &HeaderMap) -> Reading {
-        verdict::classify(status, headers, &admission.lane.keys_now().pace)
-    }
-
-    /// The verdict of a response to an admitted request, with the store writes that apply it
-    /// to the budget, to be awaited (none where nothing changes). `status` and
-    /// the request line, which `request` writes only for a lockout, are kept with a lockout,
-    /// which halts every budget of the destination. What the vendor says goes to the budget
-    /// of the group whose `resource` the response names (`resource`), else to this one.
-    // Decided at once; what is left to wait for is only the store's writes, where there are
-    // any (none for a clean response to a budget at rest, most responses), boxed: they would
-    // otherwise sit in every request's future, which is moved whole into its connection's
-    // slot (see `Pacer::enter`).
-    pub(super) fn observe<'a>(
-        &'a self,
-        admission: &'a Admission,
-        reading: Reading,
-        status: u16,
-        resource: Option<&str>,
-        request: impl FnOnce() -> String,
-    ) -> (Verdict, Option<Writes<'a>>) {
-        let verdict = reading.verdict;
-        // Written only when a lockout keeps it: a clean response costs no formatting.
-        let request = if verdict == Verdict::Lockout {
-            request()
-        } else {
-            String::new()
-        };
-        // Jitter is drawn here, so that the budget's arithmetic stays a pure function.
-        let mut vendor = reading.signal.and_then(|(s, reset)| {
-            Some(Observation {
-                family: s.family,
-                remaining: s.remaining,
-                limit: s.limit,
-                reset: reset?,
-                spread: rand::random::<f64>(),
-            })
-        });
-        // The named group's budget for this request's key, where both are split by key:
-        // what the vendor said is its, not this budget's.
-        let named = resource
-            .and_then(|r| admission.lanes.named(r))
-            .and_then(|l| match admission.lane.key_name() {
-                // Made for the client that made the admission's key.
-                Some(key) if l.is_split() => {
-                    let maker = admission.lane.maker().map(ToString::to_string);
-                    self.key_lane(l, key, || maker.unwrap_or_default()).ok()
-                }
-                _ => Some(l.clone()),
-            })
-            .filter(|l| !Arc::ptr_eq(l, &admission.lane));
-        let to_named = named.and_then(|other| Some((other, vendor.take()?)));
-        // A lockout is kept on the budget split by key, which halts every key. Any other
-        // verdict borrows the admission's lane: no reference count written on a lane every
-        // request shares.
-        let holder = (verdict == Verdict::Lockout).then(|| admission.lane.lock_holder_arc());
-        let lane = holder.as_ref().unwrap_or(&admission.lane);
-        // A clean response to a budget at rest changes nothing the store keeps: the backoff
-        // is 1 already (the slot was reserved under the generation seen at 1, so no throttle
-        // came between) and no block streak is left to clear. Not writing it halves the
-        // transactions on the destination's row, each of which holds the row through its
-        // commit while other instances' reservations queue behind it. Were the view stale,
-        // only a decay or a streak reset is missed: pacing can only be slower.
-        let nothing_to_write = verdict == Verdict::Clean
-            && vendor.is_none()
-            && lane.at_rest(admission.slot.generation);
-        let event = match verdict {
-            Verdict::Clean => Some(Event::Clean {
-                success: (200..400).contains(&status),
-                generation: admission.slot.generation,
-            }),
-            Verdict::Throttled {
-                retry_after, reset, ..
-            } => Some(Event::Throttled {
-                generation: admission.slot.generation,
-                retry_after,
-                reset,
-                spread: rand::random::<f64>() * 2.0 - 1.0,
-            }),
-            Verdict::Lockout => Some(Event::Lockout(Lockout::new(
-                status,
-                request.clone(),
-                self.instance.clone(),
-            ))),
-            Verdict::None if vendor.is_none() => None,
-            Verdict::None => Some(Event::None),
-        };
-        if verdict != Verdict::None {
-            lane.series(&self.metrics)
-                .verdict(verdict.as_str(), verdict.reason())
-                .inc();
-        }
-        let event = event.filter(|_| !nothing_to_write);
-        if to_named.is_none() && event.is_none() {
-            return (verdict, None);
-        }
-        // Boxed: what it holds is larger than the rest of a request's reading, and a
-        // response with something to write costs a store's write anyway.
-        let writes = Box::pin(async move {
-            if let Some((other, said)) = to_named {
-                self.tell(&other, Event::None, Some(said)).await;
-            }
-            let Some(event) = event else {
-                return;
-            };
-            let lane = holder.as_ref().unwrap_or(&admission.lane);
-            let keys = admission.lane.keys();
-            match self
-                .store
-                .record(&lane.name, &keys.rule, event, vendor)
-                .await
-            {
-                Ok(view) => {
-                    if verdict == Verdict::Lockout && keys.pace.mode == Mode::Shadow {
-                        tracing::warn!(
-                            destination = %lane.name,
-                            status,
-                            request = request.as_str(),
-                            "destination would be locked out (shadow mode: nothing is refused); `pacegate unlock {}` clears it",
-                            lane.name
-                        );
-                    } else if verdict == Verdict::Lockout {
-                        tracing::error!(
-                            destination = %lane.name,
-                            status,
-                            request = request.as_str(),
-                            "destination locked out: nothing more is sent until `pacegate unlock {}`",
-                            lane.name
-                        );
-                    }
-                    lane.note(view);
-                }
-                Err(e) => {
-                    tracing::error!(destination = %lane.name, "cannot record a {verdict} verdict: {e}")
-                }
-            }
-            if verdict == Verdict::Lockout {
-                // A lockout is the IP's, not one bucket's: every budget of the destination
-                // halts, and with each its keys, which share its lockout channel (elsewhere,
-                // at their next reservation).
-                for other in admission.lanes.others(lane) {
-                    let lock = Lockout::new(status, request.clone(), self.instance.clone());
-                    self.tell(other, Event::Lockout(lock), None).await;
-                }
-            }
-        });
-        (verdict, Some(writes))
-    }
-
-    /// Records `event` and what the vendor said on `lane`'s budget, other than the one that
-    /// sent the request.
-    async fn tell(&self, lane: &Arc<Lane>, event: Event, vendor: Option<Observation>) {
-        let keys = lane.keys();
-        match self
-            .store
-            .record(&lane.name, &keys.rule, event, vendor)
-            .await
-        {
-            Ok(view) => lane.note(view),
-            Err(e) => {
-                tracing::error!(destination = %lane.name, "cannot record what another budget's response said: {e}")
-            }
-        }
     }
 }
 

@@ -1,7 +1,12 @@
-//! A destination's lane: its rule, the queue of requests waiting for a slot (one FIFO per
-//! class), what was last seen of its budget, and the hand-out of a slot to a waiter.
+//! A destination's lane: its rule, the queue of requests waiting for a slot ([`queue`]: one
+//! FIFO per class, and the hand-out of a slot to a waiter), and what was last seen of its
+//! budget.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+mod queue;
+
+pub(super) use queue::{Grant, Queue, Waiter};
+
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -14,114 +19,11 @@ use tokio::time::Instant;
 use super::rate::Sends;
 use super::PaceError;
 use crate::budget::{
-    BudgetView, ClassQueue, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK,
+    BudgetView, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK,
 };
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Group, Pace};
 use crate::metrics::{BudgetSeries, Metrics};
-
-/// What a waiter is handed: a slot, for `class`.
-pub(super) struct Grant {
-    pub(super) class: Class,
-    /// The request goes no earlier, and not much later.
-    pub(super) slot: Reservation,
-}
-
-/// One request waiting for a slot.
-pub(super) struct Waiter {
-    id: u64,
-    pub(super) class: Class,
-    since: Instant,
-    pub(super) deadline: Instant,
-    tx: oneshot::Sender<Result<Grant, PaceError>>,
-}
-
-impl Waiter {
-    /// Whether the request gave up (its client left, or its deadline passed).
-    pub(super) fn gone(&self) -> bool {
-        self.tx.is_closed()
-    }
-
-    /// Tells the request it will get no slot.
-    pub(super) fn refuse(self, error: PaceError) {
-        let _ = self.tx.send(Err(error));
-    }
-}
-
-/// The waiting requests of a lane: one FIFO per class, most urgent first.
-pub(super) struct Queue {
-    next_id: u64,
-    classes: Vec<VecDeque<Waiter>>,
-}
-
-impl Queue {
-    fn new(classes: usize) -> Self {
-        Self {
-            next_id: 0,
-            classes: (0..classes.max(1)).map(|_| VecDeque::new()).collect(),
-        }
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.classes.iter().map(VecDeque::len).sum()
-    }
-
-    pub(super) fn iter(&self) -> impl Iterator<Item = &Waiter> {
-        self.classes.iter().flatten()
-    }
-
-    /// The class's waiters, oldest first.
-    fn class(&self, class: Class) -> &VecDeque<Waiter> {
-        &self.classes[usize::from(class.0).min(self.classes.len() - 1)]
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&Waiter) -> bool) {
-        for q in &mut self.classes {
-            q.retain(&mut keep);
-        }
-    }
-
-    pub(super) fn drain(&mut self) -> Vec<Waiter> {
-        self.classes.iter_mut().flat_map(|q| q.drain(..)).collect()
-    }
-
-    /// Forgets the requests that gave up; returns the latest deadline of those left.
-    pub(super) fn prune(&mut self) -> Option<Instant> {
-        self.retain(|w| !w.gone());
-        self.iter().map(|w| w.deadline).max()
-    }
-
-    /// The wait list as the store takes it: per class with waiters, how many and since when
-    /// the oldest two wait.
-    pub(super) fn wait_list(&self) -> Vec<ClassQueue> {
-        self.wait_list_less(&[])
-    }
-
-    /// The wait list less the oldest requests of each class that slots already granted and
-    /// still to come are for (`promised`: how many of a class, a class possibly more than
-    /// once), which the store has already taken off the list.
-    pub(super) fn wait_list_less(&self, promised: &[(Class, usize)]) -> Vec<ClassQueue> {
-        let last = self.classes.len() - 1;
-        self.classes
-            .iter()
-            .enumerate()
-            .filter_map(|(i, q)| {
-                let skip: usize = promised
-                    .iter()
-                    .filter(|(c, _)| usize::from(c.0).min(last) == i)
-                    .map(|(_, n)| n)
-                    .sum();
-                let count = q.len().checked_sub(skip).filter(|n| *n > 0)?;
-                Some(ClassQueue {
-                    class: Class(u16::try_from(i).unwrap_or(u16::MAX)),
-                    count: u32::try_from(count).unwrap_or(u32::MAX),
-                    oldest: q[skip].since,
-                    next: q.get(skip + 1).map(|w| w.since),
-                })
-            })
-            .collect()
-    }
-}
 
 /// One budget's lane: a destination's own, one of its groups', or one of their keys'.
 pub(crate) struct Lane {
@@ -662,48 +564,16 @@ impl Lane {
         deadline: Instant,
     ) -> (QueueSeat<'_>, oneshot::Receiver<Result<Grant, PaceError>>) {
         let (tx, rx) = oneshot::channel();
-        let id = {
-            let mut queue = self.queue.lock();
-            queue.next_id += 1;
-            let id = queue.next_id;
-            let rank = usize::from(class.0).min(queue.classes.len() - 1);
-            queue.classes[rank].push_back(Waiter {
-                id,
-                class,
-                since,
-                deadline,
-                tx,
-            });
-            id
-        };
+        let id = self.queue.lock().join(class, since, deadline, tx);
         self.work.notify_one();
         (QueueSeat { lane: self, id }, rx)
     }
 
-    /// Hands `slot` to the oldest waiter of `class` that can still use it, or,
-    /// if that class has none left, to the oldest of the most urgent class that has one.
-    /// Waiters whose deadline falls before the slot are refused; they could not have been
-    /// served in time.
+    /// Hands `slot` to the waiter it is for (see [`Queue::hand_out`]).
     pub(super) fn hand_out(&self, class: Class, slot: Reservation) -> bool {
-        let mut queue = self.queue.lock();
-        let first = usize::from(class.0).min(queue.classes.len() - 1);
-        let order = std::iter::once(first).chain((0..queue.classes.len()).filter(|i| *i != first));
-        for i in order {
-            while let Some(w) = queue.classes[i].pop_front() {
-                if w.gone() {
-                    continue;
-                }
-                let class = Class(u16::try_from(i).unwrap_or(u16::MAX));
-                if w.deadline < slot.at {
-                    w.refuse(self.deadline_error(class, self.keys.load().rule.interval));
-                    continue;
-                }
-                if w.tx.send(Ok(Grant { class, slot })).is_ok() {
-                    return true;
-                }
-            }
-        }
-        false
+        self.queue.lock().hand_out(class, slot, |class| {
+            self.deadline_error(class, self.keys.load().rule.interval)
+        })
     }
 
     /// Waiting here per class and the oldest wait, for status: `(count, oldest wait)` by rank.
@@ -711,11 +581,7 @@ impl Lane {
         let q = self.queue.lock();
         self.classes
             .all()
-            .map(|class| {
-                let here = q.class(class);
-                let oldest = here.front().map_or(Duration::ZERO, |w| now - w.since);
-                (here.len(), oldest)
-            })
+            .map(|class| q.waiting(class, now))
             .collect()
     }
 
@@ -755,12 +621,7 @@ pub(super) struct QueueSeat<'a> {
 
 impl Drop for QueueSeat<'_> {
     fn drop(&mut self) {
-        let left = {
-            let mut queue = self.lane.queue.lock();
-            let before = queue.len();
-            queue.retain(|w| w.id != self.id);
-            queue.len() < before
-        };
+        let left = self.lane.queue.lock().leave(self.id);
         // A request that gave up while still queued: the dispatcher tells the store that it no
         // longer waits. (One that got its slot was already taken off the queue.)
         if left {

@@ -51,7 +51,7 @@ impl Pacer {
         request: impl FnOnce() -> String,
     ) -> Verdict {
         let (verdict, writes) = self.observe(a, reading, status, resource, request);
-        super::exchange::written(writes).await;
+        super::observe::written(writes).await;
         verdict
     }
 }

@@ -27,7 +27,8 @@ use hyper::client::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::connector::ConnectError;
-use super::table::{Conn, Key, Line, Table};
+use super::key::Key;
+use super::table::{Conn, Line, Table};
 use super::warm::{NoConnectionInTime, Warm};
 use super::{BoxError, ProxyBody};
 

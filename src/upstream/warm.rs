@@ -27,7 +27,8 @@ use hyper_rustls::HttpsConnector;
 use tower_service::Service;
 
 use super::connector::{ConnectError, Connector};
-use super::table::{host_of, key_of, Counted, Host, Key, Map, Requests, Stream, Table};
+use super::key::{key_of, Key};
+use super::table::{host_of, Counted, Host, Map, Requests, Stream, Table};
 use super::BoxError;
 
 /// No connection could be handed out by the latest instant the request's slot allows (given

@@ -8,7 +8,7 @@ use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
-use crate::upstream::table::key_of;
+use crate::upstream::key::key_of;
 use crate::upstream::warm::tests::warm_on;
 
 /// A pool and the connections opened ahead for it, on one table: connections unused for
