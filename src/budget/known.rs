@@ -8,6 +8,8 @@
 //!   knew back into the new server before a request is paced on it (`store::postgres`'s
 //!   re-assertion).
 //!
+//! Status reads it too, for the budget as this instance knows it.
+//!
 //! The store that answers feeds it, once per answer ([`Known::reserved`], [`Known::learned`],
 //! and the rest), so that neither reader keeps a copy of its own.
 
@@ -138,6 +140,22 @@ impl Known {
         if marks.get(budget).is_some_and(|m| !m.halts(Instant::now())) {
             marks.remove(budget);
         }
+    }
+
+    /// `budget` as the store last answered it, with its times (a pause, the vendor's reset)
+    /// counted from now rather than from when it answered.
+    pub fn view(&self, budget: &str) -> Option<BudgetView> {
+        let (read, mut view) = self.marks.lock().get(budget)?.view.clone()?;
+        let since = read.elapsed();
+        view.paused_for = view.paused_for.saturating_sub(since);
+        if view.paused_for.is_zero() {
+            view.paused_by = None;
+        }
+        view.vendor = view.vendor.and_then(|mut v| {
+            v.reset_in = v.reset_in.checked_sub(since)?;
+            Some(v)
+        });
+        Some(view)
     }
 
     /// Where `budget`'s next slot may be, if this instance knows.

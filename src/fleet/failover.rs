@@ -508,6 +508,10 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         self.primary.kind()
     }
 
+    fn known(&self) -> Option<&Known> {
+        self.primary.known()
+    }
+
     async fn reserve(
         &self,
         destination: &str,

@@ -1,5 +1,6 @@
 //! What the pacer shows: each destination's status and gauges, from what this instance
-//! knows (the budget as last seen, its queues, its sends) and the store's last snapshot of
+//! knows (the budget as the shared store's record has it, or as last seen here; its queues,
+//! its sends) and the store's last snapshot of
 //! what only the store knows (every instance's waiting requests, quota windows, a budget
 //! changed by another instance). A scrape of `/metrics` reads no store; status takes a
 //! snapshot at most once a second, one statement for every destination.
@@ -113,7 +114,7 @@ impl Pacer {
         let mut out = Vec::new();
         let now = Instant::now();
         for lane in self.lanes() {
-            let seen = lane.seen.lock().clone();
+            let seen = self.known(&lane);
             let said = lane.store_said().lock().clone();
             // Every instance's waiting requests; this instance's own when the store cannot
             // say (it is unreachable).
@@ -207,6 +208,17 @@ impl Pacer {
 }
 
 impl Pacer {
+    /// `lane`'s budget as this instance knows it: the shared store's record of its answers
+    /// ([`crate::budget::Known`], which the heartbeat's read-back keeps current even for a
+    /// budget this instance has not paced on lately), where the store keeps one; else the
+    /// lane's own view, which a store of this instance alone answers at once.
+    fn known(&self, lane: &Lane) -> BudgetView {
+        self.store
+            .known()
+            .and_then(|known| known.view(&lane.name))
+            .unwrap_or_else(|| lane.seen.lock().clone())
+    }
+
     /// The live instances whose rule for the budget differs, or for its keys (`NAME#`).
     fn mismatched(&self, lane: &Lane) -> Vec<String> {
         let mut theirs = self.fleet.drift(&lane.name);

@@ -796,9 +796,11 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
 /// The memory store, but its `nth` reservation (from 1) waits `stall` before it is made: a
 /// database whose commit waits on its log flush, or a busy host. It counts the verdicts
 /// recorded, and the reads that are not reservations (views, waiting, quota windows,
-/// snapshots).
+/// snapshots). Like a shared store, it keeps a record of what it knows ([`Known`]), which a
+/// test fills as another instance's answers would.
 struct Stalling {
     inner: MemoryStore,
+    known: crate::budget::Known,
     nth: u64,
     stall: Duration,
     calls: std::sync::atomic::AtomicU64,
@@ -816,6 +818,7 @@ impl Default for Stalling {
     fn default() -> Self {
         Self {
             inner: MemoryStore::ephemeral(),
+            known: Default::default(),
             nth: u64::MAX,
             stall: Duration::ZERO,
             calls: Default::default(),
@@ -829,6 +832,10 @@ impl Default for Stalling {
 impl Store for Stalling {
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn known(&self) -> Option<&crate::budget::Known> {
+        Some(&self.known)
     }
 
     async fn reserve(
@@ -921,6 +928,33 @@ async fn a_store_stall_longer_than_two_intervals_but_within_asking_ahead_costs_n
     // than the interval and the slot still to hand out before it, less than the lead asking
     // ahead keeps.
     the_beat_holds_through_a_stall(6, ms(45), 12).await;
+}
+
+/// Status shows a budget as the store's record of what this instance knows has it: a lockout
+/// another instance took, read back by a heartbeat, shows before a reservation here meets it,
+/// and a pause read 2 s ago shows with 2 s less to run.
+#[tokio::test(start_paused = true)]
+async fn status_reads_what_this_instance_knows_of_the_budget() {
+    let store = Arc::new(Stalling::default());
+    let p = pacer_on(pace(10.0), Classes::default(), store.clone()).await;
+    let lock = Lockout::new(403, "GET https://d.example/x".into(), "elsewhere".into());
+    store.known.learned(
+        "d",
+        &crate::budget::BudgetView {
+            lock: Some(lock),
+            paused_for: Duration::from_secs(10),
+            ..Default::default()
+        },
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = p.status().await;
+    let d = status.iter().find(|s| s.destination == "d").unwrap();
+    assert_eq!(
+        d.lock.as_ref().map(|l| l.instance.as_str()),
+        Some("elsewhere"),
+        "the lockout the store's record holds"
+    );
+    assert_eq!(d.paused_for_seconds, 8.0, "the pause, counted from now");
 }
 
 #[tokio::test(start_paused = true)]
