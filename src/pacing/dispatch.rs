@@ -302,6 +302,8 @@ impl Dispatcher {
         let turns = lane.turns.load(Ordering::Relaxed);
         let (store, name, list) = (self.store.clone(), lane.name.clone(), asked.clone());
         let histogram = self.reservation_seconds.clone();
+        // Owned by the dispatcher (`ahead`): ends with the store's answer, or is aborted
+        // when the dispatcher forgets it (`forget_ahead`, its drop included).
         let reply = tokio::spawn(async move {
             let started = Instant::now();
             let ask = Ask {
