@@ -21,6 +21,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AdminConfig, Limits};
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::pacing::{Pacer, UnlockError};
 use crate::reload::Reloader;
@@ -49,6 +50,8 @@ fn limits() -> Limits {
 pub struct Admin {
     metrics: Arc<Metrics>,
     pacer: Arc<Pacer>,
+    /// This instance among the others sharing the store: the live instances it lists.
+    fleet: Arc<dyn Fleet>,
     shutdown: Shutdown,
     token: Option<Arc<str>>,
     read_token: Option<Arc<str>>,
@@ -98,6 +101,7 @@ impl Admin {
     pub fn new(
         metrics: Arc<Metrics>,
         pacer: Arc<Pacer>,
+        fleet: Arc<dyn Fleet>,
         shutdown: Shutdown,
         config: &AdminConfig,
         reloader: Option<Arc<Reloader>>,
@@ -105,6 +109,7 @@ impl Admin {
         Self {
             metrics,
             pacer,
+            fleet,
             shutdown,
             token: config.token.as_deref().map(Arc::from),
             read_token: config.read_token.as_deref().map(Arc::from),
@@ -252,7 +257,7 @@ impl Admin {
                 }),
             ),
             (&Method::GET, "/status") => json(StatusCode::OK, &self.pacer.status().await),
-            (&Method::GET, "/instances") => match self.pacer.instances().await {
+            (&Method::GET, "/instances") => match self.fleet.instances().await {
                 Ok(list) => json(StatusCode::OK, &list),
                 Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
             },

@@ -210,7 +210,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
             metrics.clone(),
             me.id.clone(),
         )
-        .with_fleet(fleet),
+        .with_fleet(fleet.clone()),
     );
     pacer.start().await?;
     // It ends with the pacer's `stop`.
@@ -273,6 +273,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
     let admin = Admin::new(
         metrics.clone(),
         pacer.clone(),
+        fleet,
         shutdown.clone(),
         &config.admin,
         reloader.clone(),

@@ -43,7 +43,6 @@ use crate::class::{Class, Classes};
 use crate::destination::{group_of, Destination, Group, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
-use crate::status::InstanceStatus;
 pub use exchange::{ExchangeError, Exchanged, Note};
 pub use keys::Asking;
 use lane::Lane;
@@ -505,11 +504,6 @@ impl Pacer {
             tracing::warn!(destination, was = %l.request, status = l.status, "lockout cleared by an operator");
         }
         Ok(cleared)
-    }
-
-    /// The live instances sharing the store (empty for a store of one instance).
-    pub async fn instances(&self) -> Result<Vec<InstanceStatus>, StoreError> {
-        self.fleet.instances().await
     }
 }
 
