@@ -18,6 +18,9 @@
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal, and the bucket it names.
+//! - [`meter`]: what a request costs in a meter's unit (tokens, points): estimated from the
+//!   request before it is sent, settled from the response as its bytes pass
+//!   (`meter::settle`). Not yet wired to a budget.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
 //!   destination's lanes, one per budget: its own and each group's) that the request carries;
 //!   `pacing::exchange` picks the request's group and carries it through that budget (its slot, the check that the slot is still good to send on, the
@@ -71,7 +74,7 @@
 //!   tests) start.
 //!
 //! Each module imports only modules below it in this order: `status`, `class`, `headers`,
-//! `log`, `signals`, `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`,
+//! `log`, `signals`, `meter`, `shutdown`, `destination`, `config`, `tls`, `metrics`, `budget`, `fleet`,
 //! `store`, `upstream`, `pacing`, `server`, `proxy`, `reload`, `admin`, `app`, `demo`, `cli`
 //! (checked by `tests/in_process/layering.rs`).
 //!
@@ -92,6 +95,7 @@ pub mod destination;
 pub mod fleet;
 pub mod headers;
 pub mod log;
+pub mod meter;
 pub mod metrics;
 pub mod pacing;
 pub mod proxy;

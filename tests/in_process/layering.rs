@@ -12,6 +12,7 @@ const LAYERS: &[&str] = &[
     "headers",
     "log",
     "signals",
+    "meter",
     "shutdown",
     "destination",
     "config",
