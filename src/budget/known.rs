@@ -46,6 +46,22 @@ impl Mark {
         })
     }
 
+    /// The budget as the store last answered it, with its times (a pause, the vendor's
+    /// reset) counted from now rather than from when it answered.
+    pub fn view_now(&self) -> Option<BudgetView> {
+        let (read, mut view) = self.view.clone()?;
+        let since = read.elapsed();
+        view.paused_for = view.paused_for.saturating_sub(since);
+        if view.paused_for.is_zero() {
+            view.paused_by = None;
+        }
+        view.vendor = view.vendor.and_then(|mut v| {
+            v.reset_in = v.reset_in.checked_sub(since)?;
+            Some(v)
+        });
+        Some(view)
+    }
+
     fn granted(&mut self, first: Instant, more: &[Instant], interval: Duration) {
         let last = more.iter().copied().fold(first, Instant::max);
         self.not_before(last + interval);
@@ -142,20 +158,9 @@ impl Known {
         }
     }
 
-    /// `budget` as the store last answered it, with its times (a pause, the vendor's reset)
-    /// counted from now rather than from when it answered.
+    /// `budget` as the store last answered it (see [`Mark::view_now`]).
     pub fn view(&self, budget: &str) -> Option<BudgetView> {
-        let (read, mut view) = self.marks.lock().get(budget)?.view.clone()?;
-        let since = read.elapsed();
-        view.paused_for = view.paused_for.saturating_sub(since);
-        if view.paused_for.is_zero() {
-            view.paused_by = None;
-        }
-        view.vendor = view.vendor.and_then(|mut v| {
-            v.reset_in = v.reset_in.checked_sub(since)?;
-            Some(v)
-        });
-        Some(view)
+        self.marks.lock().get(budget)?.view_now()
     }
 
     /// Where `budget`'s next slot may be, if this instance knows.

@@ -261,7 +261,7 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
             .collect();
         let marks = self.primary.known().map(Known::marks).unwrap_or_default();
         for (dest, mark) in marks {
-            let mut view = mark.view.map(|(_, v)| v).unwrap_or_default();
+            let mut view = mark.view_now().unwrap_or_default();
             if let Some(lock) = unwritten.remove(&dest) {
                 view.lock = Some(lock);
             }
