@@ -17,7 +17,8 @@
 //!   `destination::path` reads a path as a vendor counts it, for picking its group.
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
-//!   header family reduced to one signal, and the bucket it names.
+//!   header family reduced to one signal, and the bucket it names; `signals::tokens` what
+//!   one says of a budget in tokens or points, for a meter.
 //! - [`meter`]: what a request costs in a meter's unit (tokens, points): estimated from the
 //!   request before it is sent, settled from the response as its bytes pass
 //!   (`meter::settle`). Not yet wired to a budget.

@@ -2,6 +2,8 @@
 //! and when the window resets. Each header family reads differently (see
 //! `docs/vendor-signals.md`); all are reduced to one [`Signal`]. A field
 //! that does not parse is ignored, never an error: vendors' headers are input from outside.
+//! What a vendor says of a budget in tokens or points, for a meter, is read apart
+//! ([`tokens`]).
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
@@ -512,6 +514,8 @@ impl<'de> ParameterVisitor<'de> for Params<'_, 'de> {
         Ok(())
     }
 }
+
+pub mod tokens;
 
 #[cfg(test)]
 mod tests;
