@@ -170,16 +170,26 @@ mod tests {
         let h = headers(&[
             ("anthropic-ratelimit-input-tokens-limit", "40000"),
             ("anthropic-ratelimit-input-tokens-remaining", "39000"),
-            ("anthropic-ratelimit-input-tokens-reset", "2026-12-06T17:00:30Z"),
+            (
+                "anthropic-ratelimit-input-tokens-reset",
+                "2026-12-06T17:00:30Z",
+            ),
             ("anthropic-ratelimit-output-tokens-limit", "8000"),
             ("anthropic-ratelimit-output-tokens-remaining", "0"),
-            ("anthropic-ratelimit-output-tokens-reset", "2026-12-06T17:00:02Z"),
+            (
+                "anthropic-ratelimit-output-tokens-reset",
+                "2026-12-06T17:00:02Z",
+            ),
         ]);
         let at = |t: &str| humantime::parse_rfc3339(t).unwrap();
         let input = read(&h, Unit::AnthropicInput).unwrap();
         assert_eq!(
             (input.remaining, input.limit, input.reset),
-            (39_000, Some(40_000), Some(Reset::At(at("2026-12-06T17:00:30Z"))))
+            (
+                39_000,
+                Some(40_000),
+                Some(Reset::At(at("2026-12-06T17:00:30Z")))
+            )
         );
         let output = read(&h, Unit::AnthropicOutput).unwrap();
         assert!(output.exhausted());
