@@ -31,6 +31,10 @@ pub struct Mark {
     pub last: Option<(Instant, Duration)>,
     /// The budget as last read from the store, and when.
     pub view: Option<(Instant, BudgetView)>,
+    /// When the question `view` answers was asked: an answer to one asked earlier is older
+    /// news, however late it arrives (two questions on two connections, answered out of
+    /// order), and does not replace it.
+    asked: Option<Instant>,
     /// The latest slots granted here, for a budget with quota windows: as many as its
     /// largest window holds.
     pub sends: VecDeque<Instant>,
@@ -125,10 +129,17 @@ impl Known {
         });
     }
 
-    /// The budget as the store answered it just now.
-    pub fn learned(&self, budget: &str, view: &BudgetView) {
+    /// The budget as the store answered a question asked at `asked`, unless a later
+    /// question's answer is in already.
+    pub fn learned(&self, budget: &str, view: &BudgetView, asked: Instant) {
         let now = Instant::now();
-        self.with_mark(budget, |mark| mark.view = Some((now, view.clone())));
+        self.with_mark(budget, |mark| {
+            if mark.asked.is_some_and(|latest| latest > asked) {
+                return;
+            }
+            mark.asked = Some(asked);
+            mark.view = Some((now, view.clone()));
+        });
     }
 
     /// Slots handed out without the store, put into its schedules: part of what this
@@ -139,13 +150,16 @@ impl Known {
         }
     }
 
-    /// An operator cleared `destination`'s lockout, which its keys held too.
+    /// An operator cleared `destination`'s lockout, which its keys held too: an answer to a
+    /// question asked before now, arriving after, does not bring it back.
     pub fn unlocked(&self, destination: &str) {
+        let now = Instant::now();
         for (name, mark) in self.marks.lock().iter_mut() {
             if name == destination || halted_by(name) == Some(destination) {
                 if let Some((_, view)) = mark.view.as_mut() {
                     view.lock = None;
                 }
+                mark.asked = Some(now);
             }
         }
     }
@@ -230,6 +244,44 @@ mod tests {
         assert!(!held(&known));
         known.forget("a");
         assert!(known.marks().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_to_an_older_question_does_not_replace_a_newer_one() {
+        let known = Known::default();
+        let streak = |n| BudgetView {
+            block_streak: n,
+            ..BudgetView::default()
+        };
+        let first = Instant::now();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let second = Instant::now();
+        known.learned("a", &streak(0), second);
+        // Asked first, arrived last: older news.
+        known.learned("a", &streak(2), first);
+        assert_eq!(known.view("a").unwrap().block_streak, 0);
+        let lock = Lockout::new(403, "GET https://a/".into(), "i".into());
+        known.learned(
+            "a",
+            &BudgetView {
+                lock: Some(lock.clone()),
+                ..BudgetView::default()
+            },
+            Instant::now(),
+        );
+        let asked = Instant::now();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        known.unlocked("a");
+        // A read asked before the unlock, arriving after it, does not bring the lock back.
+        known.learned(
+            "a",
+            &BudgetView {
+                lock: Some(lock),
+                ..BudgetView::default()
+            },
+            asked,
+        );
+        assert!(known.view("a").unwrap().lock.is_none());
     }
 
     #[tokio::test(start_paused = true)]

@@ -945,6 +945,7 @@ async fn status_reads_what_this_instance_knows_of_the_budget() {
             paused_for: Duration::from_secs(10),
             ..Default::default()
         },
+        Instant::now(),
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let status = p.status().await;

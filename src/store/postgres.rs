@@ -506,6 +506,7 @@ impl Store for PostgresStore {
         event: Event,
         vendor: Option<Observation>,
     ) -> Result<BudgetView, StoreError> {
+        let asked = Instant::now();
         let none = (None, None);
         let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
             Event::Clean {
@@ -576,7 +577,7 @@ impl Store for PostgresStore {
             )
             .await?;
         let view = view_of(&row);
-        self.known.learned(destination, &view);
+        self.known.learned(destination, &view, asked);
         Ok(view)
     }
 
@@ -603,10 +604,11 @@ impl Store for PostgresStore {
     }
 
     async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
+        let asked = Instant::now();
         let client = self.client().await?;
         let row = client.opt(SQL_VIEW, &[&destination]).await?;
         let view = row.map_or(BudgetView::default(), |r| view_of(&r));
-        self.known.learned(destination, &view);
+        self.known.learned(destination, &view, asked);
         Ok(view)
     }
 
@@ -628,6 +630,7 @@ impl Store for PostgresStore {
     }
 
     async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
+        let asked = Instant::now();
         let names: Vec<&str> = destinations.iter().map(|(d, _)| *d).collect();
         let (windows, pers): (Vec<&str>, Vec<f64>) = destinations
             .iter()
@@ -643,7 +646,7 @@ impl Store for PostgresStore {
             .map(|(r, (_, rule))| snapshot_of(r, rule))
             .collect();
         for ((destination, _), s) in destinations.iter().zip(&snapshots) {
-            self.known.learned(destination, &s.view);
+            self.known.learned(destination, &s.view, asked);
         }
         Ok(snapshots)
     }

@@ -145,10 +145,11 @@ impl Store for Fake {
         event: Event,
         vendor: Option<Observation>,
     ) -> Result<BudgetView, StoreError> {
+        let asked = Instant::now();
         let view = self
             .answer(self.inner.record(destination, rule, event, vendor))
             .await?;
-        self.known.learned(destination, &view);
+        self.known.learned(destination, &view, asked);
         Ok(view)
     }
 
@@ -165,15 +166,17 @@ impl Store for Fake {
     }
 
     async fn view(&self, destination: &str) -> Result<BudgetView, StoreError> {
+        let asked = Instant::now();
         let view = self.answer(self.inner.view(destination)).await?;
-        self.known.learned(destination, &view);
+        self.known.learned(destination, &view, asked);
         Ok(view)
     }
 
     async fn snapshot(&self, destinations: &[(&str, &Rule)]) -> Result<Vec<Snapshot>, StoreError> {
+        let asked = Instant::now();
         let snapshots = self.answer(self.inner.snapshot(destinations)).await?;
         for ((destination, _), s) in destinations.iter().zip(&snapshots) {
-            self.known.learned(destination, &s.view);
+            self.known.learned(destination, &s.view, asked);
         }
         Ok(snapshots)
     }
