@@ -130,7 +130,8 @@ impl Known {
     }
 
     /// The budget as the store answered a question asked at `asked`, unless a later
-    /// question's answer is in already.
+    /// question's answer is in already. A read's answer counts from when it was sent, a
+    /// write's from when it arrived: a write's own state sticks until a read sent after it.
     pub fn learned(&self, budget: &str, view: &BudgetView, asked: Instant) {
         let now = Instant::now();
         self.with_mark(budget, |mark| {

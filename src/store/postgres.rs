@@ -506,7 +506,6 @@ impl Store for PostgresStore {
         event: Event,
         vendor: Option<Observation>,
     ) -> Result<BudgetView, StoreError> {
-        let asked = Instant::now();
         let none = (None, None);
         let (kind, generation, success, retry_after, reset, spread, lock) = match &event {
             Event::Clean {
@@ -577,7 +576,10 @@ impl Store for PostgresStore {
             )
             .await?;
         let view = view_of(&row);
-        self.known.learned(destination, &view, asked);
+        // A write's answer holds the state as of its commit, which may come long after it
+        // was sent (behind another write's row lock): it is taken as news of its arrival,
+        // so that only a read sent after it replaces it.
+        self.known.learned(destination, &view, Instant::now());
         Ok(view)
     }
 

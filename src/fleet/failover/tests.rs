@@ -145,11 +145,10 @@ impl Store for Fake {
         event: Event,
         vendor: Option<Observation>,
     ) -> Result<BudgetView, StoreError> {
-        let asked = Instant::now();
         let view = self
             .answer(self.inner.record(destination, rule, event, vendor))
             .await?;
-        self.known.learned(destination, &view, asked);
+        self.known.learned(destination, &view, Instant::now());
         Ok(view)
     }
 
