@@ -120,6 +120,16 @@ pub enum Reset {
     At(SystemTime),
 }
 
+impl Reset {
+    /// How long after `now` it comes; `None` for one in the past.
+    pub fn after(self, now: SystemTime) -> Option<Duration> {
+        match self {
+            Reset::In(d) => Some(d),
+            Reset::At(at) => at.duration_since(now).ok(),
+        }
+    }
+}
+
 /// What one response says about the vendor's budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signal {
@@ -142,10 +152,7 @@ impl Signal {
     /// How long until the reset, read against `now` (the response's own date or this clock);
     /// `None` without a reset, or for one in the past.
     pub fn reset_in(&self, now: SystemTime) -> Option<Duration> {
-        match self.reset? {
-            Reset::In(d) => Some(d),
-            Reset::At(at) => at.duration_since(now).ok(),
-        }
+        self.reset?.after(now)
     }
 }
 

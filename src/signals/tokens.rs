@@ -49,10 +49,7 @@ impl Said {
 
     /// How long until the reset, read against `now`; `None` without one, or for one past.
     pub fn reset_in(&self, now: SystemTime) -> Option<Duration> {
-        match self.reset? {
-            Reset::In(d) => Some(d),
-            Reset::At(at) => at.duration_since(now).ok(),
-        }
+        self.reset?.after(now)
     }
 }
 
