@@ -49,6 +49,7 @@ fn ask(queues: &[ClassQueue]) -> Ask<'_> {
         queues,
         not_after: None,
         most: 1,
+        cost: 1,
     }
 }
 

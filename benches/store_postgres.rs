@@ -75,6 +75,7 @@ async fn reserve(store: &PostgresStore, destination: &str, rule: &Rule) {
         queues: &queues,
         not_after: None,
         most: 1,
+        cost: 1,
     };
     store.reserve(destination, rule, ask).await.unwrap();
 }
@@ -134,6 +135,7 @@ async fn latency_among_waiters(
             queues: &list,
             not_after: None,
             most: 1,
+            cost: 1,
         };
         let grant = store.reserve(&destination, &rule, ask).await.unwrap();
         served += 1;
@@ -224,6 +226,8 @@ async fn paced(
             ports: Default::default(),
             allow_private_upstreams: None,
             groups: Vec::new(),
+            meters: Vec::new(),
+            max_body: pacegate::destination::DEFAULT_MAX_BODY,
         };
         let metrics = Arc::new(Metrics::new(prometheus::Registry::new()).unwrap());
         let pacer = Arc::new(Pacer::new(

@@ -27,7 +27,7 @@ use crate::destination::{Block, Quota};
 use crate::signals::Family;
 use crate::status::LockStatus;
 
-pub use crate::destination::{GROUP_MARK, KEY_MARK};
+pub use crate::destination::{GROUP_MARK, KEY_MARK, METER_MARK};
 pub use known::Known;
 
 /// The budget whose lockout halts `budget` too: a key's parent (`PARENT` of `PARENT#KEY`). A
@@ -63,6 +63,19 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// The rule a slot of `cost` units is reserved by: `cost` intervals long, so that the
+    /// requests after it wait for what it takes of the budget. Every store reserves a weighted
+    /// slot by this rule, as it reserves a request's slot by the rule itself.
+    pub fn weighted(&self, cost: u32) -> std::borrow::Cow<'_, Rule> {
+        if cost <= 1 {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        std::borrow::Cow::Owned(Rule {
+            interval: self.interval.saturating_mul(cost),
+            ..self.clone()
+        })
+    }
+
     /// How late a slot may still be used: half an interval (at backoff 1), and never less than
     /// 2 ms. A later slot is dropped by the pacer; quota windows keep this much more room, so
     /// that a slot used late cannot put one send too many in a window at the upstream.
@@ -152,6 +165,11 @@ pub struct Ask<'a> {
     /// last at most [`BATCH_HORIZON`] after the first. One store round trip then serves a
     /// batch rather than one request.
     pub most: u32,
+    /// What the request the slot is for costs in the budget's unit (a meter's tokens or
+    /// points; 1 for a request budget): its slot is `cost` intervals long (see
+    /// [`Rule::weighted`]). Above 1 only with `most = 1`: the requests after it cost what
+    /// they cost.
+    pub cost: u32,
 }
 
 /// The wait list `queues` as a store holds it once it granted `n` slots to the oldest
@@ -542,6 +560,12 @@ pub trait Store: Send + Sync + 'static {
     /// a round trip even when there is nothing to put: the failover's proof that the store
     /// is back.
     async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError>;
+
+    /// Settles a request of `budget` (a meter's) that cost `units` more than it reserved
+    /// (fewer where negative): its next slot moves by that many intervals at the backoff, later
+    /// for a charge, earlier for a refund (see [`schedule::Budget::settle`]). Every instance's
+    /// next request waits for what the request took, not for what was reserved for it.
+    async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError>;
 
     /// Clears a lockout; returns the one cleared, if any.
     async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError>;

@@ -551,6 +551,17 @@ fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result
         hosts: Vec<String>,
         #[serde(flatten)]
         pace: &'a Pace,
+        #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+        meters: BTreeMap<&'a str, MeterOut>,
+        /// Read only where a meter needs the body.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_body: Option<usize>,
+    }
+    #[derive(Serialize)]
+    struct MeterOut {
+        per_minute: f64,
+        cost: String,
+        default: u64,
     }
     let map: BTreeMap<&str, Out> = dests
         .iter()
@@ -560,6 +571,19 @@ fn ser_destinations<S: serde::Serializer>(dests: &[Destination], s: S) -> Result
                 Out {
                     hosts: d.hosts.iter().map(ToString::to_string).collect(),
                     pace: &d.pace,
+                    meters: d
+                        .meters
+                        .iter()
+                        .map(|m| {
+                            let out = MeterOut {
+                                per_minute: m.pace.rate * 60.0,
+                                cost: m.cost.to_string(),
+                                default: m.default,
+                            };
+                            (m.name.as_str(), out)
+                        })
+                        .collect(),
+                    max_body: (!d.meters.is_empty()).then_some(d.max_body),
                 },
             )
         })

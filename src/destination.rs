@@ -17,8 +17,13 @@ pub const GROUP_MARK: char = '/';
 /// (a destination's, or `DESTINATION/GROUP`) split by key. Names in the config cannot hold it.
 pub const KEY_MARK: char = '#';
 
+/// What joins a destination's name to a meter's unit in the meter's budget name
+/// (`openai~tokens`): a character no destination or unit name may hold.
+pub const METER_MARK: char = '~';
+
 use serde::Serialize;
 
+use crate::meter::Cost;
 use crate::signals::Families;
 
 mod host;
@@ -271,6 +276,35 @@ pub struct Destination {
     /// Groups of its requests, each with a budget of its own (see [`group_of`]); a request
     /// of none of them takes the destination's own budget.
     pub groups: Vec<Group>,
+    /// Budgets in other units than requests (tokens, points), each request taking a slot of
+    /// every one weighted by its cost.
+    pub meters: Vec<Meter>,
+    /// The most of a request body read before its slot, to estimate its cost to the meters
+    /// (a larger one is refused with a 413). Read only where a meter needs the body.
+    pub max_body: usize,
+}
+
+/// A request body read to estimate its cost is read up to this much by default (`max_body`).
+pub const DEFAULT_MAX_BODY: usize = 4 * 1024 * 1024;
+
+/// `[destinations.NAME.meters.UNIT]`: a budget in another unit than requests (tokens,
+/// points), shared as a request budget is. A request takes a slot of it weighted by what it
+/// is estimated to cost before it is sent, and the difference is settled once the response
+/// says what it cost. Its budget is named `NAME~UNIT` (see [`METER_MARK`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Meter {
+    /// The `UNIT` of the table's name.
+    pub name: String,
+    /// How a request's cost is estimated and settled.
+    pub cost: Cost,
+    /// What stands for what a request does not say (the output it may take, a query's
+    /// points, a header not sent).
+    pub default: u64,
+    /// The most one request is estimated at: what the meter allows in a minute.
+    pub size: u64,
+    /// Its pacing keys, in its unit: `rate` units a second, a slot `burst` 1; the backoff,
+    /// waits, signals and mode are the destination's.
+    pub pace: Pace,
 }
 
 /// `[destinations.NAME.groups.GROUP]`: requests of a destination, picked by path prefix and

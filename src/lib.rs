@@ -21,7 +21,7 @@
 //!   one says of a budget in tokens or points, for a meter.
 //! - [`meter`]: what a request costs in a meter's unit (tokens, points): estimated from the
 //!   request before it is sent, settled from the response as its bytes pass
-//!   (`meter::settle`). Not yet wired to a budget.
+//!   (`meter::settle`).
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
 //!   destination's lanes, one per budget: its own and each group's) that the request carries;
 //!   `pacing::exchange` picks the request's group and carries it through that budget (its slot, the check that the slot is still good to send on, the
@@ -32,7 +32,9 @@
 //!   `pacing::status` is what status and the gauges show (a scrape reads no store),
 //!   `pacing::rate` counts the achieved rate, `pacing::verdict` reads a response,
 //!   `pacing::sniff` the start of its body, and `pacing::observe` applies the verdict to the
-//!   budget; `pacing::keys` splits a budget by key (a lane per
+//!   budget; `pacing::meters` takes a request's slots in its destination's meters (budgets in
+//!   tokens or points), weighted by its estimated cost, and settles them from the response;
+//!   `pacing::keys` splits a budget by key (a lane per
 //!   host, credential or tenant, made on first use, bounded, forgotten when idle).
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite and the model test (`budget::model`) each

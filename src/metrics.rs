@@ -65,6 +65,13 @@ pub struct Metrics {
     pub verdicts: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
+    /// `pacegate_meter_units_total{destination}` (a meter's budget, `NAME~UNIT`): what its
+    /// requests cost in its unit, as settled, or as estimated where no response said.
+    pub meter_units: IntCounterVec,
+    /// `pacegate_meter_unsettled_total{destination, reason}`: a meter's requests whose cost
+    /// no response said (`cut`: the body ended early; `no_usage`: it said nothing), which
+    /// keep their estimate.
+    pub meter_unsettled: IntCounterVec,
     /// `pacegate_slots_dropped_total{destination}`: slots not used because they came too late
     /// (a stalled process or store); each costs one slot of pace, never adds one.
     pub slots_dropped: IntCounterVec,
@@ -276,6 +283,20 @@ impl Metrics {
             ),
             &["destination", "group"],
         )?;
+        let meter_units = IntCounterVec::new(
+            Opts::new(
+                "pacegate_meter_units_total",
+                "What a meter's requests cost in its unit (tokens, points): as settled from the response, or as estimated where it said nothing; the destination label is the meter's budget, NAME~UNIT",
+            ),
+            &["destination", "group"],
+        )?;
+        let meter_unsettled = IntCounterVec::new(
+            Opts::new(
+                "pacegate_meter_unsettled_total",
+                "A meter's requests whose response did not say what they cost, which keep their estimate, by meter budget and reason (cut, no_usage)",
+            ),
+            &["destination", "group", "reason"],
+        )?;
         let wait_buckets = vec![
             0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
         ];
@@ -458,6 +479,8 @@ impl Metrics {
         for c in [
             &verdicts,
             &retries,
+            &meter_units,
+            &meter_unsettled,
             &slots_dropped,
             &keys_refused,
             &keys_refused_client,
@@ -511,6 +534,8 @@ impl Metrics {
             cert_cache_entries,
             verdicts,
             retries,
+            meter_units,
+            meter_unsettled,
             slots_dropped,
             keys,
             key_wait_max,

@@ -21,6 +21,7 @@ mod dispatch;
 mod exchange;
 mod keys;
 mod lane;
+mod meters;
 mod observe;
 mod outgoing;
 mod rate;
@@ -40,13 +41,13 @@ use arc_swap::ArcSwap;
 
 use crate::budget::{Lockout, Reservation, Rule, Store, StoreError, KEY_MARK};
 use crate::class::{Class, Classes};
-use crate::destination::{group_of, Destination, Group, Pace, Routed, Routes};
+use crate::destination::{group_of, Destination, Group, Meter, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
 pub use exchange::{ExchangeError, Exchanged, Note};
 pub use keys::Asking;
 use lane::Lane;
-pub use outgoing::Outgoing;
+pub use outgoing::{BodyError, Outgoing};
 
 /// Why a request got no slot.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -129,12 +130,16 @@ pub struct Route {
     lanes: Arc<Lanes>,
 }
 
-/// A destination's lanes: its own budget's, and one per group.
+/// A destination's lanes: its own budget's, one per group, and one per meter.
 pub(crate) struct Lanes {
     own: Arc<Lane>,
     groups: Vec<Group>,
     /// `groups[i]`'s lane.
     group_lanes: Vec<Arc<Lane>>,
+    /// The destination's meters, each with its lane; every request takes a slot of each.
+    meters: Vec<(Meter, Arc<Lane>)>,
+    /// What a meter may read of a request body to estimate its cost.
+    max_body: usize,
 }
 
 impl Lanes {
@@ -147,12 +152,20 @@ impl Lanes {
                 .iter()
                 .map(|g| Arc::new(Lane::group(d, g, classes.clone())))
                 .collect(),
+            meters: d
+                .meters
+                .iter()
+                .map(|m| (m.clone(), Arc::new(Lane::meter(d, m, classes.clone()))))
+                .collect(),
+            max_body: d.max_body,
         }
     }
 
-    /// Every lane: the destination's own first.
+    /// Every lane: the destination's own first, then its groups', then its meters'.
     fn all(&self) -> impl Iterator<Item = &Arc<Lane>> {
-        std::iter::once(&self.own).chain(&self.group_lanes)
+        std::iter::once(&self.own)
+            .chain(&self.group_lanes)
+            .chain(self.meters.iter().map(|(_, lane)| lane))
     }
 
     /// Every lane but `lane`: what a lockout seen on `lane` halts too.
@@ -411,12 +424,14 @@ impl Pacer {
         let mut kept = Vec::new();
         for d in destinations {
             let mut lanes = Lanes::new(d, &self.classes);
-            let wanted = std::iter::once((&mut lanes.own, &d.pace)).chain(
-                lanes
-                    .group_lanes
-                    .iter_mut()
-                    .zip(d.groups.iter().map(|g| &g.pace)),
-            );
+            let wanted = std::iter::once((&mut lanes.own, &d.pace))
+                .chain(
+                    lanes
+                        .group_lanes
+                        .iter_mut()
+                        .zip(d.groups.iter().map(|g| &g.pace)),
+                )
+                .chain(lanes.meters.iter_mut().map(|(m, lane)| (lane, &m.pace)));
             for (lane, pace) in wanted {
                 match old.iter().find(|l| l.name == lane.name) {
                     Some(existing) => {

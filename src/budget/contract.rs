@@ -25,6 +25,7 @@ mod batch;
 mod keys;
 mod shared;
 mod vendor;
+mod weighted;
 
 pub(crate) use shared::run_shared;
 
@@ -86,6 +87,7 @@ pub(crate) async fn take(
         queues: &queues,
         not_after,
         most: 1,
+        cost: 1,
     };
     store
         .reserve(destination, rule, ask)
@@ -103,6 +105,7 @@ pub(crate) async fn ask(
         queues,
         not_after: None,
         most: 1,
+        cost: 1,
     };
     store.reserve("d", rule, ask).await.map(|g| g.class)
 }
@@ -237,6 +240,9 @@ where
     a_snapshot_says_what_each_call_says(&fresh().await).await;
     keys::a_parent_lockout_halts_every_key(&fresh().await).await;
     keys::idle_keys_are_forgotten_and_no_others(&fresh().await).await;
+    weighted::a_slot_is_as_long_as_its_cost(&fresh().await, tol).await;
+    weighted::a_settlement_moves_the_next_slot(&fresh().await, tol).await;
+    weighted::a_refund_gives_back_no_time_already_past(&fresh().await, tol).await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

@@ -264,6 +264,7 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                     queues: &queues,
                     not_after: not_after.map(|n| real_now + (n - now)),
                     most,
+                    cost: 1,
                 };
                 let got = db.store().reserve(d, rule, ask).await;
                 // The store reads the limit as a time from its own now, after taking its

@@ -238,6 +238,23 @@ impl Budget {
         Ok((slot, self.generation))
     }
 
+    /// Settles a request that cost `units` more than the slot reserved for it (fewer where
+    /// negative), at `now`: a charge moves the next slot later by that many intervals; a
+    /// refund moves it earlier, but never before `now`. Time already past is not given back:
+    /// a refund makes room for the requests still to come, never a burst.
+    pub fn settle(&mut self, rule: &Rule, units: i64, now: Duration) {
+        let shift = self
+            .interval(rule)
+            .saturating_mul(u32::try_from(units.unsigned_abs()).unwrap_or(u32::MAX));
+        self.next_at = if units >= 0 {
+            self.next_at + shift
+        } else {
+            self.next_at
+                .saturating_sub(shift)
+                .max(self.next_at.min(now))
+        };
+    }
+
     /// When the next slot is free by the beat and a pause (quota windows and the vendor's
     /// view aside): how long an instance that yields may wait before asking again.
     pub fn free_at(&self, rule: &Rule, now: Duration) -> Duration {

@@ -294,6 +294,33 @@ pub(super) struct RawDestination {
     pub(super) paths: Option<Vec<String>>,
     pub(super) methods: Option<Vec<String>>,
     pub(super) resource: Option<String>,
+    pub(super) meters: Option<BTreeMap<String, RawMeter>>,
+    pub(super) max_body: Option<RawSize>,
+}
+
+/// A size: a number of bytes, or a string with a unit (`"4MiB"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawSize {
+    Bytes(u64),
+    Text(String),
+}
+
+/// A meter's `cost`: a setting's name, or a number.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawCost {
+    Number(i64),
+    Text(String),
+}
+
+/// `[destinations.NAME.meters.UNIT]`.
+#[derive(Debug, Default, Clone, Deserialize)]
+pub(super) struct RawMeter {
+    pub(super) per_minute: Option<f64>,
+    pub(super) rate: Option<f64>,
+    pub(super) cost: Option<RawCost>,
+    pub(super) default: Option<u64>,
 }
 
 impl RawDestination {

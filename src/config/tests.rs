@@ -798,3 +798,89 @@ fn a_client_s_share_of_the_keys_defaults_to_half_and_stays_within_max_keys() {
     .unwrap_err();
     assert_eq!(paths(&err), ["destinations.a.max_keys_per_client"]);
 }
+
+#[test]
+fn meters_are_read_in_their_units_with_the_destination_s_keys() {
+    let c = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.openai]
+        hosts = ["api.openai.com"]
+        rate = 50
+        max_wait = "2m"
+        max_body = "1MiB"
+        [destinations.openai.meters.tokens]
+        per_minute = 90000
+        cost = "openai"
+        [destinations.shop]
+        hosts = ["shop.example.com"]
+        rate = 10
+        [destinations.shop.meters.points]
+        rate = 50
+        cost = "shopify-graphql"
+        default = 100000
+        "#
+    ))
+    .unwrap();
+    let openai = &c.destinations[0];
+    assert_eq!(openai.max_body, 1024 * 1024);
+    let tokens = &openai.meters[0];
+    assert_eq!(tokens.name, "tokens");
+    assert_eq!(tokens.cost, crate::meter::Cost::OpenAi);
+    assert_eq!(tokens.size, 90_000);
+    assert_eq!(tokens.default, 1024);
+    assert_eq!(tokens.pace.rate, 1500.0);
+    assert_eq!(tokens.pace.burst, 1);
+    assert_eq!(tokens.pace.max_wait, Duration::from_secs(120));
+    let shop = &c.destinations[1];
+    assert_eq!(shop.max_body, crate::destination::DEFAULT_MAX_BODY);
+    let points = &shop.meters[0];
+    assert_eq!(points.pace.rate, 50.0);
+    // A default is never more than the meter allows in a minute.
+    assert_eq!((points.size, points.default), (3000, 3000));
+}
+
+#[test]
+fn meter_mistakes_are_reported_with_their_key_paths() {
+    let err = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.openai]
+        hosts = ["api.openai.com"]
+        rate = 50
+        max_body = "a lot"
+        [destinations.openai.meters.tokens]
+        per_minute = 90000
+        rate = 1500
+        cost = "openai"
+        [destinations.openai.meters.none]
+        cost = "by the word"
+        [destinations.openai.meters.free]
+        per_minute = 0
+        cost = 0
+        default = 0
+        colour = "blue"
+        [destinations.openai.groups.chat]
+        paths = ["/v1/chat/"]
+        [destinations.openai.groups.chat.meters.tokens]
+        per_minute = 1
+        cost = "openai"
+        "#
+    ))
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        vec![
+            "destinations.openai.groups.chat.meters",
+            "destinations.openai.max_body",
+            "destinations.openai.meters.free.colour",
+            "destinations.openai.meters.free.cost",
+            "destinations.openai.meters.free.default",
+            "destinations.openai.meters.free.per_minute",
+            "destinations.openai.meters.none",
+            "destinations.openai.meters.none.cost",
+            "destinations.openai.meters.tokens",
+        ],
+        "{err:#?}"
+    );
+}

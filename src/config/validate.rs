@@ -14,6 +14,7 @@ use crate::class::Classes;
 use crate::destination::{Destination, HostPattern, Ports};
 
 mod groups;
+mod meters;
 mod pace;
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -782,6 +783,8 @@ impl Validator<'_> {
                 }
             }
             let groups = self.groups(&path, &d, &pace);
+            let meters = self.meters(&path, &d, &pace);
+            let max_body = self.max_body(&path, &d);
             out.push(Destination {
                 name,
                 hosts: hosts.into_iter().map(|(_, p)| p).collect(),
@@ -789,6 +792,8 @@ impl Validator<'_> {
                 ports,
                 allow_private_upstreams: d.allow_private_upstreams,
                 groups,
+                meters,
+                max_body,
             });
         }
         out

@@ -434,12 +434,12 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
         let ask = Ask {
             queues: ask.queues,
             not_after: Some(ask.not_after.map_or(until, |t| t.min(until))),
-            most: ask.most,
+            ..ask
         };
         match self.local.reserve(destination, alone, ask).await {
             Ok(grant) => {
                 let last = grant.more.last().copied().unwrap_or(grant.slot.at);
-                let end = last + rule.interval;
+                let end = last + rule.weighted(ask.cost).interval;
                 let mut ends = self.alone_ends.lock();
                 let at = ends.entry(destination.to_owned()).or_insert(end);
                 *at = (*at).max(end);
@@ -557,6 +557,23 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
     async fn wait_list(&self, destination: &str, queues: &[ClassQueue]) -> Result<(), StoreError> {
         self.shared_or_local(self.primary.wait_list(destination, queues), || {
             self.local.wait_list(destination, queues)
+        })
+        .await
+    }
+
+    async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError> {
+        let governing = self.agreement.governing(budget);
+        let rule = governing.as_deref().unwrap_or(rule);
+        self.shared_or_local(self.primary.settle(budget, rule, units), || async move {
+            // On the schedule this instance paces alone on: its intervals are the rate's
+            // share's.
+            let alone = match self.standing.alone(Instant::now()) {
+                Alone::Pace(part, _) => Self::alone_rule(rule, part),
+                _ => None,
+            };
+            self.local
+                .settle(budget, alone.as_ref().unwrap_or(rule), units)
+                .await
         })
         .await
     }

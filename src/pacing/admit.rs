@@ -131,13 +131,16 @@ impl Pacer {
     ) -> impl Future<Output = Result<(lane::Grant, Instant), PaceError>> + Send + 'a {
         async move {
             loop {
-                let (granted, now) = self.slot(lane, rule, class, started, deadline).await?;
+                let (granted, now) = self.slot(lane, rule, class, (started, deadline), 1).await?;
                 let Some(total) = lane.total() else {
                     return Ok((granted, now));
                 };
                 let by = granted.slot.send_by(rule.max_late()).min(deadline);
                 let of_total = total.keys();
-                match self.slot(total, &of_total.rule, class, started, by).await {
+                match self
+                    .slot(total, &of_total.rule, class, (started, by), 1)
+                    .await
+                {
                     Ok((_, now)) => return Ok((granted, now)),
                     Err(PaceError::Deadline { .. }) if Instant::now() < deadline => {
                         lane.series(&self.metrics).slots_dropped.inc();
@@ -175,7 +178,7 @@ impl Pacer {
                 let _admitting = stand_in.admitting();
                 let keys = stand_in.keys();
                 pacer
-                    .slot(&stand_in, &keys.rule, class, started, deadline)
+                    .slot(&stand_in, &keys.rule, class, (started, deadline), 1)
                     .await
                     .map(|(granted, _)| granted)
             };
@@ -209,12 +212,13 @@ impl Pacer {
                 generation: lane.seen.lock().generation,
                 unseen_late: Duration::ZERO,
             },
+            cost: 1,
         };
         self.sent(route, keys, granted, Instant::now(), Duration::ZERO, None)
     }
 
     /// Refuses at once while pacegate stops or the destination is locked.
-    async fn open(&self, lane: &Lane) -> Result<(), PaceError> {
+    pub(super) async fn open(&self, lane: &Lane) -> Result<(), PaceError> {
         if self.stopped.load(Ordering::Acquire) {
             return Err(PaceError::ShuttingDown);
         }
@@ -234,32 +238,40 @@ impl Pacer {
     /// dispatcher and back, and a slot due already costs no other reading of the clock.
     // Not an `async fn`: see `Pacer::enter`.
     #[allow(clippy::manual_async_fn)]
-    fn slot<'a>(
+    pub(super) fn slot<'a>(
         &'a self,
         lane: &'a Arc<Lane>,
         rule: &'a Rule,
         class: Class,
-        started: Instant,
-        deadline: Instant,
+        (started, deadline): (Instant, Instant),
+        cost: u32,
     ) -> impl Future<Output = Result<(lane::Grant, Instant), PaceError>> + Send + 'a {
         async move {
             let now = Instant::now();
             let taken = {
                 // Held while the store is asked, so that no request queues meanwhile: one that
-                // waits here goes first.
+                // waits here goes first. A meter's slot is as long as its request's cost: the
+                // dispatcher asks for it.
                 let queue = lane.queue.lock();
-                (queue.len() == 0 && !lane.is_retired())
+                (queue.len() == 0 && !lane.is_retired() && lane.unit().is_none())
                     .then(|| self.store.take_now(&lane.name, rule, now))
                     .flatten()
             };
             if let Some(slot) = taken {
                 let now = until(slot.at, now).await;
-                return Ok((lane::Grant { class, slot }, now));
+                return Ok((
+                    lane::Grant {
+                        class,
+                        slot,
+                        cost: 1,
+                    },
+                    now,
+                ));
             }
             // Boxed: a request that waits in the queue waits for its slot anyway, and the wait
             // is most of what this future would hold in every request's (see `Pacer::enter`).
             let granted = Box::pin(async {
-                let (_seat, rx) = lane.enqueue(class, started, deadline);
+                let (_seat, rx) = lane.enqueue(class, started, deadline, cost);
                 // A key's dispatcher runs only while someone waits (see `Lane::dispatching`).
                 if !lane.dispatching.swap(true, Ordering::SeqCst) {
                     self.dispatch(lane);

@@ -36,7 +36,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::lane::{Keys, Lane};
+use super::lane::{Keys, Lane, Queue};
 use super::PaceError;
 use crate::budget::{
     after_grant, Ask, ClassQueue, Grant, Lockout, Reservation, ReserveError, Store,
@@ -100,7 +100,7 @@ pub(super) async fn dispatch(
             // Asked while earlier slots were handed out. A yield still stands for the rest of
             // its time; anything else is old news by now (a deadline, a failure): ask again.
             let carry_on = match reply {
-                Some(Ok(grant)) => d.serve(grant, &asked.list, asked.turns, true).await,
+                Some(Ok(grant)) => d.serve(grant, &asked, true).await,
                 Some(Err(ReserveError::Yield(after))) if asked.at + after > Instant::now() => {
                     let left = asked.at + after - Instant::now();
                     d.refused(ReserveError::Yield(left), &asked.list).await
@@ -113,9 +113,9 @@ pub(super) async fn dispatch(
             continue;
         }
         let started = Instant::now();
-        let (wait_list, waiting) = {
+        let (wait_list, waiting, cost) = {
             let queue = d.lane.queue.lock();
-            (queue.wait_list(), queue.len())
+            (queue.wait_list(), queue.len(), d.cost_of(&queue, &[]))
         };
         let keys = d.lane.keys();
         let most = d.most(&keys, waiting);
@@ -124,13 +124,22 @@ pub(super) async fn dispatch(
             queues: &wait_list,
             not_after: Some(latest),
             most,
+            cost,
         };
         let reserved = d.store.reserve(&d.lane.name, &keys.rule, ask).await;
         d.reservation_seconds
             .observe(started.elapsed().as_secs_f64());
         d.took(started.elapsed());
         let carry_on = match reserved {
-            Ok(grant) => d.serve(grant, &wait_list, turns, false).await,
+            Ok(grant) => {
+                let asked = Asked {
+                    list: wait_list,
+                    turns,
+                    at: started,
+                    cost,
+                };
+                d.serve(grant, &asked, false).await
+            }
             Err(no) => d.refused(no, &wait_list).await,
         };
         if !carry_on {
@@ -153,6 +162,8 @@ struct Asked {
     turns: u64,
     /// When it was asked.
     at: Instant,
+    /// What each slot was asked for in the budget's unit (see [`Ask::cost`]).
+    cost: u32,
 }
 
 /// A reservation asked before the slots it follows were all handed out (see [`ASK_AHEAD`]),
@@ -239,10 +250,24 @@ impl Dispatcher {
     /// batch where the rule asks for one, or where the interval is shorter than two round
     /// trips to the store.
     fn most(&self, keys: &Keys, waiting: usize) -> u32 {
+        // A meter's slots are each its request's cost long: one at a time.
+        if self.lane.unit().is_some() {
+            return 1;
+        }
         let backoff = self.lane.seen.lock().backoff;
         let far = keys.rule.interval.mul_f64(backoff) < 2 * self.trip;
         if far || keys.rule.batches(backoff) {
             u32::try_from(waiting.min(MAX_BATCH)).unwrap_or(1)
+        } else {
+            1
+        }
+    }
+
+    /// What the next slot is asked for in the lane's unit, the `promised` oldest requests
+    /// served already: 1 but in a meter's lane (see [`Queue::next_cost`]).
+    fn cost_of(&self, queue: &Queue, promised: &[(Class, usize)]) -> u32 {
+        if self.lane.unit().is_some() {
+            queue.next_cost(promised)
         } else {
             1
         }
@@ -269,7 +294,8 @@ impl Dispatcher {
     /// granted. `None` while one is out, or once one granted nothing (that answer is acted on
     /// first).
     fn ask_at(&self, last: Instant) -> Option<Instant> {
-        if self.ahead.is_some() {
+        // A meter's next slot is asked for the request that will wait for it then.
+        if self.ahead.is_some() || self.lane.unit().is_some() {
             return None;
         }
         let mut last = last;
@@ -288,11 +314,12 @@ impl Dispatcher {
     fn ask_ahead(&mut self, promised: &[(Class, usize)]) -> bool {
         let lane = &self.lane;
         let held: usize = promised.iter().map(|(_, n)| n).sum();
-        let (asked, waiting, latest) = {
+        let (asked, waiting, latest, cost) = {
             let mut queue = lane.queue.lock();
             let latest = queue.prune();
             let asked = queue.wait_list_less(promised);
-            (asked, queue.len().saturating_sub(held), latest)
+            let cost = self.cost_of(&queue, promised);
+            (asked, queue.len().saturating_sub(held), latest, cost)
         };
         let Some(latest) = latest.filter(|_| !asked.is_empty()) else {
             return false;
@@ -310,6 +337,7 @@ impl Dispatcher {
                 queues: &list,
                 not_after: Some(latest),
                 most,
+                cost,
             };
             let reserved = store.reserve(&name, &keys.rule, ask).await;
             histogram.observe(started.elapsed().as_secs_f64());
@@ -321,6 +349,7 @@ impl Dispatcher {
                 list: asked,
                 turns,
                 at: Instant::now(),
+                cost,
             },
         });
         true
@@ -330,9 +359,11 @@ impl Dispatcher {
     /// The rest of a batch is dropped (never sent late, never past what the budget learnt
     /// since) when the destination is locked, or the budget seen here turns stricter (a
     /// throttle widened it, a pause began) after `turns`, when it was asked; a grant asked
-    /// ahead is dropped whole. `asked` is the wait list the grant answered.
-    /// Returns false when pacegate stops.
-    async fn serve(&mut self, grant: Grant, asked: &[ClassQueue], turns: u64, ahead: bool) -> bool {
+    /// ahead is dropped whole. `asked` is how the grant was asked: its wait list, turns and
+    /// cost. Returns false when pacegate stops.
+    async fn serve(&mut self, grant: Grant, asked: &Asked, ahead: bool) -> bool {
+        let (turns, cost) = (asked.turns, asked.cost);
+        let asked = &asked.list[..];
         let count = grant.more.len() + 1;
         let granted = u32::try_from(count).unwrap_or(u32::MAX);
         let mut told = heads(&after_grant(asked, grant.class, granted));
@@ -354,7 +385,7 @@ impl Dispatcher {
                     tracing::debug!(destination = %self.lane.name, left, "the budget turned stricter; the rest of the batch is dropped");
                     return true;
                 }
-                Some(Slept::OnTime) => self.settle(slot, grant.class),
+                Some(Slept::OnTime) => self.settle(slot, grant.class, cost),
                 Some(Slept::Locked(lock)) => {
                     self.forget_ahead();
                     self.lane.refuse_all(&self.lane.locked_error(lock));
@@ -521,7 +552,7 @@ impl Dispatcher {
 
     /// Hands the slot that has come to the request of `class` it was granted for, unless it
     /// came too late to use.
-    fn settle(&self, slot: Reservation, class: Class) {
+    fn settle(&self, slot: Reservation, class: Class, cost: u32) {
         let lane = &self.lane;
         // A slot is an instant, not a licence: a request sent well after it (this process was
         // descheduled, or the store's answer was delayed) would bunch with the next ones. Such
@@ -531,7 +562,7 @@ impl Dispatcher {
             tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
             return;
         }
-        if !lane.hand_out(class, slot) {
+        if !lane.hand_out(class, slot, cost) {
             tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");
         }
     }

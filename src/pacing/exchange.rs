@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_util::either::Either as Step;
 
 use super::observe::{written, Writes};
-use super::outgoing::Outgoing;
+use super::outgoing::{BodyError, Outgoing};
 use super::verdict::{self, Reading, Verdict};
 use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
 use crate::class::Class;
@@ -68,6 +68,9 @@ pub enum ExchangeError {
     /// The upstream could not be reached or did not answer.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// The request body a meter estimates the cost from could not be read.
+    #[error(transparent)]
+    Body(#[from] BodyError),
 }
 
 /// An exchange's end: the response or the refusal, and what the log line says of it.
@@ -150,6 +153,11 @@ impl Pacer {
             // Shadow mode sends at once and never retries: clients see what they would without
             // pacegate, while the pacer counts what it would have done.
             let shadow = pace.mode == Mode::Shadow;
+            // The request's cost to each of the destination's meters, estimated before it
+            // waits: its body is read first where an estimate reads it (boxed: rare).
+            if !route.lanes.meters.is_empty() {
+                Box::pin(self.meter(route, outgoing)).await?;
+            }
             // The steps of docs/pacing-model.md, once per attempt; an attempt that ends
             // without an answer to hand on (a slot too late, no connection in time, a
             // throttle retried) goes round again for a fresh slot.
@@ -157,25 +165,64 @@ impl Pacer {
                 // 1. A connection, opened while the request waits, not after its slot; to a
                 // cold upstream, before the slot is asked for.
                 let expecting = upstream.expect(outgoing.uri());
-                if !shadow && expecting.cold() {
-                    // Boxed, as the other rare waits here (see `Pacer::enter`).
-                    Box::pin(landed(deadline, upstream.first_connection(outgoing.uri()))).await?;
-                    first_wait = None;
+                let cold = !shadow && expecting.cold();
+                // 2. The slot ("Reserving a slot", "Waiting, deadlines, concurrency"): each
+                // meter's first, where the destination has meters, then the request's own.
+                let metered = !shadow && outgoing.meters().is_some();
+                if cold || metered {
+                    // Boxed, as the other rare waits here (see `Pacer::enter`): one wait for
+                    // both, since a wait held in the future costs every request its room.
+                    let waited = Box::pin(async {
+                        if cold {
+                            landed(deadline, upstream.first_connection(outgoing.uri())).await?;
+                        }
+                        if metered {
+                            self.take_meters(outgoing, route, class, deadline).await?;
+                        }
+                        Ok::<_, ExchangeError>(())
+                    })
+                    .await;
+                    match waited {
+                        Ok(()) => {}
+                        // Out of time for another retry: the client gets the last throttled
+                        // answer.
+                        Err(ExchangeError::Paced(_)) if last_throttled.is_some() => {
+                            return Ok(*last_throttled.take().expect("checked"))
+                        }
+                        Err(e) => return Err(e),
+                    }
+                    if cold {
+                        first_wait = None;
+                    }
                 }
-                // 2. The slot ("Reserving a slot", "Waiting, deadlines, concurrency").
                 let started = first_wait.take().unwrap_or_else(Instant::now);
                 let admission = match self.enter(route, &pace, class, started, deadline).await {
                     Ok(a) => a,
-                    // Out of time for another retry: the client gets the last throttled answer.
-                    Err(_) if last_throttled.is_some() => {
-                        return Ok(*last_throttled.take().expect("checked"))
+                    Err(e) => {
+                        if let Some(m) = outgoing.meters() {
+                            self.give_back(m);
+                        }
+                        // Out of time for another retry: the client gets the last throttled
+                        // answer.
+                        if let Some(kept) = last_throttled.take() {
+                            return Ok(*kept);
+                        }
+                        return Err(e.into());
                     }
-                    Err(e) => return Err(e.into()),
                 };
                 *note.waited.get_or_insert_default() += admission.waited;
-                // 3. Still on time: a slot come to too late is dropped, never sent on.
+                // 3. Still on time: a slot come to too late is dropped, never sent on; so are
+                // the meters' slots, which the request's own must follow closely.
                 if !shadow && self.too_late(&admission, admission.sent) {
+                    if let Some(m) = outgoing.meters() {
+                        self.give_back(m);
+                    }
                     continue;
+                }
+                if let Some(m) = outgoing.meters() {
+                    if !shadow && self.meters_too_late(m, admission.sent) {
+                        continue;
+                    }
                 }
                 let req = if retryable {
                     outgoing.attempt()
@@ -193,6 +240,9 @@ impl Pacer {
                     let response = match upstream.send(req, by, Some(expecting)).await {
                         Err(UpstreamError::Late(late)) => {
                             self.no_connection_in_time(&admission);
+                            if let Some(m) = outgoing.meters() {
+                                self.give_back(m);
+                            }
                             if !outgoing.take_back() {
                                 return Err(UpstreamError::Late(late).into());
                             }
@@ -200,7 +250,18 @@ impl Pacer {
                             Box::pin(landed(deadline, upstream.opened(outgoing.uri()))).await?;
                             continue;
                         }
-                        sent => sent?.map(Either::Left),
+                        Err(e) => {
+                            // Never reached the vendor: nothing to charge. Otherwise it may
+                            // have, and the estimate stands.
+                            if let Some(m) = outgoing.meters() {
+                                match e {
+                                    UpstreamError::Connect(_) => self.give_back(m),
+                                    _ => self.spent(m),
+                                }
+                            }
+                            return Err(e.into());
+                        }
+                        Ok(response) => response.map(Either::Left),
                     };
                     series.response(response.status()).inc();
                     self.judge(route, &pace, &admission, response, outgoing)
@@ -222,6 +283,9 @@ impl Pacer {
                         }
                     };
                     note.retries += 1;
+                    if let Some(m) = outgoing.meters() {
+                        self.spent(m);
+                    }
                     self.metrics
                         .retries
                         .with_label_values(&labels(destination))
@@ -237,6 +301,18 @@ impl Pacer {
                     let _held = &admission;
                     frame
                 });
+                let Some(mut m) = outgoing.take_meters() else {
+                    return Ok(Response::from_parts(parts, upstream.body(body)));
+                };
+                // 8. The meters settled: what the response says the request cost, as its
+                // bytes pass; in full where the vendor charges nothing for its answer (a
+                // refusal other than a throttle, a failure of its own).
+                let status = parts.status.as_u16();
+                if (400..600).contains(&status) && status != 429 {
+                    self.give_back(&mut m);
+                    return Ok(Response::from_parts(parts, upstream.body(body)));
+                }
+                let body = self.settling(m, &parts.headers, body);
                 return Ok(Response::from_parts(parts, upstream.body(body)));
             }
         }

@@ -19,10 +19,10 @@ use tokio::time::Instant;
 use super::rate::Sends;
 use super::PaceError;
 use crate::budget::{
-    BudgetView, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK,
+    BudgetView, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK, METER_MARK,
 };
 use crate::class::{Class, Classes};
-use crate::destination::{Destination, Group, Pace};
+use crate::destination::{Destination, Group, Meter, Pace};
 use crate::metrics::{BudgetSeries, Metrics};
 
 /// One budget's lane: a destination's own, one of its groups', or one of their keys'.
@@ -83,6 +83,9 @@ struct Whole {
     lock_polled: AtomicU64,
     /// Its series in every family a request counts into, found on first use.
     series: OnceLock<Arc<BudgetSeries>>,
+    /// A meter's lane: the meter's unit (`tokens`, `points`), in which its slots are
+    /// weighted by what each request costs. `None`: a request budget's, one slot a request.
+    unit: Option<Arc<str>>,
 }
 
 /// A key's lane in its parent's set, found by its key: the key is read from the lane's name,
@@ -203,6 +206,31 @@ impl Lane {
         )
     }
 
+    /// The lane of `d`'s meter `m`, named `DESTINATION~UNIT` (see
+    /// [`crate::budget::METER_MARK`]): its slots weighted by what each request costs.
+    pub(super) fn meter(d: &Destination, m: &Meter, classes: Arc<Classes>) -> Self {
+        let mut lane = Self::of(
+            &format!("{}{METER_MARK}{}", d.name, m.name),
+            &d.name,
+            &m.pace,
+            classes,
+        );
+        if let Some(whole) = &mut lane.whole {
+            whole.unit = Some(Arc::from(m.name.as_str()));
+        }
+        lane
+    }
+
+    /// A meter's lane: its unit (see [`Lane::meter`]).
+    pub(super) fn unit(&self) -> Option<&Arc<str>> {
+        self.parent
+            .as_deref()
+            .unwrap_or(self)
+            .whole
+            .as_ref()
+            .and_then(|w| w.unit.as_ref())
+    }
+
     fn of(name: &str, destination: &str, pace: &Pace, classes: Arc<Classes>) -> Self {
         Self {
             name: Arc::from(name),
@@ -216,6 +244,7 @@ impl Lane {
                 store_said: Mutex::default(),
                 lock_polled: AtomicU64::new(0),
                 series: OnceLock::new(),
+                unit: None,
             })),
             last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),
@@ -562,16 +591,17 @@ impl Lane {
         class: Class,
         since: Instant,
         deadline: Instant,
+        cost: u32,
     ) -> (QueueSeat<'_>, oneshot::Receiver<Result<Grant, PaceError>>) {
         let (tx, rx) = oneshot::channel();
-        let id = self.queue.lock().join(class, since, deadline, tx);
+        let id = self.queue.lock().join(class, since, deadline, cost, tx);
         self.work.notify_one();
         (QueueSeat { lane: self, id }, rx)
     }
 
     /// Hands `slot` to the waiter it is for (see [`Queue::hand_out`]).
-    pub(super) fn hand_out(&self, class: Class, slot: Reservation) -> bool {
-        self.queue.lock().hand_out(class, slot, |class| {
+    pub(super) fn hand_out(&self, class: Class, slot: Reservation, cost: u32) -> bool {
+        self.queue.lock().hand_out(class, slot, cost, |class| {
             self.deadline_error(class, self.keys.load().rule.interval)
         })
     }

@@ -12,6 +12,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use parking_lot::Mutex;
 
+use super::meters::Metering;
 use crate::upstream::stall::Stall;
 use crate::upstream::{BoxError, ProxyBody};
 
@@ -22,6 +23,10 @@ pub struct Outgoing {
     body: Option<Incoming>,
     /// The body lent to the attempt under way ([`Outgoing::lend`]).
     lent: Option<Arc<Mutex<Option<Incoming>>>>,
+    /// A metered request: its body, read whole before the slot where a meter estimates its
+    /// cost from it, and sent from memory by every attempt; and its meters' slots. Boxed: a
+    /// request's future holds its `Outgoing`, and most requests have no meter.
+    metered: Option<Box<Metered>>,
     /// Who sends it: a key (`key = "proxy-user"`), and who made a new key
     /// (`max_keys_per_client`).
     sender: Sender,
@@ -39,6 +44,7 @@ impl Outgoing {
             // A body that is already over is sent as none: nothing to lend, or to take back.
             body: Some(body).filter(|b| !b.is_end_stream()),
             lent: None,
+            metered: None,
             sender: Sender::Unknown,
             stall: None,
         }
@@ -89,9 +95,57 @@ impl Outgoing {
         &self.parts.headers
     }
 
+    /// Reads the body whole, up to `max` bytes, before the request waits for its slot (a
+    /// meter estimates the request's cost from it); it is then the caller's to give back
+    /// ([`Outgoing::metered`]). Nothing of the body is lost: a body past `max` is refused
+    /// whole.
+    pub(super) async fn read_body(&mut self, max: usize) -> Result<Bytes, BodyError> {
+        let Some(body) = self.body.take() else {
+            return Ok(Bytes::new());
+        };
+        match http_body_util::Limited::new(body, max).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                Err(BodyError::TooLarge { max })
+            }
+            Err(e) => Err(BodyError::Failed(e.to_string())),
+        }
+    }
+
+    /// The request, metered by `meters`: `body`, where it was read, is what it sends (as
+    /// read, or rewritten), its `Content-Length` set to it.
+    pub(super) fn metered(&mut self, body: Option<Bytes>, meters: Metering) {
+        if let Some(body) = &body {
+            self.parts.headers.insert(
+                http::header::CONTENT_LENGTH,
+                http::HeaderValue::from(body.len()),
+            );
+        }
+        self.metered = Some(Box::new(Metered { body, meters }));
+    }
+
+    /// A metered request's meters.
+    pub(super) fn meters(&mut self) -> Option<&mut Metering> {
+        self.metered.as_deref_mut().map(|m| &mut m.meters)
+    }
+
+    /// A metered request's meters, taken for its response to settle.
+    pub(super) fn take_meters(&mut self) -> Option<Metering> {
+        self.metered.take().map(|m| m.meters)
+    }
+
+    /// Removes a header before the request goes upstream (one a meter reads and the vendor
+    /// must not see).
+    pub(super) fn remove_header(&mut self, name: &http::HeaderName) {
+        self.parts.headers.remove(name);
+    }
+
     /// The request as it is, sent once: for a request that is not paced. Its parts are
     /// moved, not copied.
     pub fn into_request(self) -> Request<ProxyBody> {
+        if let Some(body) = self.metered.and_then(|m| m.body) {
+            return Request::from_parts(self.parts, full(body));
+        }
         let body = match (self.body, &self.stall) {
             (Some(body), Some(stall)) => stall.bound(body),
             (Some(body), None) => body.map_err(BoxError::from).boxed(),
@@ -120,6 +174,10 @@ impl Outgoing {
     /// connection reads from it, it can be taken back ([`Outgoing::take_back`]).
     pub(super) fn lend(&mut self) -> Request<ProxyBody> {
         let mut req = self.attempt();
+        if let Some(body) = self.metered.as_ref().and_then(|m| m.body.as_ref()) {
+            *req.body_mut() = full(body.clone());
+            return req;
+        }
         if let Some(body) = self.body.take() {
             let cell = Arc::new(Mutex::new(Some(body)));
             self.lent = Some(cell.clone());
@@ -172,6 +230,34 @@ impl Outgoing {
         let authority = uri.authority().map_or("", |a| a.as_str());
         format!("{} {scheme}://{authority}{}", self.parts.method, uri.path())
     }
+}
+
+/// A metered request's body and meters (see [`Outgoing::metered`]).
+struct Metered {
+    /// The body as read, where a meter read it.
+    body: Option<Bytes>,
+    meters: Metering,
+}
+
+/// Why a request body could not be read before its slot.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    /// It is larger than the destination's `max_body`.
+    #[error("the request body is larger than {max} bytes, the most this destination reads to estimate a request's cost (max_body)")]
+    TooLarge {
+        /// The destination's `max_body`.
+        max: usize,
+    },
+    /// The client's body failed while it was read.
+    #[error("the request body could not be read: {0}")]
+    Failed(String),
+}
+
+/// A body sent from memory.
+fn full(bytes: Bytes) -> ProxyBody {
+    http_body_util::Full::new(bytes)
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 /// Who sends a request: its proxy user, else its client's address. One field, not two: a
@@ -250,6 +336,7 @@ mod tests {
             parts,
             body: None,
             lent: None,
+            metered: None,
             sender: Sender::Unknown,
             stall: None,
         };

@@ -547,6 +547,8 @@ async fn a_lockout_taken_elsewhere_refuses_waiters_within_a_second() {
         ports: Default::default(),
         allow_private_upstreams: None,
         groups: Vec::new(),
+        meters: Vec::new(),
+        max_body: crate::destination::DEFAULT_MAX_BODY,
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(
@@ -607,6 +609,8 @@ async fn pacer_on(pace: Pace, classes: Classes, store: Arc<dyn Store>) -> Arc<Pa
         ports: Default::default(),
         allow_private_upstreams: None,
         groups: Vec::new(),
+        meters: Vec::new(),
+        max_body: crate::destination::DEFAULT_MAX_BODY,
     };
     let metrics = Arc::new(Metrics::new(Registry::new()).unwrap());
     let p = Arc::new(Pacer::new(&[dest], classes, store, metrics, "test".into()));
@@ -754,6 +758,8 @@ async fn a_request_that_gives_up_leaves_the_store_at_once() {
         ports: Default::default(),
         allow_private_upstreams: None,
         groups: Vec::new(),
+        meters: Vec::new(),
+        max_body: crate::destination::DEFAULT_MAX_BODY,
     };
     let store = MemoryStore::ephemeral();
     // Another instance has an older interactive request waiting, so this one yields.
@@ -879,6 +885,15 @@ impl Store for Stalling {
         self.inner.continue_after(marks).await
     }
 
+    async fn settle(
+        &self,
+        budget: &str,
+        rule: &crate::budget::Rule,
+        units: i64,
+    ) -> Result<(), StoreError> {
+        self.inner.settle(budget, rule, units).await
+    }
+
     async fn view(&self, destination: &str) -> Result<crate::budget::BudgetView, StoreError> {
         self.read();
         self.inner.view(destination).await
@@ -1001,6 +1016,8 @@ async fn gauges_read_no_store_and_status_one_snapshot_a_second() {
             ports: Default::default(),
             allow_private_upstreams: None,
             groups: Vec::new(),
+            meters: Vec::new(),
+            max_body: crate::destination::DEFAULT_MAX_BODY,
         })
         .collect();
     let registry = Registry::new();
@@ -1072,6 +1089,8 @@ async fn a_reload_that_adds_and_removes_a_group_keeps_every_other_budget() {
         ports: Default::default(),
         allow_private_upstreams: None,
         groups,
+        meters: Vec::new(),
+        max_body: crate::destination::DEFAULT_MAX_BODY,
     };
     let search = Group {
         name: "search".into(),

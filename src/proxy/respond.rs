@@ -11,7 +11,7 @@ use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
 use crate::class::UnknownClass;
-use crate::pacing::{ExchangeError, PaceError};
+use crate::pacing::{BodyError, ExchangeError, PaceError};
 use crate::server::Refused;
 use crate::upstream::{ConnectError, ProxyBody, UpstreamError};
 
@@ -32,6 +32,8 @@ pub enum Outcome {
     AuthRequired,
     /// The client's request was malformed.
     BadRequest,
+    /// Refused: the request body is larger than the destination reads to estimate its cost.
+    TooLarge,
     /// A protocol upgrade that pacegate does not relay.
     UpgradeRefused,
     /// The upstream could not be reached or failed mid-exchange.
@@ -64,6 +66,7 @@ impl Outcome {
             Self::ForbiddenAddress => "forbidden_address",
             Self::AuthRequired => "auth_required",
             Self::BadRequest => "bad_request",
+            Self::TooLarge => "too_large",
             Self::UpgradeRefused => "upgrade_refused",
             Self::UpstreamError => "upstream_error",
             Self::UpstreamTimeout => "upstream_timeout",
@@ -164,6 +167,10 @@ pub enum ProxyError {
         /// The limit.
         limit: usize,
     },
+    /// The request body is larger than the destination's `max_body`, which its meters read
+    /// to estimate the request's cost.
+    #[error("{0}; send a smaller body, or raise max_body for this destination")]
+    TooLarge(String),
     /// The request names a class that is not configured.
     #[error("{0}: name one of them in the Pacegate-Class header or the proxy URL's user name (http://CLASS@host:port), or none for the default")]
     UnknownClass(UnknownClass),
@@ -183,6 +190,8 @@ impl From<ExchangeError> for ProxyError {
         match e {
             ExchangeError::Paced(p) => Self::Paced(p),
             ExchangeError::Upstream(u) => Self::Upstream(u),
+            ExchangeError::Body(b @ BodyError::TooLarge { .. }) => Self::TooLarge(b.to_string()),
+            ExchangeError::Body(b @ BodyError::Failed(_)) => Self::BadRequest(b.to_string()),
         }
     }
 }
@@ -227,6 +236,11 @@ impl ProxyError {
             Self::BadRequest(_) | Self::UnknownClass(_) => {
                 (S::BAD_REQUEST, "http_request_error", Outcome::BadRequest)
             }
+            Self::TooLarge(_) => (
+                S::PAYLOAD_TOO_LARGE,
+                "http_request_denied",
+                Outcome::TooLarge,
+            ),
             Self::AuthRequired { .. } => (
                 S::PROXY_AUTHENTICATION_REQUIRED,
                 "http_request_denied",

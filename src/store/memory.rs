@@ -229,6 +229,7 @@ impl Store for MemoryStore {
         rule: &Rule,
         ask: Ask<'_>,
     ) -> Result<Grant, ReserveError> {
+        let rule = &*rule.weighted(ask.cost);
         let result = {
             let now = self.now();
             let limit = ask.not_after.map(|t| self.offset(t));
@@ -347,6 +348,14 @@ impl Store for MemoryStore {
             Durability::None => {}
         }
         Ok(view)
+    }
+
+    async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError> {
+        let now = self.now();
+        if let Some(b) = self.budgets.lock().get_mut(budget) {
+            b.settle(rule, units, now);
+        }
+        Ok(())
     }
 
     async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {

@@ -450,6 +450,7 @@ impl Store for PostgresStore {
         rule: &Rule,
         ask: Ask<'_>,
     ) -> Result<Grant, ReserveError> {
+        let rule = &*rule.weighted(ask.cost);
         let answer = self.reserve_on_server(destination, rule, ask).await;
         self.known.reserved(destination, rule, &answer);
         answer
@@ -581,6 +582,14 @@ impl Store for PostgresStore {
         // so that only a read sent after it replaces it.
         self.known.learned(destination, &view, Instant::now());
         Ok(view)
+    }
+
+    async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        // Units as seconds of the schedule: at most a meter's size of intervals, exact in f64.
+        let secs = rule.interval.as_secs_f64() * units as f64;
+        client.rows(SQL_SETTLE, &[&budget, &secs]).await?;
+        Ok(())
     }
 
     async fn continue_after(&self, marks: &[(String, Instant)]) -> Result<(), StoreError> {

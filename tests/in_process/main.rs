@@ -19,6 +19,7 @@ mod forwarding;
 mod fuzz;
 mod groups;
 mod layering;
+mod meters;
 mod pacing;
 mod refusals;
 mod robustness;

@@ -91,6 +91,7 @@ async fn control_a_standby_reached_without_read_write_refuses_every_slot() {
         queues: &queue,
         not_after: Some(Instant::now() + Duration::from_secs(5)),
         most: 1,
+        cost: 1,
     };
     // ...nor a slot.
     let refused = on_standby.reserve("local", &rule, ask).await;

@@ -486,6 +486,54 @@ async fn respond(
             );
             resp
         }
+        // What an LLM API answers: the request's cost in tokens, in a JSON body's `usage`,
+        // or (`usage-stream`) in the last event of a server-sent-event stream; `cut-stream`
+        // ends with an error before it says.
+        ["usage", n] => {
+            let json = format!(
+                "{{\"id\":\"c\",\"choices\":[{{\"message\":{{\"content\":\"hi\"}}}}],\"usage\":{{\"prompt_tokens\":1,\"completion_tokens\":{m},\"total_tokens\":{n}}}}}",
+                m = n.parse::<u64>().unwrap().saturating_sub(1)
+            );
+            let mut r = full(StatusCode::OK, json);
+            r.headers_mut()
+                .insert("content-type", HeaderValue::from_static("application/json"));
+            r
+        }
+        [kind @ ("usage-stream" | "cut-stream"), n] => {
+            let mut events: Vec<Result<Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> =
+                (0..3)
+                    .map(|i| {
+                        Ok(Frame::data(Bytes::from(format!(
+                            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"part {i}\"}}}}]}}\n\n"
+                        ))))
+                    })
+                    .collect();
+            if *kind == "usage-stream" {
+                events.push(Ok(Frame::data(Bytes::from(format!(
+                    "data: {{\"choices\":[],\"usage\":{{\"total_tokens\":{n}}}}}\n\ndata: [DONE]\n\n"
+                )))));
+            } else {
+                events.push(Err("the vendor went away mid-stream".into()));
+            }
+            // Each event written on its own, so that a cut comes after the head and the
+            // first events have gone.
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tokio::spawn(async move {
+                for event in events {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    if tx.send(event).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let body = StreamBody::new(tokio_stream_from(rx)).boxed();
+            let mut r = Response::new(body);
+            r.headers_mut().insert(
+                "content-type",
+                HeaderValue::from_static("text/event-stream"),
+            );
+            r
+        }
         ["bytes", n] => Response::new(stream_body(n.parse().unwrap(), None)),
         ["gated", n] => Response::new(stream_body(n.parse().unwrap(), Some(state.clone()))),
         ["sleep", ms] => {

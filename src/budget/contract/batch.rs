@@ -27,6 +27,7 @@ async fn batch_of(
         queues,
         not_after,
         most,
+        cost: 1,
     };
     let answer = store.reserve(d, r, ask).await;
     (answer, sent, Instant::now())

@@ -34,6 +34,8 @@ impl Validator<'_> {
                 ),
                 ("intercept", g.intercept.is_some()),
                 ("groups", g.groups.is_some()),
+                ("meters", g.meters.is_some()),
+                ("max_body", g.max_body.is_some()),
             ] {
                 if set {
                     self.push(

@@ -130,6 +130,10 @@ impl Store for Fake {
         self.answer(self.inner.wait_list(destination, queues)).await
     }
 
+    async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError> {
+        self.answer(self.inner.settle(budget, rule, units)).await
+    }
+
     async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
         self.answer(self.inner.key_secret()).await
     }

@@ -34,6 +34,8 @@ fn destination(pace: Pace, groups: Vec<crate::destination::Group>) -> Destinatio
         ports: Default::default(),
         allow_private_upstreams: None,
         groups,
+        meters: Vec::new(),
+        max_body: crate::destination::DEFAULT_MAX_BODY,
     }
 }
 

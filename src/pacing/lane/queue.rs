@@ -16,6 +16,10 @@ pub(in crate::pacing) struct Grant {
     pub(in crate::pacing) class: Class,
     /// The request goes no earlier, and not much later.
     pub(in crate::pacing) slot: Reservation,
+    /// What the slot was reserved for in the budget's unit: 1 for a request budget; for a
+    /// meter, the cost of the request it was asked for, which the request's own settles
+    /// against.
+    pub(in crate::pacing) cost: u32,
 }
 
 /// One request waiting for a slot.
@@ -24,6 +28,8 @@ pub(in crate::pacing) struct Waiter {
     pub(in crate::pacing) class: Class,
     since: Instant,
     pub(in crate::pacing) deadline: Instant,
+    /// Its cost in the budget's unit (1 but in a meter's lane).
+    cost: u32,
     tx: oneshot::Sender<Result<Grant, PaceError>>,
 }
 
@@ -86,6 +92,7 @@ impl Queue {
         class: Class,
         since: Instant,
         deadline: Instant,
+        cost: u32,
         tx: oneshot::Sender<Result<Grant, PaceError>>,
     ) -> u64 {
         self.next_id += 1;
@@ -96,6 +103,7 @@ impl Queue {
             class,
             since,
             deadline,
+            cost,
             tx,
         });
         id
@@ -116,6 +124,7 @@ impl Queue {
         &mut self,
         class: Class,
         slot: Reservation,
+        cost: u32,
         late: impl Fn(Class) -> PaceError,
     ) -> bool {
         let first = usize::from(class.0).min(self.classes.len() - 1);
@@ -130,7 +139,7 @@ impl Queue {
                     w.refuse(late(class));
                     continue;
                 }
-                if w.tx.send(Ok(Grant { class, slot })).is_ok() {
+                if w.tx.send(Ok(Grant { class, slot, cost })).is_ok() {
                     return true;
                 }
             }
@@ -146,6 +155,26 @@ impl Queue {
     pub(in crate::pacing) fn prune(&mut self) -> Option<Instant> {
         self.retain(|w| !w.gone());
         self.iter().map(|w| w.deadline).max()
+    }
+
+    /// What the next slot is asked for in the budget's unit: the largest cost of the oldest
+    /// waiter of each class (the store picks the class), less the `promised` (see
+    /// [`Queue::wait_list_less`]). A waiter that costs less settles the difference.
+    pub(in crate::pacing) fn next_cost(&self, promised: &[(Class, usize)]) -> u32 {
+        let last = self.classes.len() - 1;
+        self.classes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, q)| {
+                let skip: usize = promised
+                    .iter()
+                    .filter(|(c, _)| usize::from(c.0).min(last) == i)
+                    .map(|(_, n)| n)
+                    .sum();
+                q.get(skip).map(|w| w.cost)
+            })
+            .max()
+            .unwrap_or(1)
     }
 
     /// The wait list as the store takes it: per class with waiters, how many and since when

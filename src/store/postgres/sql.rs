@@ -47,6 +47,14 @@ pub(super) const SQL_CONTINUE_AFTER: &str =
         SELECT m.destination, clock_timestamp() + make_interval(secs => m.ahead)
         FROM unnest($1::text[], $2::float8[]) AS m(destination, ahead)
     ON CONFLICT (destination) DO UPDATE SET next_at = GREATEST(b.next_at, EXCLUDED.next_at)";
+/// Settles a request of budget `$1` that cost `$2` seconds of its schedule (units times the
+/// interval) more than it reserved, fewer where negative, at the budget's backoff: a charge
+/// moves its next slot later, a refund earlier but never before now (see
+/// `budget::schedule::Budget::settle`).
+pub(super) const SQL_SETTLE: &str = "UPDATE pacegate_budgets
+    SET next_at = CASE WHEN $2::float8 >= 0 THEN next_at + make_interval(secs => $2::float8 * backoff)
+        ELSE GREATEST(next_at + make_interval(secs => $2::float8 * backoff), LEAST(next_at, clock_timestamp())) END
+    WHERE destination = $1";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep

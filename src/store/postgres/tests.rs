@@ -161,6 +161,7 @@ async fn wait_lists_count_only_while_their_lease_runs() {
         queues,
         not_after: None,
         most: 1,
+        cost: 1,
     };
     a.wait_list("d", &interactive).await.unwrap();
     let control = a.client().await.unwrap();

@@ -1,0 +1,144 @@
+//! Budgets in tokens: a meter holds each request for what it is estimated to cost before it
+//! is sent, and the response, as it passes, settles what it cost; a response that says
+//! nothing, or is cut off, keeps the estimate. A body larger than a meter reads is refused.
+
+use crate::support;
+
+use std::time::Duration;
+
+use support::{client, Alpn, FakeUpstream, TestProxy};
+
+/// `llm` on localhost at 100 requests a second, with a meter of 1,000 tokens a second
+/// (60,000 a minute) estimated and settled as OpenAI's.
+async fn llm(upstream: &FakeUpstream, more: &str) -> TestProxy {
+    let config = format!(
+        "[destinations.llm]\nhosts = [\"localhost\"]\nrate = 100\n{more}\n\
+         [destinations.llm.meters.tokens]\nper_minute = 60000\ncost = \"openai\"\n"
+    );
+    TestProxy::start(&upstream.ca.cert_path, "", &config).await
+}
+
+/// A chat request estimated at 210 tokens: 44 bytes / 4, and `max_tokens` 199.
+const CHAT: &str = r#"{"model":"m","max_tokens":199,"messages":[]}"#;
+
+/// Sends `n` chat requests to `path` at once; returns the bodies the client read.
+async fn chats(proxy: &TestProxy, upstream: &FakeUpstream, path: &str, n: usize) -> Vec<String> {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let url = format!("{}{path}", upstream.http_url("localhost"));
+    let sends: Vec<_> = (0..n)
+        .map(|_| {
+            let (via, url) = (via.clone(), url.clone());
+            tokio::spawn(async move {
+                let resp = via.post(url).body(CHAT).send().await.unwrap();
+                assert_eq!(resp.status(), 200);
+                resp.text().await.unwrap_or_default()
+            })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for s in sends {
+        bodies.push(s.await.unwrap());
+    }
+    bodies
+}
+
+/// How long the upstream's arrivals spread over.
+fn spread(upstream: &FakeUpstream) -> Duration {
+    let at = upstream.arrivals();
+    *at.last().unwrap() - at[0]
+}
+
+#[tokio::test]
+async fn a_meter_waits_for_the_estimate_and_gives_back_what_the_response_did_not_cost() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "").await;
+    // Each reserves 210 tokens (0.21 s of the meter) and costs 10: settled, the ten go
+    // about 10 ms apart once the first has answered.
+    chats(&proxy, &upstream, "/usage/10", 10).await;
+    let settled = spread(&upstream);
+    assert!(
+        settled < Duration::from_millis(1200),
+        "ten requests of 10 tokens took {settled:?} at 1,000 tokens a second"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_meter_units_total{destination=\"llm~tokens\",group=\"\"}")
+            .await,
+        100.0
+    );
+    // Control: a response that says nothing of its cost keeps the estimate, 210 tokens
+    // each, reserved before it goes: the schedule puts nine of them 0.21 s apart after the
+    // first, though each answer takes longer than that to come.
+    upstream.clear();
+    chats(&proxy, &upstream, "/status/200?delay=400", 10).await;
+    let unsettled = spread(&upstream);
+    assert!(
+        unsettled >= Duration::from_millis(9 * 210 - 20),
+        "ten requests of 210 tokens went within {unsettled:?}"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_meter_unsettled_total{destination=\"llm~tokens\",group=\"\",reason=\"no_usage\"}")
+            .await,
+        10.0
+    );
+}
+
+#[tokio::test]
+async fn a_stream_is_settled_from_its_last_event_and_one_cut_off_keeps_its_estimate() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "").await;
+    let bodies = chats(&proxy, &upstream, "/usage-stream/10", 10).await;
+    // The client reads the stream as the vendor wrote it, usage and all.
+    for body in &bodies {
+        assert!(body.starts_with("data: {\"choices\":[{\"delta\""), "{body}");
+        assert!(
+            body.ends_with("\"total_tokens\":10}}\n\ndata: [DONE]\n\n"),
+            "{body}"
+        );
+    }
+    let settled = spread(&upstream);
+    assert!(
+        settled < Duration::from_millis(1200),
+        "ten streams of 10 tokens took {settled:?} at 1,000 tokens a second"
+    );
+    // A stream cut off before its usage: the estimate stands, and it is counted.
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let url = format!("{}/cut-stream/10", upstream.http_url("localhost"));
+    let resp = via.post(url).body(CHAT).send().await.unwrap();
+    let text = resp.text().await;
+    assert!(
+        text.is_err(),
+        "the client sees the stream cut off: {text:?}"
+    );
+    support::eventually(Duration::from_secs(5), "the cut stream counted", || async {
+        let cut = proxy
+            .metric("pacegate_meter_unsettled_total{destination=\"llm~tokens\",group=\"\",reason=\"cut\"}")
+            .await;
+        (cut == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        proxy
+            .metric("pacegate_meter_units_total{destination=\"llm~tokens\",group=\"\"}")
+            .await,
+        100.0 + 210.0
+    );
+}
+
+#[tokio::test]
+async fn a_body_larger_than_a_meter_reads_is_refused_whole_before_it_waits() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "max_body = 100").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let url = format!("{}/usage/10", upstream.http_url("localhost"));
+    let resp = via.post(&url).body("x".repeat(101)).send().await.unwrap();
+    assert_eq!(resp.status(), 413);
+    let status = resp.headers()["proxy-status"].to_str().unwrap().to_owned();
+    assert!(status.contains("max_body"), "{status}");
+    assert!(upstream.recorded().is_empty(), "nothing went upstream");
+    // One within the bound goes, its body whole.
+    let resp = via.post(&url).body("x".repeat(100)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(upstream.received_bytes(), 100);
+}
