@@ -455,6 +455,7 @@ BEGIN
         cr := new_credits;
         slots := slots || s;
         b.next_at := GREATEST(b.next_at, s) + t;
+        b.last_slot := GREATEST(b.last_slot, s);
         IF nq > 0 THEN
             b.sends := b.sends + 1;
         END IF;
@@ -465,7 +466,7 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM unnest(cr) AS c WHERE c > 0) THEN
         cr := '{}';
     END IF;
-    UPDATE pacegate_budgets AS x SET next_at = b.next_at, credits = cr,
+    UPDATE pacegate_budgets AS x SET next_at = b.next_at, last_slot = b.last_slot, credits = cr,
         sends = b.sends,
         vendor_reset = b.vendor_reset, vendor_remaining = b.vendor_remaining,
         vendor_family = b.vendor_family, vendor_limit = b.vendor_limit,

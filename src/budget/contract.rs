@@ -243,6 +243,7 @@ where
     weighted::a_slot_is_as_long_as_its_cost(&fresh().await, tol).await;
     weighted::a_settlement_moves_the_next_slot(&fresh().await, tol).await;
     weighted::a_refund_gives_back_no_time_already_past(&fresh().await, tol).await;
+    weighted::a_refund_does_not_reach_before_a_slot_granted_since(&fresh().await, tol).await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

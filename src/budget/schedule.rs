@@ -51,6 +51,9 @@ pub struct Waiting {
 pub struct Budget {
     /// The earliest instant the next request may go (beat keeping).
     pub next_at: Duration,
+    /// The latest slot granted: a refund gives back no time before it (see
+    /// [`Budget::settle`]).
+    pub last_slot: Duration,
     /// Nothing is sent before this (Retry-After, a block, a spent vendor budget).
     pub paused_until: Duration,
     /// What set `paused_until`.
@@ -81,6 +84,7 @@ impl Default for Budget {
     fn default() -> Self {
         Self {
             next_at: Duration::ZERO,
+            last_slot: Duration::ZERO,
             paused_until: Duration::ZERO,
             paused_by: None,
             block_streak: 0,
@@ -229,6 +233,7 @@ impl Budget {
             v.taken += 1;
         }
         self.next_at = self.next_at.max(slot) + t;
+        self.last_slot = self.last_slot.max(slot);
         if let Some(keep) = rule.quota.iter().map(|q| q.limit as usize).max() {
             self.sends.push_back(slot);
             while self.sends.len() > keep {
@@ -240,8 +245,12 @@ impl Budget {
 
     /// Settles a request that cost `units` more than the slot reserved for it (fewer where
     /// negative), at `now`: a charge moves the next slot later by that many intervals; a
-    /// refund moves it earlier, but never before `now`. Time already past is not given back:
-    /// a refund makes room for the requests still to come, never a burst.
+    /// refund moves it earlier, but never before `now`, nor before the latest slot granted.
+    /// Time already past is not given back: a refund makes room for the requests still to
+    /// come, never a burst. Nor does a later request go before one granted already: the
+    /// slots stay in the order they were granted, so that a window holds at most the rate's
+    /// share, one request's cost, and what one request in flight was estimated above its
+    /// cost.
     pub fn settle(&mut self, rule: &Rule, units: i64, now: Duration) {
         let shift = self
             .interval(rule)
@@ -249,9 +258,10 @@ impl Budget {
         self.next_at = if units >= 0 {
             self.next_at + shift
         } else {
+            let floor = now.max(self.last_slot);
             self.next_at
                 .saturating_sub(shift)
-                .max(self.next_at.min(now))
+                .max(self.next_at.min(floor))
         };
     }
 

@@ -358,7 +358,7 @@ async fn migrate_and_status_work_against_the_store_directly() {
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
-        "applied migrations [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]"
+        "applied migrations [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]"
     );
     let out = run(&["migrate", "--store", &url]);
     assert_eq!(

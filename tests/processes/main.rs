@@ -22,6 +22,7 @@ mod groups;
 mod keys;
 mod lockouts;
 mod logs;
+mod meters;
 mod parent;
 mod pooler;
 mod reload;

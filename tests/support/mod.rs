@@ -5,6 +5,7 @@
 pub mod bouncer;
 pub mod config;
 pub mod fleet;
+pub mod llm;
 pub mod pg;
 pub mod process;
 pub mod relay;

@@ -91,3 +91,31 @@ pub(super) async fn a_refund_gives_back_no_time_already_past(store: &impl Store,
         "after 100 units",
     );
 }
+
+/// A refund of a request in flight while a later slot is granted already gives back no time
+/// before that slot: the next request goes no earlier than it.
+pub(super) async fn a_refund_does_not_reach_before_a_slot_granted_since(
+    store: &impl Store,
+    tol: Duration,
+) {
+    let r = rule(1000.0);
+    let first = weighed(store, "m", 300).await;
+    let second = weighed(store, "m", 100).await;
+    apart(
+        first,
+        second,
+        Duration::from_millis(300),
+        tol,
+        "after 300 units",
+    );
+    // The first cost nothing in the end: its 300 ms would reach back before the second.
+    store.settle("m", &r, -300).await.unwrap();
+    let third = weighed(store, "m", 1).await;
+    apart(
+        second,
+        third,
+        Duration::ZERO,
+        tol,
+        "after a refund behind a slot granted",
+    );
+}

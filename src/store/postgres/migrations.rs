@@ -70,6 +70,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "instance_lease",
         include_str!("../../../migrations/0012_instance_lease.sql"),
     ),
+    (
+        13,
+        "last_slot",
+        include_str!("../../../migrations/0013_last_slot.sql"),
+    ),
 ];
 
 /// Every SQL function of the store, each defined once, re-applied by every migration whose

@@ -16,7 +16,9 @@
 pub(super) const SQL_RESERVE_FAST: &str = "UPDATE pacegate_budgets AS b
     SET next_at = GREATEST(b.next_at,
             GREATEST(c.now + make_interval(secs => $5), b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
-        + make_interval(secs => $2 * b.backoff)
+        + make_interval(secs => $2 * b.backoff),
+        last_slot = GREATEST(b.last_slot,
+            GREATEST(c.now + make_interval(secs => $5), b.next_at - make_interval(secs => $2 * b.backoff * ($3 - 1)), b.paused_until))
     FROM (SELECT clock_timestamp() AS now) AS c
     WHERE b.destination = $1
       AND b.lock_status IS NULL
@@ -49,11 +51,12 @@ pub(super) const SQL_CONTINUE_AFTER: &str =
     ON CONFLICT (destination) DO UPDATE SET next_at = GREATEST(b.next_at, EXCLUDED.next_at)";
 /// Settles a request of budget `$1` that cost `$2` seconds of its schedule (units times the
 /// interval) more than it reserved, fewer where negative, at the budget's backoff: a charge
-/// moves its next slot later, a refund earlier but never before now (see
-/// `budget::schedule::Budget::settle`).
+/// moves its next slot later, a refund earlier but never before now, nor before the latest
+/// slot granted (see `budget::schedule::Budget::settle`).
 pub(super) const SQL_SETTLE: &str = "UPDATE pacegate_budgets
     SET next_at = CASE WHEN $2::float8 >= 0 THEN next_at + make_interval(secs => $2::float8 * backoff)
-        ELSE GREATEST(next_at + make_interval(secs => $2::float8 * backoff), LEAST(next_at, clock_timestamp())) END
+        ELSE GREATEST(next_at + make_interval(secs => $2::float8 * backoff),
+            LEAST(next_at, GREATEST(clock_timestamp(), last_slot))) END
     WHERE destination = $1";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose

@@ -1,0 +1,152 @@
+//! Budgets in tokens across real OS processes: three instances on one Postgres, twelve
+//! workers sending chat completions of random sizes (half of them streamed) to a vendor that
+//! keeps a token bucket and answers 429 when it is overrun. With a token meter the vendor
+//! never has to; without one (the control) it does, at once.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use support::fleet::{alone, postgres_store, Fleet, INSTANCES};
+use support::llm::{busiest_tokens, Charge, FakeLlm};
+
+/// The vendor's tokens a second, and the meter's.
+const TOKENS: f64 = 2000.0;
+
+/// Workers per instance.
+const WORKERS: usize = 4;
+
+/// How long the workers send.
+const RUN: Duration = Duration::from_secs(10);
+
+/// A fleet pacing `local` at 50 requests a second and, with `meter`, 2,000 tokens a second
+/// estimated and settled as OpenAI's.
+async fn fleet(meter: bool) -> Fleet {
+    let mut keys = "rate = 50\nretry_throttled = 0\n".to_owned();
+    if meter {
+        keys.push_str(&format!(
+            "[destinations.local.meters.tokens]\nrate = {TOKENS}\ncost = \"openai\"\n"
+        ));
+    }
+    Fleet::start(&postgres_store().await, &keys).await
+}
+
+/// `WORKERS` workers through each instance send chat completions to `vendor` one after the
+/// other until `run` is over: prompts of 200 to 2,000 bytes, `max_tokens` 100 to 600, every
+/// other one streamed with usage asked for. Returns the statuses the workers saw.
+async fn work(fleet: &Fleet, vendor: &FakeLlm, run: Duration) -> Vec<u16> {
+    // Every worker's first request goes at once: a burst far past the vendor's bucket,
+    // unless each waits for what the ones before it were estimated at.
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(INSTANCES * WORKERS));
+    let until = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for i in 0..INSTANCES {
+        for w in 0..WORKERS {
+            let via = fleet.client(i);
+            let url = vendor.url();
+            let start = start.clone();
+            let mut rng = rand::rngs::StdRng::seed_from_u64((i * WORKERS + w) as u64);
+            tasks.push(tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                let mut n = 0;
+                start.wait().await;
+                while Instant::now() < until {
+                    let prompt = "x".repeat(rng.random_range(200..2000));
+                    let max_tokens: u64 = rng.random_range(100..600);
+                    let stream = n % 2 == 1;
+                    let mut body = serde_json::json!({
+                        "model": "gpt-test",
+                        "max_tokens": max_tokens,
+                        "messages": [{"role": "user", "content": prompt}],
+                    });
+                    if stream {
+                        body["stream"] = true.into();
+                        body["stream_options"] = serde_json::json!({"include_usage": true});
+                    }
+                    let resp = via
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body.to_string())
+                        .send()
+                        .await
+                        .unwrap();
+                    statuses.push(resp.status().as_u16());
+                    let _ = resp.bytes().await;
+                    n += 1;
+                }
+                statuses
+            }));
+        }
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+/// Tokens a second the vendor counted, first arrival to last.
+fn achieved(charges: &[Charge]) -> f64 {
+    let total: u64 = charges.iter().map(|c| c.tokens).sum();
+    let span = charges.last().unwrap().at - charges[0].at;
+    total as f64 / span.as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_keep_one_token_ceiling_and_settle_what_each_request_cost() {
+    let _alone = alone().await;
+    // A bucket of one second's tokens: a burst past the rate by more than a second's worth
+    // is refused.
+    let vendor = FakeLlm::start(TOKENS, TOKENS).await;
+    let fleet = fleet(true).await;
+    let statuses = work(&fleet, &vendor, RUN).await;
+    let charges = vendor.charges();
+    let refused = charges.iter().filter(|c| c.status == 429).count();
+    assert_eq!(
+        refused,
+        0,
+        "the vendor refused {refused} of {}",
+        charges.len()
+    );
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    // A window of the meter's length holds at most its rate's worth, plus one request, plus
+    // what one request in flight was estimated above its cost (its refund may go to the
+    // request after a slot granted meanwhile).
+    let largest = charges.iter().map(|c| c.estimate).max().unwrap();
+    let over = charges
+        .iter()
+        .map(|c| c.estimate.saturating_sub(c.tokens))
+        .max()
+        .unwrap();
+    let busiest = busiest_tokens(&charges, Duration::from_secs(1));
+    assert!(
+        busiest <= TOKENS as u64 + largest + over,
+        "{busiest} tokens within one second at {TOKENS} a second (largest estimate {largest}, over by {over} at most)"
+    );
+    let rate = achieved(&charges);
+    assert!(
+        rate >= 0.85 * TOKENS,
+        "achieved {rate:.0} tokens a second of {TOKENS}, over {} requests",
+        charges.len()
+    );
+    assert!(
+        charges.iter().filter(|c| c.stream).count() * 3 >= charges.len(),
+        "streams were sent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_meter_the_same_load_is_refused_by_the_vendor() {
+    let _alone = alone().await;
+    let vendor = FakeLlm::start(TOKENS, TOKENS).await;
+    let fleet = fleet(false).await;
+    work(&fleet, &vendor, Duration::from_secs(3)).await;
+    let charges = vendor.charges();
+    let refused = charges.iter().filter(|c| c.status == 429).count();
+    assert!(
+        refused >= 5,
+        "only {refused} of {} refused at 50 requests a second with no token meter",
+        charges.len()
+    );
+}

@@ -1,0 +1,224 @@
+//! A fake OpenAI-compatible vendor on loopback: `POST /v1/chat/completions`, charged in
+//! tokens against one token bucket (a rate, and a capacity it starts full at), answered 429
+//! when a request costs more than the bucket holds, as the vendor's own limiter does. What a
+//! request costs is decided by the vendor, below what a client can know before it is sent:
+//! the prompt's bytes / 5, plus half the `max_tokens` asked for.
+//!
+//! It answers as OpenAI does: a JSON body with `usage`, or (`"stream": true`) a
+//! server-sent-event stream whose last chunk before `[DONE]` carries `usage` only where the
+//! request asked for it (`stream_options.include_usage`).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// One request as the vendor counted it.
+#[derive(Debug, Clone)]
+pub struct Charge {
+    /// When its head reached the vendor.
+    pub at: Instant,
+    /// What it cost, in tokens (0 for a request refused).
+    pub tokens: u64,
+    /// What a client estimates it at before it is sent, as pacegate's `openai` cost does:
+    /// the body's bytes / 4, plus `max_tokens`.
+    pub estimate: u64,
+    /// 200, or 429 where the bucket did not hold its cost.
+    pub status: u16,
+    /// Whether it was a stream, and whether it asked for usage in it.
+    pub stream: bool,
+    pub asked_usage: bool,
+}
+
+struct Bucket {
+    rate: f64,
+    capacity: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    /// Takes `cost` if the bucket, refilled to now, holds it.
+    fn take(&mut self, cost: f64) -> bool {
+        let now = Instant::now();
+        let refill = (now - self.at).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.capacity);
+        self.at = now;
+        if self.tokens >= cost {
+            self.tokens -= cost;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+struct State {
+    bucket: Mutex<Bucket>,
+    charges: Mutex<Vec<Charge>>,
+}
+
+/// The fake vendor.
+pub struct FakeLlm {
+    pub addr: SocketAddr,
+    state: Arc<State>,
+}
+
+impl FakeLlm {
+    /// A vendor allowing `rate` tokens a second, with a bucket of `capacity` tokens.
+    pub async fn start(rate: f64, capacity: f64) -> Self {
+        let state = Arc::new(State {
+            bucket: Mutex::new(Bucket {
+                rate,
+                capacity,
+                tokens: capacity,
+                at: Instant::now(),
+            }),
+            charges: Mutex::new(Vec::new()),
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Requests are dated when their heads reached the socket, not when a busy machine
+        // got round to them.
+        super::stamped::keep_on();
+        super::stamped::enable(&listener);
+        let addr = listener.local_addr().unwrap();
+        let s = state.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let _ = stream.set_nodelay(true);
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let (stream, last) = super::stamped::Stamped::new(stream);
+                    let service = service_fn(move |req| {
+                        let s = s.clone();
+                        let at = last.at_or(Instant::now());
+                        async move { Ok::<_, Infallible>(respond(req, &s, at).await) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { addr, state }
+    }
+
+    /// `http://localhost:PORT/v1/chat/completions`.
+    pub fn url(&self) -> String {
+        format!("http://localhost:{}/v1/chat/completions", self.addr.port())
+    }
+
+    /// Every request counted so far, in order of arrival.
+    pub fn charges(&self) -> Vec<Charge> {
+        let mut c = self.state.charges.lock().unwrap().clone();
+        c.sort_by_key(|c| c.at);
+        c
+    }
+}
+
+async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response<Body> {
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let max_tokens = json["max_tokens"].as_u64().unwrap_or(16);
+    let stream = json["stream"].as_bool().unwrap_or(false);
+    let asked_usage = json["stream_options"]["include_usage"]
+        .as_bool()
+        .unwrap_or(false);
+    let prompt = body.len() as u64 / 5;
+    let completion = max_tokens / 2;
+    let cost = prompt + completion;
+    let granted = state.bucket.lock().unwrap().take(cost as f64);
+    state.charges.lock().unwrap().push(Charge {
+        at,
+        tokens: if granted { cost } else { 0 },
+        estimate: body.len() as u64 / 4 + max_tokens,
+        status: if granted { 200 } else { 429 },
+        stream,
+        asked_usage,
+    });
+    if !granted {
+        let mut r = full(
+            StatusCode::TOO_MANY_REQUESTS,
+            r#"{"error":{"message":"Rate limit reached for tokens per min","type":"tokens","code":"rate_limit_exceeded"}}"#,
+        );
+        r.headers_mut().insert(
+            "x-ratelimit-remaining-tokens",
+            HeaderValue::from_static("0"),
+        );
+        return r;
+    }
+    let usage = format!(
+        r#"{{"prompt_tokens":{prompt},"completion_tokens":{completion},"total_tokens":{cost}}}"#
+    );
+    if !stream {
+        return full(
+            StatusCode::OK,
+            format!(
+                r#"{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"hello"}},"finish_reason":"stop"}}],"usage":{usage}}}"#
+            ),
+        );
+    }
+    let mut events: Vec<String> = (0..3)
+        .map(|i| {
+            format!(
+                r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"part {i}"}},"finish_reason":null}}]}}"#
+            ) + "\n\n"
+        })
+        .collect();
+    if asked_usage {
+        events.push(format!(
+            r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[],"usage":{usage}}}"#
+        ) + "\n\n");
+    }
+    events.push("data: [DONE]\n\n".to_owned());
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
+    tokio::spawn(async move {
+        for event in events {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            if tx.send(Ok(Frame::data(Bytes::from(event)))).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut rx = rx;
+    let body = StreamBody::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))).boxed();
+    let mut r = Response::new(body);
+    r.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    r
+}
+
+fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed());
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/json"));
+    r
+}
+
+/// The most tokens any window of `length` holds, by the charges' arrivals.
+pub fn busiest_tokens(charges: &[Charge], length: Duration) -> u64 {
+    let mut most = 0;
+    for (i, first) in charges.iter().enumerate() {
+        let sum: u64 = charges[i..]
+            .iter()
+            .take_while(|c| c.at - first.at < length)
+            .map(|c| c.tokens)
+            .sum();
+        most = most.max(sum);
+    }
+    most
+}
