@@ -9,6 +9,7 @@
 //! granted).
 
 pub mod settle;
+pub mod usage;
 
 use std::fmt;
 use std::str::FromStr;
@@ -141,6 +142,19 @@ impl Cost {
             Cost::Fixed(n) => *n,
         };
         estimate.clamp(1, size.max(1))
+    }
+
+    /// Which of the vendor's budgets its headers name for this meter, where they do (see
+    /// [`crate::signals::tokens`]).
+    pub fn unit(&self) -> Option<crate::signals::tokens::Unit> {
+        use crate::signals::tokens::Unit;
+        match self {
+            Cost::OpenAi => Some(Unit::OpenAiTokens),
+            Cost::AnthropicInput => Some(Unit::AnthropicInput),
+            Cost::AnthropicOutput => Some(Unit::AnthropicOutput),
+            Cost::GithubGraphql => Some(Unit::GithubPoints),
+            Cost::ShopifyGraphql | Cost::Header(_) | Cost::Fixed(_) => None,
+        }
     }
 
     /// How the response settles the cost, where it does; `stream` where it is a

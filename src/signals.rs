@@ -30,6 +30,9 @@ pub enum Family {
     Requests,
     /// `x-shopify-shop-api-call-limit: used/limit`, a leaky bucket with no reset.
     Shopify,
+    /// A meter's budget in tokens or points (see [`tokens`]): never read for a request
+    /// budget, so not among [`Family::ALL`], nor a name config takes.
+    Tokens,
 }
 
 impl Family {
@@ -50,12 +53,18 @@ impl Family {
             Family::XRateLimitHyphen => "x-rate-limit",
             Family::Requests => "x-ratelimit-requests",
             Family::Shopify => "shopify",
+            Family::Tokens => "tokens",
         }
     }
 
     /// The family called `name` in config.
     pub fn from_name(name: &str) -> Option<Family> {
         Family::ALL.into_iter().find(|f| f.as_str() == name)
+    }
+
+    /// The family a store kept as `name`: one of config's, or a meter's [`Family::Tokens`].
+    pub fn stored(name: &str) -> Option<Family> {
+        Family::from_name(name).or((name == Family::Tokens.as_str()).then_some(Family::Tokens))
     }
 
     fn bit(self) -> u8 {
@@ -237,6 +246,7 @@ pub fn read_family(headers: &HeaderMap, family: Family) -> Option<Signal> {
         Family::XRateLimitHyphen => x_rate_limit(headers),
         Family::Requests => requests(headers),
         Family::Shopify => shopify(headers),
+        Family::Tokens => None,
     }
 }
 

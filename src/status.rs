@@ -9,7 +9,11 @@ use serde::{Deserialize, Serialize};
 pub struct DestinationStatus {
     /// Destination name.
     pub destination: String,
-    /// Configured `rate` (requests per second).
+    /// A meter's budget (`NAME~UNIT`): its unit, in which `rate` and `effective_rate` are
+    /// counted a second (the achieved rates count its slots, one a request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<String>,
+    /// Configured `rate` (requests per second; a meter's units per second).
     pub rate: f64,
     /// `rate / backoff`.
     pub effective_rate: f64,
@@ -216,6 +220,13 @@ fn enforce() -> String {
     "enforce".into()
 }
 
+/// A meter's unit as a rate shows it (` tokens`), nothing for requests.
+fn unit_of(r: &DestinationStatus) -> String {
+    r.unit
+        .as_ref()
+        .map_or_else(String::new, |u| format!(" {u}"))
+}
+
 pub fn status_table(rows: &[DestinationStatus]) -> String {
     let mut lines = vec![[
         "DESTINATION",
@@ -247,8 +258,8 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
             } else {
                 r.destination.clone()
             },
-            format!("{}/s", r.rate),
-            format!("{:.3}/s", r.effective_rate),
+            format!("{}{}/s", r.rate, unit_of(r)),
+            format!("{:.3}{}/s", r.effective_rate, unit_of(r)),
             format!("x{}", r.backoff),
             format!("{:.2} / {:.2}", r.achieved_rate_10s, r.achieved_rate_60s),
             r.clean_streak.to_string(),

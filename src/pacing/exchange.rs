@@ -335,7 +335,16 @@ impl Pacer {
         let status = response.status().as_u16();
         // Read by status and headers; a lockout may still turn out a throttle by its body
         // (see [`Reading::needs_body`]).
-        let reading = verdict::classify(status, response.headers(), pace);
+        let mut reading = verdict::classify(status, response.headers(), pace);
+        // A throttle the vendor puts down to a meter's spent budget pauses that meter, not
+        // the request budget.
+        if let Some(m) = outgoing.metering() {
+            if self.meters_said(m, response.headers())
+                && matches!(reading.verdict, Verdict::Throttled { .. })
+            {
+                reading.verdict = Verdict::None;
+            }
+        }
         if reading.needs_body(pace) {
             // Boxed: rare, and larger than the rest of the reading.
             return Step::Right(Box::pin(async move {

@@ -20,10 +20,11 @@ use tokio::time::Instant;
 use super::lane::Lane;
 use super::outgoing::{BodyError, Outgoing};
 use super::{PaceError, Pacer, Route};
-use crate::budget::{Reservation, Store};
+use crate::budget::{Event, Observation, Pause, Reservation, Store};
 use crate::class::Class;
-use crate::meter::{Cost, Settle, Settled};
+use crate::meter::{usage, Cost, Settle, Settled};
 use crate::metrics::{labels, labels_and, Metrics};
+use crate::signals::{tokens, Family};
 
 /// The longest a meter's slot may be used after it: the request's own slot is taken after
 /// it, and must come within this. A request sent this late lets at most this much of the
@@ -45,6 +46,9 @@ struct Taken {
 /// A request's meters, in the destination's order.
 pub(super) struct Metering {
     taken: Vec<Taken>,
+    /// A stream was asked for its usage on the client's behalf (see [`usage`]): what that
+    /// added is taken out of the answer.
+    asked_usage: bool,
 }
 
 impl Pacer {
@@ -81,7 +85,17 @@ impl Pacer {
                 outgoing.remove_header(name);
             }
         }
-        outgoing.metered(body, Metering { taken });
+        // An OpenAI chat stream settles only where it ends with its usage: one that did not
+        // ask for it is sent asking.
+        let chat = ["/chat/completions", "/completions"]
+            .iter()
+            .any(|p| outgoing.uri().path().ends_with(p));
+        let openai = lanes.meters.iter().any(|(m, _)| m.cost == Cost::OpenAi);
+        let asked = (chat && openai)
+            .then(|| body.as_deref().and_then(usage::ask))
+            .flatten();
+        let asked_usage = asked.is_some();
+        outgoing.metered(asked.or(body), Metering { taken, asked_usage });
         Ok(())
     }
 
@@ -164,6 +178,46 @@ impl Pacer {
         }
     }
 
+    /// What `headers`, a response's, say of each of the request's meters: a meter whose
+    /// budget the vendor says is spent pauses until the vendor's reset, on every instance.
+    /// Returns whether one was: a throttle then is the meter's, not the request budget's.
+    pub(super) fn meters_said(&self, metering: &Metering, headers: &HeaderMap) -> bool {
+        let now = std::time::SystemTime::now();
+        let mut spent = false;
+        for t in &metering.taken {
+            let Some(said) = t.cost.unit().and_then(|u| tokens::read(headers, u)) else {
+                continue;
+            };
+            let Some(reset) = said.reset_in(now).filter(|_| said.exhausted()) else {
+                continue;
+            };
+            spent = true;
+            let seen = Observation {
+                family: Family::Tokens,
+                remaining: 0,
+                limit: said.limit,
+                reset: Pause::For(reset),
+                spread: rand::random::<f64>(),
+            };
+            let (store, lane) = (self.store.clone(), t.lane.clone());
+            tracing::info!(destination = %lane.name, reset_ms = reset.as_millis() as u64, "the vendor says this meter's budget is spent; it pauses until the reset");
+            // Owned by nothing: it ends with the store's answer.
+            tokio::spawn(async move {
+                let rule = lane.keys().rule.clone();
+                match store
+                    .record(&lane.name, &rule, Event::None, Some(seen))
+                    .await
+                {
+                    Ok(view) => lane.note(view),
+                    Err(e) => {
+                        tracing::warn!(destination = %lane.name, "cannot pause a spent meter ({e})")
+                    }
+                }
+            });
+        }
+        spent
+    }
+
     /// `body`, the response's, with its cost to each meter read as it passes to the client
     /// and settled when it ends (`headers` say whether it is a server-sent-event stream).
     pub(super) fn settling<B>(
@@ -192,6 +246,7 @@ impl Pacer {
         Settling {
             body,
             reads,
+            strip: (metering.asked_usage && stream).then(usage::Strip::default),
             store: self.store.clone(),
             metrics: self.metrics.clone(),
             done: false,
@@ -240,6 +295,8 @@ struct Reading {
 pub(super) struct Settling<B> {
     body: B,
     reads: Vec<Reading>,
+    /// What asking for usage on the client's behalf added, taken out as the stream passes.
+    strip: Option<usage::Strip>,
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
     done: bool,
@@ -291,31 +348,60 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = &mut *self;
-        let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
+        loop {
+            let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+            let frame = match polled {
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(e))) => {
+                    this.finish(false);
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.finish(true);
+                    // What the stream held back to the end goes now.
+                    let rest = this.strip.take().map(|mut s| s.finish());
+                    return Poll::Ready(rest.filter(|r| !r.is_empty()).map(|r| Ok(Frame::data(r))));
+                }
+                Poll::Pending => return Poll::Pending,
+            };
+            let frame = match frame.into_data() {
+                Ok(data) => {
                     for r in &mut this.reads {
                         if let Some(s) = &mut r.settle {
-                            s.feed(data);
+                            s.feed(&data);
                         }
                     }
+                    match &mut this.strip {
+                        Some(strip) => Frame::data(strip.feed(&data)),
+                        None => Frame::data(data),
+                    }
                 }
-                // A body of known length ends with its last frame: it may never be polled
-                // again.
-                if this.body.is_end_stream() {
-                    this.finish(true);
+                Err(trailers) => trailers,
+            };
+            // A body of known length ends with its last frame: it may never be polled again.
+            if this.body.is_end_stream() {
+                this.finish(true);
+                if let Some(rest) = this.strip.take().map(|mut s| s.finish()) {
+                    let mut data = frame.into_data().unwrap_or_default();
+                    if !rest.is_empty() {
+                        let mut joined = bytes::BytesMut::from(&data[..]);
+                        joined.extend_from_slice(&rest);
+                        data = joined.freeze();
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
             }
-            Poll::Ready(Some(Err(_))) => this.finish(false),
-            Poll::Ready(None) => this.finish(true),
-            Poll::Pending => {}
+            // Nothing left of it to pass on (an event held, or one taken out): the next.
+            if frame.data_ref().is_some_and(Bytes::is_empty) && this.strip.is_some() {
+                continue;
+            }
+            return Poll::Ready(Some(Ok(frame)));
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        // Bytes held back by the strip are still to come.
+        self.strip.is_none() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -124,6 +124,11 @@ impl Outgoing {
         self.metered = Some(Box::new(Metered { body, meters }));
     }
 
+    /// A metered request's meters, to read.
+    pub(super) fn metering(&self) -> Option<&Metering> {
+        self.metered.as_deref().map(|m| &m.meters)
+    }
+
     /// A metered request's meters.
     pub(super) fn meters(&mut self) -> Option<&mut Metering> {
         self.metered.as_deref_mut().map(|m| &mut m.meters)

@@ -165,6 +165,7 @@ impl Pacer {
             };
             let mut s = DestinationStatus {
                 destination: lane.name.to_string(),
+                unit: lane.unit().map(ToString::to_string),
                 rate: keys.pace.rate,
                 effective_rate: keys.pace.rate / seen.backoff,
                 backoff: seen.backoff,

@@ -6,6 +6,7 @@ use crate::support;
 
 use std::time::Duration;
 
+use support::llm::FakeLlm;
 use support::{client, Alpn, FakeUpstream, TestProxy};
 
 /// `llm` on localhost at 100 requests a second, with a meter of 1,000 tokens a second
@@ -141,4 +142,85 @@ async fn a_body_larger_than_a_meter_reads_is_refused_whole_before_it_waits() {
     let resp = via.post(&url).body("x".repeat(100)).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(upstream.received_bytes(), 100);
+}
+
+#[tokio::test]
+async fn a_stream_that_did_not_ask_for_usage_is_asked_and_the_client_gets_what_it_would_have() {
+    let vendor = FakeLlm::start(1_000_000.0, 1_000_000.0).await;
+    let ca = FakeUpstream::start().await;
+    let proxy = llm(&ca, "").await;
+    let request = r#"{"model":"m","max_tokens":40,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let url = vendor.url();
+    let send = |via: reqwest::Client| {
+        let url = url.clone();
+        async move {
+            let resp = via
+                .post(url)
+                .header("content-type", "application/json")
+                .body(request)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.text().await.unwrap()
+        }
+    };
+    let direct = send(client(None, &[], Alpn::Http1)).await;
+    let through = send(client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1)).await;
+    assert!(!direct.contains("usage"), "{direct}");
+    assert_eq!(
+        through, direct,
+        "the client gets the chunks it would have had"
+    );
+    let charges = vendor.charges();
+    assert!(
+        !charges[0].asked_usage && charges[1].asked_usage,
+        "{charges:?}"
+    );
+    // The usage it did not ask for settled the request: the meter counts what it cost.
+    support::eventually(Duration::from_secs(5), "the stream settled", || async {
+        let units = proxy
+            .metric("pacegate_meter_units_total{destination=\"llm~tokens\",group=\"\"}")
+            .await;
+        (units == charges[1].tokens as f64).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_throttle_the_vendor_puts_down_to_the_token_budget_pauses_the_meter_not_the_requests() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "retry_throttled = 0").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let base = upstream.http_url("localhost");
+    // OpenAI's answer when the tokens a minute are spent: a 429, remaining 0, full again
+    // in 2 s.
+    let spent = format!(
+        "{base}/status/429?h=x-ratelimit-remaining-tokens:0&h=x-ratelimit-reset-tokens:2s&h=x-ratelimit-remaining-requests:49"
+    );
+    let resp = via.post(&spent).body(CHAT).send().await.unwrap();
+    assert_eq!(resp.status(), 429, "the client gets the vendor's answer");
+    // The token meter pauses for the vendor's 2 s; the request budget is not widened.
+    let meter = proxy.destination("llm~tokens").await;
+    assert!(
+        meter["paused_for_seconds"].as_f64().unwrap() > 1.5,
+        "{meter}"
+    );
+    let requests = proxy.destination("llm").await;
+    assert_eq!(requests["backoff"], 1.0, "{requests}");
+    assert_eq!(requests["paused_for_seconds"], 0.0, "{requests}");
+    // A request that takes no token meter's slot would go at once; one that does waits.
+    let sent = std::time::Instant::now();
+    let resp = via
+        .post(format!("{base}/usage/10"))
+        .body(CHAT)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let waited = sent.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1700),
+        "the next request went {waited:?} after a spent token budget's 2 s"
+    );
 }

@@ -169,10 +169,17 @@ async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response
             ),
         );
     }
-    let mut events: Vec<String> = (0..3)
+    // Asked for usage, every chunk carries `"usage":null` but the last, which carries the
+    // usage and no choice.
+    let null = if asked_usage { r#","usage":null"# } else { "" };
+    // A long answer for benchmarks: `chunks` chunks of `chunk_bytes` of content each.
+    let chunks = json["chunks"].as_u64().unwrap_or(3);
+    let content = "x".repeat(json["chunk_bytes"].as_u64().unwrap_or(0) as usize);
+    let pause = Duration::from_millis(if chunks > 3 { 0 } else { 5 });
+    let mut events: Vec<String> = (0..chunks)
         .map(|i| {
             format!(
-                r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"part {i}"}},"finish_reason":null}}]}}"#
+                r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"part {i}{content}"}},"finish_reason":null}}]{null}}}"#
             ) + "\n\n"
         })
         .collect();
@@ -185,7 +192,9 @@ async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
     tokio::spawn(async move {
         for event in events {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
             if tx.send(Ok(Frame::data(Bytes::from(event)))).await.is_err() {
                 return;
             }

@@ -228,7 +228,7 @@ impl MemoryStore {
                 .as_ref()
                 .and_then(|v| {
                     Some(Vendor {
-                        family: Family::from_name(&v.family)?,
+                        family: Family::stored(&v.family)?,
                         remaining: v.remaining,
                         limit: v.limit,
                         observed: self.at_unix(v.observed),

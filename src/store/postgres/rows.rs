@@ -112,7 +112,7 @@ pub(super) fn view_of(row: &tokio_postgres::Row) -> BudgetView {
         block_streak: u32::try_from(row.get::<_, i32>(9)).unwrap_or(0),
         vendor: (|| {
             Some(VendorView {
-                family: Family::from_name(row.get::<_, Option<&str>>(10)?)?,
+                family: Family::stored(row.get::<_, Option<&str>>(10)?)?,
                 remaining: u64::try_from(row.get::<_, Option<i64>>(11)?).unwrap_or(0),
                 limit: row
                     .get::<_, Option<i64>>(12)
