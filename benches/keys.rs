@@ -81,6 +81,7 @@ async fn make_keys(p: &Arc<Pacer>, from: usize, to: usize) {
             user: None,
             headers: &headers,
             client: None,
+            body: None,
         };
         let route = p.destination("d").unwrap();
         drop(
@@ -108,6 +109,7 @@ async fn keyed_path(n: usize) {
         user: None,
         headers: &headers,
         client: None,
+        body: None,
     };
     let route = split.keyed(split.destination("d").unwrap(), &asking).await;
     assert!(

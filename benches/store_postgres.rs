@@ -257,6 +257,7 @@ async fn paced(
                     user: None,
                     headers: &headers,
                     client: None,
+                    body: None,
                 };
                 let mut times = Vec::new();
                 while tokio::time::Instant::now() < stop_at {

@@ -73,6 +73,8 @@ pub enum KeyFrom {
     ProxyUser,
     /// `header:NAME`: a request header's value (the first, if repeated).
     Header(http::HeaderName),
+    /// `json:FIELD`: a top-level field of a JSON request body (an LLM API's `model`).
+    Json(String),
 }
 
 impl KeyFrom {
@@ -81,6 +83,13 @@ impl KeyFrom {
         match text {
             "host" => Ok(Self::Host),
             "proxy-user" => Ok(Self::ProxyUser),
+            _ if text.starts_with("json:") => {
+                let field = &text["json:".len()..];
+                if field.is_empty() || field.len() > 128 || field.chars().any(char::is_whitespace) {
+                    return Err(format!("`{field}` is not a JSON field name: write \"json:FIELD\", e.g. \"json:model\""));
+                }
+                Ok(Self::Json(field.to_owned()))
+            }
             _ => match text.strip_prefix("header:") {
                 Some(name) => match http::HeaderName::try_from(name) {
                     Err(_) => Err(format!("`{name}` is not a header name")),
@@ -93,16 +102,17 @@ impl KeyFrom {
                     Ok(name) => Ok(Self::Header(name)),
                 },
                 None => Err(format!(
-                    "`{text}` is not a key: write \"host\", \"proxy-user\" or \"header:NAME\""
+                    "`{text}` is not a key: write \"host\", \"proxy-user\", \"header:NAME\" or \"json:FIELD\""
                 )),
             },
         }
     }
 
     /// Whether the value may be a credential (a user name, a header such as
-    /// `Authorization`): kept only as a keyed hash, never as it came.
+    /// `Authorization`): kept only as a keyed hash, never as it came. A JSON field's value
+    /// (a model's name) is kept as it came where it is short and plain, else hashed too.
     pub fn is_credential(&self) -> bool {
-        !matches!(self, Self::Host)
+        !matches!(self, Self::Host | Self::Json(_))
     }
 }
 
@@ -112,6 +122,7 @@ impl fmt::Display for KeyFrom {
             Self::Host => f.write_str("host"),
             Self::ProxyUser => f.write_str("proxy-user"),
             Self::Header(name) => write!(f, "header:{name}"),
+            Self::Json(field) => write!(f, "json:{field}"),
         }
     }
 }

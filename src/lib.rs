@@ -21,7 +21,8 @@
 //!   one says of a budget in tokens or points, for a meter.
 //! - [`meter`]: what a request costs in a meter's unit (tokens, points): estimated from the
 //!   request before it is sent, settled from the response as its bytes pass
-//!   (`meter::settle`).
+//!   (`meter::settle`); `meter::usage` asks a stream for the usage its client did not, and
+//!   takes out what that adds.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
 //!   destination's lanes, one per budget: its own and each group's) that the request carries;
 //!   `pacing::exchange` picks the request's group and carries it through that budget (its slot, the check that the slot is still good to send on, the

@@ -123,17 +123,31 @@ impl Pacer {
             // Lent for the counts here; one reference for the log line.
             let series = picked.lane.series(&self.metrics);
             note.series = Some(series.clone());
+            // The request's cost to each of the destination's meters, estimated before it
+            // waits: its body is read first where an estimate or a `json:FIELD` key reads it
+            // (boxed: rare).
+            if picked.reads_body() {
+                Box::pin(self.meter(&picked, outgoing)).await?;
+            }
             // Only a budget split by key asks what the request offers (its host searched for in
             // the URI again).
             let keyed;
             let route: &Route = if picked.lane.is_split() {
-                let asking = Asking {
-                    host: outgoing.uri().host().unwrap_or_default(),
-                    user: outgoing.user(),
-                    headers: outgoing.headers(),
-                    client: outgoing.client(),
-                };
-                keyed = self.keyed(Route::clone(&picked), &asking).await?;
+                // Boxed, as the other rare waits here (see `Pacer::enter`): only a budget split
+                // by key waits for its key (the store's secret, on first use).
+                keyed = Box::pin(async {
+                    let asking = Asking {
+                        host: outgoing.uri().host().unwrap_or_default(),
+                        user: outgoing.user(),
+                        headers: outgoing.headers(),
+                        client: outgoing.client(),
+                        body: outgoing.body_read(),
+                    };
+                    self.keyed(Route::clone(&picked), &asking).await
+                })
+                .await?;
+                // The meters' budgets are split by the same key.
+                self.key_meters(&keyed, outgoing)?;
                 &keyed
             } else {
                 &picked
@@ -155,9 +169,6 @@ impl Pacer {
             let shadow = pace.mode == Mode::Shadow;
             // The request's cost to each of the destination's meters, estimated before it
             // waits: its body is read first where an estimate reads it (boxed: rare).
-            if !route.lanes.meters.is_empty() {
-                Box::pin(self.meter(route, outgoing)).await?;
-            }
             // The steps of docs/pacing-model.md, once per attempt; an attempt that ends
             // without an answer to hand on (a slot too late, no connection in time, a
             // throttle retried) goes round again for a fresh slot.
@@ -168,7 +179,7 @@ impl Pacer {
                 let cold = !shadow && expecting.cold();
                 // 2. The slot ("Reserving a slot", "Waiting, deadlines, concurrency"): each
                 // meter's first, where the destination has meters, then the request's own.
-                let metered = !shadow && outgoing.meters().is_some();
+                let metered = !shadow && outgoing.meters().is_some_and(|m| !m.is_empty());
                 if cold || metered {
                     // Boxed, as the other rare waits here (see `Pacer::enter`): one wait for
                     // both, since a wait held in the future costs every request its room.
@@ -301,7 +312,7 @@ impl Pacer {
                     let _held = &admission;
                     frame
                 });
-                let Some(mut m) = outgoing.take_meters() else {
+                let Some(mut m) = outgoing.take_meters().filter(|m| !m.is_empty()) else {
                     return Ok(Response::from_parts(parts, upstream.body(body)));
                 };
                 // 8. The meters settled: what the response says the request cost, as its

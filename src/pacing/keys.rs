@@ -1,6 +1,7 @@
-//! Budgets split by key (`key = "host"`, `"proxy-user"` or `"header:NAME"`): the key a
-//! request takes, its lane made on first use and bounded by `max_keys`, a credential named
-//! only by a keyed hash, and the sweep that forgets keys gone idle, here and in the store.
+//! Budgets split by key (`key = "host"`, `"proxy-user"`, `"header:NAME"` or `"json:FIELD"`):
+//! the key a request takes, its lane made on first use and bounded by `max_keys`, a
+//! credential named only by a keyed hash, and the sweep that forgets keys gone idle, here and
+//! in the store.
 //!
 //! A key's lane is a lane like any other (its own dispatcher, schedule, backoff, pauses and
 //! quota windows, shared by every instance through the store under `PARENT#KEY`), with its
@@ -26,6 +27,59 @@ const KEY_BYTES: usize = 8;
 const SWEEP_MIN: Duration = Duration::from_secs(1);
 const SWEEP_MAX: Duration = Duration::from_secs(60);
 
+/// Who makes a new key, for `max_keys_per_client`: the proxy `user`, else the `client`'s
+/// address.
+pub(super) fn maker_of(user: Option<&str>, client: Option<std::net::IpAddr>) -> String {
+    match (user, client) {
+        (Some(user), _) => format!("proxy user {user}"),
+        (None, Some(ip)) => format!("client {ip}"),
+        (None, None) => String::new(),
+    }
+}
+
+/// A JSON body's field, as a key takes it.
+enum Field {
+    /// A short, plain string (a model's name): its own key.
+    Plain(String),
+    /// Any other value, as JSON: named by its keyed hash, as a credential is.
+    Other(Vec<u8>),
+    /// No JSON body, or no such field: the empty key.
+    None,
+}
+
+/// The longest field value kept as its own key.
+const PLAIN_FIELD: usize = 64;
+
+/// `field` of `asking`'s body, where its content type says JSON (another costs no parse).
+fn json_field(asking: &Asking<'_>, field: &str) -> Field {
+    let json = asking
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| {
+            let t = t.trim();
+            t.eq_ignore_ascii_case("application/json") || t.ends_with("+json")
+        });
+    let Some(body) = asking.body.filter(|_| json) else {
+        return Field::None;
+    };
+    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice(body) else {
+        return Field::None;
+    };
+    match object.remove(field) {
+        Some(serde_json::Value::String(s))
+            if s.len() <= PLAIN_FIELD
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._:-/".contains(&b)) =>
+        {
+            Field::Plain(s)
+        }
+        Some(other) => Field::Other(serde_json::to_vec(&other).unwrap_or_default()),
+        None => Field::None,
+    }
+}
+
 /// What a request offers to be keyed by.
 pub struct Asking<'a> {
     /// The target host, as routed.
@@ -36,17 +90,15 @@ pub struct Asking<'a> {
     pub headers: &'a HeaderMap,
     /// The client connection's address.
     pub client: Option<std::net::IpAddr>,
+    /// The request body, where it was read before the slot (`json:FIELD` keys read it).
+    pub body: Option<&'a [u8]>,
 }
 
 impl Asking<'_> {
     /// Who makes a new key, for `max_keys_per_client`: the proxy user, else the client's
     /// address.
     fn maker(&self) -> String {
-        match (self.user, self.client) {
-            (Some(user), _) => format!("proxy user {user}"),
-            (None, Some(ip)) => format!("client {ip}"),
-            (None, None) => String::new(),
-        }
+        maker_of(self.user, self.client)
     }
 }
 
@@ -150,8 +202,17 @@ impl Pacer {
 
     /// The key `asking` takes by `from`: the host as it is, anything else as its keyed hash.
     async fn key_of(&self, from: &KeyFrom, asking: &Asking<'_>) -> Result<String, PaceError> {
+        let other;
         let value: &[u8] = match from {
             KeyFrom::Host => return Ok(asking.host.to_ascii_lowercase()),
+            KeyFrom::Json(field) => match json_field(asking, field) {
+                Field::Plain(value) => return Ok(value),
+                Field::Other(value) => {
+                    other = value;
+                    &other
+                }
+                Field::None => b"",
+            },
             KeyFrom::ProxyUser => asking.user.unwrap_or_default().as_bytes(),
             KeyFrom::Header(name) => asking.headers.get(name).map_or(&b""[..], |v| v.as_bytes()),
         };

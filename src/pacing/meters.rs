@@ -22,6 +22,7 @@ use super::outgoing::{BodyError, Outgoing};
 use super::{PaceError, Pacer, Route};
 use crate::budget::{Event, Observation, Pause, Reservation, Store};
 use crate::class::Class;
+use crate::destination::KeyFrom;
 use crate::meter::{usage, Cost, Settle, Settled};
 use crate::metrics::{labels, labels_and, Metrics};
 use crate::signals::{tokens, Family};
@@ -51,20 +52,36 @@ pub(super) struct Metering {
     asked_usage: bool,
 }
 
+impl Metering {
+    /// Whether the request takes no meter (its body was read for a `json:FIELD` key alone).
+    pub(super) fn is_empty(&self) -> bool {
+        self.taken.is_empty()
+    }
+}
+
+impl Route {
+    /// Whether a request's body is read before its slot: a meter estimates its cost from it,
+    /// or its key is a field of it.
+    pub(super) fn reads_body(&self) -> bool {
+        !self.lanes.meters.is_empty() || matches!(self.lane.keys().pace.key, Some(KeyFrom::Json(_)))
+    }
+}
+
 impl Pacer {
     /// Meters `outgoing` on `route`'s meters, where it has any: its cost to each estimated,
-    /// its body read first (up to the destination's `max_body`) where an estimate reads it,
-    /// and a header that states the cost taken off.
+    /// its body read first (up to the destination's `max_body`) where an estimate or the
+    /// key reads it, and a header that states the cost taken off.
     pub(super) async fn meter(
         &self,
         route: &Route,
         outgoing: &mut Outgoing,
     ) -> Result<(), BodyError> {
         let lanes = &route.lanes;
-        let reads_body = lanes
-            .meters
-            .iter()
-            .any(|(m, _)| !matches!(m.cost, Cost::Header(_) | Cost::Fixed(_)));
+        let reads_body = matches!(route.lane.keys().pace.key, Some(KeyFrom::Json(_)))
+            || lanes
+                .meters
+                .iter()
+                .any(|(m, _)| !matches!(m.cost, Cost::Header(_) | Cost::Fixed(_)));
         let body = match reads_body {
             true => Some(outgoing.read_body(lanes.max_body).await?),
             false => None,
@@ -96,6 +113,29 @@ impl Pacer {
             .flatten();
         let asked_usage = asked.is_some();
         outgoing.metered(asked.or(body), Metering { taken, asked_usage });
+        Ok(())
+    }
+
+    /// Splits `outgoing`'s meters by the key `keyed` took: a meter of a destination split by
+    /// key is split by the same key (a model's tokens apart from another's). A new key's
+    /// meter lane is made as the key's own is, within `max_keys`.
+    pub(super) fn key_meters(
+        &self,
+        keyed: &Route,
+        outgoing: &mut Outgoing,
+    ) -> Result<(), PaceError> {
+        let Some(key) = keyed.lane.key_name() else {
+            return Ok(());
+        };
+        let maker = super::keys::maker_of(outgoing.user(), outgoing.client());
+        let Some(metering) = outgoing.meters() else {
+            return Ok(());
+        };
+        for t in &mut metering.taken {
+            if t.lane.is_split() {
+                t.lane = self.key_lane(&t.lane, key, || maker.clone())?;
+            }
+        }
         Ok(())
     }
 

@@ -124,6 +124,11 @@ impl Outgoing {
         self.metered = Some(Box::new(Metered { body, meters }));
     }
 
+    /// The body as read before the slot, where it was (see [`Outgoing::read_body`]).
+    pub(super) fn body_read(&self) -> Option<&[u8]> {
+        self.metered.as_deref().and_then(|m| m.body.as_deref())
+    }
+
     /// A metered request's meters, to read.
     pub(super) fn metering(&self) -> Option<&Metering> {
         self.metered.as_deref().map(|m| &m.meters)

@@ -49,6 +49,7 @@ impl Proxy {
             user: target.user.as_deref(),
             headers: req.headers(),
             client: target.client,
+            body: None,
         };
         match self.inner.pacer.tunnel(route, &asking, target.class).await {
             Ok(admission) => self.tunnel(req, target, Some(admission)).await,

@@ -224,3 +224,48 @@ async fn a_throttle_the_vendor_puts_down_to_the_token_budget_pauses_the_meter_no
         "the next request went {waited:?} after a spent token budget's 2 s"
     );
 }
+
+#[tokio::test]
+async fn a_key_from_the_body_splits_the_requests_and_their_meter_by_model() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "key = \"json:model\"").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // Five requests of 210 tokens for each of two models at once, their estimates standing
+    // (the answer says nothing of their cost): each model's meter holds its own five 0.21 s
+    // apart, beside the other's.
+    let url = format!("{}/status/200?delay=300", upstream.http_url("localhost"));
+    let sends: Vec<_> = ["a", "b"]
+        .iter()
+        .flat_map(|model| std::iter::repeat_n(*model, 5))
+        .map(|model| {
+            let (via, url) = (via.clone(), url.clone());
+            let body = CHAT.replace("\"m\"", &format!("\"{model}\""));
+            tokio::spawn(async move {
+                let resp = via
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+            })
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap();
+    }
+    let at = upstream.arrivals();
+    let span = *at.last().unwrap() - at[0];
+    assert!(
+        span >= Duration::from_millis(4 * 210 - 20),
+        "five requests of one model's 210 tokens went within {span:?}"
+    );
+    assert!(
+        span < Duration::from_millis(9 * 210 - 100),
+        "two models' requests took {span:?}, one after the other, as if they shared a meter"
+    );
+    let meter = proxy.destination("llm~tokens").await;
+    assert_eq!(meter["keys"]["live"], 2, "{meter}");
+    assert_eq!(meter["keys"]["key"], "json:model", "{meter}");
+}

@@ -117,7 +117,7 @@ impl Validator<'_> {
                 burst: 1,
                 quota: Vec::new(),
                 reserve: 0,
-                key: None,
+                // Split by the destination's key: a key's meter is the key's own.
                 total_rate: None,
                 ..pace.clone()
             },

@@ -69,6 +69,7 @@ async fn route(p: &Pacer, host: &str, headers: &HeaderMap) -> Result<Route, Pace
         user: None,
         headers,
         client: None,
+        body: None,
     };
     p.keyed(p.destination("d").unwrap(), &asking).await
 }
@@ -311,6 +312,7 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
         user: None,
         headers: &headers,
         client: None,
+        body: None,
     };
     let core = p
         .destination("d")
@@ -444,6 +446,7 @@ async fn route_from(
         user,
         headers: &headers,
         client: Some(client.parse().unwrap()),
+        body: None,
     };
     p.keyed(p.destination("d").unwrap(), &asking).await
 }
@@ -497,4 +500,43 @@ async fn one_client_makes_at_most_its_share_of_the_keys_and_leaves_room_for_the_
     route_from(&p, "t8", "10.0.0.1", None)
         .await
         .expect("room made");
+}
+
+/// A `json:FIELD` key reads the field of a JSON body alone: a short plain value is its own
+/// key, any other is hashed, and a body of another content type is not parsed at all.
+#[test]
+fn a_json_field_is_read_only_from_a_json_body() {
+    let with = |content_type: &str, body: &'static [u8]| {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::CONTENT_TYPE, content_type.parse().unwrap());
+        let asking = Asking {
+            host: "api.example.com",
+            user: None,
+            headers: &headers,
+            client: None,
+            body: Some(body),
+        };
+        match json_field(&asking, "model") {
+            Field::Plain(v) => format!("plain {v}"),
+            Field::Other(v) => format!("other {}", String::from_utf8(v).unwrap()),
+            Field::None => "none".to_owned(),
+        }
+    };
+    let json = "application/json; charset=utf-8";
+    assert_eq!(
+        with(json, br#"{"model":"gpt-4o-mini","n":1}"#),
+        "plain gpt-4o-mini"
+    );
+    assert_eq!(
+        with("application/vnd.api+json", br#"{"model":"m"}"#),
+        "plain m"
+    );
+    assert_eq!(with(json, br#"{"model":{"id":1}}"#), r#"other {"id":1}"#);
+    let long = format!("{{\"model\":\"{}\"}}", "x".repeat(PLAIN_FIELD + 1));
+    let long: &'static [u8] = Box::leak(long.into_bytes().into_boxed_slice());
+    assert!(with(json, long).starts_with("other "));
+    assert_eq!(with(json, br#"{"model":"a b"}"#), "other \"a b\"");
+    assert_eq!(with(json, br#"{"other":"m"}"#), "none");
+    assert_eq!(with(json, b"not json"), "none");
+    assert_eq!(with("text/plain", br#"{"model":"m"}"#), "none");
 }
