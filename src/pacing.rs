@@ -138,6 +138,9 @@ pub(crate) struct Lanes {
     group_lanes: Vec<Arc<Lane>>,
     /// The destination's meters, each with its lane; every request takes a slot of each.
     meters: Vec<(Meter, Arc<Lane>)>,
+    /// The meter whose slot came last for the latest request: the one that binds, whose
+    /// slot the next request waits for first (see `Pacer::take_meters`).
+    binding: std::sync::atomic::AtomicUsize,
     /// What a meter may read of a request body to estimate its cost.
     max_body: usize,
 }
@@ -157,6 +160,7 @@ impl Lanes {
                 .iter()
                 .map(|m| (m.clone(), Arc::new(Lane::meter(d, m, classes.clone()))))
                 .collect(),
+            binding: std::sync::atomic::AtomicUsize::new(0),
             max_body: d.max_body,
         }
     }

@@ -8,6 +8,7 @@
 //! long after its meter's slot would bunch with the requests after it; so the request's own
 //! slot must follow it within [`METER_LATE`], or both go back and the request waits again.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -32,6 +33,10 @@ use crate::signals::{tokens, Family};
 /// meter's rate bunch into a window: 75 tokens of 90,000 a minute. A request slot is one
 /// store round trip away where its budget has room, so this is rarely reached.
 const METER_LATE: Duration = Duration::from_millis(50);
+
+/// How many times a request's meters' slots are taken again when one went stale waiting for
+/// another's (see [`Pacer::take_meters`]).
+const METER_ROUNDS: usize = 4;
 
 /// One meter of a request: its lane, what the request is estimated to cost, and the slot
 /// taken for it.
@@ -154,23 +159,66 @@ impl Pacer {
         // A destination locked out (or pacegate stopping) refuses before the meters' wait,
         // not after it.
         self.open(&route.lane).await?;
-        for i in 0..metering.taken.len() {
-            let t = &metering.taken[i];
-            let lane = t.lane.clone();
-            let keys = lane.keys();
-            // An estimate is at most the meter's size, which config holds to 32 bits.
-            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
-            let waited = self
-                .slot(&lane, &keys.rule, class, (Instant::now(), deadline), cost)
-                .await;
-            match waited {
-                Ok((granted, _)) => metering.taken[i].slot = Some((granted.slot, granted.cost)),
-                Err(e) => {
-                    self.give_back(metering);
-                    return Err(e);
+        // The meter that binds is the one whose slot comes last: it is waited for first (as
+        // it bound the latest request), so that the others' slots, taken after it, are
+        // fresh. A slot taken before it has gone stale meanwhile: it is given back and taken
+        // again, at once where that meter has room. A few rounds at most.
+        let n = metering.taken.len();
+        let binding = route.lanes.binding.load(Ordering::Relaxed).min(n - 1);
+        let mut wanted: Vec<usize> = std::iter::once(binding)
+            .chain((0..n).filter(|i| *i != binding))
+            .collect();
+        let asked = Instant::now();
+        for _ in 0..METER_ROUNDS {
+            for &i in &wanted {
+                let t = &metering.taken[i];
+                let lane = t.lane.clone();
+                let keys = lane.keys();
+                // An estimate is at most the meter's size, which config holds to 32 bits.
+                let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
+                let waited = self
+                    .slot(&lane, &keys.rule, class, (Instant::now(), deadline), cost)
+                    .await;
+                match waited {
+                    Ok((granted, _)) => {
+                        metering.taken[i].slot = Some((granted.slot, granted.cost));
+                    }
+                    Err(e) => {
+                        self.give_back(metering);
+                        return Err(e);
+                    }
+                }
+            }
+            let now = Instant::now();
+            // The meter whose slot came last binds the next request too.
+            if let Some(latest) = (0..n).max_by_key(|i| {
+                metering.taken[*i]
+                    .slot
+                    .map_or(asked, |(s, _)| s.at.max(asked))
+            }) {
+                route.lanes.binding.store(latest, Ordering::Relaxed);
+            }
+            wanted = metering
+                .taken
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| {
+                    t.slot
+                        .is_some_and(|(s, _)| s.lateness(now) > METER_LATE / 2)
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if wanted.is_empty() {
+                break;
+            }
+            for &i in &wanted {
+                let t = &mut metering.taken[i];
+                if let Some((_, reserved)) = t.slot.take() {
+                    settle(&self.store, &t.lane, -i64::from(reserved));
                 }
             }
         }
+        // Still stale after every round: the send's own check gives them all back.
         Ok(())
     }
 
@@ -315,6 +363,7 @@ fn settle(store: &Arc<dyn Store>, lane: &Arc<Lane>, units: i64) {
         if let Err(e) = store.settle(&lane.name, &rule, units).await {
             tracing::warn!(destination = %lane.name, units, "cannot settle a request's cost ({e}); its estimate stands");
         }
+
     });
 }
 

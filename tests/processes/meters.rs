@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use support::fleet::{alone, postgres_store, Fleet, INSTANCES};
-use support::llm::{busiest_tokens, Charge, FakeLlm};
+use support::llm::{busiest_by, busiest_tokens, Charge, FakeLlm};
 
 /// The vendor's tokens a second, and the meter's.
 const TOKENS: f64 = 2000.0;
@@ -18,7 +18,7 @@ const TOKENS: f64 = 2000.0;
 const WORKERS: usize = 4;
 
 /// How long the workers send.
-const RUN: Duration = Duration::from_secs(10);
+const RUN: Duration = Duration::from_secs(8);
 
 /// A fleet pacing `local` at 50 requests a second and, with `meter`, 2,000 tokens a second
 /// estimated and settled as OpenAI's.
@@ -141,12 +141,74 @@ async fn without_a_token_meter_the_same_load_is_refused_by_the_vendor() {
     let _alone = alone().await;
     let vendor = FakeLlm::start(TOKENS, TOKENS).await;
     let fleet = fleet(false).await;
-    work(&fleet, &vendor, Duration::from_secs(3)).await;
+    work(&fleet, &vendor, Duration::from_secs(2)).await;
     let charges = vendor.charges();
     let refused = charges.iter().filter(|c| c.status == 429).count();
     assert!(
         refused >= 5,
         "only {refused} of {} refused at 50 requests a second with no token meter",
+        charges.len()
+    );
+}
+
+/// Anthropic's input and output tokens a second: the output binds.
+const INPUT: f64 = 3000.0;
+const OUTPUT: f64 = 1000.0;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_input_and_output_meters_each_keep_their_own_ceiling() {
+    let _alone = alone().await;
+    let vendor = FakeLlm::anthropic(INPUT, OUTPUT).await;
+    let keys = format!(
+        "rate = 50\nretry_throttled = 0\n\
+         [destinations.local.meters.input]\nrate = {INPUT}\ncost = \"anthropic-input\"\n\
+         [destinations.local.meters.output]\nrate = {OUTPUT}\ncost = \"anthropic-output\"\n"
+    );
+    let fleet = Fleet::start(&postgres_store().await, &keys).await;
+    let statuses = work(&fleet, &vendor, Duration::from_secs(8)).await;
+    let charges = vendor.charges();
+    let refused = charges.iter().filter(|c| c.status == 429).count();
+    assert_eq!(
+        refused,
+        0,
+        "the vendor refused {refused} of {}",
+        charges.len()
+    );
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    // Each meter's window holds at most its rate, one request's estimate in its unit and one
+    // over-estimate: the input's at the body's bytes / 4, the output's at max_tokens.
+    for (what, rate, busiest, estimate) in [
+        (
+            "input",
+            INPUT,
+            busiest_by(&charges, Duration::from_secs(1), |c| c.input),
+            charges
+                .iter()
+                .map(|c| c.estimate - c.output * 2)
+                .max()
+                .unwrap(),
+        ),
+        (
+            "output",
+            OUTPUT,
+            busiest_by(&charges, Duration::from_secs(1), |c| c.output),
+            charges.iter().map(|c| c.output * 2).max().unwrap(),
+        ),
+    ] {
+        assert!(
+            busiest <= rate as u64 + 2 * estimate,
+            "{busiest} {what} tokens within one second at {rate} a second (largest estimate {estimate})"
+        );
+    }
+    // Below the one meter's 85%: the output's estimate (max_tokens) is twice what it costs,
+    // and a request waits for two meters, the slot of the one that does not bind taken again
+    // once the other's comes (docs/configuration.md, "Meters").
+    let output: u64 = charges.iter().map(|c| c.output).sum();
+    let span = charges.last().unwrap().at - charges[0].at;
+    let rate = output as f64 / span.as_secs_f64();
+    assert!(
+        rate >= 0.55 * OUTPUT,
+        "achieved {rate:.0} output tokens a second of {OUTPUT}, over {} requests",
         charges.len()
     );
 }

@@ -7,6 +7,11 @@
 //! It answers as OpenAI does: a JSON body with `usage`, or (`"stream": true`) a
 //! server-sent-event stream whose last chunk before `[DONE]` carries `usage` only where the
 //! request asked for it (`stream_options.include_usage`).
+//!
+//! Started as Anthropic's ([`FakeLlm::anthropic`]), it serves `POST /v1/messages` with input
+//! and output tokens limited apart, one bucket each, and answers as Anthropic does: `usage`
+//! in a JSON body, or a stream whose `message_start` carries the input tokens and whose last
+//! `message_delta` the output tokens.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -31,6 +36,9 @@ pub struct Charge {
     pub at: Instant,
     /// What it cost, in tokens (0 for a request refused).
     pub tokens: u64,
+    /// Of which input (the prompt) and output, as Anthropic counts them apart.
+    pub input: u64,
+    pub output: u64,
     /// What a client estimates it at before it is sent, as pacegate's `openai` cost does:
     /// the body's bytes / 4, plus `max_tokens`.
     pub estimate: u64,
@@ -49,23 +57,29 @@ struct Bucket {
 }
 
 impl Bucket {
-    /// Takes `cost` if the bucket, refilled to now, holds it.
-    fn take(&mut self, cost: f64) -> bool {
+    fn full(rate: f64, capacity: f64) -> Self {
+        Self {
+            rate,
+            capacity,
+            tokens: capacity,
+            at: Instant::now(),
+        }
+    }
+
+    /// Refills the bucket to now; whether it holds `cost`.
+    fn holds(&mut self, cost: f64) -> bool {
         let now = Instant::now();
         let refill = (now - self.at).as_secs_f64() * self.rate;
         self.tokens = (self.tokens + refill).min(self.capacity);
         self.at = now;
-        if self.tokens >= cost {
-            self.tokens -= cost;
-            true
-        } else {
-            false
-        }
+        self.tokens >= cost
     }
 }
 
 struct State {
     bucket: Mutex<Bucket>,
+    /// Anthropic's: the output tokens' bucket (`bucket` is then the input's).
+    output: Option<Mutex<Bucket>>,
     charges: Mutex<Vec<Charge>>,
 }
 
@@ -78,15 +92,26 @@ pub struct FakeLlm {
 impl FakeLlm {
     /// A vendor allowing `rate` tokens a second, with a bucket of `capacity` tokens.
     pub async fn start(rate: f64, capacity: f64) -> Self {
-        let state = Arc::new(State {
-            bucket: Mutex::new(Bucket {
-                rate,
-                capacity,
-                tokens: capacity,
-                at: Instant::now(),
-            }),
+        Self::serve(State {
+            bucket: Mutex::new(Bucket::full(rate, capacity)),
+            output: None,
             charges: Mutex::new(Vec::new()),
-        });
+        })
+        .await
+    }
+
+    /// Anthropic's: `input` and `output` tokens a second, each with a bucket of a second's.
+    pub async fn anthropic(input: f64, output: f64) -> Self {
+        Self::serve(State {
+            bucket: Mutex::new(Bucket::full(input, input)),
+            output: Some(Mutex::new(Bucket::full(output, output))),
+            charges: Mutex::new(Vec::new()),
+        })
+        .await
+    }
+
+    async fn serve(state: State) -> Self {
+        let state = Arc::new(state);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         // Requests are dated when their heads reached the socket, not when a busy machine
         // got round to them.
@@ -114,9 +139,13 @@ impl FakeLlm {
         Self { addr, state }
     }
 
-    /// `http://localhost:PORT/v1/chat/completions`.
+    /// `http://localhost:PORT/v1/chat/completions`, or Anthropic's `/v1/messages`.
     pub fn url(&self) -> String {
-        format!("http://localhost:{}/v1/chat/completions", self.addr.port())
+        let path = match self.state.output {
+            Some(_) => "/v1/messages",
+            None => "/v1/chat/completions",
+        };
+        format!("http://localhost:{}{path}", self.addr.port())
     }
 
     /// Every request counted so far, in order of arrival.
@@ -138,10 +167,33 @@ async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response
     let prompt = body.len() as u64 / 5;
     let completion = max_tokens / 2;
     let cost = prompt + completion;
-    let granted = state.bucket.lock().unwrap().take(cost as f64);
+    let granted = {
+        let mut bucket = state.bucket.lock().unwrap();
+        match &state.output {
+            // Anthropic's: input and output apart, both or neither.
+            Some(output) => {
+                let mut output = output.lock().unwrap();
+                let both = bucket.holds(prompt as f64) && output.holds(completion as f64);
+                if both {
+                    bucket.tokens -= prompt as f64;
+                    output.tokens -= completion as f64;
+                }
+                both
+            }
+            None => {
+                let held = bucket.holds(cost as f64);
+                if held {
+                    bucket.tokens -= cost as f64;
+                }
+                held
+            }
+        }
+    };
     state.charges.lock().unwrap().push(Charge {
         at,
         tokens: if granted { cost } else { 0 },
+        input: if granted { prompt } else { 0 },
+        output: if granted { completion } else { 0 },
         estimate: body.len() as u64 / 4 + max_tokens,
         status: if granted { 200 } else { 429 },
         stream,
@@ -157,6 +209,9 @@ async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response
             HeaderValue::from_static("0"),
         );
         return r;
+    }
+    if state.output.is_some() {
+        return anthropic(stream, prompt, completion);
     }
     let usage = format!(
         r#"{{"prompt_tokens":{prompt},"completion_tokens":{completion},"total_tokens":{cost}}}"#
@@ -210,6 +265,50 @@ async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response
     r
 }
 
+/// Anthropic's answer: `usage` in a JSON body, or a stream whose `message_start` says the
+/// input tokens and whose `message_delta`s say the output tokens so far (the last, all).
+fn anthropic(stream: bool, input: u64, output: u64) -> Response<Body> {
+    if !stream {
+        return full(
+            StatusCode::OK,
+            format!(
+                r#"{{"id":"msg_1","type":"message","role":"assistant","content":[{{"type":"text","text":"hello"}}],"usage":{{"input_tokens":{input},"output_tokens":{output},"cache_creation_input_tokens":0,"cache_read_input_tokens":0}}}}"#
+            ),
+        );
+    }
+    let events = [
+        format!(
+            r#"{{"type":"message_start","message":{{"id":"msg_1","type":"message","role":"assistant","content":[],"usage":{{"input_tokens":{input},"output_tokens":1,"cache_creation_input_tokens":0,"cache_read_input_tokens":0}}}}}}"#
+        ),
+        r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hello"}}"#
+            .to_owned(),
+        format!(
+            r#"{{"type":"message_delta","delta":{{"stop_reason":null}},"usage":{{"output_tokens":{}}}}}"#,
+            output / 2
+        ),
+        format!(
+            r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn"}},"usage":{{"output_tokens":{output}}}}}"#
+        ),
+        r#"{"type":"message_stop"}"#.to_owned(),
+    ];
+    let text: String = events
+        .iter()
+        .map(|data| {
+            let kind: serde_json::Value = serde_json::from_str(data).unwrap();
+            format!(
+                "event: {}\ndata: {data}\n\n",
+                kind["type"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let mut r = full(StatusCode::OK, text);
+    r.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    r
+}
+
 fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
     let mut r = Response::new(Full::new(body.into()).boxed());
     *r.status_mut() = status;
@@ -220,12 +319,17 @@ fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
 
 /// The most tokens any window of `length` holds, by the charges' arrivals.
 pub fn busiest_tokens(charges: &[Charge], length: Duration) -> u64 {
+    busiest_by(charges, length, |c| c.tokens)
+}
+
+/// The most of `count` (tokens, input or output) any window of `length` holds.
+pub fn busiest_by(charges: &[Charge], length: Duration, count: impl Fn(&Charge) -> u64) -> u64 {
     let mut most = 0;
     for (i, first) in charges.iter().enumerate() {
         let sum: u64 = charges[i..]
             .iter()
             .take_while(|c| c.at - first.at < length)
-            .map(|c| c.tokens)
+            .map(&count)
             .sum();
         most = most.max(sum);
     }
