@@ -100,6 +100,7 @@ fn meters(c: &mut Criterion) {
     }
     for (name, client) in [
         ("first_byte_direct", &direct),
+        ("first_byte_no_meter", &via_plain),
         ("first_byte_meter", &via_meter),
     ] {
         let body = chat(Some(64));

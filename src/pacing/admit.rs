@@ -250,23 +250,15 @@ impl Pacer {
             let now = Instant::now();
             let taken = {
                 // Held while the store is asked, so that no request queues meanwhile: one that
-                // waits here goes first. A meter's slot is as long as its request's cost: the
-                // dispatcher asks for it.
+                // waits here goes first. A meter's slot is as long as its request's cost.
                 let queue = lane.queue.lock();
-                (queue.len() == 0 && !lane.is_retired() && lane.unit().is_none())
-                    .then(|| self.store.take_now(&lane.name, rule, now))
+                (queue.len() == 0 && !lane.is_retired())
+                    .then(|| self.store.take_now(&lane.name, &rule.weighted(cost), now))
                     .flatten()
             };
             if let Some(slot) = taken {
                 let now = until(slot.at, now).await;
-                return Ok((
-                    lane::Grant {
-                        class,
-                        slot,
-                        cost: 1,
-                    },
-                    now,
-                ));
+                return Ok((lane::Grant { class, slot, cost }, now));
             }
             // Boxed: a request that waits in the queue waits for its slot anyway, and the wait
             // is most of what this future would hold in every request's (see `Pacer::enter`).

@@ -231,19 +231,20 @@ async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response
     let chunks = json["chunks"].as_u64().unwrap_or(3);
     let content = "x".repeat(json["chunk_bytes"].as_u64().unwrap_or(0) as usize);
     let pause = Duration::from_millis(if chunks > 3 { 0 } else { 5 });
-    let mut events: Vec<String> = (0..chunks)
-        .map(|i| {
+    // Made as they are sent: a long answer is never held whole here.
+    let last = asked_usage.then(|| {
+        format!(
+            r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[],"usage":{usage}}}"#
+        ) + "\n\n"
+    });
+    let events = (0..chunks)
+        .map(move |i| {
             format!(
                 r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"part {i}{content}"}},"finish_reason":null}}]{null}}}"#
             ) + "\n\n"
         })
-        .collect();
-    if asked_usage {
-        events.push(format!(
-            r#"data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[],"usage":{usage}}}"#
-        ) + "\n\n");
-    }
-    events.push("data: [DONE]\n\n".to_owned());
+        .chain(last)
+        .chain(std::iter::once("data: [DONE]\n\n".to_owned()));
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
     tokio::spawn(async move {
         for event in events {
