@@ -86,6 +86,21 @@ async fn work(fleet: &Fleet, vendor: &FakeLlm, run: Duration) -> Vec<u16> {
     all
 }
 
+/// What the vendor counted, once it is seen to have refused nothing, and the workers to
+/// have been answered 200 every time.
+fn none_refused(vendor: &FakeLlm, statuses: &[u16]) -> Vec<Charge> {
+    let charges = vendor.charges();
+    let refused = charges.iter().filter(|c| c.status == 429).count();
+    assert_eq!(
+        refused,
+        0,
+        "the vendor refused {refused} of {}",
+        charges.len()
+    );
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    charges
+}
+
 /// Tokens a second the vendor counted, first arrival to last.
 fn achieved(charges: &[Charge]) -> f64 {
     let total: u64 = charges.iter().map(|c| c.tokens).sum();
@@ -101,15 +116,7 @@ async fn three_processes_keep_one_token_ceiling_and_settle_what_each_request_cos
     let vendor = FakeLlm::start(TOKENS, TOKENS).await;
     let fleet = fleet(true).await;
     let statuses = work(&fleet, &vendor, RUN).await;
-    let charges = vendor.charges();
-    let refused = charges.iter().filter(|c| c.status == 429).count();
-    assert_eq!(
-        refused,
-        0,
-        "the vendor refused {refused} of {}",
-        charges.len()
-    );
-    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let charges = none_refused(&vendor, &statuses);
     // A window of the meter's length holds at most its rate's worth, plus one request, plus
     // what one request in flight was estimated above its cost (its refund may go to the
     // request after a slot granted meanwhile).
@@ -166,15 +173,7 @@ async fn anthropic_input_and_output_meters_each_keep_their_own_ceiling() {
     );
     let fleet = Fleet::start(&postgres_store().await, &keys).await;
     let statuses = work(&fleet, &vendor, Duration::from_secs(8)).await;
-    let charges = vendor.charges();
-    let refused = charges.iter().filter(|c| c.status == 429).count();
-    assert_eq!(
-        refused,
-        0,
-        "the vendor refused {refused} of {}",
-        charges.len()
-    );
-    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let charges = none_refused(&vendor, &statuses);
     // Each meter's window holds at most its rate, one request's estimate in its unit and one
     // over-estimate: the input's at the body's bytes / 4, the output's at max_tokens.
     for (what, rate, busiest, estimate) in [

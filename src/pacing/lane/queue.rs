@@ -161,20 +161,22 @@ impl Queue {
     /// waiter of each class (the store picks the class), less the `promised` (see
     /// [`Queue::wait_list_less`]). A waiter that costs less settles the difference.
     pub(in crate::pacing) fn next_cost(&self, promised: &[(Class, usize)]) -> u32 {
-        let last = self.classes.len() - 1;
         self.classes
             .iter()
             .enumerate()
-            .filter_map(|(i, q)| {
-                let skip: usize = promised
-                    .iter()
-                    .filter(|(c, _)| usize::from(c.0).min(last) == i)
-                    .map(|(_, n)| n)
-                    .sum();
-                q.get(skip).map(|w| w.cost)
-            })
+            .filter_map(|(i, q)| q.get(self.promised_of(promised, i)).map(|w| w.cost))
             .max()
             .unwrap_or(1)
+    }
+
+    /// How many of the class at rank `i` are `promised` slots already.
+    fn promised_of(&self, promised: &[(Class, usize)], i: usize) -> usize {
+        let last = self.classes.len() - 1;
+        promised
+            .iter()
+            .filter(|(c, _)| usize::from(c.0).min(last) == i)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// The wait list as the store takes it: per class with waiters, how many and since when
@@ -187,16 +189,11 @@ impl Queue {
     /// still to come are for (`promised`: how many of a class, a class possibly more than
     /// once), which the store has already taken off the list.
     pub(in crate::pacing) fn wait_list_less(&self, promised: &[(Class, usize)]) -> Vec<ClassQueue> {
-        let last = self.classes.len() - 1;
         self.classes
             .iter()
             .enumerate()
             .filter_map(|(i, q)| {
-                let skip: usize = promised
-                    .iter()
-                    .filter(|(c, _)| usize::from(c.0).min(last) == i)
-                    .map(|(_, n)| n)
-                    .sum();
+                let skip = self.promised_of(promised, i);
                 let count = q.len().checked_sub(skip).filter(|n| *n > 0)?;
                 Some(ClassQueue {
                     class: Class(u16::try_from(i).unwrap_or(u16::MAX)),
