@@ -167,8 +167,6 @@ impl Pacer {
             // Shadow mode sends at once and never retries: clients see what they would without
             // pacegate, while the pacer counts what it would have done.
             let shadow = pace.mode == Mode::Shadow;
-            // The request's cost to each of the destination's meters, estimated before it
-            // waits: its body is read first where an estimate reads it (boxed: rare).
             // The steps of docs/pacing-model.md, once per attempt; an attempt that ends
             // without an answer to hand on (a slot too late, no connection in time, a
             // throttle retried) goes round again for a fresh slot.
