@@ -143,6 +143,10 @@ pub(crate) struct Lanes {
     binding: std::sync::atomic::AtomicUsize,
     /// What a meter may read of a request body to estimate its cost.
     max_body: usize,
+    /// Whether a request's body may be read before its slot: the destination has a meter,
+    /// or it or a group is keyed by a field of the body (`json:FIELD`). A reload makes new
+    /// `Lanes`, so this follows the config.
+    reads_body: bool,
 }
 
 impl Lanes {
@@ -162,6 +166,10 @@ impl Lanes {
                 .collect(),
             binding: std::sync::atomic::AtomicUsize::new(0),
             max_body: d.max_body,
+            reads_body: !d.meters.is_empty()
+                || std::iter::once(&d.pace)
+                    .chain(d.groups.iter().map(|g| &g.pace))
+                    .any(|p| matches!(p.key, Some(crate::destination::KeyFrom::Json(_)))),
         }
     }
 

@@ -64,11 +64,21 @@ impl Metering {
     }
 }
 
+impl Taken {
+    /// Gives its slot back whole, if it holds one.
+    fn give_back(&mut self, store: &Arc<dyn Store>) {
+        if let Some((_, reserved)) = self.slot.take() {
+            settle(store, &self.lane, -i64::from(reserved));
+        }
+    }
+}
+
 impl Route {
-    /// Whether a request's body is read before its slot: a meter estimates its cost from it,
-    /// or its key is a field of it.
+    /// Whether a request's body may be read before its slot: its destination has a meter,
+    /// or a `json:FIELD` key (see `Lanes::reads_body`). Known when the route was made, so
+    /// that the common request looks at no keys for it.
     pub(super) fn reads_body(&self) -> bool {
-        !self.lanes.meters.is_empty() || matches!(self.lane.keys().pace.key, Some(KeyFrom::Json(_)))
+        self.lanes.reads_body
     }
 }
 
@@ -212,10 +222,7 @@ impl Pacer {
                 break;
             }
             for &i in &wanted {
-                let t = &mut metering.taken[i];
-                if let Some((_, reserved)) = t.slot.take() {
-                    settle(&self.store, &t.lane, -i64::from(reserved));
-                }
+                metering.taken[i].give_back(&self.store);
             }
         }
         // Still stale after every round: the send's own check gives them all back.
@@ -247,9 +254,7 @@ impl Pacer {
     /// nothing for it.
     pub(super) fn give_back(&self, metering: &mut Metering) {
         for t in &mut metering.taken {
-            if let Some((_, reserved)) = t.slot.take() {
-                settle(&self.store, &t.lane, -i64::from(reserved));
-            }
+            t.give_back(&self.store);
         }
     }
 
