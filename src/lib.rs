@@ -22,7 +22,7 @@
 //! - [`meter`]: what a request costs in a meter's unit (tokens, points): estimated from the
 //!   request before it is sent, settled from the response as its bytes pass
 //!   (`meter::settle`); `meter::usage` asks a stream for the usage its client did not, and
-//!   takes out what that adds.
+//!   takes out what that adds; `meter::recall` keeps what a GraphQL query last cost.
 //! - [`pacing`]: the pacer: routing yields a [`pacing::Route`] (a handle to the
 //!   destination's lanes, one per budget: its own and each group's) that the request carries;
 //!   `pacing::exchange` picks the request's group and carries it through that budget (its slot, the check that the slot is still good to send on, the

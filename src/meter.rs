@@ -8,6 +8,7 @@
 //! than the meter holds (a request that costs more than the meter's whole size could never be
 //! granted).
 
+pub mod recall;
 pub mod settle;
 pub mod usage;
 
@@ -17,7 +18,8 @@ use std::str::FromStr;
 use http::{HeaderMap, HeaderName};
 use serde::Deserialize;
 
-pub use settle::{Settle, Settled, Unsettled};
+pub use recall::{Query, Recall};
+pub use settle::{Bucket, Settle, Settled, Unsettled};
 
 /// How a meter's cost of a request is estimated before it is sent, and settled after.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +144,12 @@ impl Cost {
             Cost::Fixed(n) => *n,
         };
         estimate.clamp(1, size.max(1))
+    }
+
+    /// Whether a request's cost is its query's (GraphQL): the last settled cost of the same
+    /// query text is the next one's estimate (see [`recall`]).
+    pub fn by_query(&self) -> bool {
+        matches!(self, Cost::GithubGraphql | Cost::ShopifyGraphql)
     }
 
     /// Which of the vendor's budgets its headers name for this meter, where they do (see

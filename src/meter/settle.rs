@@ -56,6 +56,18 @@ pub enum Settled {
     Unsettled(Unsettled),
 }
 
+/// What a vendor's leaky bucket of points said it holds after a request: Shopify's
+/// `extensions.cost.throttleStatus`, read where the cost is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    /// Points left now (`currentlyAvailable`).
+    pub available: f64,
+    /// Points it refills a second (`restoreRate`).
+    pub restore_rate: f64,
+    /// Its size (`maximumAvailable`).
+    pub maximum: f64,
+}
+
 /// Reads one response's cost as its body passes ([`Settle::feed`], then [`Settle::finish`]).
 #[derive(Debug)]
 pub struct Settle {
@@ -69,6 +81,8 @@ pub struct Settle {
     overflowed: bool,
     /// A stream's cost as its events said so far.
     cost: Option<u64>,
+    /// The vendor's bucket, as the body said it (see [`Settle::bucket`]).
+    bucket: Option<Bucket>,
 }
 
 impl Settle {
@@ -79,6 +93,7 @@ impl Settle {
             kept: Vec::new(),
             overflowed: false,
             cost: None,
+            bucket: None,
         }
     }
 
@@ -132,7 +147,7 @@ impl Settle {
     }
 
     /// The body ended: `complete` if it came whole, else it was cut off.
-    pub fn finish(mut self, complete: bool) -> Settled {
+    pub fn finish(&mut self, complete: bool) -> Settled {
         if self.stream {
             // A last line without its newline.
             if complete && !self.overflowed && !self.kept.is_empty() {
@@ -148,19 +163,30 @@ impl Settle {
         if !complete {
             return Settled::Unsettled(Unsettled::Cut);
         }
-        let read = if self.overflowed {
+        let body = if self.overflowed {
             self.read_tail()
         } else {
-            serde_json::from_slice::<Value>(&self.kept)
-                .ok()
-                .and_then(|body| self.cost_of(&body))
+            serde_json::from_slice::<Value>(&self.kept).ok()
         };
-        read.map_or(Settled::Unsettled(Unsettled::NoUsage), Settled::Cost)
+        let Some(body) = body else {
+            return Settled::Unsettled(Unsettled::NoUsage);
+        };
+        if self.read == Read::ShopifyGraphql {
+            self.bucket = bucket_of(&body);
+        }
+        self.cost_of(&body)
+            .map_or(Settled::Unsettled(Unsettled::NoUsage), Settled::Cost)
     }
 
-    /// The cost as a body larger than [`WHOLE`] says it in its tail: the last occurrence of
-    /// the field that holds it, read as the value that follows.
-    fn read_tail(&self) -> Option<u64> {
+    /// What the vendor's bucket held after the request, where the body said it (Shopify's);
+    /// read by [`Settle::finish`].
+    pub fn bucket(&self) -> Option<Bucket> {
+        self.bucket
+    }
+
+    /// A body larger than [`WHOLE`] as its tail says what the request cost: the last
+    /// occurrence of the field that holds it, read as the value that follows.
+    fn read_tail(&self) -> Option<Value> {
         let field: &[u8] = match self.read {
             Read::OpenAi | Read::AnthropicInput | Read::AnthropicOutput => b"\"usage\"",
             Read::GithubGraphql => b"\"rateLimit\"",
@@ -173,12 +199,11 @@ impl Settle {
             .into_iter::<Value>()
             .next()?
             .ok()?;
-        let body = match self.read {
+        Some(match self.read {
             Read::GithubGraphql => serde_json::json!({ "data": { "rateLimit": value } }),
             Read::ShopifyGraphql => serde_json::json!({ "extensions": value }),
             _ => serde_json::json!({ "usage": value }),
-        };
-        self.cost_of(&body)
+        })
     }
 
     /// What `v` (a JSON body, or a stream's event) says the request cost, if anything.
@@ -211,9 +236,33 @@ impl Settle {
                 n(&usage["output_tokens"])
             }
             Read::GithubGraphql => n(&v["data"]["rateLimit"]["cost"]),
-            Read::ShopifyGraphql => n(&v["extensions"]["cost"]["actualQueryCost"]),
+            Read::ShopifyGraphql => {
+                let cost = &v["extensions"]["cost"];
+                // A query throttled is not run, and costs nothing: its requested cost is
+                // said, its actual cost null.
+                match n(&cost["actualQueryCost"]) {
+                    Some(actual) => Some(actual),
+                    None if cost["actualQueryCost"].is_null()
+                        && n(&cost["requestedQueryCost"]).is_some() =>
+                    {
+                        Some(0)
+                    }
+                    None => None,
+                }
+            }
         }
     }
+}
+
+/// Shopify's `throttleStatus` in a response body.
+fn bucket_of(body: &Value) -> Option<Bucket> {
+    let status = &body["extensions"]["cost"]["throttleStatus"];
+    let f = |name: &str| status[name].as_f64().filter(|v| v.is_finite() && *v >= 0.0);
+    Some(Bucket {
+        available: f("currentlyAvailable")?,
+        restore_rate: f("restoreRate").filter(|r| *r > 0.0)?,
+        maximum: f("maximumAvailable")?,
+    })
 }
 
 #[cfg(test)]
@@ -328,6 +377,40 @@ mod tests {
             &Cost::GithubGraphql,
             false,
             r#"{"data":{"viewer":{"login":"x"}}}"#,
+            Settled::Unsettled(Unsettled::NoUsage),
+        );
+    }
+
+    #[test]
+    fn a_shopify_throttle_costs_nothing_and_says_what_its_bucket_holds() {
+        let throttled = r#"{"errors":[{"message":"Throttled","extensions":{"code":"THROTTLED"}}],"extensions":{"cost":{"requestedQueryCost":120,"actualQueryCost":null,"throttleStatus":{"maximumAvailable":1000.0,"currentlyAvailable":40,"restoreRate":50.0}}}}"#;
+        every_split(&Cost::ShopifyGraphql, false, throttled, Settled::Cost(0));
+        let mut settle = Cost::ShopifyGraphql.settle(false).unwrap();
+        settle.feed(throttled.as_bytes());
+        settle.finish(true);
+        assert_eq!(
+            settle.bucket(),
+            Some(Bucket {
+                available: 40.0,
+                restore_rate: 50.0,
+                maximum: 1000.0
+            })
+        );
+        // Said of nothing, or with a rate that would never refill: no bucket.
+        for body in [
+            r#"{"extensions":{"cost":{"actualQueryCost":3}}}"#,
+            r#"{"extensions":{"cost":{"actualQueryCost":3,"throttleStatus":{"maximumAvailable":1000.0,"currentlyAvailable":40,"restoreRate":0}}}}"#,
+        ] {
+            let mut settle = Cost::ShopifyGraphql.settle(false).unwrap();
+            settle.feed(body.as_bytes());
+            assert_eq!(settle.finish(true), Settled::Cost(3));
+            assert_eq!(settle.bucket(), None, "{body}");
+        }
+        // A body with neither cost is unsettled, not free.
+        every_split(
+            &Cost::ShopifyGraphql,
+            false,
+            r#"{"data":{"shop":{"name":"s"}}}"#,
             Settled::Unsettled(Unsettled::NoUsage),
         );
     }

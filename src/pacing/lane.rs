@@ -23,6 +23,7 @@ use crate::budget::{
 };
 use crate::class::{Class, Classes};
 use crate::destination::{Destination, Group, Meter, Pace};
+use crate::meter::Recall;
 use crate::metrics::{BudgetSeries, Metrics};
 
 /// One budget's lane: a destination's own, one of its groups', or one of their keys'.
@@ -86,6 +87,9 @@ struct Whole {
     /// A meter's lane: the meter's unit (`tokens`, `points`), in which its slots are
     /// weighted by what each request costs. `None`: a request budget's, one slot a request.
     unit: Option<Arc<str>>,
+    /// A meter's lane: what each query cost when last settled, its next estimate, where
+    /// the meter's cost is its query's (GraphQL).
+    recall: Option<Recall>,
 }
 
 /// A key's lane in its parent's set, found by its key: the key is read from the lane's name,
@@ -217,8 +221,21 @@ impl Lane {
         );
         if let Some(whole) = &mut lane.whole {
             whole.unit = Some(Arc::from(m.name.as_str()));
+            // Every meter's, used where its cost is its query's: a reload may make it so.
+            whole.recall = Some(Recall::default());
         }
         lane
+    }
+
+    /// A meter's lane: the costs its queries were settled at, where its cost is its
+    /// query's. A key's lane shares its parent's.
+    pub(super) fn recall(&self) -> Option<&Recall> {
+        self.parent
+            .as_deref()
+            .unwrap_or(self)
+            .whole
+            .as_ref()
+            .and_then(|w| w.recall.as_ref())
     }
 
     /// A meter's lane: its unit (see [`Lane::meter`]).
@@ -245,6 +262,7 @@ impl Lane {
                 lock_polled: AtomicU64::new(0),
                 series: OnceLock::new(),
                 unit: None,
+                recall: None,
             })),
             last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),

@@ -24,7 +24,7 @@ use super::{PaceError, Pacer, Route};
 use crate::budget::{Event, Observation, Pause, Reservation, Store};
 use crate::class::Class;
 use crate::destination::KeyFrom;
-use crate::meter::{usage, Cost, Settle, Settled};
+use crate::meter::{usage, Bucket, Cost, Query, Settle, Settled};
 use crate::metrics::{labels, labels_and, Metrics};
 use crate::signals::{tokens, Family};
 
@@ -47,6 +47,8 @@ struct Taken {
     /// The slot, and what it was reserved for (the cost the dispatcher asked it for, which
     /// may be another waiter's: settled against all the same).
     slot: Option<(Reservation, u32)>,
+    /// Where its cost is its query's: the query, whose settled cost is recalled for the next.
+    query: Option<Query>,
 }
 
 /// A request's meters, in the destination's order.
@@ -102,14 +104,29 @@ impl Pacer {
             false => None,
         };
         let read = body.as_deref().unwrap_or_default();
+        let query = lanes
+            .meters
+            .iter()
+            .any(|(m, _)| m.cost.by_query())
+            .then(|| Query::of(read))
+            .flatten();
         let taken = lanes
             .meters
             .iter()
-            .map(|(m, lane)| Taken {
-                lane: lane.clone(),
-                cost: m.cost.clone(),
-                estimate: m.cost.estimate(read, outgoing.headers(), m.default, m.size),
-                slot: None,
+            .map(|(m, lane)| {
+                let query = query.filter(|_| m.cost.by_query());
+                // A query settled before is estimated at what it cost then.
+                let default = query
+                    .zip(lane.recall())
+                    .and_then(|(q, recall)| recall.cost_of(q))
+                    .unwrap_or(m.default);
+                Taken {
+                    lane: lane.clone(),
+                    cost: m.cost.clone(),
+                    estimate: m.cost.estimate(read, outgoing.headers(), default, m.size),
+                    slot: None,
+                    query,
+                }
             })
             .collect();
         for (m, _) in &lanes.meters {
@@ -285,28 +302,8 @@ impl Pacer {
                 continue;
             };
             spent = true;
-            let seen = Observation {
-                family: Family::Tokens,
-                remaining: 0,
-                limit: said.limit,
-                reset: Pause::For(reset),
-                spread: rand::random::<f64>(),
-            };
-            let (store, lane) = (self.store.clone(), t.lane.clone());
-            tracing::info!(destination = %lane.name, reset_ms = reset.as_millis() as u64, "the vendor says this meter's budget is spent; it pauses until the reset");
-            // Owned by nothing: it ends with the store's answer.
-            tokio::spawn(async move {
-                let rule = lane.keys().rule.clone();
-                match store
-                    .record(&lane.name, &rule, Event::None, Some(seen))
-                    .await
-                {
-                    Ok(view) => lane.note(view),
-                    Err(e) => {
-                        tracing::warn!(destination = %lane.name, "cannot pause a spent meter ({e})")
-                    }
-                }
-            });
+            tracing::info!(destination = %t.lane.name, reset_ms = reset.as_millis() as u64, "the vendor says this meter's budget is spent; it pauses until the reset");
+            pause(&self.store, &t.lane, said.limit, reset);
         }
         spent
     }
@@ -331,6 +328,7 @@ impl Pacer {
                 Some(Reading {
                     settle: t.cost.settle(stream),
                     lane: t.lane,
+                    query: t.query,
                     estimate: t.estimate,
                     reserved,
                 })
@@ -345,6 +343,42 @@ impl Pacer {
             done: false,
         }
     }
+}
+
+/// Pauses `lane`'s meter for `reset` on every instance, as the vendor said its budget
+/// (of `limit`, where said) is spent, off the request's way.
+fn pause(store: &Arc<dyn Store>, lane: &Arc<Lane>, limit: Option<u64>, reset: Duration) {
+    let seen = Observation {
+        family: Family::Tokens,
+        remaining: 0,
+        limit,
+        reset: Pause::For(reset),
+        spread: rand::random::<f64>(),
+    };
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let (store, lane) = (store.clone(), lane.clone());
+    // Owned by nothing: it ends with the store's answer.
+    runtime.spawn(async move {
+        let rule = lane.keys().rule.clone();
+        match store
+            .record(&lane.name, &rule, Event::None, Some(seen))
+            .await
+        {
+            Ok(view) => lane.note(view),
+            Err(e) => tracing::warn!(destination = %lane.name, "cannot pause a spent meter ({e})"),
+        }
+    });
+}
+
+/// How long a vendor's leaky bucket of points (Shopify's) needs to refill to hold `need`,
+/// where it does not now: the meter pauses that long, so that the next query is not
+/// throttled. Nothing where it holds it.
+fn refill_for(bucket: Bucket, need: u64) -> Option<Duration> {
+    let need = (need as f64).min(bucket.maximum);
+    (bucket.available < need)
+        .then(|| Duration::from_secs_f64((need - bucket.available) / bucket.restore_rate))
 }
 
 /// A count of units as a signed difference.
@@ -375,6 +409,8 @@ fn settle(store: &Arc<dyn Store>, lane: &Arc<Lane>, units: i64) {
 /// One meter's reading of a response.
 struct Reading {
     lane: Arc<Lane>,
+    /// Where its cost is its query's: the query, to recall its cost by.
+    query: Option<Query>,
     /// What the request was estimated to cost.
     estimate: u64,
     /// What its slot was reserved for.
@@ -403,10 +439,18 @@ impl<B> Settling<B> {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        for r in std::mem::take(&mut self.reads) {
-            let cost = match r.settle.map(|s| s.finish(complete)) {
+        for mut r in std::mem::take(&mut self.reads) {
+            let cost = match r.settle.as_mut().map(|s| s.finish(complete)) {
                 None => r.estimate,
-                Some(Settled::Cost(cost)) => cost,
+                Some(Settled::Cost(cost)) => {
+                    if let Some((query, recall)) = r.query.zip(r.lane.recall()) {
+                        // A throttled query (cost 0) says nothing of what it costs.
+                        if cost > 0 {
+                            recall.remember(query, cost);
+                        }
+                    }
+                    cost
+                }
                 Some(Settled::Unsettled(why)) => {
                     self.metrics
                         .meter_unsettled
@@ -420,6 +464,13 @@ impl<B> Settling<B> {
                 .with_label_values(&labels(&r.lane.name))
                 .inc_by(cost);
             settle(&self.store, &r.lane, signed(cost) - i64::from(r.reserved));
+            // The vendor's bucket, where it said it: one too low for a query like this one
+            // pauses the meter until it has refilled.
+            let bucket = r.settle.as_ref().and_then(Settle::bucket);
+            if let Some(wait) = bucket.and_then(|b| refill_for(b, r.estimate)) {
+                tracing::info!(destination = %r.lane.name, wait_ms = wait.as_millis() as u64, "the vendor's bucket of points is low; the meter pauses while it refills");
+                pause(&self.store, &r.lane, bucket.map(|b| b.maximum as u64), wait);
+            }
         }
     }
 }

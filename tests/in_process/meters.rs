@@ -269,3 +269,87 @@ async fn a_key_from_the_body_splits_the_requests_and_their_meter_by_model() {
     assert_eq!(meter["keys"]["live"], 2, "{meter}");
     assert_eq!(meter["keys"]["key"], "json:model", "{meter}");
 }
+
+/// `shop` on localhost at 100 requests a second, with a meter of `points` a second read
+/// from Shopify's answers, a query estimated at `default` until it has been settled once.
+async fn shop(points: u32, default: u32) -> TestProxy {
+    // Its certificate authority is not used: the vendor is plain HTTP.
+    let unused = FakeUpstream::start().await;
+    let config = format!(
+        "[destinations.shop]\nhosts = [\"localhost\"]\nrate = 100\n\
+         [destinations.shop.meters.points]\nrate = {points}\ncost = \"shopify-graphql\"\ndefault = {default}\n"
+    );
+    TestProxy::start(&unused.ca.cert_path, "", &config).await
+}
+
+/// Sends `query` to `vendor` through `proxy`, `n` at once; each must be answered 200.
+async fn ask(proxy: &TestProxy, vendor: &FakeLlm, query: &str, n: usize) {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let body = serde_json::json!({ "query": query }).to_string();
+    let sends: Vec<_> = (0..n)
+        .map(|_| {
+            let (via, url, body) = (via.clone(), vendor.url(), body.clone());
+            tokio::spawn(async move {
+                let resp = via
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                resp.bytes().await.unwrap();
+            })
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_query_settled_once_is_estimated_at_what_it_cost_the_next_time() {
+    let vendor = FakeLlm::shopify(100_000.0, 100_000.0).await;
+    let proxy = shop(100, 100).await;
+    const QUERY: &str = "{ products(first: 10) { edges { node { id } } } }";
+    // Its first time, the query is estimated at the default, 100 points (a second of the
+    // meter), and settled at the 10 it cost.
+    ask(&proxy, &vendor, QUERY, 1).await;
+    // Five more at once are estimated at 10 each: 0.1 s apart, not a second.
+    ask(&proxy, &vendor, QUERY, 5).await;
+    let at: Vec<_> = vendor.charges().iter().map(|c| c.at).collect();
+    let span = at[5] - at[1];
+    assert!(
+        span < Duration::from_millis(1000),
+        "five queries recalled at 10 points took {span:?} at 100 points a second"
+    );
+    assert!(
+        span >= Duration::from_millis(4 * 100 - 30),
+        "five queries of 10 points went within {span:?} at 100 points a second"
+    );
+}
+
+#[tokio::test]
+async fn a_shopify_bucket_said_to_run_low_pauses_the_meter_until_it_refills() {
+    // The vendor restores 100 points a second into a bucket of 100; the meter allows ten
+    // times that, as a shop's other clients or a wrong rate would leave it.
+    let vendor = FakeLlm::shopify(100.0, 100.0).await;
+    let proxy = shop(1000, 40).await;
+    for _ in 0..6 {
+        ask(
+            &proxy,
+            &vendor,
+            "{ products(first: 40) { edges { node { id } } } }",
+            1,
+        )
+        .await;
+    }
+    let charges = vendor.charges();
+    let throttled = charges.iter().filter(|c| c.status == 429).count();
+    assert_eq!(
+        throttled, 0,
+        "the vendor throttled {throttled} of 6 queries: the meter did not wait for its bucket"
+    );
+    let meter = proxy.destination("shop~points").await;
+    assert_eq!(meter["unit"], "points", "{meter}");
+}

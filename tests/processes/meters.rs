@@ -1,7 +1,8 @@
 //! Budgets in tokens across real OS processes: three instances on one Postgres, twelve
 //! workers sending chat completions of random sizes (half of them streamed) to a vendor that
 //! keeps a token bucket and answers 429 when it is overrun. With a token meter the vendor
-//! never has to; without one (the control) it does, at once.
+//! never has to; without one (the control) it does, at once. The same of GraphQL queries to
+//! a shop whose bucket holds points, each query's cost settled from its answer.
 
 use crate::support;
 
@@ -208,6 +209,106 @@ async fn anthropic_input_and_output_meters_each_keep_their_own_ceiling() {
     assert!(
         rate >= 0.55 * OUTPUT,
         "achieved {rate:.0} output tokens a second of {OUTPUT}, over {} requests",
+        charges.len()
+    );
+}
+
+/// Shopify's points a second and its bucket's size; the meter's rate is the vendor's.
+const POINTS: f64 = 200.0;
+const BUCKET: f64 = 400.0;
+
+/// Twenty GraphQL queries at once from four workers spread over the instances, five each
+/// one after the other: five query texts, each of a cost drawn once (10 to 60 points, as a
+/// query's cost follows its text), each sent four times. Returns the statuses the workers
+/// saw.
+async fn queries(fleet: &Fleet, vendor: &FakeLlm) -> Vec<u16> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(47);
+    let texts: Vec<String> = (0..5)
+        .map(|i| {
+            let cost: u64 = rng.random_range(10..=60);
+            format!("query Q{i} {{ products(first: {cost}) {{ edges {{ node {{ id }} }} }} }}")
+        })
+        .collect();
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(4));
+    let mut tasks = Vec::new();
+    for w in 0..4 {
+        let via = fleet.client(w % INSTANCES);
+        let (url, start) = (vendor.url(), start.clone());
+        let mine: Vec<String> = (0..5).map(|j| texts[(w + j) % 5].clone()).collect();
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let mut statuses = Vec::new();
+            for query in mine {
+                let resp = via
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(serde_json::json!({ "query": query }).to_string())
+                    .send()
+                    .await
+                    .unwrap();
+                statuses.push(resp.status().as_u16());
+                let _ = resp.bytes().await;
+            }
+            statuses
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+/// A fleet pacing `local` at 50 queries a second and, with `meter`, at Shopify's points a
+/// second, each query estimated at 60 until it has been settled once.
+async fn shop(meter: bool) -> Fleet {
+    let mut keys = "rate = 50\nretry_throttled = 0\n".to_owned();
+    if meter {
+        keys.push_str(&format!(
+            "[destinations.local.meters.points]\nrate = {POINTS}\ncost = \"shopify-graphql\"\ndefault = 60\n"
+        ));
+    }
+    Fleet::start(&postgres_store().await, &keys).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graphql_queries_of_random_cost_stay_within_the_points_rate() {
+    let _alone = alone().await;
+    let vendor = FakeLlm::shopify(POINTS, BUCKET).await;
+    let fleet = shop(true).await;
+    let statuses = queries(&fleet, &vendor).await;
+    let charges = none_refused(&vendor, &statuses);
+    assert_eq!(charges.len(), 20);
+    // As docs/configuration.md bounds it: the rate's worth a second, one query's estimate
+    // (the default, 60, before a text's first settlement), what one query was estimated
+    // above its cost, and 50 ms of the rate.
+    let cheapest = charges.iter().map(|c| c.tokens).min().unwrap();
+    let bound = POINTS as u64 + 60 + (60 - cheapest) + POINTS as u64 / 20;
+    let busiest = busiest_tokens(&charges, Duration::from_secs(1));
+    assert!(
+        busiest <= bound,
+        "{busiest} points within one second at {POINTS} a second (at most {bound})"
+    );
+    // Settled and recalled, not held at the default: 20 queries at 60 would take 6 s.
+    let total: u64 = charges.iter().map(|c| c.tokens).sum();
+    let span = charges.last().unwrap().at - charges[0].at;
+    assert!(
+        span.as_secs_f64() <= total as f64 / POINTS + 1.5,
+        "{total} points took {span:?} at {POINTS} a second"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_points_meter_the_same_queries_are_throttled() {
+    let _alone = alone().await;
+    let vendor = FakeLlm::shopify(POINTS, BUCKET).await;
+    let fleet = shop(false).await;
+    queries(&fleet, &vendor).await;
+    let charges = vendor.charges();
+    let throttled = charges.iter().filter(|c| c.status == 429).count();
+    assert!(
+        throttled >= 2,
+        "only {throttled} of {} throttled at 50 queries a second with no points meter",
         charges.len()
     );
 }

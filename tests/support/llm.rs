@@ -12,6 +12,11 @@
 //! and output tokens limited apart, one bucket each, and answers as Anthropic does: `usage`
 //! in a JSON body, or a stream whose `message_start` carries the input tokens and whose last
 //! `message_delta` the output tokens.
+//!
+//! Started as Shopify's ([`FakeLlm::shopify`]), it serves GraphQL at `POST /graphql` from a
+//! leaky bucket of points: a query costs the number its text asks for (`first: N`), and one
+//! the bucket does not hold is throttled as Shopify throttles, a 200 whose `errors` say
+//! `THROTTLED` and whose `extensions.cost` say what the bucket holds.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -80,6 +85,8 @@ struct State {
     bucket: Mutex<Bucket>,
     /// Anthropic's: the output tokens' bucket (`bucket` is then the input's).
     output: Option<Mutex<Bucket>>,
+    /// Shopify's GraphQL: `bucket` holds points.
+    graphql: bool,
     charges: Mutex<Vec<Charge>>,
 }
 
@@ -95,6 +102,7 @@ impl FakeLlm {
         Self::serve(State {
             bucket: Mutex::new(Bucket::full(rate, capacity)),
             output: None,
+            graphql: false,
             charges: Mutex::new(Vec::new()),
         })
         .await
@@ -105,6 +113,18 @@ impl FakeLlm {
         Self::serve(State {
             bucket: Mutex::new(Bucket::full(input, input)),
             output: Some(Mutex::new(Bucket::full(output, output))),
+            graphql: false,
+            charges: Mutex::new(Vec::new()),
+        })
+        .await
+    }
+
+    /// Shopify's GraphQL: a bucket of `maximum` points, restored at `restore` a second.
+    pub async fn shopify(restore: f64, maximum: f64) -> Self {
+        Self::serve(State {
+            bucket: Mutex::new(Bucket::full(restore, maximum)),
+            output: None,
+            graphql: true,
             charges: Mutex::new(Vec::new()),
         })
         .await
@@ -141,9 +161,10 @@ impl FakeLlm {
 
     /// `http://localhost:PORT/v1/chat/completions`, or Anthropic's `/v1/messages`.
     pub fn url(&self) -> String {
-        let path = match self.state.output {
-            Some(_) => "/v1/messages",
-            None => "/v1/chat/completions",
+        let path = match (&self.state.output, self.state.graphql) {
+            (_, true) => "/graphql",
+            (Some(_), _) => "/v1/messages",
+            (None, _) => "/v1/chat/completions",
         };
         format!("http://localhost:{}{path}", self.addr.port())
     }
@@ -159,6 +180,9 @@ impl FakeLlm {
 async fn respond(req: Request<Incoming>, state: &State, at: Instant) -> Response<Body> {
     let body = req.into_body().collect().await.unwrap().to_bytes();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if state.graphql {
+        return shopify(&json, state, at);
+    }
     let max_tokens = json["max_tokens"].as_u64().unwrap_or(16);
     let stream = json["stream"].as_bool().unwrap_or(false);
     let asked_usage = json["stream_options"]["include_usage"]
@@ -308,6 +332,53 @@ fn anthropic(stream: bool, input: u64, output: u64) -> Response<Body> {
         HeaderValue::from_static("text/event-stream"),
     );
     r
+}
+
+/// Shopify's answer to a GraphQL query: its cost is the `first: N` its text asks for (1
+/// without one), taken from the bucket where it holds it (Shopify's requested cost, here
+/// the actual one too), else throttled.
+fn shopify(json: &serde_json::Value, state: &State, at: Instant) -> Response<Body> {
+    let query = json["query"].as_str().unwrap_or_default();
+    let cost: u64 = query
+        .split_once("first: ")
+        .and_then(|(_, rest)| {
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .unwrap_or(1);
+    let (granted, available, restore, maximum) = {
+        let mut bucket = state.bucket.lock().unwrap();
+        let granted = bucket.holds(cost as f64);
+        if granted {
+            bucket.tokens -= cost as f64;
+        }
+        (granted, bucket.tokens, bucket.rate, bucket.capacity)
+    };
+    state.charges.lock().unwrap().push(Charge {
+        at,
+        tokens: if granted { cost } else { 0 },
+        input: 0,
+        output: 0,
+        estimate: cost,
+        // Shopify answers a throttled query 200: counted here as the refusal it is.
+        status: if granted { 200 } else { 429 },
+        stream: false,
+        asked_usage: false,
+    });
+    let throttle = format!(
+        r#"{{"maximumAvailable":{maximum:.1},"currentlyAvailable":{},"restoreRate":{restore:.1}}}"#,
+        available.floor()
+    );
+    let body = if granted {
+        format!(
+            r#"{{"data":{{"products":{{"edges":[]}}}},"extensions":{{"cost":{{"requestedQueryCost":{cost},"actualQueryCost":{cost},"throttleStatus":{throttle}}}}}}}"#
+        )
+    } else {
+        format!(
+            r#"{{"errors":[{{"message":"Throttled","extensions":{{"code":"THROTTLED"}}}}],"extensions":{{"cost":{{"requestedQueryCost":{cost},"actualQueryCost":null,"throttleStatus":{throttle}}}}}}}"#
+        )
+    };
+    full(StatusCode::OK, body)
 }
 
 fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
