@@ -1,7 +1,7 @@
 //! Real clients as operators run them: curl, Python requests, Node (undici's
 //! `EnvHttpProxyAgent`) and Go (`net/http`), configured only through their usual proxy
 //! settings and a CA bundle: through interception, through a blind tunnel, and picking their
-//! class by proxy user name.
+//! class by proxy user name. And the official `openai` SDK, reading a metered stream.
 
 use crate::support;
 
@@ -460,4 +460,85 @@ async fn every_client_picks_its_class_by_proxy_user_name() {
             "{worker:?} {proxy_url}"
         );
     }
+}
+
+/// The venv scripts/test makes for the official `openai` SDK.
+fn openai_python() -> PathBuf {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/.venv/bin/python");
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "the official openai SDK is required by this test in tests/clients/.venv; scripts/test makes it (python3 -m venv tests/clients/.venv && tests/clients/.venv/bin/pip install -r tests/clients/requirements.txt)"
+    );
+    python
+}
+
+#[tokio::test]
+async fn the_openai_sdk_reads_a_stream_asked_for_its_usage_on_its_behalf_as_it_would_directly() {
+    let python = openai_python();
+    let vendor = support::llm::FakeLlm::start(1e6, 1e6).await;
+    let unused = FakeUpstream::start().await;
+    let proxy = TestProxy::start(
+        &unused.ca.cert_path,
+        "",
+        "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100\n\
+         [destinations.local.meters.tokens]\nper_minute = 600000\ncost = \"openai\"\n",
+    )
+    .await;
+    // A streamed chat completion that does not ask for usage, read chunk by chunk as the
+    // SDK's own objects.
+    let script = r#"
+import json, os, openai
+client = openai.OpenAI(base_url=os.environ["BASE"], api_key="sk-test", max_retries=0)
+stream = client.chat.completions.create(
+    model="gpt-test", max_tokens=40, stream=True,
+    messages=[{"role": "user", "content": "hello"}],
+)
+print(json.dumps([chunk.model_dump(exclude_unset=True) for chunk in stream]))
+"#;
+    let base = vendor.url().replace("/chat/completions", "");
+    let mut read = Vec::new();
+    for via in [None, Some(proxy.url())] {
+        let mut cmd = Command::new(&python);
+        cmd.args(["-c", script])
+            .env("BASE", &base)
+            .env("NO_PROXY", "")
+            .env("no_proxy", "")
+            .env_remove("HTTP_PROXY")
+            .env_remove("http_proxy");
+        if let Some(via) = &via {
+            cmd.env("HTTP_PROXY", via);
+        }
+        let out = cmd.output().await.unwrap();
+        assert!(
+            out.status.success(),
+            "the SDK failed {}: {}",
+            if via.is_some() {
+                "through pacegate"
+            } else {
+                "directly"
+            },
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let chunks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        read.push(chunks);
+    }
+    assert_eq!(
+        read[0], read[1],
+        "the SDK read other chunks through pacegate than directly"
+    );
+    assert!(read[1].as_array().unwrap().len() >= 3, "{}", read[1]);
+    // pacegate asked the vendor for the usage, and settled from it.
+    let charges = vendor.charges();
+    assert_eq!(
+        charges.iter().map(|c| c.asked_usage).collect::<Vec<_>>(),
+        [false, true]
+    );
+    let units = proxy
+        .metric("pacegate_meter_units_total{destination=\"local~tokens\",group=\"\"}")
+        .await;
+    assert_eq!(units, charges[1].tokens as f64);
 }
