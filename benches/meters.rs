@@ -1,6 +1,8 @@
 //! What a meter adds to a request: the same chat completion sent through pacegate with a
 //! token meter and without one, answered as JSON and as a server-sent-event stream of about
-//! 1 MiB (whose every byte the settlement reads as it passes), and the time to a stream's
+//! 1 MiB (whose every byte the settlement reads as it passes); for JSON also with a meter of
+//! a fixed cost, whose slot is all it adds (no body read, no estimate, no settlement), so
+//! that what reading the request and the answer costs is seen apart; and the time to a stream's
 //! first byte, direct and through a meter. Then the resident set while a 100 MiB stream
 //! passes through a meter, printed.
 //!
@@ -20,13 +22,14 @@ use support::llm::FakeLlm;
 use support::{client, Alpn, FakeUpstream, TestProxy};
 
 /// A pacegate for `localhost` at a rate that never waits, with a token meter that never
-/// waits either where `meter`.
-async fn proxy(ca: &FakeUpstream, meter: bool) -> TestProxy {
+/// waits either where `cost` is set: `openai` (the body read, estimated, and the answer
+/// settled as it passes) or a number (the meter's slot alone).
+async fn proxy(ca: &FakeUpstream, cost: Option<&str>) -> TestProxy {
     let mut config = "[destinations.llm]\nhosts = [\"localhost\"]\nrate = 100000\n".to_owned();
-    if meter {
-        config.push_str(
-            "[destinations.llm.meters.tokens]\nper_minute = 1000000000\ncost = \"openai\"\n",
-        );
+    if let Some(cost) = cost {
+        config.push_str(&format!(
+            "[destinations.llm.meters.tokens]\nper_minute = 1000000000\ncost = \"{cost}\"\n"
+        ));
     }
     TestProxy::start(&ca.ca.cert_path, "", &config).await
 }
@@ -63,17 +66,19 @@ fn meters(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let (vendor, ca, plain, metered) = rt.block_on(async {
+    let (vendor, ca, plain, metered, slot_only) = rt.block_on(async {
         let vendor = FakeLlm::start(1e12, 1e12).await;
         let ca = FakeUpstream::start().await;
-        let plain = proxy(&ca, false).await;
-        let metered = proxy(&ca, true).await;
-        (vendor, ca, plain, metered)
+        let plain = proxy(&ca, None).await;
+        let metered = proxy(&ca, Some("openai")).await;
+        let slot_only = proxy(&ca, Some("466")).await;
+        (vendor, ca, plain, metered, slot_only)
     });
     let url = vendor.url();
     let direct = client(None, &[], Alpn::Http1);
     let via_plain = client(Some(&plain.url()), &[&plain.ca_path()], Alpn::Http1);
     let via_meter = client(Some(&metered.url()), &[&metered.ca_path()], Alpn::Http1);
+    let via_slot = client(Some(&slot_only.url()), &[&slot_only.ca_path()], Alpn::Http1);
     let send = |client: &reqwest::Client, body: String| {
         client
             .post(url.as_str())
@@ -85,6 +90,7 @@ fn meters(c: &mut Criterion) {
     let mut group = c.benchmark_group("chat");
     for (name, client, chunks) in [
         ("json_no_meter", &via_plain, None),
+        ("json_meter_slot_only", &via_slot, None),
         ("json_meter", &via_meter, None),
         ("sse_1MiB_no_meter", &via_plain, Some(1024)),
         ("sse_1MiB_meter", &via_meter, Some(1024)),
@@ -114,9 +120,11 @@ fn meters(c: &mut Criterion) {
     group.finish();
 
     // 100 MiB through the meter: what the settlement keeps is a line, and what the strip
-    // keeps an event, so the resident set does not grow with the stream.
+    // keeps an event, so the resident set does not grow with the stream. Under `cargo
+    // test`, which only sees that the bench runs, 1 MiB.
+    let full = std::env::args().any(|a| a == "--bench");
     rt.block_on(async {
-        let body = chat(Some(100 * 1024));
+        let body = chat(Some(if full { 100 * 1024 } else { 1024 }));
         let before = rss_kib();
         let mut resp = send(&via_meter, body).await.unwrap();
         let mut read = 0u64;
@@ -130,12 +138,12 @@ fn meters(c: &mut Criterion) {
             }
         }
         println!(
-            "100 MiB stream through a meter: {} MiB read; resident set {before} KiB before, at most {peak} KiB while it passed (+{} KiB)",
+            "a stream through a meter: {} MiB read; resident set {before} KiB before, at most {peak} KiB while it passed (+{} KiB)",
             read / (1024 * 1024),
             peak - before
         );
     });
-    drop((plain, metered, ca, vendor));
+    drop((plain, metered, slot_only, ca, vendor));
 }
 
 criterion_group!(benches, meters);

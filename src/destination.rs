@@ -288,7 +288,8 @@ pub struct Destination {
     /// of none of them takes the destination's own budget.
     pub groups: Vec<Group>,
     /// Budgets in other units than requests (tokens, points), each request taking a slot of
-    /// every one weighted by its cost.
+    /// every one weighted by its cost: every request of its own budget, and of a group with
+    /// no meters of its own.
     pub meters: Vec<Meter>,
     /// The most of a request body read before its slot, to estimate its cost to the meters
     /// (a larger one is refused with a 413). Read only where a meter needs the body.
@@ -335,6 +336,9 @@ pub struct Group {
     pub resource: Option<String>,
     /// Its pacing keys: its own, else the destination's.
     pub pace: Pace,
+    /// Its meters (`[NAME.groups.GROUP.meters.UNIT]`), budgets named `NAME/GROUP~UNIT`: its
+    /// requests take these instead of the destination's. None: the destination's.
+    pub meters: Vec<Meter>,
 }
 
 impl Group {
@@ -785,6 +789,7 @@ mod tests {
             methods: methods.iter().map(|m| m.to_string()).collect(),
             resource: None,
             pace: Pace::new(1.0),
+            meters: Vec::new(),
         }
     }
 

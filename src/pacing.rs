@@ -136,17 +136,43 @@ pub(crate) struct Lanes {
     groups: Vec<Group>,
     /// `groups[i]`'s lane.
     group_lanes: Vec<Arc<Lane>>,
-    /// The destination's meters, each with its lane; every request takes a slot of each.
-    meters: Vec<(Meter, Arc<Lane>)>,
-    /// The meter whose slot came last for the latest request: the one that binds, whose
-    /// slot the next request waits for first (see `Pacer::take_meters`).
-    binding: std::sync::atomic::AtomicUsize,
+    /// The destination's meters: what a request of its own budget takes, or of a group with
+    /// none of its own.
+    meters: Meters,
+    /// `groups[i]`'s meters, where it has its own.
+    group_meters: Vec<Meters>,
     /// What a meter may read of a request body to estimate its cost.
     max_body: usize,
     /// Whether a request's body may be read before its slot: the destination has a meter,
     /// or it or a group is keyed by a field of the body (`json:FIELD`). A reload makes new
     /// `Lanes`, so this follows the config.
     reads_body: bool,
+}
+
+/// The meters a request of one budget takes, each with its lane.
+pub(crate) struct Meters {
+    list: Vec<(Meter, Arc<Lane>)>,
+    /// The meter whose slot came last for the latest request: the one that binds, whose
+    /// slot the next request waits for first (see `Pacer::take_meters`).
+    binding: std::sync::atomic::AtomicUsize,
+}
+
+impl Meters {
+    /// Each meter's lane.
+    fn lanes(&self) -> impl Iterator<Item = &Arc<Lane>> {
+        self.list.iter().map(|(_, lane)| lane)
+    }
+
+    /// `meters` of `d`, or of its group `g`, each with a new lane.
+    fn new(d: &Destination, g: Option<&Group>, meters: &[Meter], classes: &Arc<Classes>) -> Self {
+        Self {
+            list: meters
+                .iter()
+                .map(|m| (m.clone(), Arc::new(Lane::meter(d, g, m, classes.clone()))))
+                .collect(),
+            binding: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
 }
 
 impl Lanes {
@@ -159,25 +185,29 @@ impl Lanes {
                 .iter()
                 .map(|g| Arc::new(Lane::group(d, g, classes.clone())))
                 .collect(),
-            meters: d
-                .meters
+            meters: Meters::new(d, None, &d.meters, classes),
+            group_meters: d
+                .groups
                 .iter()
-                .map(|m| (m.clone(), Arc::new(Lane::meter(d, m, classes.clone()))))
+                .map(|g| Meters::new(d, Some(g), &g.meters, classes))
                 .collect(),
-            binding: std::sync::atomic::AtomicUsize::new(0),
             max_body: d.max_body,
             reads_body: !d.meters.is_empty()
+                || d.groups.iter().any(|g| !g.meters.is_empty())
                 || std::iter::once(&d.pace)
                     .chain(d.groups.iter().map(|g| &g.pace))
                     .any(|p| matches!(p.key, Some(crate::destination::KeyFrom::Json(_)))),
         }
     }
 
-    /// Every lane: the destination's own first, then its groups', then its meters'.
+    /// Every lane: the destination's own first, then its groups', then its meters' and its
+    /// groups' meters'.
     fn all(&self) -> impl Iterator<Item = &Arc<Lane>> {
-        std::iter::once(&self.own)
-            .chain(&self.group_lanes)
-            .chain(self.meters.iter().map(|(_, lane)| lane))
+        std::iter::once(&self.own).chain(&self.group_lanes).chain(
+            std::iter::once(&self.meters)
+                .chain(&self.group_meters)
+                .flat_map(Meters::lanes),
+        )
     }
 
     /// Every lane but `lane`: what a lockout seen on `lane` halts too.
@@ -228,6 +258,19 @@ impl Route {
     /// responses are worth looking at for the bucket they name.
     pub(crate) fn names_buckets(&self) -> bool {
         self.lanes.groups.iter().any(|g| g.resource.is_some())
+    }
+
+    /// The meters a request of this route's budget takes (a key's, its parent's): its
+    /// group's own, else the destination's.
+    pub(crate) fn meters(&self) -> &Meters {
+        let lane = self.lane.parent.as_ref().unwrap_or(&self.lane);
+        self.lanes
+            .group_lanes
+            .iter()
+            .position(|l| Arc::ptr_eq(l, lane))
+            .map(|i| &self.lanes.group_meters[i])
+            .filter(|m| !m.list.is_empty())
+            .unwrap_or(&self.lanes.meters)
     }
 
     /// The route of the group a request with `method` and `path` belongs to (see
@@ -443,7 +486,13 @@ impl Pacer {
                         .iter_mut()
                         .zip(d.groups.iter().map(|g| &g.pace)),
                 )
-                .chain(lanes.meters.iter_mut().map(|(m, lane)| (lane, &m.pace)));
+                .chain(
+                    std::iter::once(&mut lanes.meters)
+                        .chain(&mut lanes.group_meters)
+                        .flat_map(|m| m.list.iter_mut().map(|(m, lane)| (lane, &m.pace))),
+                )
+                // Collected: the adapters' closures would be held across the awaits below.
+                .collect::<Vec<_>>();
             for (lane, pace) in wanted {
                 match old.iter().find(|l| l.name == lane.name) {
                     Some(existing) => {

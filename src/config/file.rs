@@ -321,6 +321,8 @@ pub(super) struct RawMeter {
     pub(super) rate: Option<f64>,
     pub(super) cost: Option<RawCost>,
     pub(super) default: Option<u64>,
+    /// Read only to be refused with a reason: a meter has no quota windows yet.
+    pub(super) quota: Option<toml::Value>,
 }
 
 impl RawDestination {

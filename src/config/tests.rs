@@ -861,8 +861,9 @@ fn meter_mistakes_are_reported_with_their_key_paths() {
         [destinations.openai.groups.chat]
         paths = ["/v1/chat/"]
         [destinations.openai.groups.chat.meters.tokens]
-        per_minute = 1
+        per_minute = 0
         cost = "openai"
+        quota = [{{ limit = 1000000, per = "1d" }}]
         "#
     ))
     .unwrap_err();
@@ -871,7 +872,8 @@ fn meter_mistakes_are_reported_with_their_key_paths() {
     assert_eq!(
         got,
         vec![
-            "destinations.openai.groups.chat.meters",
+            "destinations.openai.groups.chat.meters.tokens.per_minute",
+            "destinations.openai.groups.chat.meters.tokens.quota",
             "destinations.openai.max_body",
             "destinations.openai.meters.free.colour",
             "destinations.openai.meters.free.cost",

@@ -166,10 +166,33 @@ impl Pacer {
         deadline: Instant,
     ) -> Admission {
         let lane = route.lane.clone();
+        self.stand_in(lane.clone(), class, deadline, 1);
+        // A throttle widens once per generation: the request counts as reserved under the
+        // generation last seen.
+        let granted = lane::Grant {
+            class,
+            slot: Reservation {
+                at: Instant::now(),
+                generation: lane.seen.lock().generation,
+                unseen_late: Duration::ZERO,
+            },
+            cost: 1,
+        };
+        self.sent(route, keys, granted, Instant::now(), Duration::ZERO, None)
+    }
+
+    /// Shadow mode's stand-in for a request that went at once: it waits in `stand_in`'s
+    /// queue for the slot of `cost` the request would have had, takes it, and counts how
+    /// long it waited or why it would have been refused. Owned by nothing: it ends with its
+    /// slot, or at `deadline`.
+    pub(super) fn stand_in(
+        self: &Arc<Self>,
+        stand_in: Arc<Lane>,
+        class: Class,
+        deadline: Instant,
+        cost: u32,
+    ) {
         let pacer = self.clone();
-        let stand_in = lane.clone();
-        // Shadow mode's stand-in, owned by the request's admission it counts for: it ends
-        // with its slot, or at the request's deadline.
         tokio::spawn(async move {
             let started = Instant::now();
             let name = stand_in.label();
@@ -178,7 +201,7 @@ impl Pacer {
                 let _admitting = stand_in.admitting();
                 let keys = stand_in.keys();
                 pacer
-                    .slot(&stand_in, &keys.rule, class, (started, deadline), 1)
+                    .slot(&stand_in, &keys.rule, class, (started, deadline), cost)
                     .await
                     .map(|(granted, _)| granted)
             };
@@ -203,18 +226,6 @@ impl Pacer {
                 }
             }
         });
-        // A throttle widens once per generation: the request counts as reserved under the
-        // generation last seen.
-        let granted = lane::Grant {
-            class,
-            slot: Reservation {
-                at: Instant::now(),
-                generation: lane.seen.lock().generation,
-                unseen_late: Duration::ZERO,
-            },
-            cost: 1,
-        };
-        self.sent(route, keys, granted, Instant::now(), Duration::ZERO, None)
     }
 
     /// Refuses at once while pacegate stops or the destination is locked.

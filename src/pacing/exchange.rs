@@ -177,7 +177,13 @@ impl Pacer {
                 let cold = !shadow && expecting.cold();
                 // 2. The slot ("Reserving a slot", "Waiting, deadlines, concurrency"): each
                 // meter's first, where the destination has meters, then the request's own.
-                let metered = !shadow && outgoing.meters().is_some_and(|m| !m.is_empty());
+                let metered = outgoing.meters().is_some_and(|m| !m.is_empty());
+                if metered && shadow {
+                    if let Some(m) = outgoing.meters() {
+                        self.shadow_meters(m, class, deadline);
+                    }
+                }
+                let metered = metered && !shadow;
                 if cold || metered {
                     // Boxed, as the other rare waits here (see `Pacer::enter`): one wait for
                     // both, since a wait held in the future costs every request its room.

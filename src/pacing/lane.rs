@@ -210,11 +210,21 @@ impl Lane {
         )
     }
 
-    /// The lane of `d`'s meter `m`, named `DESTINATION~UNIT` (see
-    /// [`crate::budget::METER_MARK`]): its slots weighted by what each request costs.
-    pub(super) fn meter(d: &Destination, m: &Meter, classes: Arc<Classes>) -> Self {
+    /// The lane of meter `m` of `d`, or of its group `g`: named `DESTINATION~UNIT`, or
+    /// `DESTINATION/GROUP~UNIT` (see [`crate::budget::METER_MARK`]), its slots weighted by
+    /// what each request costs.
+    pub(super) fn meter(
+        d: &Destination,
+        g: Option<&Group>,
+        m: &Meter,
+        classes: Arc<Classes>,
+    ) -> Self {
+        let budget = match g {
+            Some(g) => format!("{}{GROUP_MARK}{}", d.name, g.name),
+            None => d.name.clone(),
+        };
         let mut lane = Self::of(
-            &format!("{}{METER_MARK}{}", d.name, m.name),
+            &format!("{budget}{METER_MARK}{}", m.name),
             &d.name,
             &m.pace,
             classes,

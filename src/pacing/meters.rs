@@ -93,25 +93,22 @@ impl Pacer {
         route: &Route,
         outgoing: &mut Outgoing,
     ) -> Result<(), BodyError> {
-        let lanes = &route.lanes;
+        let meters = &route.meters().list;
         let reads_body = matches!(route.lane.keys().pace.key, Some(KeyFrom::Json(_)))
-            || lanes
-                .meters
+            || meters
                 .iter()
                 .any(|(m, _)| !matches!(m.cost, Cost::Header(_) | Cost::Fixed(_)));
         let body = match reads_body {
-            true => Some(outgoing.read_body(lanes.max_body).await?),
+            true => Some(outgoing.read_body(route.lanes.max_body).await?),
             false => None,
         };
         let read = body.as_deref().unwrap_or_default();
-        let query = lanes
-            .meters
+        let query = meters
             .iter()
             .any(|(m, _)| m.cost.by_query())
             .then(|| Query::of(read))
             .flatten();
-        let taken = lanes
-            .meters
+        let taken = meters
             .iter()
             .map(|(m, lane)| {
                 let query = query.filter(|_| m.cost.by_query());
@@ -129,7 +126,7 @@ impl Pacer {
                 }
             })
             .collect();
-        for (m, _) in &lanes.meters {
+        for (m, _) in meters {
             if let Cost::Header(name) = &m.cost {
                 outgoing.remove_header(name);
             }
@@ -139,7 +136,7 @@ impl Pacer {
         let chat = ["/chat/completions", "/completions"]
             .iter()
             .any(|p| outgoing.uri().path().ends_with(p));
-        let openai = lanes.meters.iter().any(|(m, _)| m.cost == Cost::OpenAi);
+        let openai = meters.iter().any(|(m, _)| m.cost == Cost::OpenAi);
         let asked = (chat && openai)
             .then(|| body.as_deref().and_then(usage::ask))
             .flatten();
@@ -191,7 +188,7 @@ impl Pacer {
         // fresh. A slot taken before it has gone stale meanwhile: it is given back and taken
         // again, at once where that meter has room. A few rounds at most.
         let n = metering.taken.len();
-        let binding = route.lanes.binding.load(Ordering::Relaxed).min(n - 1);
+        let binding = route.meters().binding.load(Ordering::Relaxed).min(n - 1);
         let mut wanted: Vec<usize> = std::iter::once(binding)
             .chain((0..n).filter(|i| *i != binding))
             .collect();
@@ -223,7 +220,7 @@ impl Pacer {
                     .slot
                     .map_or(asked, |(s, _)| s.at.max(asked))
             }) {
-                route.lanes.binding.store(latest, Ordering::Relaxed);
+                route.meters().binding.store(latest, Ordering::Relaxed);
             }
             wanted = metering
                 .taken
@@ -244,6 +241,29 @@ impl Pacer {
         }
         // Still stale after every round: the send's own check gives them all back.
         Ok(())
+    }
+
+    /// Shadow mode: the request goes at once, while each meter's stand-in waits for the
+    /// slot its estimate would have taken (see `Pacer::stand_in`), so that the meter's
+    /// schedule is the one enforcing would have made and its waits are counted; the
+    /// response settles the difference as it would.
+    pub(super) fn shadow_meters(
+        self: &Arc<Self>,
+        metering: &mut Metering,
+        class: Class,
+        deadline: Instant,
+    ) {
+        let now = Instant::now();
+        for t in metering.taken.iter_mut().filter(|t| t.slot.is_none()) {
+            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
+            self.stand_in(t.lane.clone(), class, deadline, cost);
+            let slot = Reservation {
+                at: now,
+                generation: t.lane.seen.lock().generation,
+                unseen_late: Duration::ZERO,
+            };
+            t.slot = Some((slot, cost));
+        }
     }
 
     /// Whether a meter's slot is too late at `now` to send on (see [`METER_LATE`]): then

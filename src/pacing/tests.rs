@@ -1098,6 +1098,7 @@ async fn a_reload_that_adds_and_removes_a_group_keeps_every_other_budget() {
         methods: Vec::new(),
         resource: None,
         pace: pace(2.0),
+        meters: Vec::new(),
     };
     let changes = p.reconfigure(&[with_group(vec![search])]).await.unwrap();
     assert_eq!(changes.added, vec!["d/search"]);

@@ -128,6 +128,36 @@ async fn a_stream_is_settled_from_its_last_event_and_one_cut_off_keeps_its_estim
 }
 
 #[tokio::test]
+async fn in_shadow_mode_every_request_goes_at_once_and_its_meter_counts_what_it_would_have_waited()
+{
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "mode = \"shadow\"").await;
+    // Five requests of 210 estimated tokens at 1,000 a second, estimates standing (the
+    // answers say nothing of their cost): enforcing would have put them 0.21 s apart.
+    chats(&proxy, &upstream, "/status/200", 5).await;
+    let span = spread(&upstream);
+    assert!(
+        span < Duration::from_millis(200),
+        "five requests in shadow mode went over {span:?}"
+    );
+    let waits = "pacegate_shadow_wait_seconds_count{destination=\"llm~tokens\",group=\"\"}";
+    support::eventually(
+        Duration::from_secs(5),
+        "each meter's stand-in counted",
+        || async { (proxy.metric(waits).await == 5.0).then_some(()) },
+    )
+    .await;
+    // 0 + 0.21 + 0.42 + 0.63 + 0.84 s.
+    let waited = proxy
+        .metric("pacegate_shadow_wait_seconds_sum{destination=\"llm~tokens\",group=\"\"}")
+        .await;
+    assert!(
+        waited >= 1.9,
+        "the meter's stand-ins would have waited {waited:.2} s in all"
+    );
+}
+
+#[tokio::test]
 async fn a_body_larger_than_a_meter_reads_is_refused_whole_before_it_waits() {
     let upstream = FakeUpstream::start().await;
     let proxy = llm(&upstream, "max_body = 100").await;
@@ -360,4 +390,53 @@ async fn a_shopify_bucket_said_to_run_low_pauses_the_meter_until_it_refills() {
     );
     let meter = proxy.destination("shop~points").await;
     assert_eq!(meter["unit"], "points", "{meter}");
+}
+
+#[tokio::test]
+async fn a_group_s_meter_paces_its_requests_and_no_other() {
+    let vendor = FakeLlm::shopify(100_000.0, 100_000.0).await;
+    let unused = FakeUpstream::start().await;
+    // GitHub's shape: REST calls paced in requests, GraphQL's path in points as well.
+    let proxy = TestProxy::start(
+        &unused.ca.cert_path,
+        "",
+        "[destinations.gh]\nhosts = [\"localhost\"]\nrate = 100\n\
+         [destinations.gh.groups.graphql]\npaths = [\"/graphql\"]\n\
+         [destinations.gh.groups.graphql.meters.points]\nrate = 100\ncost = \"shopify-graphql\"\ndefault = 50\n",
+    )
+    .await;
+    // Three queries of 50 points at once: half a second of the meter each.
+    ask(&proxy, &vendor, "{ products(first: 50) { id } }", 3).await;
+    let at: Vec<_> = vendor.charges().iter().map(|c| c.at).collect();
+    let span = at[2] - at[0];
+    assert!(
+        span >= Duration::from_millis(2 * 500 - 30),
+        "three queries of 50 points went within {span:?} at 100 points a second"
+    );
+    // Three REST calls at once take no meter's slot: 10 ms apart at 100 a second.
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let rest = vendor.url().replace("/graphql", "/repos/o/r");
+    let calls: Vec<_> = (0..3)
+        .map(|_| {
+            let (via, rest) = (via.clone(), rest.clone());
+            tokio::spawn(async move { via.get(rest).send().await.unwrap().status() })
+        })
+        .collect();
+    for c in calls {
+        assert_eq!(c.await.unwrap(), 200);
+    }
+    let at: Vec<_> = vendor.charges().iter().map(|c| c.at).collect();
+    let span = at[5] - at[3];
+    assert!(
+        span < Duration::from_millis(400),
+        "three REST calls took {span:?}, as if they waited for the group's meter"
+    );
+    let meter = proxy.destination("gh/graphql~points").await;
+    assert_eq!(meter["unit"], "points", "{meter}");
+    assert_eq!(
+        proxy
+            .metric("pacegate_meter_units_total{destination=\"gh\",group=\"graphql~points\"}")
+            .await,
+        150.0
+    );
 }

@@ -34,7 +34,6 @@ impl Validator<'_> {
                 ),
                 ("intercept", g.intercept.is_some()),
                 ("groups", g.groups.is_some()),
-                ("meters", g.meters.is_some()),
                 ("max_body", g.max_body.is_some()),
             ] {
                 if set {
@@ -80,6 +79,7 @@ impl Validator<'_> {
             }
             let mut own = self.pace(&gpath, &g.inherit(d));
             own.intercept = pace.intercept;
+            let meters = self.meters(&gpath, &g, &own);
             groups.push(Group {
                 name,
                 // Written as requests are read (`destination::path`).
@@ -90,6 +90,7 @@ impl Validator<'_> {
                 methods: methods.iter().map(|m| m.to_ascii_uppercase()).collect(),
                 resource: g.resource.clone(),
                 pace: own,
+                meters,
             });
         }
         groups

@@ -35,7 +35,7 @@ impl Validator<'_> {
         if raw.len() > MAX_METERS {
             self.push(
                 &format!("{path}.meters"),
-                format!("at most {MAX_METERS} meters per destination"),
+                format!("at most {MAX_METERS} meters per destination or group"),
             );
         }
         raw.into_iter()
@@ -94,6 +94,12 @@ impl Validator<'_> {
                 }
             },
         };
+        if m.quota.is_some() {
+            self.push(
+                &format!("{path}.quota"),
+                "quota windows are not supported on a meter yet (a window counts slots, not units): set the quota on the destination's requests, or pace the meter's `per_minute` to the daily figure",
+            );
+        }
         if m.default == Some(0) {
             self.push(
                 &format!("{path}.default"),

@@ -304,6 +304,7 @@ async fn a_vendor_view_goes_to_the_named_group_s_budget_of_the_same_key() {
             rate: 0.5,
             ..pace.clone()
         },
+        meters: Vec::new(),
     };
     let p = pacer_of(destination(pace, vec![search]), store.clone()).await;
     let headers = token("Bearer one");
