@@ -450,7 +450,14 @@ impl Proxy {
         })
     }
 
-    fn finish(&self, begun: Begun, handled: Handled) -> Response<ProxyBody> {
+    fn finish(&self, begun: Begun, mut handled: Handled) -> Response<ProxyBody> {
+        // A response a destination's budget paced says where its time went.
+        if handled.outcome == Outcome::Forwarded {
+            if let Some(waited) = handled.pace.waited {
+                let upstream = handled.pace.sent.map(|s| s.elapsed());
+                crate::headers::add_server_timing(handled.response.headers_mut(), waited, upstream);
+            }
+        }
         let metrics = &self.inner.metrics;
         let destination = handled.destination.as_deref().unwrap_or(UNMATCHED);
         let status = handled.response.status().as_u16();

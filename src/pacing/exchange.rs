@@ -48,8 +48,8 @@ const KEEP_WITHIN: Duration = Duration::from_secs(3);
 pub struct Note {
     /// How long the request waited for its slots, every attempt together.
     pub waited: Option<Duration>,
-    /// The last response's verdict.
-    pub verdict: Option<Verdict>,
+    /// The last response's verdict, as the log names it.
+    pub verdict: Option<verdict::Named>,
     /// How many times a throttled response was retried.
     pub retries: u32,
     /// The class the request waited in.
@@ -57,6 +57,9 @@ pub struct Note {
     /// The series of the budget it was paced on (a group's, where its path or method picked
     /// one), where its outcome is counted.
     pub series: Option<Arc<BudgetSeries>>,
+    /// When its last attempt was sent upstream: the upstream's time to its head counts
+    /// from it (`Server-Timing`).
+    pub sent: Option<Instant>,
 }
 
 /// Why an exchange gave the client no upstream response.
@@ -252,6 +255,7 @@ impl Pacer {
                 // boxed once, with its admission. Handed to `judge` within one expression, so
                 // that the exchange's future keeps no room for it beside the judge's.
                 let (verdict, response) = {
+                    note.sent = Some(Instant::now());
                     let response = match upstream.send(req, by, Some(expecting)).await {
                         Err(UpstreamError::Late(late)) => {
                             self.no_connection_in_time(&admission);
@@ -283,7 +287,7 @@ impl Pacer {
                 }
                 .await;
                 // 5. The verdict ("Verdicts"), applied to the budget in `judge`.
-                note.verdict = Some(verdict);
+                note.verdict = Some(verdict.named());
                 // 6. "Throttle, don't shut down": an idempotent request goes back for a fresh
                 // slot, the throttled answer kept for the client should none come in time.
                 let throttled = matches!(verdict, Verdict::Throttled { .. });

@@ -62,9 +62,41 @@ impl Why {
 impl Verdict {
     /// The `verdict` metric label.
     pub fn as_str(self) -> &'static str {
+        self.named().as_str()
+    }
+
+    /// The `reason` metric label: what decided the verdict.
+    pub fn reason(self) -> &'static str {
+        self.named().reason()
+    }
+
+    /// What the request log says of it.
+    pub fn named(self) -> Named {
+        match self {
+            Self::Clean => Named::Clean,
+            Self::Throttled { why, .. } => Named::Throttled(why),
+            Self::Lockout => Named::Lockout,
+            Self::None => Named::None,
+        }
+    }
+}
+
+/// A verdict as the request log and the metrics name it, without the pauses it carries: what
+/// a request's note keeps, two bytes rather than the verdict's fifty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Named {
+    Clean,
+    Throttled(Why),
+    Lockout,
+    None,
+}
+
+impl Named {
+    /// The `verdict` metric label.
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::Clean => "clean",
-            Self::Throttled { .. } => "throttled",
+            Self::Throttled(_) => "throttled",
             Self::Lockout => "lockout",
             Self::None => "none",
         }
@@ -73,7 +105,7 @@ impl Verdict {
     /// The `reason` metric label: what decided the verdict.
     pub fn reason(self) -> &'static str {
         match self {
-            Self::Throttled { why, .. } => why.as_str(),
+            Self::Throttled(why) => why.as_str(),
             _ => "status",
         }
     }

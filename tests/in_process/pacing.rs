@@ -839,3 +839,47 @@ async fn one_client_minting_keys_is_refused_past_its_share_and_says_who() {
         1.0
     );
 }
+
+/// A `Server-Timing` metric's duration in a response's field, in milliseconds.
+fn timing(resp: &reqwest::Response, metric: &str) -> Option<f64> {
+    let field = resp.headers().get("server-timing")?.to_str().ok()?;
+    field.split(',').find_map(|item| {
+        let (name, params) = item.trim().split_once(';')?;
+        (name == metric).then(|| params.strip_prefix("dur=")?.parse().ok())?
+    })
+}
+
+#[tokio::test]
+async fn a_response_tells_the_client_how_long_it_waited_and_how_long_the_upstream_took() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 4").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // The origin's own metric first, then pacegate's, in one field.
+    let url = format!(
+        "{}/status/200?delay=150&h=server-timing:origin;dur=7",
+        upstream.http_url("localhost")
+    );
+    let first = via.get(&url).send().await.unwrap();
+    let second = via.get(&url).send().await.unwrap();
+    for resp in [&first, &second] {
+        let field = resp.headers()["server-timing"].to_str().unwrap();
+        assert!(
+            field.starts_with("origin;dur=7, pacegate-wait;dur="),
+            "{field}"
+        );
+        assert_eq!(resp.headers().get_all("server-timing").iter().count(), 1);
+        let upstream_ms = timing(resp, "pacegate-upstream").unwrap();
+        assert!(
+            (145.0..2000.0).contains(&upstream_ms),
+            "an upstream that answers after 150 ms took {upstream_ms} ms by Server-Timing"
+        );
+    }
+    // The second waited for its slot, a quarter of a second after the first's, less the
+    // first's 150 ms at the upstream.
+    let waited = timing(&second, "pacegate-wait").unwrap();
+    assert!(
+        (60.0..250.0).contains(&waited),
+        "the second request waited {waited} ms by Server-Timing"
+    );
+    assert!(timing(&first, "pacegate-wait").unwrap() < 50.0);
+}

@@ -328,15 +328,22 @@ pub struct Seen {
 impl Seen {
     pub async fn of(resp: reqwest::Response) -> Self {
         let status = resp.status().as_u16();
+        // pacegate's own `Server-Timing` metrics are what a proxied answer adds; the origin's
+        // are compared as they are.
         let mut headers: Vec<(String, String)> = resp
             .headers()
             .iter()
             .filter(|(k, _)| *k != "date")
-            .map(|(k, v)| {
-                (
-                    k.to_string(),
-                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                )
+            .filter_map(|(k, v)| {
+                let mut v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                if k == "server-timing" {
+                    v = v
+                        .split(", ")
+                        .filter(|m| !m.starts_with("pacegate-"))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                }
+                (!v.is_empty()).then(|| (k.to_string(), v))
             })
             .collect();
         headers.sort();
