@@ -47,6 +47,7 @@ impl Pace {
             retry_after_max: Duration::from_secs(3600),
             retry_throttled: 3,
             intercept: true,
+            advertise: true,
             mode: Mode::Enforce,
             quota: Vec::new(),
             signals: Families::ALL,
@@ -506,6 +507,8 @@ pub struct Pace {
     /// Intercept CONNECT (default); false makes it a blind tunnel that takes one slot and
     /// sees no verdicts.
     pub intercept: bool,
+    /// Tell clients of the budget in the RateLimit fields of its responses (default).
+    pub advertise: bool,
     /// Enforce the pace (default), or only compute and count it.
     pub mode: Mode,
     /// Quota windows on top of the rate. Default none.

@@ -36,7 +36,9 @@
 //!   budget; `pacing::meters` takes a request's slots in its destination's meters (budgets in
 //!   tokens or points), weighted by its estimated cost, and settles them from the response;
 //!   `pacing::keys` splits a budget by key (a lane per
-//!   host, credential or tenant, made on first use, bounded, forgotten when idle).
+//!   host, credential or tenant, made on first use, bounded, forgotten when idle);
+//!   `pacing::advertise` is what a response tells its client of the budget that paced it
+//!   (the RateLimit fields).
 //! - [`budget`]: the budget seam ([`budget::Store`]) and the arithmetic every store shares
 //!   (`budget::schedule`), with the contract suite and the model test (`budget::model`) each
 //!   store passes, and what this instance knows of each budget (`budget::known`), which the

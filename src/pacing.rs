@@ -17,6 +17,7 @@
 //! opens no socket.
 
 mod admit;
+mod advertise;
 mod dispatch;
 mod exchange;
 mod keys;
@@ -44,6 +45,7 @@ use crate::class::{Class, Classes};
 use crate::destination::{group_of, Destination, Group, Meter, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
+pub use advertise::{Advertised, Paced};
 pub use exchange::{ExchangeError, Exchanged, Note};
 pub use keys::Asking;
 use lane::Lane;

@@ -451,20 +451,14 @@ impl Proxy {
     }
 
     fn finish(&self, begun: Begun, mut handled: Handled) -> Response<ProxyBody> {
-        // A response a destination's budget paced says where its time went.
-        if handled.outcome == Outcome::Forwarded {
-            if let Some(waited) = handled.pace.waited {
-                let upstream = handled.pace.sent.map(|s| s.elapsed());
-                crate::headers::add_server_timing(handled.response.headers_mut(), waited, upstream);
-            }
-        }
+        tell_the_client(&mut handled);
         let metrics = &self.inner.metrics;
         let destination = handled.destination.as_deref().unwrap_or(UNMATCHED);
         let status = handled.response.status().as_u16();
         let elapsed = begun.started.elapsed();
         // Counted under the budget that paced it (a group's, where one did), in the series
         // it found once; a request refused before it reached a budget looks its up.
-        match &handled.pace.series {
+        match handled.pace.paced.as_ref().map(|p| p.series(metrics)) {
             Some(series) => {
                 series.requests(handled.outcome.as_str()).inc();
                 series.duration.observe(elapsed.as_secs_f64());
@@ -507,6 +501,41 @@ impl Proxy {
         }
         .log();
         handled.response
+    }
+}
+
+/// What a response of a destination's budget tells its client of pacegate: where its time
+/// went (`Server-Timing`) and the budget's policy and standing (the RateLimit fields), on an
+/// answer forwarded from the upstream; the RateLimit fields, and a `Retry-After` no sooner
+/// than they say, on pacegate's own 503.
+fn tell_the_client(handled: &mut Handled) {
+    let Some(paced) = &handled.pace.paced else {
+        return;
+    };
+    let refused = handled.response.status() == http::StatusCode::SERVICE_UNAVAILABLE
+        && handled.outcome != Outcome::Forwarded;
+    if handled.outcome != Outcome::Forwarded && !refused {
+        return;
+    }
+    let headers = handled.response.headers_mut();
+    if let (false, Some(waited)) = (refused, handled.pace.waited) {
+        let upstream = handled.pace.sent.map(|s| s.elapsed());
+        crate::headers::add_server_timing(headers, waited, upstream);
+    }
+    let Some(told) = paced.advertised() else {
+        return;
+    };
+    told.write(headers);
+    if refused {
+        let said = headers
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if said.is_none_or(|s| s < told.reset) {
+            headers.insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from(told.reset.max(1)),
+            );
+        }
     }
 }
 

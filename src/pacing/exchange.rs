@@ -15,13 +15,14 @@ use http_body_util::{BodyExt, Either, Full};
 use tokio::time::Instant;
 use tokio_util::either::Either as Step;
 
+use super::advertise::Paced;
 use super::observe::{written, Writes};
 use super::outgoing::{BodyError, Outgoing};
 use super::verdict::{self, Reading, Verdict};
 use super::{sniff, Admission, Asking, PaceError, Pacer, Route};
 use crate::class::Class;
 use crate::destination::{Mode, Pace};
-use crate::metrics::{labels, BudgetSeries};
+use crate::metrics::labels;
 use crate::signals;
 use crate::upstream::{ProxyBody, Upstream, UpstreamError};
 
@@ -54,9 +55,10 @@ pub struct Note {
     pub retries: u32,
     /// The class the request waited in.
     pub class: Option<Class>,
-    /// The series of the budget it was paced on (a group's, where its path or method picked
-    /// one), where its outcome is counted.
-    pub series: Option<Arc<BudgetSeries>>,
+    /// The budget it was paced on (a group's, where its path or method picked one; a key's,
+    /// where it is split by key): where its outcome is counted, and what its response tells
+    /// the client.
+    pub paced: Option<Paced>,
     /// When its last attempt was sent upstream: the upstream's time to its head counts
     /// from it (`Server-Timing`).
     pub sent: Option<Instant>,
@@ -125,7 +127,7 @@ impl Pacer {
             let picked = route.pick(outgoing.method().as_str(), outgoing.uri().path());
             // Lent for the counts here; one reference for the log line.
             let series = picked.lane.series(&self.metrics);
-            note.series = Some(series.clone());
+            note.paced = Some(Paced(picked.lane.clone()));
             // The request's cost to each of the destination's meters, estimated before it
             // waits: its body is read first where an estimate or a `json:FIELD` key reads it
             // (boxed: rare).
@@ -151,6 +153,7 @@ impl Pacer {
                 .await?;
                 // The meters' budgets are split by the same key.
                 self.key_meters(&keyed, outgoing)?;
+                note.paced = Some(Paced(keyed.lane.clone()));
                 &keyed
             } else {
                 &picked

@@ -883,3 +883,137 @@ async fn a_response_tells_the_client_how_long_it_waited_and_how_long_the_upstrea
     );
     assert!(timing(&first, "pacegate-wait").unwrap() < 50.0);
 }
+
+/// pacegate's item (`"pacegate";…`) of a RateLimit field, as its parameters.
+fn pacegate_item(resp: &reqwest::Response, field: &str) -> Option<Vec<(String, String)>> {
+    let value = resp.headers().get(field)?.to_str().ok()?;
+    let item = value
+        .split(", ")
+        .find_map(|i| i.strip_prefix("\"pacegate\";"))?;
+    Some(
+        item.split(';')
+            .filter_map(|p| p.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+    )
+}
+
+fn param(item: &[(String, String)], name: &str) -> Option<u64> {
+    item.iter().find(|(k, _)| k == name)?.1.parse().ok()
+}
+
+#[tokio::test]
+async fn a_paced_response_carries_pacegate_s_ratelimit_items_after_the_origin_s() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(
+        &upstream.ca.cert_path,
+        "",
+        "[destinations.local]\nhosts = [\"localhost\"]\nrate = 20\n\
+         [destinations.tenants]\nhosts = [\"127.0.0.1\"]\nrate = 20\nkey = \"header:x-tenant\"\n",
+    )
+    .await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // The origin's own policy and standing are kept, first, in the same field.
+    let url = format!(
+        "{}/status/200?h=ratelimit-policy:burst;q=100;w=60&h=ratelimit:burst;r=50;t=30",
+        upstream.http_url("localhost")
+    );
+    let resp = via.get(&url).send().await.unwrap();
+    assert_eq!(
+        resp.headers()["ratelimit-policy"],
+        "burst;q=100;w=60, \"pacegate\";q=20;w=1"
+    );
+    assert_eq!(
+        resp.headers()["ratelimit"],
+        "burst;r=50;t=30, \"pacegate\";r=20;t=0"
+    );
+    // A budget split by key names its partition by a fingerprint, never the key.
+    let keyed = format!("{}/status/200", upstream.http_url("127.0.0.1"));
+    let fingerprints: Vec<String> = ["alice", "bob"]
+        .iter()
+        .map(|tenant| async {
+            let tenant: &str = tenant;
+            let resp = via
+                .get(&keyed)
+                .header("x-tenant", tenant)
+                .send()
+                .await
+                .unwrap();
+            let field = resp.headers()["ratelimit"].to_str().unwrap().to_owned();
+            assert!(!field.contains(tenant), "{field}");
+            let item = pacegate_item(&resp, "ratelimit").unwrap();
+            item.iter().find(|(k, _)| k == "pk").unwrap().1.clone()
+        })
+        .collect::<futures_util::future::JoinAll<_>>()
+        .await;
+    assert_ne!(fingerprints[0], fingerprints[1]);
+    assert!(fingerprints[0].starts_with(':') && fingerprints[0].ends_with(':'));
+    // `advertise = false`: no RateLimit item of pacegate's, the Server-Timing still.
+    let quiet = start(&upstream, "rate = 20\nadvertise = false").await;
+    let via = client(Some(&quiet.url()), &[&quiet.ca_path()], Alpn::Http1);
+    let resp = via
+        .get(format!("{}/status/200", upstream.http_url("localhost")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("ratelimit").is_none());
+    assert!(resp.headers().get("ratelimit-policy").is_none());
+    assert!(timing(&resp, "pacegate-wait").is_some());
+}
+
+#[tokio::test]
+async fn requests_waiting_are_told_in_ratelimit_and_a_refusal_comes_back_no_sooner_than_it_says() {
+    let upstream = FakeUpstream::start().await;
+    // Two a second: a window of 5 s holds ten slots; a request may wait 1.2 s.
+    let proxy = start(&upstream, "rate = 2\nmax_wait = \"1200ms\"").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let url = format!("{}/status/200?delay=200", upstream.http_url("localhost"));
+    let sends: Vec<_> = (0..5)
+        .map(|_| {
+            let (via, url) = (via.clone(), url.clone());
+            tokio::spawn(async move { via.get(url).send().await.unwrap() })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for s in sends {
+        answers.push(s.await.unwrap());
+    }
+    // The first answered came back while the others waited: fewer than ten of the window's
+    // slots are left, and a new request would wait at least a second.
+    let first = answers
+        .iter()
+        .filter(|r| r.status() == 200)
+        .min_by(|a, b| {
+            let t = |r: &reqwest::Response| timing(r, "pacegate-wait").unwrap();
+            t(a).total_cmp(&t(b))
+        })
+        .unwrap();
+    let policy = pacegate_item(first, "ratelimit-policy").unwrap();
+    assert_eq!(
+        (param(&policy, "q"), param(&policy, "w")),
+        (Some(10), Some(5))
+    );
+    let standing = pacegate_item(first, "ratelimit").unwrap();
+    assert!(param(&standing, "r").unwrap() < 10, "{standing:?}");
+    assert!(param(&standing, "t").unwrap() >= 1, "{standing:?}");
+    // Those that could not be served within 1.2 s are refused, each telling when to come
+    // back: a Retry-After no sooner than its RateLimit's `t`.
+    let refused: Vec<_> = answers.iter().filter(|r| r.status() == 503).collect();
+    assert!(
+        !refused.is_empty(),
+        "five requests at two a second within 1.2 s"
+    );
+    for r in refused {
+        let standing = pacegate_item(r, "ratelimit").unwrap();
+        let retry_after: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            retry_after >= param(&standing, "t").unwrap().max(1),
+            "{standing:?}"
+        );
+    }
+}

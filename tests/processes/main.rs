@@ -30,3 +30,4 @@ mod shadow;
 mod sidecars;
 mod standby;
 mod state_file;
+mod telling;

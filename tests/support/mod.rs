@@ -328,18 +328,18 @@ pub struct Seen {
 impl Seen {
     pub async fn of(resp: reqwest::Response) -> Self {
         let status = resp.status().as_u16();
-        // pacegate's own `Server-Timing` metrics are what a proxied answer adds; the origin's
-        // are compared as they are.
+        // pacegate's own items are what a proxied answer adds (its `Server-Timing` metrics,
+        // its RateLimit items); the origin's are compared as they are.
         let mut headers: Vec<(String, String)> = resp
             .headers()
             .iter()
             .filter(|(k, _)| *k != "date")
             .filter_map(|(k, v)| {
                 let mut v = String::from_utf8_lossy(v.as_bytes()).into_owned();
-                if k == "server-timing" {
+                if ["server-timing", "ratelimit", "ratelimit-policy"].contains(&k.as_str()) {
                     v = v
                         .split(", ")
-                        .filter(|m| !m.starts_with("pacegate-"))
+                        .filter(|m| !m.starts_with("pacegate-") && !m.starts_with("\"pacegate\""))
                         .collect::<Vec<_>>()
                         .join(", ");
                 }

@@ -84,6 +84,7 @@ impl Validator<'_> {
                 0..=10,
             ),
             intercept: d.intercept.unwrap_or(default.intercept),
+            advertise: d.advertise.unwrap_or(default.advertise),
             mode: d.mode.unwrap_or(default.mode),
             quota: d.quota.clone().unwrap_or_default(),
             signals: self.signals(path, d.signals.as_ref()),
