@@ -1,5 +1,6 @@
 //! What pacegate adds to one request: the same 1 KiB GET sent direct, through http forwarding
-//! and through https interception, on warm (pooled) connections, in one criterion group.
+//! (with the RateLimit fields pacegate adds, and without: `advertise = false`) and through
+//! https interception, on warm (pooled) connections, in one criterion group.
 //!
 //! Run: `cargo bench --bench proxy_overhead`. Figures are recorded in docs/benchmarks.md.
 
@@ -21,25 +22,30 @@ fn proxy_overhead(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let (upstream, proxy) = rt.block_on(async {
+    const LOCAL: &str = "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n";
+    let (upstream, proxy, quiet) = rt.block_on(async {
         let upstream = FakeUpstream::start().await;
-        let proxy = TestProxy::start(
+        let proxy = TestProxy::start(&upstream.ca.cert_path, "", LOCAL).await;
+        // The same without the RateLimit fields (`advertise = false`), to see what they cost.
+        let quiet = TestProxy::start(
             &upstream.ca.cert_path,
             "",
-            "[destinations.local]\nhosts = [\"localhost\"]\nrate = 100000\n# Forwarding scenarios: no verdicts, so every status passes through untouched.\nthrottle_statuses = []\nlockout_statuses = []\n",
+            &format!("{LOCAL}advertise = false\n"),
         )
         .await;
-        (upstream, proxy)
+        (upstream, proxy, quiet)
     });
     let http = format!("{}/bytes/1024", upstream.http_url("localhost"));
     let https = format!("{}/bytes/1024", upstream.https_url("localhost"));
     let direct = client(None, &[&upstream.ca.cert_path], Alpn::Http1);
     let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let via_quiet = client(Some(&quiet.url()), &[&quiet.ca_path()], Alpn::Http1);
 
     let mut group = c.benchmark_group("get_1KiB");
     let cases = [
         ("direct_http", &direct, &http),
         ("via_http_forward", &via, &http),
+        ("via_http_forward_no_ratelimit", &via_quiet, &http),
         ("direct_https", &direct, &https),
         ("via_https_intercept", &via, &https),
     ];
@@ -59,7 +65,7 @@ fn proxy_overhead(c: &mut Criterion) {
         });
     }
     group.finish();
-    drop(proxy);
+    drop((proxy, quiet));
     drop(upstream);
 }
 

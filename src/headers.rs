@@ -226,6 +226,75 @@ mod tests {
     use super::*;
     use crate::class::CLASS_HEADER;
 
+    /// Whatever the origin sent, what pacegate adds to a response (`Server-Timing`, and the
+    /// RateLimit fields through the same [`append_to_list`]) changes no other field, and
+    /// keeps the origin's items of these first, as they came.
+    #[test]
+    fn what_pacegate_adds_leaves_the_origin_s_fields_as_they_came() {
+        use proptest::prelude::*;
+        use proptest::test_runner::{Config, TestRunner};
+        let name = prop::sample::select(vec![
+            "server-timing",
+            "ratelimit",
+            "ratelimit-policy",
+            "retry-after",
+            "content-type",
+            "x-custom",
+            "set-cookie",
+        ]);
+        let value = "[ -~]{0,40}";
+        let fields = prop::collection::vec((name, value), 0..8);
+        TestRunner::new(Config::with_cases(2_000))
+            .run(&fields, |fields| {
+                let mut h = HeaderMap::new();
+                for (n, v) in &fields {
+                    if let Ok(v) = HeaderValue::from_str(v) {
+                        h.append(*n, v);
+                    }
+                }
+                let before = h.clone();
+                add_server_timing(&mut h, std::time::Duration::from_millis(3), None);
+                append_to_list(
+                    &mut h,
+                    &HeaderName::from_static("ratelimit"),
+                    "\"pacegate\";r=1;t=0",
+                );
+                let ours = ["server-timing", "ratelimit"];
+                for (n, _) in before.iter().filter(|(n, _)| !ours.contains(&n.as_str())) {
+                    prop_assert_eq!(
+                        before.get_all(n).iter().collect::<Vec<_>>(),
+                        h.get_all(n).iter().collect::<Vec<_>>()
+                    );
+                }
+                prop_assert_eq!(
+                    before.len()
+                        - ours
+                            .iter()
+                            .map(|n| before.get_all(*n).iter().count())
+                            .sum::<usize>(),
+                    h.len()
+                        - ours
+                            .iter()
+                            .map(|n| h.get_all(*n).iter().count())
+                            .sum::<usize>()
+                );
+                for n in ours {
+                    let all: Vec<_> = h.get_all(n).iter().collect();
+                    prop_assert_eq!(all.len(), 1, "one {} field", n);
+                    let origin: Vec<&[u8]> = before
+                        .get_all(n)
+                        .iter()
+                        .map(HeaderValue::as_bytes)
+                        .filter(|v| !v.is_empty())
+                        .collect();
+                    let joined = origin.join(&b", "[..]);
+                    prop_assert!(all[0].as_bytes().starts_with(&joined));
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
     #[test]
     fn server_timing_follows_the_origin_s_in_one_field() {
         use std::time::Duration;
