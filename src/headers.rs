@@ -2,6 +2,7 @@
 //! either direction (the proxy strips requests, the upstream client responses). Which of the
 //! names acted on a message holds is found in one pass over its names ([`Found`]).
 
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the
@@ -186,34 +187,37 @@ static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
 /// Tells the client where a forwarded response's time went: `waited` for the slot, and
 /// `upstream` from its send to the upstream's head, where known, as `Server-Timing` metrics
 /// (`pacegate-wait;dur=12.5, pacegate-upstream;dur=80.1`, milliseconds) after the origin's.
+/// Written into `buf`, which a response's other fields of pacegate's share (see
+/// [`append_to_list`]).
 pub fn add_server_timing(
     headers: &mut HeaderMap,
+    buf: &mut BytesMut,
     waited: std::time::Duration,
     upstream: Option<std::time::Duration>,
 ) {
     use std::fmt::Write;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-    let mut ours = String::with_capacity(56);
-    let _ = write!(ours, "pacegate-wait;dur={:.1}", ms(waited));
+    let _ = write!(buf, "pacegate-wait;dur={:.1}", ms(waited));
     if let Some(up) = upstream {
-        let _ = write!(ours, ", pacegate-upstream;dur={:.1}", ms(up));
+        let _ = write!(buf, ", pacegate-upstream;dur={:.1}", ms(up));
     }
-    append_to_list(headers, &SERVER_TIMING, &ours);
+    append_to_list(headers, &SERVER_TIMING, buf.split().freeze());
 }
 
 /// Adds `items` to the list field `name`, after the items it came with, as one field: a list
 /// split over several lines is the same list (RFC 9110 section 5.3), but not every client
-/// reads past the first line.
-pub fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, items: &str) {
+/// reads past the first line. Where the field did not come, `items` is the value as it is,
+/// not copied: the fields pacegate adds to a response are written into one buffer.
+pub fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, items: Bytes) {
     let mut joined: Vec<u8> = Vec::new();
     for v in headers.get_all(name).iter().filter(|v| !v.is_empty()) {
         joined.extend_from_slice(v.as_bytes());
         joined.extend_from_slice(b", ");
     }
     let value = if joined.is_empty() {
-        HeaderValue::from_str(items)
+        HeaderValue::from_maybe_shared(items)
     } else {
-        joined.extend_from_slice(items.as_bytes());
+        joined.extend_from_slice(&items);
         HeaderValue::from_bytes(&joined)
     };
     if let Ok(v) = value {
@@ -253,11 +257,12 @@ mod tests {
                     }
                 }
                 let before = h.clone();
-                add_server_timing(&mut h, std::time::Duration::from_millis(3), None);
+                let mut buf = BytesMut::new();
+                add_server_timing(&mut h, &mut buf, std::time::Duration::from_millis(3), None);
                 append_to_list(
                     &mut h,
                     &HeaderName::from_static("ratelimit"),
-                    "\"pacegate\";r=1;t=0",
+                    Bytes::from_static(b"\"pacegate\";r=1;t=0"),
                 );
                 let ours = ["server-timing", "ratelimit"];
                 for (n, _) in before.iter().filter(|(n, _)| !ours.contains(&n.as_str())) {
@@ -304,6 +309,7 @@ mod tests {
         ]);
         add_server_timing(
             &mut h,
+            &mut BytesMut::new(),
             Duration::from_micros(12_345),
             Some(Duration::from_millis(80)),
         );
@@ -313,7 +319,7 @@ mod tests {
             ["db;dur=53, app;dur=47.2, pacegate-wait;dur=12.3, pacegate-upstream;dur=80.0"]
         );
         let mut h = HeaderMap::new();
-        add_server_timing(&mut h, Duration::ZERO, None);
+        add_server_timing(&mut h, &mut BytesMut::new(), Duration::ZERO, None);
         assert_eq!(h["server-timing"], "pacegate-wait;dur=0.0");
     }
 

@@ -518,14 +518,16 @@ fn tell_the_client(handled: &mut Handled) {
         return;
     }
     let headers = handled.response.headers_mut();
+    // One buffer for every field pacegate adds: room for all three, so one allocation.
+    let mut buf = bytes::BytesMut::with_capacity(160);
     if let (false, Some(waited)) = (refused, handled.pace.waited) {
         let upstream = handled.pace.sent.map(|s| s.elapsed());
-        crate::headers::add_server_timing(headers, waited, upstream);
+        crate::headers::add_server_timing(headers, &mut buf, waited, upstream);
     }
     let Some(told) = paced.advertised() else {
         return;
     };
-    told.write(headers);
+    told.write(headers, &mut buf);
     if refused {
         let said = headers
             .get(http::header::RETRY_AFTER)

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
+use bytes::BytesMut;
 use http::{HeaderMap, HeaderName};
 
 use super::lane::Lane;
@@ -112,25 +113,21 @@ fn whole_seconds(d: Duration) -> u64 {
 
 impl Advertised {
     /// Adds pacegate's items to the response's `RateLimit-Policy` and `RateLimit` fields,
-    /// after the origin's.
-    pub fn write(&self, headers: &mut HeaderMap) {
-        let pk = self
-            .partition
-            .map(|p| {
-                let bytes = base64::engine::general_purpose::STANDARD.encode(p.to_be_bytes());
-                format!(";pk=:{bytes}:")
-            })
-            .unwrap_or_default();
-        crate::headers::append_to_list(
-            headers,
-            &POLICY,
-            &format!("\"pacegate\";q={};w={}{pk}", self.quota, self.window),
-        );
-        crate::headers::append_to_list(
-            headers,
-            &RATELIMIT,
-            &format!("\"pacegate\";r={};t={}{pk}", self.remaining, self.reset),
-        );
+    /// after the origin's, written into `buf` (see [`crate::headers::append_to_list`]).
+    pub fn write(&self, headers: &mut HeaderMap, buf: &mut BytesMut) {
+        use std::fmt::Write;
+        let pk = |buf: &mut BytesMut| {
+            if let Some(p) = self.partition {
+                let key = base64::engine::general_purpose::STANDARD.encode(p.to_be_bytes());
+                let _ = write!(buf, ";pk=:{key}:");
+            }
+        };
+        let _ = write!(buf, "\"pacegate\";q={};w={}", self.quota, self.window);
+        pk(buf);
+        crate::headers::append_to_list(headers, &POLICY, buf.split().freeze());
+        let _ = write!(buf, "\"pacegate\";r={};t={}", self.remaining, self.reset);
+        pk(buf);
+        crate::headers::append_to_list(headers, &RATELIMIT, buf.split().freeze());
     }
 }
 
@@ -150,7 +147,7 @@ mod tests {
             reset: 1,
             partition: Some(0x0102_0304_0506_0708),
         };
-        a.write(&mut h);
+        a.write(&mut h, &mut BytesMut::new());
         assert_eq!(
             h["ratelimit-policy"],
             "\"burst\";q=100;w=60, \"pacegate\";q=10;w=2;pk=:AQIDBAUGBwg=:"
@@ -164,7 +161,7 @@ mod tests {
             partition: None,
             ..a
         }
-        .write(&mut h);
+        .write(&mut h, &mut BytesMut::new());
         assert_eq!(h["ratelimit"], "\"pacegate\";r=7;t=1");
     }
 
