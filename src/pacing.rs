@@ -145,10 +145,12 @@ pub(crate) struct Lanes {
     group_meters: Vec<Meters>,
     /// What a meter may read of a request body to estimate its cost.
     max_body: usize,
-    /// Whether a request's body may be read before its slot: the destination has a meter,
-    /// or it or a group is keyed by a field of the body (`json:FIELD`). A reload makes new
+    /// Whether a request's body may be read before its slot: the destination or a group has
+    /// a meter, or either is keyed by a field of the body (`json:FIELD`). A reload makes new
     /// `Lanes`, so this follows the config.
     reads_body: bool,
+    /// Whether the destination or a group is keyed by a field of the body.
+    keyed_by_body: bool,
 }
 
 /// The meters a request of one budget takes, each with its lane.
@@ -179,6 +181,9 @@ impl Meters {
 
 impl Lanes {
     fn new(d: &Destination, classes: &Arc<Classes>) -> Self {
+        let keyed_by_body = std::iter::once(&d.pace)
+            .chain(d.groups.iter().map(|g| &g.pace))
+            .any(|p| matches!(p.key, Some(crate::destination::KeyFrom::Json(_))));
         Self {
             own: Arc::new(Lane::new(d, classes.clone())),
             groups: d.groups.clone(),
@@ -194,11 +199,10 @@ impl Lanes {
                 .map(|g| Meters::new(d, Some(g), &g.meters, classes))
                 .collect(),
             max_body: d.max_body,
-            reads_body: !d.meters.is_empty()
-                || d.groups.iter().any(|g| !g.meters.is_empty())
-                || std::iter::once(&d.pace)
-                    .chain(d.groups.iter().map(|g| &g.pace))
-                    .any(|p| matches!(p.key, Some(crate::destination::KeyFrom::Json(_)))),
+            reads_body: keyed_by_body
+                || !d.meters.is_empty()
+                || d.groups.iter().any(|g| !g.meters.is_empty()),
+            keyed_by_body,
         }
     }
 

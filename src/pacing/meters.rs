@@ -76,11 +76,12 @@ impl Taken {
 }
 
 impl Route {
-    /// Whether a request's body may be read before its slot: its destination has a meter,
-    /// or a `json:FIELD` key (see `Lanes::reads_body`). Known when the route was made, so
-    /// that the common request looks at no keys for it.
+    /// Whether a request's body may be read before its slot: the meters its budget takes
+    /// read it, or a `json:FIELD` key may (see `Lanes::reads_body`). A destination with
+    /// neither anywhere answers with one load; one whose groups differ looks at this
+    /// route's meters, so that a request that takes none reads nothing.
     pub(super) fn reads_body(&self) -> bool {
-        self.lanes.reads_body
+        self.lanes.reads_body && (self.lanes.keyed_by_body || !self.meters().list.is_empty())
     }
 }
 

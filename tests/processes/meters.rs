@@ -24,12 +24,19 @@ const RUN: Duration = Duration::from_secs(8);
 /// A fleet pacing `local` at 50 requests a second and, with `meter`, 2,000 tokens a second
 /// estimated and settled as OpenAI's.
 async fn fleet(meter: bool) -> Fleet {
-    let mut keys = "rate = 50\nretry_throttled = 0\n".to_owned();
-    if meter {
-        keys.push_str(&format!(
-            "[destinations.local.meters.tokens]\nrate = {TOKENS}\ncost = \"openai\"\n"
-        ));
-    }
+    metered(meter.then(|| {
+        format!("[destinations.local.meters.tokens]\nrate = {TOKENS}\ncost = \"openai\"\n")
+    }))
+    .await
+}
+
+/// A fleet pacing `local` at 50 requests a second, never retrying a throttle, with `meter`'s
+/// table where one is given.
+async fn metered(meter: Option<String>) -> Fleet {
+    let keys = format!(
+        "rate = 50\nretry_throttled = 0\n{}",
+        meter.unwrap_or_default()
+    );
     Fleet::start(&postgres_store().await, &keys).await
 }
 
@@ -262,13 +269,10 @@ async fn queries(fleet: &Fleet, vendor: &FakeLlm) -> Vec<u16> {
 /// A fleet pacing `local` at 50 queries a second and, with `meter`, at Shopify's points a
 /// second, each query estimated at 60 until it has been settled once.
 async fn shop(meter: bool) -> Fleet {
-    let mut keys = "rate = 50\nretry_throttled = 0\n".to_owned();
-    if meter {
-        keys.push_str(&format!(
-            "[destinations.local.meters.points]\nrate = {POINTS}\ncost = \"shopify-graphql\"\ndefault = 60\n"
-        ));
-    }
-    Fleet::start(&postgres_store().await, &keys).await
+    metered(meter.then(|| {
+        format!("[destinations.local.meters.points]\nrate = {POINTS}\ncost = \"shopify-graphql\"\ndefault = 60\n")
+    }))
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -90,6 +90,17 @@ struct State {
     charges: Mutex<Vec<Charge>>,
 }
 
+impl State {
+    fn new(bucket: Bucket, output: Option<Bucket>, graphql: bool) -> Self {
+        Self {
+            bucket: Mutex::new(bucket),
+            output: output.map(Mutex::new),
+            graphql,
+            charges: Mutex::new(Vec::new()),
+        }
+    }
+}
+
 /// The fake vendor.
 pub struct FakeLlm {
     pub addr: SocketAddr,
@@ -99,35 +110,18 @@ pub struct FakeLlm {
 impl FakeLlm {
     /// A vendor allowing `rate` tokens a second, with a bucket of `capacity` tokens.
     pub async fn start(rate: f64, capacity: f64) -> Self {
-        Self::serve(State {
-            bucket: Mutex::new(Bucket::full(rate, capacity)),
-            output: None,
-            graphql: false,
-            charges: Mutex::new(Vec::new()),
-        })
-        .await
+        Self::serve(State::new(Bucket::full(rate, capacity), None, false)).await
     }
 
     /// Anthropic's: `input` and `output` tokens a second, each with a bucket of a second's.
     pub async fn anthropic(input: f64, output: f64) -> Self {
-        Self::serve(State {
-            bucket: Mutex::new(Bucket::full(input, input)),
-            output: Some(Mutex::new(Bucket::full(output, output))),
-            graphql: false,
-            charges: Mutex::new(Vec::new()),
-        })
-        .await
+        let output = Some(Bucket::full(output, output));
+        Self::serve(State::new(Bucket::full(input, input), output, false)).await
     }
 
     /// Shopify's GraphQL: a bucket of `maximum` points, restored at `restore` a second.
     pub async fn shopify(restore: f64, maximum: f64) -> Self {
-        Self::serve(State {
-            bucket: Mutex::new(Bucket::full(restore, maximum)),
-            output: None,
-            graphql: true,
-            charges: Mutex::new(Vec::new()),
-        })
-        .await
+        Self::serve(State::new(Bucket::full(restore, maximum), None, true)).await
     }
 
     async fn serve(state: State) -> Self {
