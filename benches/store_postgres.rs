@@ -41,6 +41,7 @@ fn rule() -> Rule {
         shares: Arc::from(vec![0.0]),
         quota: Vec::new(),
         reserve: 0,
+        vendor_pace: pacegate::destination::VendorPace::Burst,
         block: None,
     }
 }

@@ -6,10 +6,11 @@
 -- store::postgres::model hold the two to each other.
 --
 -- A function's signature is kept for the binary of the release before, which may still run
--- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time) and
--- pacegate_reserve_slots (pacegate_reserve_batch without p_lost_hold: a lost row starts at
--- "now") and pacegate_reserve_many (without p_lead either: every slot from the
--- database's bare "now") are such functions.
+-- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time),
+-- pacegate_reserve_batch (pacegate_reserve_paced without p_spread: a vendor's budget is always
+-- spread), pacegate_reserve_slots (without p_lost_hold either: a lost row starts at "now") and
+-- pacegate_reserve_many (without p_lead either: every slot from the database's bare "now") are
+-- such functions.
 
 -- Functions of releases two or more back, which no running binary calls.
 DROP FUNCTION IF EXISTS pacegate_reserve(text, double precision, integer, double precision);
@@ -227,7 +228,9 @@ $$;
 -- once, the sends in one INSERT, so a batch costs the database one statement.
 -- p_max_late is budget::Rule::quota_margin: the lateness a slot may still be sent with plus
 -- its way to the upstream (the name stays: CREATE OR REPLACE cannot rename a parameter).
-CREATE OR REPLACE FUNCTION pacegate_reserve_batch(
+-- p_spread is budget::Rule::vendor_pace: the vendor's remaining requests spread until its reset
+-- (true), or spent at the rate until the reserve (false).
+CREATE OR REPLACE FUNCTION pacegate_reserve_paced(
     p_destination text,
     p_interval double precision,
     p_burst integer,
@@ -247,7 +250,8 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_batch(
     p_most integer,
     p_horizon double precision,
     p_lead double precision,
-    p_lost_hold double precision
+    p_lost_hold double precision,
+    p_spread boolean
 ) RETURNS TABLE (
     outcome text,
     slot timestamptz,
@@ -425,14 +429,15 @@ BEGIN
                 END IF;
             END IF;
         END IF;
-        -- budget::schedule::Budget::reserve: the vendor's view, while its window lasts, spreads
-        -- its remaining requests less the reserve evenly until the reset.
+        -- budget::schedule::Budget::reserve: the vendor's view, while its window lasts, holds
+        -- every slot past its remaining requests less the reserve until the reset, and, with
+        -- p_spread, spreads those evenly until the reset.
         IF b.vendor_reset IS NOT NULL THEN
             usable := GREATEST(b.vendor_remaining - p_reserve, 0);
             k := b.vendor_taken + 1;
             IF k > usable THEN
                 s := GREATEST(s, b.vendor_reset);
-            ELSE
+            ELSIF p_spread THEN
                 s := GREATEST(s, b.vendor_observed + make_interval(secs =>
                     ((extract(epoch FROM b.vendor_reset - b.vendor_observed) * 1000000)::bigint
                         * k / usable) / 1000000.0));
@@ -494,6 +499,47 @@ BEGIN
     RETURN QUERY SELECT 'granted'::text, slots[1], now_ts, b.generation, chosen, b.backoff,
         NULL::timestamptz, NULL::integer, NULL::text, NULL::text, slots[2:];
 END
+$$;
+
+-- The release before spreads a vendor's remaining requests until its reset, always.
+CREATE OR REPLACE FUNCTION pacegate_reserve_batch(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint,
+    p_most integer,
+    p_horizon double precision,
+    p_lead double precision,
+    p_lost_hold double precision
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    more timestamptz[]
+) LANGUAGE sql AS $$
+    SELECT * FROM pacegate_reserve_paced(p_destination, p_interval, p_burst, p_not_after,
+        p_instance, p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes,
+        p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, p_lead, p_lost_hold,
+        true)
 $$;
 
 -- The release before does not tell a lost row from a new one: it starts at "now".

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use crate::class::Class;
-use crate::destination::{Block, Quota};
+use crate::destination::{Block, Quota, VendorPace};
 use crate::signals::Family;
 use crate::status::LockStatus;
 
@@ -58,6 +58,8 @@ pub struct Rule {
     pub quota: Vec<Quota>,
     /// The vendor's remaining requests left unused.
     pub reserve: u32,
+    /// How the vendor's remaining requests are spent: at the rate, or spread to the reset.
+    pub vendor_pace: VendorPace,
     /// The escalating block after a throttle without a pause; `None`: widen only.
     pub block: Option<Block>,
 }

@@ -52,6 +52,7 @@ impl Pace {
             quota: Vec::new(),
             signals: Families::ALL,
             reserve: 0,
+            vendor_pace: VendorPace::Burst,
             throttle_block: None,
             throttle_body: vec!["rate limit".into(), "too many requests".into()],
             key: None,
@@ -454,6 +455,29 @@ pub fn ca_names(destinations: &[Destination]) -> Vec<&str> {
     names
 }
 
+/// How a vendor's view of its budget paces the requests while it has some left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VendorPace {
+    /// At the configured rate until `remaining` is down to `reserve`, then a pause until the
+    /// reset: what octokit and go-github do. A budget with plenty left is not a drip.
+    #[default]
+    Burst,
+    /// `remaining − reserve` spread evenly until the reset (and never faster than the rate):
+    /// the budget lasts its window whatever the load, as prawcore paces.
+    Spread,
+}
+
+impl VendorPace {
+    /// The name used in config and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Burst => "burst",
+            Self::Spread => "spread",
+        }
+    }
+}
+
 /// Whether a destination's pace is enforced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -517,6 +541,8 @@ pub struct Pace {
     pub signals: Families,
     /// The vendor's remaining requests left unused. Default 0.
     pub reserve: u32,
+    /// How the vendor's remaining requests are spent until its reset. Default burst.
+    pub vendor_pace: VendorPace,
     /// The escalating block after a throttle without `Retry-After`. Default none: a
     /// throttle only widens the interval.
     pub throttle_block: Option<Block>,

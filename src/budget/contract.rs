@@ -41,6 +41,7 @@ pub(crate) fn rule(rate: f64) -> Rule {
         shares: Arc::from(vec![0.0; 3]),
         quota: Vec::new(),
         reserve: 0,
+        vendor_pace: crate::destination::VendorPace::Burst,
         block: None,
     }
 }
@@ -231,6 +232,11 @@ where
     shares_are_honoured_and_lent(&fresh().await).await;
     quota_windows_hold(&fresh().await, tol).await;
     vendor::a_vendor_view_spreads_what_is_left_until_the_reset(&fresh().await, tol).await;
+    vendor::a_vendor_view_with_some_left_is_spent_at_the_rate_then_waits_for_the_reset(
+        &fresh().await,
+        tol,
+    )
+    .await;
     vendor::views_race_by_window_and_the_lower_remaining_wins(&fresh().await).await;
     vendor::at_the_reserve_the_destination_pauses_until_the_reset(&fresh().await).await;
     vendor::blocks_escalate_and_one_success_ends_them(&fresh().await).await;

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use super::schedule::{Budget, NoSlot, Waiting};
 use super::{Ask, ClassQueue, Event, Lockout, Observation, Pause, ReserveError, Rule, Store};
 use crate::class::Class;
-use crate::destination::{Block, Quota};
+use crate::destination::{Block, Quota, VendorPace};
 use crate::signals::Family;
 
 /// The model's time 0, as a Unix time in µs; every sequence starts well after it, so that
@@ -124,10 +124,22 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
                 prop::sample::select(vec![0.0, 0.2, 0.5]),
             ),
         ),
+        prop::sample::select(vec![VendorPace::Burst, VendorPace::Spread]),
     )
         .prop_map(
-            |(rate, burst, backoff_factor, backoff_max, decay_after, quota, reserve, block)| Rule {
+            |(
+                rate,
+                burst,
+                backoff_factor,
+                backoff_max,
+                decay_after,
+                quota,
                 reserve,
+                block,
+                vendor_pace,
+            )| Rule {
+                reserve,
+                vendor_pace,
                 block: block.map(|(min_ms, times, jitter)| Block {
                     min: Duration::from_millis(min_ms),
                     max: Duration::from_millis(min_ms * times),

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use super::{Event, Lockout, Observation, PauseCause, Rule, BATCH_HORIZON};
 use crate::class::Class;
+use crate::destination::VendorPace;
 use crate::signals::Family;
 
 /// Two resets this close are one window: a reset given in whole seconds left moves by up to a
@@ -280,6 +281,9 @@ impl Budget {
         let k = v.taken + 1;
         if k > usable {
             return Some(v.reset);
+        }
+        if rule.vendor_pace == VendorPace::Burst {
+            return None;
         }
         // In whole microseconds, as the postgres store computes it.
         let window =

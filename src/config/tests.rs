@@ -1,7 +1,7 @@
 //! Loading configs: defaults, every problem with its key path, and the normalised output.
 
 use super::*;
-use crate::destination::{Block, KeyFrom};
+use crate::destination::{Block, KeyFrom, VendorPace};
 use crate::signals::{Families, Family};
 
 fn parse(text: &str) -> Result<Config, Vec<ConfigProblem>> {
@@ -180,8 +180,11 @@ fn vendor_signal_keys_are_read_and_round_trip() {
         rate = 10
         signals = ["ietf", "x-ratelimit"]
         reserve = 50
+        vendor_pace = "spread"
         throttle_block = { min = "60s", max = "1h", jitter = 0.2 }
         throttle_body = ["Secondary Rate Limit"]
+        [destinations.github.groups.search]
+        paths = ["/search/*"]
         [destinations.plain]
         hosts = ["plain.example.com"]
         rate = 1
@@ -194,6 +197,12 @@ fn vendor_signal_keys_are_read_and_round_trip() {
         Families::of(&[Family::Ietf, Family::XRateLimit])
     );
     assert_eq!(github.reserve, 50);
+    assert_eq!(github.vendor_pace, VendorPace::Spread);
+    assert_eq!(
+        c.destinations[0].groups[0].pace.vendor_pace,
+        VendorPace::Spread,
+        "a group inherits it"
+    );
     assert_eq!(
         github.throttle_block,
         Some(Block {
@@ -210,6 +219,7 @@ fn vendor_signal_keys_are_read_and_round_trip() {
     let plain = &c.destinations[1].pace;
     assert_eq!(plain.signals, Families::ALL);
     assert_eq!((plain.reserve, plain.throttle_block), (0, None));
+    assert_eq!(plain.vendor_pace, VendorPace::Burst, "the default");
     assert_eq!(plain.throttle_body, ["rate limit", "too many requests"]);
     let again = Config::parse(&c.to_toml(), Path::new("/nonexistent")).unwrap();
     assert_eq!(again.destinations[0].pace, c.destinations[0].pace);
@@ -237,6 +247,7 @@ fn vendor_signal_keys_are_checked() {
         hosts = ["c.example.com"]
         rate = 1
         reserve = -1
+        vendor_pace = "drip"
         "#,
     )
     .unwrap_err();
@@ -249,6 +260,7 @@ fn vendor_signal_keys_are_checked() {
         "destinations.b.signals[1]",
         "destinations.b.throttle_block.max",
         "destinations.c.reserve",
+        "destinations.c.vendor_pace",
     ] {
         assert!(p.contains(&expected), "missing {expected} in {err:#?}");
     }

@@ -14,6 +14,7 @@
 //! | `retry_after_max` | the longer |
 //! | `quota` | every window of either; for the same `per`, the smaller `limit` |
 //! | `reserve` | the larger |
+//! | `vendor_pace` | `spread` over `burst` |
 //! | `block` | present over absent; the longer `min` and `max`, the smaller `jitter` |
 //!
 //! Class shares and order are not merged: they order requests, they do not pace them. They
@@ -30,7 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Instance, Membership, Theirs, Written, HEARTBEAT};
 use crate::budget::{Rule, KEY_MARK};
-use crate::destination::{Block, Quota};
+use crate::destination::{Block, Quota, VendorPace};
 
 impl Written {
     /// `rule` of `destination`, written down.
@@ -62,6 +63,11 @@ struct Keys {
     quota: Vec<(u32, f64)>,
     reserve: u32,
     block: Option<(f64, f64, f64)>,
+    /// `vendor_pace = "spread"`; left out at the default, so that a rule written by a
+    /// binary that knew only one way to pace a vendor's budget reads the same where it is
+    /// the same.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    vendor_spread: bool,
 }
 
 impl From<&Rule> for Keys {
@@ -83,6 +89,7 @@ impl From<&Rule> for Keys {
                 .block
                 .as_ref()
                 .map(|b| (b.min.as_secs_f64(), b.max.as_secs_f64(), b.jitter)),
+            vendor_spread: r.vendor_pace == VendorPace::Spread,
         }
     }
 }
@@ -107,6 +114,9 @@ pub fn stricter<'a>(mine: &Rule, theirs: impl IntoIterator<Item = &'a str>) -> R
         rule.decay_after = rule.decay_after.max(other.decay_after);
         rule.retry_after_max = rule.retry_after_max.max(secs(other.retry_after_max));
         rule.reserve = rule.reserve.max(other.reserve);
+        if other.vendor_spread {
+            rule.vendor_pace = VendorPace::Spread;
+        }
         let mut windows: BTreeMap<Duration, u32> =
             rule.quota.iter().map(|q| (q.per, q.limit)).collect();
         for (limit, per) in other.quota {
@@ -304,6 +314,7 @@ pub fn differences(mine: &Rule, theirs: &str) -> Vec<&'static str> {
         ("quota", mine.quota != other.quota),
         ("reserve", mine.reserve != other.reserve),
         ("block", mine.block != other.block),
+        ("vendor_pace", mine.vendor_spread != other.vendor_spread),
     ];
     differs
         .into_iter()
@@ -341,6 +352,7 @@ mod tests {
                 },
             ],
             reserve: 7,
+            vendor_pace: VendorPace::Spread,
             block: Some(Block {
                 min: Duration::from_secs(10),
                 max: Duration::from_secs(600),
@@ -348,6 +360,8 @@ mod tests {
             }),
             ..contract::rule(40.0)
         };
+        // The default pace is not written: a rule reads as a binary that knew no other wrote it.
+        assert!(!Written::of("d", &mine).rule.contains("vendor"));
         let written = Written::of("d", &theirs);
         let rule = stricter(&mine, [written.rule.as_str()]);
         assert_eq!(rule.interval, mine.interval, "the lower rate");
@@ -355,6 +369,7 @@ mod tests {
         assert_eq!(rule.backoff_max, theirs.backoff_max);
         assert_eq!(rule.decay_after, theirs.decay_after);
         assert_eq!(rule.reserve, 7);
+        assert_eq!(rule.vendor_pace, VendorPace::Spread);
         assert_eq!(rule.block, theirs.block);
         assert_eq!(
             rule.quota

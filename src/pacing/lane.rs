@@ -667,6 +667,7 @@ fn rule_of(pace: &Pace, classes: &Classes, of_key: bool) -> Rule {
         decay_after: pace.decay_after,
         retry_after_max: pace.retry_after_max,
         reserve: pace.reserve,
+        vendor_pace: pace.vendor_pace,
         block: pace.throttle_block,
     }
 }

@@ -15,6 +15,7 @@ use super::lane::Lane;
 use super::lane::StoreSaid;
 use super::Pacer;
 use crate::budget::{BudgetView, PauseCause, Rule, KEY_MARK};
+use crate::destination::VendorPace;
 use crate::metrics::labels;
 use crate::status::{
     ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus, QuotaStatus, VendorStatus,
@@ -318,8 +319,11 @@ fn limited_by(seen: &BudgetView, rule: &Rule) -> &'static str {
     }
     let configured = rule.interval.mul_f64(seen.backoff);
     if let Some(v) = seen.vendor {
+        // Spent at the rate, what is left sets the pace only once it is spent.
         let usable = v.remaining.saturating_sub(u64::from(rule.reserve));
-        if usable == 0 || v.reset_in / u32::try_from(usable).unwrap_or(u32::MAX) > configured {
+        let spread = rule.vendor_pace == VendorPace::Spread
+            && v.reset_in / u32::try_from(usable).unwrap_or(u32::MAX) > configured;
+        if usable == 0 || spread {
             return "vendor budget";
         }
     }

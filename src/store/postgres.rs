@@ -41,6 +41,7 @@ use crate::budget::{
 };
 use crate::class::Class;
 use crate::config::Statements;
+use crate::destination::VendorPace;
 use crate::fleet::{Instance, WAITER_LEASE};
 
 /// How long after a budget's row is found lost (missing where this instance paced) its
@@ -362,6 +363,7 @@ impl PostgresStore {
                     &self.horizon().as_secs_f64(),
                     &lead,
                     &lost_hold,
+                    &(rule.vendor_pace == VendorPace::Spread),
                 ],
             )
             .await?;
@@ -375,7 +377,7 @@ impl PostgresStore {
         let generation = u64::try_from(row.get::<_, i64>(3)).unwrap_or(0);
         let at = |slot: Option<SystemTime>| {
             slot.map(|s| clock.local(s)).ok_or_else(|| {
-                StoreError::Refused("pacegate_reserve_batch returned no slot".into())
+                StoreError::Refused("pacegate_reserve_paced returned no slot".into())
             })
         };
         match outcome {
@@ -421,7 +423,7 @@ impl PostgresStore {
                 }
             }
             other => Err(ReserveError::Store(StoreError::Refused(format!(
-                "pacegate_reserve_batch answered `{other}`"
+                "pacegate_reserve_paced answered `{other}`"
             )))),
         }
     }

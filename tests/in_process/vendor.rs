@@ -120,9 +120,10 @@ async fn a_403_without_a_marker_still_locks_out() {
     assert_eq!(upstream.recorded().len(), 1);
 }
 
-/// `n` GETs of `url` at once through the proxy (`?i=` tells them apart); their statuses.
+/// `n` GETs of `url` at once through the proxy (`i=` tells them apart); their statuses.
 async fn burst(proxy: &TestProxy, url: &str, n: usize) -> Vec<u16> {
-    support::burst_of(proxy, (0..n).map(|i| format!("{url}?i={i}")).collect()).await
+    let and = if url.contains('?') { '&' } else { '?' };
+    support::burst_of(proxy, (0..n).map(|i| format!("{url}{and}i={i}")).collect()).await
 }
 
 #[tokio::test]
@@ -166,6 +167,81 @@ async fn the_vendors_ratelimit_fields_hold_its_window_and_without_signals_nothin
         proxy.destination("local").await["vendor"],
         serde_json::Value::Null
     );
+}
+
+/// GitHub's 5,000 an hour with 4,000 left and the reset an hour away, as every answer says.
+fn plenty_left(upstream: &FakeUpstream) -> String {
+    let reset = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    format!(
+        "{}/status/200?h=x-ratelimit-limit:5000&h=x-ratelimit-remaining:4000&h=x-ratelimit-reset:{reset}",
+        upstream.http_url("localhost")
+    )
+}
+
+#[tokio::test]
+async fn a_vendor_budget_with_plenty_left_goes_at_the_rate_unless_told_to_spread() {
+    // Burst, the default: 40 requests at rate 50 take what the rate takes (0.8 s).
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 50").await;
+    let url = plenty_left(&upstream);
+    let started = Instant::now();
+    let statuses = burst(&proxy, &url, 40).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "40 requests with four fifths of the budget left took {:?}",
+        started.elapsed()
+    );
+    let s = proxy.destination("local").await;
+    assert_eq!(s["vendor"]["family"], "x-ratelimit", "{s}");
+
+    // Spread: 4,000 over the hour is one every 0.9 s from the view (40 would take 36 s; the
+    // first four show the beat). The first request teaches the view.
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 50\nvendor_pace = \"spread\"").await;
+    let url = plenty_left(&upstream);
+    assert_eq!(burst(&proxy, &url, 1).await, [200]);
+    let statuses = burst(&proxy, &url, 4).await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    let at = upstream.arrivals();
+    for (k, gap) in at.windows(2).map(|w| w[1] - w[0]).enumerate() {
+        assert!(
+            gap >= Duration::from_millis(800),
+            "request {} went {gap:?} after the one before, not the 0.9 s of a spread budget",
+            k + 2
+        );
+    }
+}
+
+#[tokio::test]
+async fn at_the_reserve_a_vendor_budget_waits_for_its_reset_at_either_pace() {
+    // 5 a window of 3 s at the vendor, 2 kept in reserve: 3 go, the 4th waits for the reset.
+    for pace in ["burst", "spread"] {
+        let upstream = FakeUpstream::start().await;
+        let keys = format!("rate = 50\nreserve = 2\nvendor_pace = \"{pace}\"");
+        let proxy = start(&upstream, &keys).await;
+        let url = format!("{}/window/5/3", upstream.http_url("localhost"));
+        let statuses = burst(&proxy, &url, 4).await;
+        assert!(statuses.iter().all(|s| *s == 200), "{pace}: {statuses:?}");
+        let at = upstream.arrivals();
+        let after = |i: usize| at[i] - at[0];
+        assert!(
+            after(3) >= Duration::from_millis(2900),
+            "{pace}: the 4th went {:?} after the 1st, before the reset",
+            after(3)
+        );
+        if pace == "burst" {
+            assert!(
+                after(2) < Duration::from_secs(1),
+                "burst: the 3rd went {:?} after the 1st, not at the rate",
+                after(2)
+            );
+        }
+    }
 }
 
 #[tokio::test]

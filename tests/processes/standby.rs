@@ -79,6 +79,7 @@ async fn control_a_standby_reached_without_read_write_refuses_every_slot() {
         shares: Arc::from(vec![0.0]),
         quota: Vec::new(),
         reserve: 0,
+        vendor_pace: pacegate::destination::VendorPace::Burst,
         block: None,
     };
     let queue = [ClassQueue {

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use super::{apart, read, rule, take, Reading};
 use crate::budget::{BudgetView, Event, Observation, Pause, PauseCause, Rule, Store};
-use crate::destination::Block;
+use crate::destination::{Block, VendorPace};
 use crate::signals::Family;
 
 fn seen(remaining: u64, reset: Pause) -> Option<Observation> {
@@ -30,6 +30,7 @@ pub(super) async fn a_vendor_view_spreads_what_is_left_until_the_reset(
 ) {
     let r = Rule {
         reserve: 1,
+        vendor_pace: VendorPace::Spread,
         ..rule(1000.0)
     };
     // 5 left, 1 kept in reserve: 4 spread over the 4 s to the reset, then the reset.
@@ -69,6 +70,41 @@ pub(super) async fn a_vendor_view_spreads_what_is_left_until_the_reset(
         (Family::Ietf, 0, Some(100))
     );
     assert!(vendor.reset_in <= Duration::from_secs(4), "{vendor:?}");
+}
+
+pub(super) async fn a_vendor_view_with_some_left_is_spent_at_the_rate_then_waits_for_the_reset(
+    store: &impl Store,
+    tol: Duration,
+) {
+    let r = Rule {
+        reserve: 1,
+        ..rule(10.0)
+    };
+    // 4 left, 1 kept in reserve: 3 at the rate (100 ms apart), then the reset 4 s away.
+    let sent = Instant::now();
+    store
+        .record("d", &r, Event::None, seen(4, secs(4)))
+        .await
+        .unwrap();
+    let (first, _) = read(store, "d", &r).await;
+    let mut last = first;
+    for k in 2..=3u32 {
+        let (slot, _) = read(store, "d", &r).await;
+        apart(
+            last,
+            slot,
+            Duration::from_millis(100),
+            tol,
+            &format!("slot {k} of 3 usable, at the rate"),
+        );
+        last = slot;
+    }
+    let (fourth, _) = read(store, "d", &r).await;
+    assert!(
+        fourth.at + tol >= sent + Duration::from_secs(4),
+        "past the usable requests, the reset: {:?} after the view",
+        fourth.at - sent
+    );
 }
 
 pub(super) async fn views_race_by_window_and_the_lower_remaining_wins(store: &impl Store) {

@@ -14,6 +14,7 @@ fn rule(rate: f64, burst: u32) -> Rule {
         shares: std::sync::Arc::from(vec![0.0; 3]),
         quota: Vec::new(),
         reserve: 0,
+        vendor_pace: VendorPace::Burst,
         block: None,
     }
 }
@@ -531,4 +532,51 @@ fn lockout_halts_until_cleared() {
         SystemTime::UNIX_EPOCH
     ));
     assert_eq!(b.reserve(&r, ms(0), None), Err(NoSlot::Locked(lock)));
+}
+
+/// `n` slots reserved at [`NOW`] under `r` after the vendor said, at `NOW`, that
+/// `remaining` are left until a reset `reset` away.
+fn after_the_vendor_said(r: &Rule, remaining: u64, reset: Duration, n: usize) -> Vec<Duration> {
+    let mut b = Budget::default();
+    let seen = Observation {
+        family: crate::signals::Family::XRateLimit,
+        remaining,
+        limit: Some(5000),
+        reset: Pause::For(reset),
+        spread: 0.0,
+    };
+    assert!(b.observe(r, &seen, NOW, SystemTime::UNIX_EPOCH));
+    (0..n).map(|_| b.reserve(r, NOW, None).unwrap().0).collect()
+}
+
+#[test]
+fn a_vendor_budget_with_plenty_left_is_spent_at_the_rate_or_spread_as_configured() {
+    // GitHub's 5,000 an hour with 4,000 left and the reset an hour away, at rate 50.
+    let hour = Duration::from_secs(3600);
+    let burst = Rule {
+        retry_after_max: hour,
+        ..rule(50.0, 1)
+    };
+    let slots = after_the_vendor_said(&burst, 4000, hour, 40);
+    assert_eq!(slots[39] - NOW, ms(780), "40 requests at 50 a second");
+    let spread = Rule {
+        vendor_pace: VendorPace::Spread,
+        ..burst.clone()
+    };
+    let slots = after_the_vendor_said(&spread, 4000, hour, 40);
+    assert_eq!(slots[39] - NOW, ms(36_000), "4,000 spread over the hour");
+    // Five left, two kept: three go (at the rate, or spread over the 3 s), then the reset.
+    for (pace, third) in [(VendorPace::Burst, ms(40)), (VendorPace::Spread, ms(3000))] {
+        let r = Rule {
+            reserve: 2,
+            vendor_pace: pace,
+            ..burst.clone()
+        };
+        let slots = after_the_vendor_said(&r, 5, Duration::from_secs(3), 4);
+        assert_eq!(slots[2] - NOW, third, "{pace:?}");
+        assert!(
+            slots[3] - NOW >= Duration::from_secs(3),
+            "{pace:?}: {slots:?}"
+        );
+    }
 }

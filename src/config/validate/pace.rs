@@ -94,6 +94,7 @@ impl Validator<'_> {
                 default.reserve,
                 0..=MAX_QUOTA_LIMIT,
             ),
+            vendor_pace: d.vendor_pace.unwrap_or(default.vendor_pace),
             throttle_block: d.throttle_block.as_ref().map(|b| self.block(path, b)),
             throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
             key: d.key.as_deref().and_then(|text| {

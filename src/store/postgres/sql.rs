@@ -38,9 +38,11 @@ pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
 /// seconds (see `budget::Ask::most`), none earlier than `$19` seconds after the database's
 /// "now" (the lead, as in [`SQL_RESERVE_FAST`]). A row found missing where this instance
 /// paced before was lost, and its schedule starts `$20` seconds from now (`LOST_ROW_HOLD`).
+/// `$21`: whether a vendor's remaining requests are spread until its reset
+/// (`VendorPace::Spread`).
 pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
-    FROM pacegate_reserve_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)";
+    FROM pacegate_reserve_paced($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)";
 /// Slots handed out without the store (`budget::Store::continue_after`): each budget `$1[i]`
 /// continues no earlier than `$2[i]` seconds from now, created if missing. One statement
 /// whatever the number, and a round trip even with none.

@@ -15,7 +15,7 @@ use crate::budget::{
 };
 use crate::config::OnUnavailable;
 use crate::demo::cluster::Cluster;
-use crate::destination::{Block, Quota};
+use crate::destination::{Block, Quota, VendorPace};
 use crate::fleet::failover::{Failover, Gauges, Policy};
 use crate::fleet::heartbeat::Health;
 use crate::fleet::Instance;
@@ -43,6 +43,14 @@ fn blocking() -> Rule {
             max: Duration::from_secs(60),
             jitter: 0.0,
         }),
+        ..rule(100.0)
+    }
+}
+
+/// A vendor's remaining requests spread until its reset: two in a minute go 30 s apart.
+fn spreading() -> Rule {
+    Rule {
+        vendor_pace: VendorPace::Spread,
         ..rule(100.0)
     }
 }
@@ -95,9 +103,8 @@ async fn fail_over(reassert: bool) -> After {
         reset: Pause::For(Duration::from_secs(60)),
         spread: 0.0,
     };
-    let fast = rule(100.0);
     store
-        .record("vendor", &fast, Event::None, Some(said))
+        .record("vendor", &spreading(), Event::None, Some(said))
         .await
         .unwrap();
     let block = Event::Throttled {
@@ -133,7 +140,7 @@ async fn fail_over(reassert: bool) -> After {
         paused: take(&store, "paused", &slow, soon()).await,
         backoff: store.view("paused").await.unwrap().backoff,
         quota: take(&store, "quota", &windowed(), soon()).await,
-        vendor: take(&store, "vendor", &rule(100.0), soon()).await,
+        vendor: take(&store, "vendor", &spreading(), soon()).await,
         block_streak: store.view("blocked").await.unwrap().block_streak,
         beat: (beat, before),
     }
