@@ -24,6 +24,7 @@ pub const METER_MARK: char = '~';
 use serde::Serialize;
 
 use crate::meter::Cost;
+use crate::signals::walls::Walls;
 use crate::signals::Families;
 
 mod host;
@@ -55,6 +56,8 @@ impl Pace {
             vendor_pace: VendorPace::Burst,
             throttle_block: None,
             throttle_body: vec!["rate limit".into(), "too many requests".into()],
+            challenges: Walls::default(),
+            challenge_share: 0.2,
             key: None,
             max_keys: 10_000,
             max_keys_per_client: 5_000,
@@ -549,6 +552,11 @@ pub struct Pace {
     /// Lower-case markers that make a lockout-status body a throttle. Default "rate limit",
     /// "too many requests".
     pub throttle_body: Vec<String>,
+    /// The bot walls whose challenges are told from lockouts. Default every product known.
+    pub challenges: Walls,
+    /// The share of responses over 5 minutes past which challenges widen the pace, as a
+    /// throttle does. Default 0.2.
+    pub challenge_share: f64,
     /// One budget per distinct value of this, each with every key above; default none: one
     /// budget.
     pub key: Option<KeyFrom>,

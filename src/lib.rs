@@ -18,7 +18,8 @@
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal, and the bucket it names; `signals::tokens` what
-//!   one says of a budget in tokens or points, for a meter.
+//!   one says of a budget in tokens or points, for a meter; `signals::walls` which bot
+//!   wall's challenge a response is (Cloudflare, AWS WAF, DataDome, HUMAN, Akamai).
 //! - [`meter`]: what a request costs in a meter's unit (tokens, points): estimated from the
 //!   request before it is sent, settled from the response as its bytes pass
 //!   (`meter::settle`); `meter::usage` asks a stream for the usage its client did not, and
@@ -35,6 +36,8 @@
 //!   `pacing::sniff` the start of its body, and `pacing::observe` applies the verdict to the
 //!   budget; `pacing::meters` takes a request's slots in its destination's meters (budgets in
 //!   tokens or points), weighted by its estimated cost, and settles them from the response;
+//!   `pacing::walls` counts a budget's bot-wall challenges against its responses (the share
+//!   that widens the pace, the advice logged once a minute);
 //!   `pacing::keys` splits a budget by key (a lane per
 //!   host, credential or tenant, made on first use, bounded, forgotten when idle);
 //!   `pacing::advertise` is what a response tells its client of the budget that paced it

@@ -63,6 +63,10 @@ pub struct Metrics {
     /// and what decided each (`status`, or for a throttle in a lockout status `retry-after`,
     /// `exhausted`, `body`).
     pub verdicts: IntCounterVec,
+    /// `pacegate_challenges_total{destination,vendor}`: bot walls' challenges, by the
+    /// product that sent them (`cloudflare`, `aws-waf`, `datadome`, `perimeterx`, `akamai`,
+    /// `other`).
+    pub challenges: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
     /// `pacegate_meter_units_total{destination}` (a meter's budget, `NAME~UNIT`): what its
@@ -254,6 +258,13 @@ impl Metrics {
                 "Verdicts read from upstream responses, by destination, verdict and what decided it",
             ),
             &["destination", "group", "verdict", "reason"],
+        )?;
+        let challenges = IntCounterVec::new(
+            Opts::new(
+                "pacegate_challenges_total",
+                "Bot walls' challenges in upstream responses, by destination and the product that sent them",
+            ),
+            &["destination", "vendor"],
         )?;
         let slots_dropped = IntCounterVec::new(
             Opts::new(
@@ -478,6 +489,7 @@ impl Metrics {
         register(Box::new(cert_cache_entries.clone()))?;
         for c in [
             &verdicts,
+            &challenges,
             &retries,
             &meter_units,
             &meter_unsettled,
@@ -533,6 +545,7 @@ impl Metrics {
             cert_cache,
             cert_cache_entries,
             verdicts,
+            challenges,
             retries,
             meter_units,
             meter_unsettled,

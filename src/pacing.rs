@@ -29,6 +29,7 @@ mod rate;
 mod sniff;
 mod status;
 pub mod verdict;
+mod walls;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! `docs/vendor-signals.md`); all are reduced to one [`Signal`]. A field
 //! that does not parse is ignored, never an error: vendors' headers are input from outside.
 //! What a vendor says of a budget in tokens or points, for a meter, is read apart
-//! ([`tokens`]).
+//! ([`tokens`]), and so is a bot-management product's challenge ([`walls`]).
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
@@ -533,6 +533,7 @@ impl<'de> ParameterVisitor<'de> for Params<'_, 'de> {
 }
 
 pub mod tokens;
+pub mod walls;
 
 #[cfg(test)]
 mod tests;

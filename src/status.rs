@@ -67,6 +67,20 @@ pub struct DestinationStatus {
     /// of them (see [`KeysStatus`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keys: Option<KeysStatus>,
+    /// Bot walls' challenges on this instance, where any came (see [`ChallengeStatus`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub challenges: Option<ChallengeStatus>,
+}
+
+/// A budget's bot-wall challenges on this instance.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChallengeStatus {
+    /// Challenges over the last 5 minutes.
+    pub last_5m: u32,
+    /// Responses over the last 5 minutes, the challenges among them.
+    pub responses_5m: u32,
+    /// Challenges since the start, by product (`cloudflare`, `aws-waf`, ...).
+    pub by_vendor: std::collections::BTreeMap<String, u64>,
 }
 
 /// The keys of a budget split by key, on this instance.
@@ -299,6 +313,21 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
         out.push_str(&format!(
             "{}: SHADOW MODE: requests go at once; what pacing would do is counted (pacegate_shadow_*)\n",
             r.destination
+        ));
+    }
+    for r in rows {
+        let Some(c) = &r.challenges else { continue };
+        let by: Vec<String> = c
+            .by_vendor
+            .iter()
+            .map(|(v, n)| format!("{v} {n}"))
+            .collect();
+        out.push_str(&format!(
+            "{}: BOT WALL: {} of {} responses in 5 min were challenges ({} since the start): the vendor sees pacegate's TLS fingerprint; set intercept = false for it, or have the egress IP allow-listed\n",
+            r.destination,
+            c.last_5m,
+            c.responses_5m,
+            by.join(", ")
         ));
     }
     for r in rows.iter().filter(|r| !r.config_mismatch.is_empty()) {

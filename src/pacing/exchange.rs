@@ -370,13 +370,9 @@ impl Pacer {
         if reading.needs_body(pace) {
             // Boxed: rare, and larger than the rest of the reading.
             return Step::Right(Box::pin(async move {
-                let (whole, marked) = sniff::sniff(response.map(boxed), &pace.throttle_body).await;
+                let (whole, text) = sniff::sniff(response.map(boxed)).await;
+                let reading = reading.by_body(pace, whole.headers(), &text);
                 let response = whole.map(Either::Right);
-                let reading = if marked {
-                    reading.marked_by_body()
-                } else {
-                    reading
-                };
                 let (verdict, writes) =
                     self.observe_on(route, admission, reading, status, &response, outgoing);
                 written(writes).await;

@@ -17,6 +17,7 @@ use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tokio::time::Instant;
 
 use super::rate::Sends;
+use super::walls::Challenges;
 use super::PaceError;
 use crate::budget::{
     BudgetView, ClassWaiting, Lockout, Reservation, Rule, Store, GROUP_MARK, KEY_MARK, METER_MARK,
@@ -90,6 +91,8 @@ struct Whole {
     /// A meter's lane: what each query cost when last settled, its next estimate, where
     /// the meter's cost is its query's (GraphQL).
     recall: Option<Recall>,
+    /// Its bot walls' challenges, counted against its responses.
+    challenges: Challenges,
 }
 
 /// A key's lane in its parent's set, found by its key: the key is read from the lane's name,
@@ -130,7 +133,7 @@ fn epoch() -> Instant {
 }
 
 /// Now, in milliseconds from [`epoch`].
-fn now_ms() -> u64 {
+pub(super) fn now_ms() -> u64 {
     u64::try_from(
         Instant::now()
             .saturating_duration_since(epoch())
@@ -273,6 +276,7 @@ impl Lane {
                 series: OnceLock::new(),
                 unit: None,
                 recall: None,
+                challenges: Challenges::default(),
             })),
             last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),
@@ -384,6 +388,11 @@ impl Lane {
     /// The budget a lockout seen on this lane is kept on: a key's parent, else its own.
     pub(super) fn lock_holder(&self) -> &Lane {
         self.parent.as_deref().unwrap_or(self)
+    }
+
+    /// Its bot walls' challenges: a key's lane counts into its parent's.
+    pub(super) fn challenges(&self) -> Option<&Challenges> {
+        self.lock_holder().whole.as_deref().map(|w| &w.challenges)
     }
 
     /// [`Lane::lock_holder`], as a handle.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 use tokio_util::either::Either as Step;
 
-use super::lane::Lane;
+use super::lane::{self, Lane};
 #[cfg(test)]
 use super::verdict;
 use super::verdict::{Reading, Verdict};
@@ -97,6 +97,7 @@ impl Pacer {
         let nothing_to_write = verdict == Verdict::Clean
             && vendor.is_none()
             && lane.at_rest(admission.slot.generation);
+        let widen = self.count_challenge(admission, verdict, status);
         let event = match verdict {
             Verdict::Clean => Some(Event::Clean {
                 success: (200..400).contains(&status),
@@ -115,8 +116,15 @@ impl Pacer {
                 request.clone(),
                 self.instance.clone(),
             ))),
-            Verdict::None if vendor.is_none() => None,
-            Verdict::None => Some(Event::None),
+            // Past the destination's share of challenges, the pace widens as for a throttle.
+            Verdict::Challenge(_) if widen => Some(Event::Throttled {
+                generation: admission.slot.generation,
+                retry_after: None,
+                reset: None,
+                spread: rand::random::<f64>() * 2.0 - 1.0,
+            }),
+            Verdict::None | Verdict::Challenge(_) if vendor.is_none() => None,
+            Verdict::None | Verdict::Challenge(_) => Some(Event::None),
         };
         if verdict != Verdict::None {
             lane.series(&self.metrics)
@@ -178,6 +186,46 @@ impl Pacer {
             }
         });
         (verdict, Some(writes))
+    }
+
+    /// Counts a response against its budget's bot-wall challenges, and a challenge in the
+    /// metrics and (once a minute) the log; whether challenges are past the destination's
+    /// share, so that the pace widens.
+    fn count_challenge(&self, admission: &Admission, verdict: Verdict, status: u16) -> bool {
+        let Some(challenges) = admission.lane.challenges() else {
+            return false;
+        };
+        let keys = admission.lane.keys();
+        if keys.pace.challenges.is_none() {
+            return false;
+        }
+        let now = lane::now_ms();
+        let wall = match verdict {
+            Verdict::Challenge(wall) => wall,
+            Verdict::None => return false,
+            _ => {
+                challenges.answered(now);
+                return false;
+            }
+        };
+        let share = challenges.challenged(wall, now, keys.pace.challenge_share);
+        let destination = admission.lane.destination();
+        self.metrics
+            .challenges
+            .with_label_values(&[destination, wall.as_str()])
+            .inc();
+        if share.log {
+            tracing::warn!(
+                destination,
+                vendor = wall.as_str(),
+                status,
+                challenges_5m = share.challenges,
+                responses_5m = share.responses,
+                widens = share.widens,
+                "a bot wall challenged a request, which passes to the client as it came (nothing is locked or retried): pacegate intercepts TLS, so the vendor sees pacegate's TLS fingerprint, not the client's. Set `intercept = false` for {destination} (a blind tunnel: the client's own TLS, no verdicts), or ask the vendor to allow-list this egress IP",
+            );
+        }
+        share.widens
     }
 
     /// Records `event` and what the vendor said on `lane`'s budget, other than the one that

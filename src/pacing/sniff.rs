@@ -1,5 +1,5 @@
-//! A look at the start of a response body, for a throttle marker in a lockout status, without
-//! changing a byte of what the client receives.
+//! A look at the start of a response body, for a throttle marker or a bot wall's page in a
+//! lockout status, without changing a byte of what the client receives.
 
 use std::collections::VecDeque;
 use std::io::Read;
@@ -13,20 +13,17 @@ use http::Response;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 
-use crate::pacing::verdict::{body_has_marker, BODY_SNIFF_BYTES};
+use crate::pacing::verdict::BODY_SNIFF_BYTES;
 use crate::upstream::{BoxError, ProxyBody};
 
 /// How long the start of a body may take to arrive. A body slower than this is not looked
 /// at (the response keeps its verdict by status and headers) and still reaches the client.
 const SNIFF_WAIT: Duration = Duration::from_secs(5);
 
-/// Reads up to [`BODY_SNIFF_BYTES`] of `response`'s body, decodes them as its
-/// `Content-Encoding` says (gzip, deflate, br), and tells whether they carry one of
-/// `markers`. The response comes back with its body whole: the bytes read, then the rest.
-pub(super) async fn sniff(
-    response: Response<ProxyBody>,
-    markers: &[String],
-) -> (Response<ProxyBody>, bool) {
+/// Reads up to [`BODY_SNIFF_BYTES`] of `response`'s body and returns them decoded as its
+/// `Content-Encoding` says (gzip, deflate, br). The response comes back with its body whole:
+/// the bytes read, then the rest.
+pub(super) async fn sniff(response: Response<ProxyBody>) -> (Response<ProxyBody>, Vec<u8>) {
     let (parts, mut body) = response.into_parts();
     let mut read: VecDeque<Frame<Bytes>> = VecDeque::new();
     let mut start: Vec<u8> = Vec::new();
@@ -55,13 +52,13 @@ pub(super) async fn sniff(
         .get(CONTENT_ENCODING)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let marked = body_has_marker(&decoded(encoding, &start), markers);
+    let text = decoded(encoding, &start);
     let body = Prefixed {
         read,
         failed,
         rest: body,
     };
-    (Response::from_parts(parts, body.boxed()), marked)
+    (Response::from_parts(parts, body.boxed()), text)
 }
 
 /// The start of a body as text, decoded; an encoding not understood (or a stack of several)
@@ -141,6 +138,7 @@ impl Body for Prefixed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pacing::verdict::body_has_marker;
     use http_body_util::{Full, StreamBody};
     use std::io::Write;
 
@@ -168,8 +166,10 @@ mod tests {
         r.into_body().collect().await.unwrap().to_bytes().to_vec()
     }
 
-    fn markers() -> Vec<String> {
-        vec!["rate limit".into()]
+    /// Sniffs `r`, and tells whether its start carries "rate limit".
+    async fn marked(r: Response<ProxyBody>) -> (Response<ProxyBody>, bool) {
+        let (r, text) = sniff(r).await;
+        (r, body_has_marker(&text, &["rate limit".into()]))
     }
 
     #[tokio::test]
@@ -178,7 +178,7 @@ mod tests {
         text.extend(std::iter::repeat_n(b'x', 100_000));
         let compressed = gzip(&text);
         let chunks: Vec<Vec<u8>> = compressed.chunks(1000).map(<[u8]>::to_vec).collect();
-        let (r, marked) = sniff(response(Some("gzip"), chunks), &markers()).await;
+        let (r, marked) = marked(response(Some("gzip"), chunks)).await;
         assert!(marked);
         assert_eq!(all(r).await, compressed, "byte for byte");
     }
@@ -187,7 +187,7 @@ mod tests {
     async fn a_marker_past_the_first_8_kib_is_not_looked_for() {
         let mut text = vec![b'x'; 9000];
         text.extend_from_slice(MARKER.as_bytes());
-        let (r, marked) = sniff(response(None, vec![text.clone()]), &markers()).await;
+        let (r, marked) = marked(response(None, vec![text.clone()])).await;
         assert!(!marked);
         assert_eq!(all(r).await, text);
     }
@@ -195,7 +195,7 @@ mod tests {
     #[tokio::test]
     async fn a_plain_body_without_a_marker_is_not_a_throttle() {
         let body = b"Resource not accessible by integration".to_vec();
-        let (r, marked) = sniff(response(None, vec![body.clone()]), &markers()).await;
+        let (r, marked) = marked(response(None, vec![body.clone()])).await;
         assert!(!marked);
         assert_eq!(all(r).await, body);
     }
@@ -203,7 +203,7 @@ mod tests {
     #[tokio::test]
     async fn an_empty_body_stays_empty_and_keeps_its_size() {
         let body = Full::new(Bytes::new()).map_err(|n| match n {}).boxed();
-        let (r, marked) = sniff(Response::new(body), &markers()).await;
+        let (r, marked) = marked(Response::new(body)).await;
         assert!(!marked);
         assert!(r.body().is_end_stream());
         assert_eq!(r.body().size_hint().exact(), Some(0));
@@ -216,7 +216,7 @@ mod tests {
             Err("upstream reset".into()),
         ];
         let body = StreamBody::new(futures_util::stream::iter(frames)).boxed();
-        let (r, _) = sniff(Response::new(body), &markers()).await;
+        let (r, _) = marked(Response::new(body)).await;
         let mut body = r.into_body();
         assert_eq!(
             body.frame().await.unwrap().unwrap().into_data().unwrap(),

@@ -11,15 +11,15 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::lane::Lane;
 use super::lane::StoreSaid;
+use super::lane::{self, Lane};
 use super::Pacer;
 use crate::budget::{BudgetView, PauseCause, Rule, KEY_MARK};
 use crate::destination::VendorPace;
 use crate::metrics::labels;
 use crate::status::{
-    ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus, QuotaStatus, VendorStatus,
-    TOP_KEYS,
+    ChallengeStatus, ClassStatus, DestinationStatus, KeyStatus, KeysStatus, LockStatus,
+    QuotaStatus, VendorStatus, TOP_KEYS,
 };
 
 /// The oldest snapshot of the store that status shows: at most one statement a second,
@@ -196,6 +196,7 @@ impl Pacer {
                 mode: keys.pace.mode.as_str().to_owned(),
                 max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
                 keys: self.keys_status(&lane, now),
+                challenges: challenge_status(&lane),
             };
             // A split budget's requests wait in its keys' queues.
             if let Some(top) = s.keys.as_ref().and_then(|k| k.top.first()) {
@@ -298,6 +299,25 @@ impl Pacer {
             top,
         })
     }
+}
+
+/// A budget's challenges, where any came since the start.
+fn challenge_status(lane: &Lane) -> Option<ChallengeStatus> {
+    let c = lane.challenges()?;
+    let by_vendor: std::collections::BTreeMap<String, u64> = c
+        .by_wall()
+        .into_iter()
+        .map(|(w, n)| (w.as_str().to_owned(), n))
+        .collect();
+    if by_vendor.is_empty() {
+        return None;
+    }
+    let (responses_5m, last_5m) = c.window(lane::now_ms());
+    Some(ChallengeStatus {
+        last_5m,
+        responses_5m,
+        by_vendor,
+    })
 }
 
 /// A non-negative, finite `f64` as a key that sorts like it (in microseconds).

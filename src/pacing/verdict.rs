@@ -1,5 +1,5 @@
-//! What a response tells the pacer: clean, throttled, lockout or no verdict, why, how long
-//! it asks to pause, and what the vendor says about its budget.
+//! What a response tells the pacer: clean, throttled, a bot wall's challenge, lockout or no
+//! verdict, why, how long it asks to pause, and what the vendor says about its budget.
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
@@ -8,6 +8,7 @@ use http::header::{HeaderMap, DATE, RETRY_AFTER};
 
 pub use crate::budget::Pause;
 use crate::destination::Pace;
+use crate::signals::walls::Wall;
 use crate::signals::{self, Reset, Signal};
 
 /// How much of a lockout-status body is looked at for a throttle marker.
@@ -28,6 +29,9 @@ pub enum Verdict {
         /// What made it a throttle.
         why: Why,
     },
+    /// A bot-management product's challenge (see [`crate::signals::walls`]), whatever its
+    /// status: neither a throttle nor a lockout.
+    Challenge(Wall),
     /// A status in `lockout_statuses` with no rate-limit marker.
     Lockout,
     /// Nothing to learn: other 5xx, or no response at all.
@@ -75,6 +79,7 @@ impl Verdict {
         match self {
             Self::Clean => Named::Clean,
             Self::Throttled { why, .. } => Named::Throttled(why),
+            Self::Challenge(wall) => Named::Challenge(wall),
             Self::Lockout => Named::Lockout,
             Self::None => Named::None,
         }
@@ -87,6 +92,7 @@ impl Verdict {
 pub enum Named {
     Clean,
     Throttled(Why),
+    Challenge(Wall),
     Lockout,
     None,
 }
@@ -97,6 +103,7 @@ impl Named {
         match self {
             Self::Clean => "clean",
             Self::Throttled(_) => "throttled",
+            Self::Challenge(_) => "challenge",
             Self::Lockout => "lockout",
             Self::None => "none",
         }
@@ -106,6 +113,7 @@ impl Named {
     pub fn reason(self) -> &'static str {
         match self {
             Self::Throttled(why) => why.as_str(),
+            Self::Challenge(wall) => wall.as_str(),
             _ => "status",
         }
     }
@@ -125,13 +133,34 @@ pub struct Reading {
     /// The strictest vendor signal among the families the destination reads, and its reset
     /// as a pause (a Unix-time reset read against the response's `Date` when it has one).
     pub signal: Option<(Signal, Option<Pause>)>,
+    /// Whether its body may say it is a bot wall's challenge (a 403 where one is recognised
+    /// by its page: see [`crate::signals::walls::Walls::body_may_tell`]).
+    pub wall_in_body: bool,
 }
 
 impl Reading {
     /// Whether the body must be looked at: a lockout is a throttle if its body carries a
-    /// marker.
+    /// marker, and a challenge if its body is a bot wall's page.
     pub fn needs_body(&self, pace: &Pace) -> bool {
-        self.verdict == Verdict::Lockout && !pace.throttle_body.is_empty()
+        self.verdict == Verdict::Lockout && (!pace.throttle_body.is_empty() || self.wall_in_body)
+    }
+
+    /// The reading once the start of its body (decoded) was read: a bot wall's page makes a
+    /// challenge, else a throttle marker a throttle.
+    pub fn by_body(self, pace: &Pace, headers: &HeaderMap, text: &[u8]) -> Self {
+        if self.wall_in_body {
+            if let Some(wall) = pace.challenges.by_body(headers, text) {
+                return Self {
+                    verdict: Verdict::Challenge(wall),
+                    ..self
+                };
+            }
+        }
+        if body_has_marker(text, &pace.throttle_body) {
+            self.marked_by_body()
+        } else {
+            self
+        }
     }
 
     /// The reading once the body was found to carry a throttle marker.
@@ -186,7 +215,11 @@ pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace) -> Reading {
     let exhausted = signal.is_some_and(|s| s.exhausted());
     // A primary exhaustion pauses until its reset.
     let spent = reset.filter(|_| exhausted);
-    let verdict = if pace.throttle_statuses.contains(&status) {
+    // A challenge comes first: a bot wall may answer with any status, a throttle's included.
+    let wall = pace.challenges.by_headers(headers);
+    let verdict = if let Some(wall) = wall {
+        Verdict::Challenge(wall)
+    } else if pace.throttle_statuses.contains(&status) {
         Verdict::Throttled {
             retry_after,
             reset: spent,
@@ -216,6 +249,7 @@ pub fn classify(status: u16, headers: &HeaderMap, pace: &Pace) -> Reading {
     Reading {
         verdict,
         signal: signal.map(|s| (s, reset)),
+        wall_in_body: verdict == Verdict::Lockout && pace.challenges.body_may_tell(status, headers),
     }
 }
 

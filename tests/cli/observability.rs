@@ -68,7 +68,7 @@ fn rule_expressions() -> Vec<String> {
         }
         exprs.push(expr);
     }
-    assert_eq!(exprs.len(), 7, "{exprs:?}");
+    assert_eq!(exprs.len(), 8, "{exprs:?}");
     exprs
 }
 

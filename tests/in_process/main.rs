@@ -25,3 +25,4 @@ mod refusals;
 mod robustness;
 mod shutdown;
 mod vendor;
+mod walls;

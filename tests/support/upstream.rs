@@ -395,7 +395,7 @@ async fn respond(
     let with_headers = |mut resp: Response<Body>| {
         for pair in query.split('&').filter_map(|kv| kv.strip_prefix("h=")) {
             let (k, v) = pair.split_once(':').unwrap();
-            let v = v.replace("%20", " ");
+            let v = decoded(v);
             resp.headers_mut().append(
                 HeaderName::from_bytes(k.as_bytes()).unwrap(),
                 HeaderValue::from_str(&v).unwrap(),
@@ -412,7 +412,7 @@ async fn respond(
             let text = query
                 .split('&')
                 .find_map(|kv| kv.strip_prefix("body="))
-                .map_or_else(|| format!("status {code}\n"), |b| b.replace("%20", " "));
+                .map_or_else(|| format!("status {code}\n"), decoded);
             if query.split('&').any(|kv| kv == "gzip=1") {
                 let mut resp = full(status, gzip(text.as_bytes()));
                 resp.headers_mut()
@@ -563,4 +563,29 @@ async fn respond(
             r
         }
     }
+}
+
+/// A query value percent-decoded (`%20`, `%22`, `%23`, ...); a `%` not followed by two hex
+/// digits stays as it is.
+fn decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }

@@ -7,6 +7,7 @@ use super::super::file::{RawBlock, RawDestination, RawSignals};
 use super::super::{MAX_BACKOFF, MAX_MARKER_BYTES, MAX_PAUSE, MAX_QUOTA_LIMIT, MIN_RATE};
 use super::{Validator, DAY};
 use crate::destination::{Block, KeyFrom, Pace};
+use crate::signals::walls::Walls;
 use crate::signals::{Families, Family};
 
 /// The longest a request may wait for its slot.
@@ -97,6 +98,8 @@ impl Validator<'_> {
             vendor_pace: d.vendor_pace.unwrap_or(default.vendor_pace),
             throttle_block: d.throttle_block.as_ref().map(|b| self.block(path, b)),
             throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
+            challenges: self.walls(path, d.challenges.as_deref()),
+            challenge_share: self.share(path, d.challenge_share, default.challenge_share),
             key: d.key.as_deref().and_then(|text| {
                 KeyFrom::parse(text)
                     .map_err(|e| self.push(&format!("{path}.key"), e))
@@ -219,6 +222,35 @@ impl Validator<'_> {
             );
         }
         pace
+    }
+
+    /// `challenges`: the bot walls told from lockouts.
+    fn walls(&mut self, path: &str, raw: Option<&[String]>) -> Walls {
+        let Some(entries) = raw else {
+            return Walls::default();
+        };
+        let mut walls = Walls::NONE;
+        for (i, entry) in entries.iter().enumerate() {
+            if let Err(e) = walls.add(entry) {
+                self.push(&format!("{path}.challenges[{i}]"), e);
+            }
+        }
+        walls
+    }
+
+    /// `challenge_share`: a fraction of responses, above 0 and at most 1.
+    fn share(&mut self, path: &str, raw: Option<f64>, default: f64) -> f64 {
+        match raw {
+            None => default,
+            Some(x) if x > 0.0 && x <= 1.0 => x,
+            Some(x) => {
+                self.push(
+                    &format!("{path}.challenge_share"),
+                    format!("{x}: must be above 0 and at most 1 (a share of responses; 1: challenges never widen the pace)"),
+                );
+                default
+            }
+        }
     }
 
     fn signals(&mut self, path: &str, raw: Option<&RawSignals>) -> Families {

@@ -242,15 +242,53 @@ mod classify {
     }
 
     #[test]
-    fn only_lockouts_read_the_body_and_only_with_markers() {
+    fn only_lockouts_read_the_body_and_only_with_markers_or_walls_to_look_for() {
         let h = HeaderMap::new();
         assert!(!classify(200, &h, &pace()).needs_body(&pace()));
         assert!(!classify(429, &h, &pace()).needs_body(&pace()));
         let none = Pace {
             throttle_body: Vec::new(),
+            challenges: crate::signals::walls::Walls::NONE,
             ..pace()
         };
         assert!(!classify(403, &h, &none).needs_body(&none));
+        let walls_only = Pace {
+            throttle_body: Vec::new(),
+            ..pace()
+        };
+        assert!(classify(403, &h, &walls_only).needs_body(&walls_only));
+    }
+
+    #[test]
+    fn a_challenge_is_neither_a_throttle_nor_a_lockout_whatever_its_status() {
+        let cf = headers(&[("cf-mitigated", "challenge"), ("retry-after", "5")]);
+        for status in [403, 429, 503, 200] {
+            let r = classify(status, &cf, &pace());
+            assert_eq!(r.verdict, Verdict::Challenge(Wall::Cloudflare), "{status}");
+            assert!(!r.needs_body(&pace()), "{status}");
+        }
+        let named = Verdict::Challenge(Wall::Cloudflare).named();
+        assert_eq!(
+            (named.as_str(), named.reason()),
+            ("challenge", "cloudflare")
+        );
+        // A 403 read whole: a wall's page wins over a throttle marker, which wins over nothing.
+        let h = headers(&[("server", "AkamaiGHost")]);
+        let r = classify(403, &h, &pace());
+        assert_eq!(r.verdict, Verdict::Lockout);
+        let page = b"Too many requests? Reference #18.2f1d";
+        assert_eq!(
+            r.by_body(&pace(), &h, page).verdict,
+            Verdict::Challenge(Wall::Akamai)
+        );
+        assert!(matches!(
+            r.by_body(&pace(), &h, b"too many requests").verdict,
+            Verdict::Throttled { why: Why::Body, .. }
+        ));
+        assert_eq!(
+            r.by_body(&pace(), &h, b"Forbidden").verdict,
+            Verdict::Lockout
+        );
     }
 
     #[test]
