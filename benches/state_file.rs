@@ -37,6 +37,7 @@ fn seen(remaining: u64) -> Observation {
         limit: Some(1_000_000),
         reset: Pause::For(Duration::from_secs(3600)),
         spread: 0.0,
+        unanswered: 0,
     }
 }
 

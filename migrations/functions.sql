@@ -6,7 +6,8 @@
 -- store::postgres::model hold the two to each other.
 --
 -- A function's signature is kept for the binary of the release before, which may still run
--- beside this one during a rolling upgrade: pacegate_reserve_for (one slot at a time),
+-- beside this one during a rolling upgrade: pacegate_record (pacegate_record_said without
+-- the requests unanswered), pacegate_reserve_for (one slot at a time),
 -- pacegate_reserve_batch (pacegate_reserve_paced without p_spread: a vendor's budget is always
 -- spread), pacegate_reserve_slots (without p_lost_hold either: a lost row starts at "now") and
 -- pacegate_reserve_many (without p_lead either: every slot from the database's bare "now") are
@@ -52,7 +53,9 @@ $$;
 
 -- Applies what the vendor said (p_vendor_*, all NULL when nothing), then a verdict: p_kind is
 -- 'clean', 'throttled', 'lockout' or 'none'. Returns the budget after them.
-CREATE OR REPLACE FUNCTION pacegate_record(
+-- p_vendor_unanswered: the budget's requests sent and not yet answered when the vendor said
+-- it, which its remaining may not count yet: they count as taken from it.
+CREATE OR REPLACE FUNCTION pacegate_record_said(
     p_destination text,
     p_kind text,
     p_generation bigint,
@@ -78,7 +81,8 @@ CREATE OR REPLACE FUNCTION pacegate_record(
     p_vendor_limit bigint,
     p_vendor_reset_secs double precision,
     p_vendor_reset_at timestamptz,
-    p_vendor_jitter_us bigint
+    p_vendor_jitter_us bigint,
+    p_vendor_unanswered bigint
 ) RETURNS TABLE (
     backoff double precision,
     generation bigint,
@@ -105,6 +109,7 @@ DECLARE
     block_us bigint;
     until_ts timestamptz;
     cause text;
+    unseen bigint := GREATEST(coalesce(p_vendor_unanswered, 0), 0);
 BEGIN
     INSERT INTO pacegate_budgets (destination) VALUES (p_destination) ON CONFLICT DO NOTHING;
     SELECT * INTO b FROM pacegate_budgets AS x WHERE x.destination = p_destination FOR UPDATE;
@@ -120,7 +125,8 @@ BEGIN
                 IF new_reset + interval '2 seconds' < b.vendor_reset THEN
                     keep := true;
                 ELSIF new_reset <= b.vendor_reset + interval '2 seconds' THEN
-                    keep := p_vendor_remaining > GREATEST(b.vendor_remaining - b.vendor_taken, 0);
+                    keep := GREATEST(p_vendor_remaining - unseen, 0)
+                        > GREATEST(b.vendor_remaining - b.vendor_taken, 0);
                 END IF;
             END IF;
             IF NOT keep THEN
@@ -129,8 +135,8 @@ BEGIN
                 b.vendor_limit := p_vendor_limit;
                 b.vendor_observed := now_ts;
                 b.vendor_reset := new_reset;
-                b.vendor_taken := 0;
-                IF p_vendor_remaining <= p_reserve THEN
+                b.vendor_taken := unseen;
+                IF p_vendor_remaining - unseen <= p_reserve THEN
                     until_ts := new_reset + make_interval(secs => p_vendor_jitter_us / 1000000.0);
                     IF until_ts > b.paused_until THEN
                         b.paused_until := until_ts;
@@ -217,6 +223,58 @@ BEGIN
         CASE WHEN b.vendor_reset > now_ts
             THEN extract(epoch FROM b.vendor_reset - now_ts)::double precision END;
 END
+$$;
+
+-- The release before does not say how many requests were unanswered: its views count none.
+CREATE OR REPLACE FUNCTION pacegate_record(
+    p_destination text,
+    p_kind text,
+    p_generation bigint,
+    p_success boolean,
+    p_retry_after_secs double precision,
+    p_retry_after_at timestamptz,
+    p_reset_secs double precision,
+    p_reset_at timestamptz,
+    p_spread double precision,
+    p_backoff_factor double precision,
+    p_backoff_max double precision,
+    p_decay_after integer,
+    p_retry_after_max double precision,
+    p_reserve bigint,
+    p_block_min_us bigint,
+    p_block_max_us bigint,
+    p_block_jitter double precision,
+    p_lock_status integer,
+    p_lock_request text,
+    p_lock_instance text,
+    p_vendor_family text,
+    p_vendor_remaining bigint,
+    p_vendor_limit bigint,
+    p_vendor_reset_secs double precision,
+    p_vendor_reset_at timestamptz,
+    p_vendor_jitter_us bigint
+) RETURNS TABLE (
+    backoff double precision,
+    generation bigint,
+    clean_streak integer,
+    paused_for double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    paused_by text,
+    block_streak integer,
+    vendor_family text,
+    vendor_remaining bigint,
+    vendor_limit bigint,
+    vendor_reset_in double precision
+) LANGUAGE sql AS $$
+    SELECT * FROM pacegate_record_said(p_destination, p_kind, p_generation, p_success,
+        p_retry_after_secs, p_retry_after_at, p_reset_secs, p_reset_at, p_spread,
+        p_backoff_factor, p_backoff_max, p_decay_after, p_retry_after_max, p_reserve,
+        p_block_min_us, p_block_max_us, p_block_jitter, p_lock_status, p_lock_request,
+        p_lock_instance, p_vendor_family, p_vendor_remaining, p_vendor_limit,
+        p_vendor_reset_secs, p_vendor_reset_at, p_vendor_jitter_us, 0)
 $$;
 
 -- Batched grants: one reservation may grant the caller up to p_most slots for its requests of

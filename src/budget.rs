@@ -313,6 +313,10 @@ pub struct Observation {
     /// From 0 to 1: how much of a second past the reset a spent budget's pause lasts, so
     /// that the first request of the new window does not race the vendor's own clock.
     pub spread: f64,
+    /// Requests of the budget sent and not yet answered when it was said (on the instance
+    /// that read it): the vendor's `remaining` may not count them yet, so they count as
+    /// taken from it, and are not spent twice. 0 for a view said of no request in flight.
+    pub unanswered: u64,
 }
 
 impl Observation {

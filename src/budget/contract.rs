@@ -232,6 +232,7 @@ where
     shares_are_honoured_and_lent(&fresh().await).await;
     quota_windows_hold(&fresh().await, tol).await;
     vendor::a_vendor_view_spreads_what_is_left_until_the_reset(&fresh().await, tol).await;
+    vendor::requests_unanswered_when_the_vendor_said_count_against_its_view(&fresh().await).await;
     vendor::a_vendor_view_with_some_left_is_spent_at_the_rate_then_waits_for_the_reset(
         &fresh().await,
         tol,

@@ -55,12 +55,14 @@ enum Op {
         spread: f64,
     },
     /// A response with no verdict that says what the vendor's budget is: `remaining`, the
-    /// reset in ms (`until`: as an instant, not a delta), and the jitter's spread.
+    /// reset in ms (`until`: as an instant, not a delta), the jitter's spread, and the
+    /// requests still unanswered when it was said.
     Observe {
         remaining: u64,
         reset_ms: u64,
         until: bool,
         spread: f64,
+        unanswered: u64,
     },
     Lockout,
     Unlock,
@@ -94,12 +96,19 @@ fn op() -> impl Strategy<Value = Op> {
                 reset_ms,
                 spread,
             }),
-        2 => (0u64..6, 0u64..3_000, any::<bool>(), spread())
-            .prop_map(|(remaining, reset_ms, until, spread)| Op::Observe {
+        2 => (
+            0u64..6,
+            0u64..3_000,
+            any::<bool>(),
+            spread(),
+            0u64..4,
+        )
+            .prop_map(|(remaining, reset_ms, until, spread, unanswered)| Op::Observe {
                 remaining,
                 reset_ms,
                 until,
                 spread: spread.abs(),
+                unanswered,
             }),
         1 => Just(Op::Lockout),
         1 => Just(Op::Unlock),
@@ -344,6 +353,7 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                         reset_ms,
                         until,
                         spread,
+                        unanswered,
                     } => {
                         let reset = if *until {
                             Pause::Until(wall(now) + Duration::from_millis(*reset_ms))
@@ -356,6 +366,7 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                             limit: Some(5),
                             reset,
                             spread: *spread,
+                            unanswered: *unanswered,
                         };
                         (Event::None, Some(seen))
                     }

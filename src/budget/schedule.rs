@@ -328,13 +328,14 @@ impl Budget {
             limit: seen.limit,
             observed: now,
             reset: now + left,
-            taken: 0,
+            taken: seen.unanswered,
         };
+        let left_now = |v: &Vendor| v.remaining.saturating_sub(v.taken);
         let keep = self.vendor_at(now).is_some_and(|old| {
             if new.reset + SAME_WINDOW < old.reset {
                 true
             } else if new.reset <= old.reset + SAME_WINDOW {
-                new.remaining > old.remaining.saturating_sub(old.taken)
+                left_now(&new) > left_now(old)
             } else {
                 false
             }
@@ -343,7 +344,7 @@ impl Budget {
             return false;
         }
         self.vendor = Some(Box::new(new));
-        if new.remaining <= u64::from(rule.reserve) {
+        if left_now(&new) <= u64::from(rule.reserve) {
             self.pause(new.reset + seen.jitter(), PauseCause::Exhausted);
         }
         true

@@ -259,7 +259,10 @@ impl Pacer {
                 // that the exchange's future keeps no room for it beside the judge's.
                 let (verdict, response) = {
                     note.sent = Some(Instant::now());
-                    let response = match upstream.send(req, by, Some(expecting)).await {
+                    let unanswered = admission.lane.tally.unanswered();
+                    let sent = upstream.send(req, by, Some(expecting)).await;
+                    drop(unanswered);
+                    let response = match sent {
                         Err(UpstreamError::Late(late)) => {
                             self.no_connection_in_time(&admission);
                             if let Some(m) = outgoing.meters() {

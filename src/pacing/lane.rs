@@ -149,6 +149,8 @@ pub(super) struct Tally {
     pub(super) in_flight: AtomicUsize,
     /// Requests in `admit`: waiting for a concurrency permit or a slot.
     pub(super) admitting: AtomicUsize,
+    /// Requests sent upstream whose response head has not come yet (see [`Unanswered`]).
+    pub(super) unanswered: AtomicUsize,
     /// Slots used, all and by class.
     pub(super) sends: Mutex<Sends>,
 }
@@ -158,8 +160,25 @@ impl Tally {
         Self {
             in_flight: AtomicUsize::new(0),
             admitting: AtomicUsize::new(0),
+            unanswered: AtomicUsize::new(0),
             sends: Mutex::new(Sends::new(classes.all().count())),
         }
+    }
+
+    /// Counts a request sent upstream until its response head comes (or its send fails):
+    /// what a vendor says in answer to another may not count it yet.
+    pub(super) fn unanswered(&self) -> Unanswered<'_> {
+        self.unanswered.fetch_add(1, Ordering::Relaxed);
+        Unanswered(self)
+    }
+}
+
+/// A request counted in [`Tally::unanswered`], until dropped.
+pub(super) struct Unanswered<'a>(&'a Tally);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        self.0.unanswered.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

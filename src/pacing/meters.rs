@@ -375,6 +375,7 @@ fn pause(store: &Arc<dyn Store>, lane: &Arc<Lane>, limit: Option<u64>, reset: Du
         limit,
         reset: Pause::For(reset),
         spread: rand::random::<f64>(),
+        unanswered: 0,
     };
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;

@@ -2,6 +2,7 @@
 //! and what the vendor said, to the budget of the group the response names), the lockout
 //! spread to every budget of the destination, and the log lines a lockout is due.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 #[cfg(test)]
@@ -67,6 +68,7 @@ impl Pacer {
                 limit: s.limit,
                 reset: reset?,
                 spread: rand::random::<f64>(),
+                unanswered: admission.lane.tally.unanswered.load(Ordering::Relaxed) as u64,
             })
         });
         // The named group's budget for this request's key, where both are split by key:

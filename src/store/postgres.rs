@@ -2,7 +2,7 @@
 //! instance on every host that points at the same database shares one ceiling.
 //!
 //! Each operation is one statement calling a function from `migrations/` (`pacegate_reserve`,
-//! `pacegate_record`), run on an autocommit pooled connection that is returned before the
+//! `pacegate_record_said`), run on an autocommit pooled connection that is returned before the
 //! caller waits for its slot. The database clock is the only clock compared: a reservation
 //! returns the slot and `clock_timestamp()`, and the instance places the slot on its own
 //! monotonic clock by a bound that can only make it later, never earlier, and counts how
@@ -575,6 +575,7 @@ impl Store for PostgresStore {
                     &vendor_reset.0,
                     &vendor_reset.1,
                     &vendor.map_or(0, |v| us(v.jitter())),
+                    &vendor.map_or(0, |v| count(v.unanswered)),
                 ],
             )
             .await?;

@@ -218,6 +218,22 @@ async fn a_vendor_budget_with_plenty_left_goes_at_the_rate_unless_told_to_spread
 }
 
 #[tokio::test]
+async fn requests_in_flight_when_the_vendor_answered_are_not_spent_twice() {
+    // 10 a window of 4 s, each answer 100 ms after its request: at rate 50, five more are on
+    // their way when the first says 9 are left. Spent at the rate, those five count against
+    // it, so the window is not overrun.
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, "rate = 50\nthrottle_statuses = []").await;
+    let url = format!("{}/window/10/4?delay=100", upstream.http_url("localhost"));
+    let statuses = burst(&proxy, &url, 12).await;
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "the vendor refused {} of 12: {statuses:?}",
+        statuses.iter().filter(|s| **s == 429).count()
+    );
+}
+
+#[tokio::test]
 async fn at_the_reserve_a_vendor_budget_waits_for_its_reset_at_either_pace() {
     // 5 a window of 3 s at the vendor, 2 kept in reserve: 3 go, the 4th waits for the reset.
     for pace in ["burst", "spread"] {

@@ -469,6 +469,10 @@ async fn respond(
             } else {
                 StatusCode::OK
             };
+            // Counted on arrival, answered `delay` ms later: a vendor a round trip away.
+            if let Some(ms) = query.split('&').find_map(|kv| kv.strip_prefix("delay=")) {
+                tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+            }
             let mut resp = full(status, format!("{used} of {n}\n"));
             let h = resp.headers_mut();
             h.insert(

@@ -17,6 +17,7 @@ fn seen(remaining: u64, reset: Pause) -> Option<Observation> {
         limit: Some(100),
         reset,
         spread: 0.0,
+        unanswered: 0,
     })
 }
 
@@ -105,6 +106,33 @@ pub(super) async fn a_vendor_view_with_some_left_is_spent_at_the_rate_then_waits
         "past the usable requests, the reset: {:?} after the view",
         fourth.at - sent
     );
+}
+
+pub(super) async fn requests_unanswered_when_the_vendor_said_count_against_its_view(
+    store: &impl Store,
+) {
+    let r = rule(50.0);
+    // 5 left, and 5 requests on their way that it may not count: none is.
+    let said = Observation {
+        unanswered: 5,
+        ..seen(5, secs(10)).unwrap()
+    };
+    let view = store
+        .record("d", &r, Event::None, Some(said))
+        .await
+        .unwrap();
+    assert_eq!(view.vendor.map(|v| v.remaining), Some(0), "{view:?}");
+    assert_eq!(view.paused_by, Some(PauseCause::Exhausted), "{view:?}");
+    // Another window's view, with 2 of its 5 on their way: 3.
+    let later = Observation {
+        unanswered: 2,
+        ..seen(5, secs(20)).unwrap()
+    };
+    let view = store
+        .record("d", &r, Event::None, Some(later))
+        .await
+        .unwrap();
+    assert_eq!(view.vendor.map(|v| v.remaining), Some(3), "{view:?}");
 }
 
 pub(super) async fn views_race_by_window_and_the_lower_remaining_wins(store: &impl Store) {

@@ -544,6 +544,7 @@ fn after_the_vendor_said(r: &Rule, remaining: u64, reset: Duration, n: usize) ->
         limit: Some(5000),
         reset: Pause::For(reset),
         spread: 0.0,
+        unanswered: 0,
     };
     assert!(b.observe(r, &seen, NOW, SystemTime::UNIX_EPOCH));
     (0..n).map(|_| b.reserve(r, NOW, None).unwrap().0).collect()
@@ -579,4 +580,37 @@ fn a_vendor_budget_with_plenty_left_is_spent_at_the_rate_or_spread_as_configured
             "{pace:?}: {slots:?}"
         );
     }
+}
+
+#[test]
+fn requests_unanswered_when_the_vendor_said_count_as_taken_from_what_it_says() {
+    let r = rule(50.0, 1);
+    let said = |remaining, unanswered, reset| Observation {
+        family: crate::signals::Family::XRateLimit,
+        remaining,
+        limit: Some(100),
+        reset: Pause::For(Duration::from_secs(reset)),
+        spread: 0.0,
+        unanswered,
+    };
+    let mut b = Budget::default();
+    // 5 left, 3 on their way that it may not count: 2 more go, then the reset.
+    assert!(b.observe(&r, &said(5, 3, 10), NOW, SystemTime::UNIX_EPOCH));
+    assert_eq!(b.vendor_at(NOW).unwrap().taken, 3);
+    assert!(b.reserve(&r, NOW, None).unwrap().0 < NOW + ms(100));
+    assert!(b.reserve(&r, NOW, None).unwrap().0 < NOW + ms(100));
+    assert_eq!(
+        b.reserve(&r, NOW, None).unwrap().0,
+        NOW + Duration::from_secs(10)
+    );
+    // Within one window, the view that leaves less wins, what is unanswered counted.
+    let mut b = Budget::default();
+    assert!(b.observe(&r, &said(5, 0, 10), NOW, SystemTime::UNIX_EPOCH));
+    assert!(!b.observe(&r, &said(6, 0, 10), NOW, SystemTime::UNIX_EPOCH));
+    assert!(b.observe(&r, &said(6, 2, 10), NOW, SystemTime::UNIX_EPOCH));
+    assert_eq!(b.vendor_at(NOW).unwrap().taken, 2);
+    // All of what is left on its way: paused until the reset.
+    let mut b = Budget::default();
+    assert!(b.observe(&r, &said(4, 4, 10), NOW, SystemTime::UNIX_EPOCH));
+    assert_eq!(b.paused_until, NOW + Duration::from_secs(10));
 }

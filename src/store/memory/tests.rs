@@ -233,6 +233,7 @@ async fn a_block_its_streak_and_the_vendor_view_survive_a_restart() {
             limit: Some(60),
             reset: crate::budget::Pause::For(Duration::from_secs(40)),
             spread: 0.0,
+            unanswered: 0,
         };
         store
             .record("a", &rule, throttle, Some(seen))
@@ -265,6 +266,7 @@ fn vendor_saw(remaining: u64) -> Observation {
         limit: Some(5000),
         reset: crate::budget::Pause::For(Duration::from_secs(3600)),
         spread: 0.0,
+        unanswered: 0,
     }
 }
 

@@ -76,8 +76,8 @@ pub(super) const SQL_FORGET_WAITING: &str = "DELETE FROM pacegate_waiting WHERE 
 pub(super) const SQL_RECORD: &str = "SELECT backoff, generation, clean_streak, paused_for,
         lock_since, lock_status, lock_request, lock_instance, paused_by, block_streak,
         vendor_family, vendor_remaining, vendor_limit, vendor_reset_in
-    FROM pacegate_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-        $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)";
+    FROM pacegate_record_said($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+        $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27)";
 pub(super) const SQL_UNLOCK: &str = "WITH old AS (
         SELECT destination, lock_since, lock_status, lock_request, lock_instance
         FROM pacegate_budgets WHERE destination = $1 AND lock_status IS NOT NULL FOR UPDATE)

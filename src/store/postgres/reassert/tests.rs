@@ -102,6 +102,7 @@ async fn fail_over(reassert: bool) -> After {
         limit: Some(100),
         reset: Pause::For(Duration::from_secs(60)),
         spread: 0.0,
+        unanswered: 0,
     };
     store
         .record("vendor", &spreading(), Event::None, Some(said))
