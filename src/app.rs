@@ -250,6 +250,10 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
         gate: gate.clone(),
+        collapse: config
+            .cache
+            .clone()
+            .map(|c| crate::collapse::Collapser::new(c, metrics.clone())),
     });
     let proxy_task = tokio::spawn(crate::server::serve(
         proxy_listener,

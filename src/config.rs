@@ -21,8 +21,8 @@ mod file;
 mod validate;
 
 use file::{
-    problem, section, RawAdmin, RawClasses, RawDestination, RawLog, RawProxy, RawStore, RawTls,
-    RawUpstream,
+    problem, section, RawAdmin, RawCache, RawClasses, RawDestination, RawLog, RawProxy, RawStore,
+    RawTls, RawUpstream,
 };
 use validate::Validator;
 
@@ -142,6 +142,32 @@ pub enum RequestLog {
     None,
 }
 
+/// `[cache]`: what identical requests in flight may share (collapsed forwarding, for the
+/// destinations with `cache = true`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CacheConfig {
+    /// The most bytes of shared responses held in memory at once: a response that would pass
+    /// it is not shared. Default 256 MiB.
+    pub memory: u64,
+    /// The largest response shared (by its `Content-Length`); larger ones go to each request
+    /// on its own. Default 32 MiB.
+    pub max_object: u64,
+    /// How long after the leader's request was sent its waiters wait for its response head
+    /// before one of them goes in its place. Default 5 s.
+    #[serde(with = "humantime_serde")]
+    pub lead_timeout: Duration,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            memory: 256 * 1024 * 1024,
+            max_object: 32 * 1024 * 1024,
+            lead_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// `[log]`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct LogConfig {
@@ -174,6 +200,9 @@ pub struct Config {
     pub store: StoreConfig,
     /// `[log]`.
     pub log: LogConfig,
+    /// `[cache]`; `None`: nothing is shared between requests.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheConfig>,
     /// `[classes]`: priority classes, most urgent first. Not printed when absent, so that the
     /// normalised config means the same as the file.
     #[serde(skip_serializing_if = "Classes::is_implicit")]
@@ -653,6 +682,10 @@ impl Config {
         let tls: Option<RawTls> = section(table.remove("tls"), "tls", p, u);
         let store: Option<RawStore> = section(table.remove("store"), "store", p, u);
         let log: Option<RawLog> = section(table.remove("log"), "log", p, u);
+        let cache: Option<Option<RawCache>> = match table.remove("cache") {
+            None => Some(None),
+            some => section::<RawCache>(some, "cache", p, u).map(Some),
+        };
         let classes: Option<Option<RawClasses>> = match table.remove("classes") {
             None => Some(None),
             some => section::<RawClasses>(some, "classes", p, u).map(Some),
@@ -698,6 +731,7 @@ impl Config {
             log: LogConfig {
                 requests: log.unwrap_or_default().requests.unwrap_or_default(),
             },
+            cache: cache.flatten().map(|c| v.cache(c)),
             classes: classes
                 .flatten()
                 .map_or_else(Classes::default, |c| v.classes(c)),
@@ -705,6 +739,7 @@ impl Config {
             file: None,
         };
         v.user_classes(&config);
+        v.cache_needed(&config);
         if v.problems.is_empty() {
             Ok(config)
         } else {

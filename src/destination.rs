@@ -58,6 +58,7 @@ impl Pace {
             throttle_body: vec!["rate limit".into(), "too many requests".into()],
             challenges: Walls::default(),
             challenge_share: 0.2,
+            cache: false,
             key: None,
             max_keys: 10_000,
             max_keys_per_client: 5_000,
@@ -557,6 +558,9 @@ pub struct Pace {
     /// The share of responses over 5 minutes past which challenges widen the pace, as a
     /// throttle does. Default 0.2.
     pub challenge_share: f64,
+    /// Identical GET and HEAD requests in flight share one fetch (collapsed forwarding; needs
+    /// a `[cache]` section). Default false.
+    pub cache: bool,
     /// One budget per distinct value of this, each with every key above; default none: one
     /// budget.
     pub key: Option<KeyFrom>,

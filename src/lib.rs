@@ -16,6 +16,9 @@
 //!   `destination::host` normalises and checks a host as a request or a pattern writes it;
 //!   `destination::path` reads a path as a vendor counts it, for picking its group.
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
+//! - [`collapse`]: one fetch for many: an identical GET or HEAD of a destination with
+//!   `cache = true` waits for the one in flight and takes no slot; what can become of it is
+//!   named (served, on its own, in the leader's place), and `Cache-Status` says which.
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal, and the bucket it names; `signals::tokens` what
 //!   one says of a budget in tokens or points, for a meter; `signals::walls` which bot
@@ -98,6 +101,7 @@ pub mod app;
 pub mod budget;
 pub mod class;
 pub mod cli;
+pub mod collapse;
 pub mod config;
 pub mod demo;
 pub mod destination;

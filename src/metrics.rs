@@ -67,6 +67,12 @@ pub struct Metrics {
     /// product that sent them (`cloudflare`, `aws-waf`, `datadome`, `perimeterx`, `akamai`,
     /// `other`).
     pub challenges: IntCounterVec,
+    /// `pacegate_collapsed_total{destination,outcome}`: requests that found an identical one
+    /// in flight, by what became of them: `served` (its response shared: a slot saved),
+    /// `released` (a leader's response that could not be shared: its waiters went on their
+    /// own), `vary` (shared, but not for this request's `Vary`'d headers), `lead_timeout` and
+    /// `took_over` (a leader slow or failed, and a waiter going in its place).
+    pub collapsed: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
     /// `pacegate_meter_units_total{destination}` (a meter's budget, `NAME~UNIT`): what its
@@ -265,6 +271,13 @@ impl Metrics {
                 "Bot walls' challenges in upstream responses, by destination and the product that sent them",
             ),
             &["destination", "vendor"],
+        )?;
+        let collapsed = IntCounterVec::new(
+            Opts::new(
+                "pacegate_collapsed_total",
+                "Requests that found an identical one in flight, by destination and what became of them",
+            ),
+            &["destination", "outcome"],
         )?;
         let slots_dropped = IntCounterVec::new(
             Opts::new(
@@ -490,6 +503,7 @@ impl Metrics {
         for c in [
             &verdicts,
             &challenges,
+            &collapsed,
             &retries,
             &meter_units,
             &meter_unsettled,
@@ -546,6 +560,7 @@ impl Metrics {
             cert_cache_entries,
             verdicts,
             challenges,
+            collapsed,
             retries,
             meter_units,
             meter_unsettled,

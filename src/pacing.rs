@@ -43,14 +43,14 @@ use arc_swap::ArcSwap;
 
 use crate::budget::{Lockout, Reservation, Rule, Store, StoreError, KEY_MARK};
 use crate::class::{Class, Classes};
-use crate::destination::{group_of, Destination, Group, Meter, Pace, Routed, Routes};
+use crate::destination::{group_of, Destination, Group, KeyFrom, Meter, Pace, Routed, Routes};
 use crate::fleet::{Fleet, Solo};
 use crate::metrics::Metrics;
 pub use advertise::{Advertised, Paced};
 pub use exchange::{ExchangeError, Exchanged, Note};
 pub use keys::Asking;
 use lane::Lane;
-pub use outgoing::{BodyError, Outgoing};
+pub use outgoing::{BodyError, Departure, Outgoing};
 
 /// Why a request got no slot.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -259,6 +259,28 @@ impl Route {
     /// class's `max_wait` if it has one, else the budget's.
     pub fn max_wait(&self, class: Class, pace: &PaceKeys) -> Duration {
         self.lane.max_wait_by(class, &pace.0)
+    }
+
+    /// Whether the destination's identical GET and HEAD requests in flight share one fetch
+    /// (`cache = true`: collapsed forwarding, which the proxy does).
+    pub fn collapses(&self) -> bool {
+        self.lane.keys().pace.cache
+    }
+
+    /// What `request`'s budget key is made of where the budget (of its group, if one takes
+    /// it) is split by something other than its URI: requests that share one fetch share it.
+    pub fn key_material(&self, request: &Outgoing) -> Option<String> {
+        let head = request.head();
+        let route = self.pick(head.method.as_str(), head.uri.path());
+        let keys = route.lane.keys();
+        match keys.pace.key.as_ref()? {
+            KeyFrom::Host | KeyFrom::Json(_) => None,
+            KeyFrom::ProxyUser => request.user().map(ToOwned::to_owned),
+            KeyFrom::Header(name) => head
+                .headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        }
     }
 
     /// Whether a group of the destination names a vendor's bucket (`resource`), so that

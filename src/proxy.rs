@@ -75,6 +75,8 @@ pub struct ProxyParts {
     pub shutdown: Shutdown,
     /// The requests in flight, shared with the listener.
     pub gate: crate::server::Gate,
+    /// Identical requests in flight sharing one fetch; `None` without a `[cache]` section.
+    pub collapse: Option<Arc<crate::collapse::Collapser>>,
 }
 
 /// The proxy service; cheap to clone.

@@ -246,6 +246,17 @@ pub(super) struct RawStore {
     pub(super) timeout: Option<Duration>,
 }
 
+/// `[cache]`.
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct RawCache {
+    pub(super) memory: Option<RawSize>,
+    pub(super) max_object: Option<RawSize>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) lead_timeout: Option<Duration>,
+    pub(super) dir: Option<PathBuf>,
+    pub(super) disk: Option<RawSize>,
+}
+
 #[derive(Debug, Default, Deserialize)]
 pub(super) struct RawTls {
     pub(super) ca_cert: Option<PathBuf>,
@@ -288,6 +299,7 @@ pub(super) struct RawDestination {
     pub(super) throttle_body: Option<Vec<String>>,
     pub(super) challenges: Option<Vec<String>>,
     pub(super) challenge_share: Option<f64>,
+    pub(super) cache: Option<bool>,
     pub(super) key: Option<String>,
     pub(super) max_keys: Option<usize>,
     pub(super) max_keys_per_client: Option<usize>,
@@ -362,6 +374,7 @@ impl RawDestination {
             throttle_body,
             challenges,
             challenge_share,
+            cache,
             key,
             max_keys,
             max_keys_per_client,

@@ -898,3 +898,62 @@ fn meter_mistakes_are_reported_with_their_key_paths() {
         "{err:#?}"
     );
 }
+
+#[test]
+fn the_cache_section_is_read_checked_and_needed_by_a_collapsing_destination() {
+    let c = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [cache]
+        memory = "64MiB"
+        lead_timeout = "2s"
+        [destinations.images]
+        hosts = ["images.example.com"]
+        rate = 7
+        cache = true
+        "#,
+    )
+    .unwrap();
+    let cache = c.cache.as_ref().unwrap();
+    assert_eq!(cache.memory, 64 * 1024 * 1024);
+    assert_eq!(cache.max_object, 32 * 1024 * 1024, "the default");
+    assert_eq!(cache.lead_timeout, Duration::from_secs(2));
+    assert!(c.destinations[0].pace.cache);
+    let again = Config::parse(&c.to_toml(), Path::new("/nonexistent")).unwrap();
+    assert_eq!(again.cache, c.cache);
+    let err = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [destinations.images]
+        hosts = ["images.example.com"]
+        rate = 7
+        cache = true
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(paths(&err), ["destinations.images.cache"], "{err:#?}");
+    let err = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [cache]
+        memory = "1MiB"
+        max_object = "2MiB"
+        dir = "/var/cache/pacegate"
+        disk = "10GiB"
+        lead_timeout = "1h"
+        "#,
+    )
+    .unwrap_err();
+    let p = paths(&err);
+    for expected in [
+        "cache.max_object",
+        "cache.dir",
+        "cache.disk",
+        "cache.lead_timeout",
+    ] {
+        assert!(p.contains(&expected), "missing {expected} in {err:#?}");
+    }
+}

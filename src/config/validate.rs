@@ -594,6 +594,80 @@ impl Validator<'_> {
         }
     }
 
+    /// `[cache]`. The disk tier is not there yet: `dir` and `disk` are refused, not ignored.
+    pub(super) fn cache(&mut self, raw: RawCache) -> CacheConfig {
+        let default = CacheConfig::default();
+        for (key, set) in [("dir", raw.dir.is_some()), ("disk", raw.disk.is_some())] {
+            if set {
+                self.push(
+                    &format!("cache.{key}"),
+                    "the disk tier is not built yet: identical requests in flight are shared from memory only; leave dir and disk out",
+                );
+            }
+        }
+        let mut size = |key: &str, raw: Option<&RawSize>, default: u64| -> u64 {
+            let Some(raw) = raw else { return default };
+            let n = match raw {
+                RawSize::Bytes(n) => Some(*n),
+                RawSize::Text(text) => text.parse::<bytesize::ByteSize>().ok().map(|b| b.as_u64()),
+            };
+            match n.filter(|n| (1024..=1 << 40).contains(n)) {
+                Some(n) => n,
+                None => {
+                    self.push(
+                        &format!("cache.{key}"),
+                        "must be a size from 1KiB to 1TiB: a number of bytes, or a string such as \"256MiB\"",
+                    );
+                    default
+                }
+            }
+        };
+        let memory = size("memory", raw.memory.as_ref(), default.memory);
+        // Within `memory` where it is not set: a small memory bounds the objects too.
+        let max_object = size(
+            "max_object",
+            raw.max_object.as_ref(),
+            default.max_object.min(memory),
+        );
+        if max_object > memory {
+            self.push(
+                "cache.max_object",
+                format!("{max_object} bytes is more than cache.memory ({memory}): no response that large could be held"),
+            );
+        }
+        CacheConfig {
+            memory,
+            max_object,
+            lead_timeout: self.duration(
+                "cache.lead_timeout",
+                raw.lead_timeout,
+                default.lead_timeout,
+                Duration::from_secs(600),
+            ),
+        }
+    }
+
+    /// A destination (or group) with `cache = true` has a `[cache]` section to share by.
+    pub(super) fn cache_needed(&mut self, config: &Config) {
+        if config.cache.is_some() {
+            return;
+        }
+        for d in &config.destinations {
+            let groups = d
+                .groups
+                .iter()
+                .map(|g| (format!(".groups.{}", g.name), &g.pace));
+            for (within, pace) in std::iter::once((String::new(), &d.pace)).chain(groups) {
+                if pace.cache {
+                    self.push(
+                        &format!("destinations.{}{within}.cache", d.name),
+                        "needs a [cache] section (e.g. `[cache]` with `memory = \"256MiB\"`): it bounds what identical requests in flight share",
+                    );
+                }
+            }
+        }
+    }
+
     /// Each user's `classes` names configured classes.
     pub(super) fn user_classes(&mut self, config: &Config) {
         let Some(auth) = &config.proxy.auth else {

@@ -259,6 +259,7 @@ impl Pacer {
                 // that the exchange's future keeps no room for it beside the judge's.
                 let (verdict, response) = {
                     note.sent = Some(Instant::now());
+                    outgoing.depart();
                     let unanswered = admission.lane.tally.unanswered();
                     let sent = upstream.send(req, by, Some(expecting)).await;
                     drop(unanswered);

@@ -33,6 +33,40 @@ pub struct Outgoing {
     /// How long the body may keep the upstream waiting for its next bytes (shared: a
     /// request's future holds its `Outgoing`, and every byte of it is moved with it).
     stall: Option<Arc<Stall>>,
+    /// Where a collapsed request's leader says when it left, for those waiting for it.
+    departure: Option<Arc<Departure>>,
+}
+
+/// When a request last left for the upstream, for those that wait for its answer: in
+/// milliseconds from the clock's start, plus one (0: not yet).
+#[derive(Debug, Default)]
+pub struct Departure(std::sync::atomic::AtomicU64);
+
+impl Departure {
+    /// The request leaves now.
+    pub fn stamp(&self) {
+        let now = u64::try_from(epoch().elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        self.0.store(now + 1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long ago it last left, if it has.
+    pub fn since(&self) -> Option<std::time::Duration> {
+        let at = self
+            .0
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .checked_sub(1)?;
+        Some(
+            epoch()
+                .elapsed()
+                .saturating_sub(std::time::Duration::from_millis(at)),
+        )
+    }
+}
+
+/// The instant departures are counted from.
+fn epoch() -> tokio::time::Instant {
+    static EPOCH: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(tokio::time::Instant::now)
 }
 
 impl Outgoing {
@@ -47,7 +81,30 @@ impl Outgoing {
             metered: None,
             sender: Sender::Unknown,
             stall: None,
+            departure: None,
         }
+    }
+
+    /// Tells `departure` when the request leaves.
+    pub fn tell_departures(&mut self, departure: Arc<Departure>) {
+        self.departure = Some(departure);
+    }
+
+    /// The request leaves for the upstream now: whoever waits for its answer is told.
+    pub(super) fn depart(&self) {
+        if let Some(d) = &self.departure {
+            d.stamp();
+        }
+    }
+
+    /// Its method, URI and headers, as they go upstream.
+    pub fn head(&self) -> &Parts {
+        &self.parts
+    }
+
+    /// Whether it has a body to send.
+    pub fn has_body(&self) -> bool {
+        self.body.is_some() || self.metered.as_ref().is_some_and(|m| m.body.is_some())
     }
 
     /// The request, sent for the client at `client` (unless a proxy user sends it).
@@ -83,7 +140,7 @@ impl Outgoing {
     }
 
     /// The proxy user the request is sent for.
-    pub(super) fn user(&self) -> Option<&str> {
+    pub fn user(&self) -> Option<&str> {
         match &self.sender {
             Sender::User(user) => Some(user),
             _ => None,
@@ -349,6 +406,7 @@ mod tests {
             metered: None,
             sender: Sender::Unknown,
             stall: None,
+            departure: None,
         };
         let pairs = |h: &HeaderMap| -> Vec<(String, String)> {
             h.iter()

@@ -12,9 +12,10 @@ use hyper::body::Incoming;
 use super::respond::{Outcome, ProxyError};
 use super::{Aimed, Begun, Handled, Proxy};
 use crate::class::{Class, CLASS_HEADER};
+use crate::collapse::{self, Collapser, Joined, Waited};
 use crate::headers::{self, Found};
 use crate::metrics::UNMATCHED;
-use crate::pacing::{Note, Outgoing, Route};
+use crate::pacing::{Exchanged, Note, Outgoing, Route};
 use crate::upstream::ProxyBody;
 
 /// Where a request goes: always derived from the absolute-form URI or the CONNECT authority,
@@ -76,7 +77,25 @@ impl Proxy {
             prepare(req, &target, found).map(|o| o.with_stall(&self.inner.client_stall));
         async move {
             let destination = target.name();
+            let collapse = match (&self.inner.collapse, &target.destination) {
+                (Some(c), Some(route)) if route.collapses() && prepared.is_ok() => Some(c),
+                _ => None,
+            };
             let (result, pace) = match (&mut prepared, &target.destination) {
+                (Ok(_), Some(route)) if collapse.is_some() => {
+                    let inner = &self.inner;
+                    // Boxed: rare beside the plain exchange, and larger. The request is taken
+                    // whole, for the leader's fetch, which outlives its client.
+                    let exchanged = Box::pin(collapsed(
+                        inner,
+                        collapse,
+                        route,
+                        target.class,
+                        &mut prepared,
+                    ))
+                    .await;
+                    (exchanged.response.map_err(ProxyError::from), exchanged.note)
+                }
                 (Ok(request), Some(route)) => {
                     let inner = &self.inner;
                     let exchanged = inner
@@ -123,6 +142,91 @@ impl Proxy {
             .metrics
             .upstream_response(UNMATCHED, response.status());
         Ok(response)
+    }
+}
+
+/// An exchange of a destination whose identical requests in flight share one fetch: alone,
+/// as the leader others wait for, or as a waiter served the leader's response (or going on
+/// its own, or in the leader's place, as [`crate::collapse`] says).
+async fn collapsed(
+    inner: &super::Inner,
+    collapse: Option<&Arc<Collapser>>,
+    route: &Route,
+    class: Class,
+    prepared: &mut Result<Outgoing, ProxyError>,
+) -> Exchanged {
+    // Taken out of the caller's future, which gives it no other use.
+    let taken = std::mem::replace(
+        prepared,
+        Err(ProxyError::BadRequest(
+            "taken by a collapsed exchange".into(),
+        )),
+    );
+    let Ok(mut request) = taken else {
+        unreachable!("called with a prepared request")
+    };
+    let head = request.head().clone();
+    let Some(collapse) = collapse else {
+        unreachable!("called for a collapsing destination")
+    };
+    let lead = match collapse.join(route, &request) {
+        Joined::Alone => {
+            let status = if head.method == http::Method::GET || head.method == http::Method::HEAD {
+                collapse::status::FETCHED
+            } else {
+                collapse::status::METHOD
+            };
+            let exchanged = inner
+                .pacer
+                .exchange(&inner.upstream, route, class, &mut request)
+                .await;
+            return with_cache_status(exchanged, status);
+        }
+        Joined::Lead(lead) => lead,
+        Joined::Wait(wait) => match wait.answer(route, &head).await {
+            Waited::Served(response) => {
+                return Exchanged {
+                    response: Ok(response),
+                    note: Note {
+                        class: Some(class),
+                        ..Note::default()
+                    },
+                }
+            }
+            Waited::OnItsOwn => {
+                let exchanged = inner
+                    .pacer
+                    .exchange(&inner.upstream, route, class, &mut request)
+                    .await;
+                return with_cache_status(exchanged, collapse::status::RELEASED);
+            }
+            Waited::Lead(lead) => lead,
+        },
+    };
+    // The leader's fetch is a task of its own: the others wait for it even when its own
+    // client goes away.
+    request.tell_departures(lead.departure());
+    let (pacer, upstream, route) = (inner.pacer.clone(), inner.upstream.clone(), route.clone());
+    let fetch = tokio::spawn(async move {
+        let exchanged = pacer.exchange(&upstream, &route, class, &mut request).await;
+        lead.answer(&route, &head, exchanged)
+    });
+    match fetch.await {
+        Ok(exchanged) => exchanged,
+        Err(e) => Exchanged {
+            response: Err(crate::pacing::ExchangeError::Upstream(
+                crate::upstream::UpstreamError::Protocol(format!("the shared fetch ended: {e}")),
+            )),
+            note: Note::default(),
+        },
+    }
+}
+
+/// `exchanged`'s response, if any, with pacegate's `Cache-Status` item.
+fn with_cache_status(exchanged: Exchanged, item: &'static str) -> Exchanged {
+    Exchanged {
+        response: exchanged.response.map(|r| collapse::with_status(r, item)),
+        note: exchanged.note,
     }
 }
 

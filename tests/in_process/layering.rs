@@ -23,6 +23,7 @@ const LAYERS: &[&str] = &[
     "store",
     "upstream",
     "pacing",
+    "collapse",
     "server",
     "proxy",
     "reload",

@@ -14,6 +14,7 @@ mod support;
 mod admin;
 mod any_config;
 mod classes;
+mod collapse;
 mod deadlines;
 mod forwarding;
 mod fuzz;

@@ -100,6 +100,7 @@ impl Validator<'_> {
             throttle_body: self.markers(path, d.throttle_body.as_deref(), default.throttle_body),
             challenges: self.walls(path, d.challenges.as_deref()),
             challenge_share: self.share(path, d.challenge_share, default.challenge_share),
+            cache: d.cache.unwrap_or(default.cache),
             key: d.key.as_deref().and_then(|text| {
                 KeyFrom::parse(text)
                     .map_err(|e| self.push(&format!("{path}.key"), e))

@@ -1,0 +1,758 @@
+//! One fetch for many: while a GET or HEAD to a destination with `cache = true` is on its
+//! way, an identical one waits for it and takes no slot. Identical: the same method and
+//! absolute URI, the same budget key, and, once the first response says which, the same
+//! values of the headers its `Vary` names.
+//!
+//! What can happen to a request that finds one in flight is named, as a cache lock should
+//! name it (so that no waiter hangs, and an uncacheable answer never serialises a burst):
+//!
+//! - the leader's response head is shareable (storable in a shared cache, by RFC 9111 as
+//!   `http-cache-semantics` reads it, with no `Set-Cookie`, within `[cache] memory`): the
+//!   waiter gets it, its body streamed as it arrives (a [`Tape`] every reader follows);
+//! - it is not: the waiters go on their own, each through its own slot, and the URI is not
+//!   collapsed for [`NOT_COLLAPSED_FOR`], so that the next burst is not serialised either;
+//! - the leader failed (no response, a refusal) or its request was sent and no head came
+//!   within `[cache] lead_timeout`: one waiter becomes the leader, the others wait for it.
+//!
+//! A verdict on the leader's response is applied once, by the leader's exchange: the waiters
+//! get the response as it came, or go through the pacer themselves.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::header::{HeaderMap, AUTHORIZATION, CACHE_CONTROL, COOKIE, SET_COOKIE, VARY};
+use http::request::Parts;
+use http::{Method, Response, StatusCode, Version};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
+
+use crate::config::CacheConfig;
+use crate::metrics::Metrics;
+use crate::pacing::{Departure, Exchanged, Outgoing, Route};
+use crate::upstream::{BoxError, ProxyBody};
+
+/// How long a URI whose response could not be shared is not collapsed.
+pub const NOT_COLLAPSED_FOR: Duration = Duration::from_secs(120);
+
+/// The most URIs remembered as not collapsed at once; past it, the oldest are forgotten.
+const NOT_COLLAPSED_MAX: usize = 10_000;
+
+/// The `Cache-Status` (RFC 9211) pacegate adds to a collapsing destination's responses.
+pub mod status {
+    /// The leader's, or a request fetched on its own: no entry was found.
+    pub const FETCHED: &str = "pacegate; fwd=uri-miss";
+    /// A waiter given the leader's response.
+    pub const COLLAPSED: &str = "pacegate; fwd=uri-miss; collapsed";
+    /// A waiter released to fetch on its own: the response could not be shared.
+    pub const RELEASED: &str = "pacegate; fwd=uri-miss; detail=uncacheable";
+    /// A request of a method that is not collapsed.
+    pub const METHOD: &str = "pacegate; fwd=method";
+}
+
+/// The requests in flight that others may wait for, and the URIs that are not collapsed.
+pub struct Collapser {
+    config: CacheConfig,
+    flights: Mutex<HashMap<Arc<str>, Arc<Flight>>>,
+    not_collapsed: Mutex<HashMap<Arc<str>, Instant>>,
+    /// Bytes held in every flight's tape, against `[cache] memory`.
+    held: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+}
+
+/// One request in flight, and what became of it.
+struct Flight {
+    phase: watch::Sender<Phase>,
+    /// When the leader's request left for the upstream (stamped by its exchange).
+    departure: Arc<Departure>,
+}
+
+#[derive(Clone)]
+enum Phase {
+    /// No head yet.
+    Waiting,
+    /// The head, to share, and its body on a tape.
+    Head(Arc<Shared>),
+    /// Not shareable: every waiter goes on its own.
+    Released,
+    /// The leader failed or gave up: one waiter takes over.
+    Failed,
+}
+
+/// What a request to a collapsing destination is, before it is sent.
+pub enum Joined {
+    /// Not collapsed (a method other than GET and HEAD, a body, a URI lately unshareable).
+    Alone,
+    /// The first: it goes, and others may wait for it.
+    Lead(Lead),
+    /// Another is in flight: wait for it.
+    Wait(Wait),
+}
+
+/// A request that leads a flight: its exchange's answer is shared by [`Lead::answer`]. Dropped
+/// without answering (its client gone), the flight fails, and a waiter takes over.
+pub struct Lead {
+    collapser: Arc<Collapser>,
+    key: Arc<str>,
+    flight: Arc<Flight>,
+    answered: bool,
+}
+
+/// A request waiting for another's answer.
+pub struct Wait {
+    collapser: Arc<Collapser>,
+    key: Arc<str>,
+    flight: Arc<Flight>,
+}
+
+/// What a waiter got.
+pub enum Waited {
+    /// The leader's response, shared.
+    Served(Response<ProxyBody>),
+    /// The leader's response could not be shared: fetch on your own.
+    OnItsOwn,
+    /// The leader failed: lead in its place.
+    Lead(Lead),
+}
+
+impl Collapser {
+    /// A collapser by `config`, counting into `metrics`.
+    pub fn new(config: CacheConfig, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            flights: Mutex::default(),
+            not_collapsed: Mutex::default(),
+            held: Arc::new(AtomicUsize::new(0)),
+            metrics,
+        })
+    }
+
+    /// What `request` to `route` is: alone, a leader, or a waiter. Only a body-less GET or
+    /// HEAD of a destination with `cache = true` is collapsed.
+    pub fn join(self: &Arc<Self>, route: &Route, request: &Outgoing) -> Joined {
+        let head = request.head();
+        if !(head.method == Method::GET || head.method == Method::HEAD) || request.has_body() {
+            return Joined::Alone;
+        }
+        let key: Arc<str> = Arc::from(key_of(route, request));
+        if self.lately_unshareable(&key) {
+            return Joined::Alone;
+        }
+        let mut flights = self.flights.lock();
+        match flights.get(&key) {
+            Some(flight) => Joined::Wait(Wait {
+                collapser: self.clone(),
+                key,
+                flight: flight.clone(),
+            }),
+            None => {
+                let flight = Arc::new(Flight {
+                    phase: watch::channel(Phase::Waiting).0,
+                    departure: Arc::new(Departure::default()),
+                });
+                flights.insert(key.clone(), flight.clone());
+                Joined::Lead(Lead {
+                    collapser: self.clone(),
+                    key,
+                    flight,
+                    answered: false,
+                })
+            }
+        }
+    }
+
+    /// Whether `key`'s response could not be shared within [`NOT_COLLAPSED_FOR`].
+    fn lately_unshareable(&self, key: &str) -> bool {
+        let mut marks = self.not_collapsed.lock();
+        match marks.get(key) {
+            Some(until) if *until > Instant::now() => true,
+            Some(_) => {
+                marks.remove(key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn mark_unshareable(&self, key: &Arc<str>) {
+        let mut marks = self.not_collapsed.lock();
+        let now = Instant::now();
+        if marks.len() >= NOT_COLLAPSED_MAX {
+            marks.retain(|_, until| *until > now);
+            if marks.len() >= NOT_COLLAPSED_MAX {
+                // Still full of live marks: the one that ends first goes.
+                if let Some(first) = marks
+                    .iter()
+                    .min_by_key(|(_, u)| **u)
+                    .map(|(k, _)| k.clone())
+                {
+                    marks.remove(&first);
+                }
+            }
+        }
+        marks.insert(key.clone(), now + NOT_COLLAPSED_FOR);
+    }
+
+    /// Takes `flight` out of the table, if it is still the one there.
+    fn land(&self, key: &str, flight: &Arc<Flight>) {
+        let mut flights = self.flights.lock();
+        if flights.get(key).is_some_and(|f| Arc::ptr_eq(f, flight)) {
+            flights.remove(key);
+        }
+    }
+
+    fn count(&self, route: &Route, what: &str) {
+        self.metrics
+            .collapsed
+            .with_label_values(&[route.label(), what])
+            .inc();
+    }
+}
+
+impl Lead {
+    /// The clock the leader's exchange stamps when its request leaves.
+    pub fn departure(&self) -> Arc<Departure> {
+        self.flight.departure.clone()
+    }
+
+    /// Shares the leader's exchange with the waiters where its response can be shared, and
+    /// returns what the leader's own client gets.
+    pub fn answer(mut self, route: &Route, request: &Parts, exchanged: Exchanged) -> Exchanged {
+        self.answered = true;
+        let Exchanged { response, note } = exchanged;
+        let response = match response {
+            Err(e) => {
+                self.fail();
+                return Exchanged {
+                    response: Err(e),
+                    note,
+                };
+            }
+            Ok(response) => response,
+        };
+        let collapser = self.collapser.clone();
+        if !shareable(request, &response, &collapser.config, &collapser.held) {
+            collapser.mark_unshareable(&self.key);
+            collapser.land(&self.key, &self.flight);
+            self.flight.phase.send_replace(Phase::Released);
+            collapser.count(route, "released");
+            return Exchanged {
+                response: Ok(with_status(response, status::FETCHED)),
+                note,
+            };
+        }
+        let (parts, body) = response.into_parts();
+        let shared = Arc::new(Shared {
+            status: parts.status,
+            version: parts.version,
+            headers: parts.headers.clone(),
+            request: request.headers.clone(),
+            tape: Tape::default(),
+            held: collapser.held.clone(),
+        });
+        self.flight.phase.send_replace(Phase::Head(shared.clone()));
+        // The body is read into the tape by a task of its own: a leader whose client goes
+        // away leaves it to the waiters.
+        let (key, flight) = (self.key.clone(), self.flight.clone());
+        let pump = shared.clone();
+        tokio::spawn(async move {
+            pump.record(body).await;
+            collapser.land(&key, &flight);
+        });
+        let mine = Response::from_parts(parts, shared.reader());
+        Exchanged {
+            response: Ok(with_status(mine, status::FETCHED)),
+            note,
+        }
+    }
+
+    /// The flight fails: out of the table, and one waiter takes over.
+    fn fail(&self) {
+        self.collapser.land(&self.key, &self.flight);
+        self.flight.phase.send_replace(Phase::Failed);
+    }
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.fail();
+        }
+    }
+}
+
+impl Wait {
+    /// Waits for the leader's head: served with it where this request may have it, else on
+    /// its own, or in the leader's place.
+    pub async fn answer(mut self, route: &Route, request: &Parts) -> Waited {
+        loop {
+            match self.next_phase(route).await {
+                Phase::Head(shared) => {
+                    if !shared.serves(request) {
+                        self.collapser.count(route, "vary");
+                        return Waited::OnItsOwn;
+                    }
+                    self.collapser.count(route, "served");
+                    return Waited::Served(with_status(shared.response(), status::COLLAPSED));
+                }
+                Phase::Released => return Waited::OnItsOwn,
+                Phase::Failed | Phase::Waiting => match self.take_over(route) {
+                    Ok(lead) => return Waited::Lead(lead),
+                    Err(wait) => self = wait,
+                },
+            }
+        }
+    }
+
+    /// The flight's phase once it is no longer waiting, or `Waiting` when the leader's request
+    /// was sent `lead_timeout` ago and no head came.
+    async fn next_phase(&self, route: &Route) -> Phase {
+        let mut phase = self.flight.phase.subscribe();
+        let lead_timeout = self.collapser.config.lead_timeout;
+        loop {
+            let now = phase.borrow_and_update().clone();
+            if !matches!(now, Phase::Waiting) {
+                return now;
+            }
+            // Bounded from the leader's send, not its wait for a slot: a leader that waits
+            // its turn is not slow, and waiters that went on their own would each take one.
+            let wait = match self.flight.departure.since() {
+                None => lead_timeout,
+                Some(gone) => lead_timeout.saturating_sub(gone),
+            };
+            let changed = tokio::time::timeout(wait, phase.changed()).await;
+            let slow = self
+                .flight
+                .departure
+                .since()
+                .is_some_and(|gone| gone >= lead_timeout);
+            match changed {
+                Ok(Ok(())) => {}
+                // The leader's flight is gone without a word: as failed.
+                Ok(Err(_)) => return Phase::Failed,
+                Err(_) if slow => {
+                    self.collapser.count(route, "lead_timeout");
+                    return Phase::Waiting;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Leads in the failed (or slow) leader's place with a new flight, unless another waiter
+    /// made one first: then waits for that one.
+    fn take_over(self, route: &Route) -> Result<Lead, Wait> {
+        let mut flights = self.collapser.flights.lock();
+        match flights.get(&self.key).cloned() {
+            Some(other) if !Arc::ptr_eq(&other, &self.flight) => Err(Wait {
+                collapser: self.collapser.clone(),
+                key: self.key.clone(),
+                flight: other,
+            }),
+            _ => {
+                let flight = Arc::new(Flight {
+                    phase: watch::channel(Phase::Waiting).0,
+                    departure: Arc::new(Departure::default()),
+                });
+                flights.insert(self.key.clone(), flight.clone());
+                drop(flights);
+                self.collapser.count(route, "took_over");
+                Ok(Lead {
+                    collapser: self.collapser.clone(),
+                    key: self.key.clone(),
+                    flight,
+                    answered: false,
+                })
+            }
+        }
+    }
+}
+
+/// The leader's response as the waiters share it: its head, the leader's request headers
+/// (for `Vary`), and its body on a tape.
+struct Shared {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+    request: HeaderMap,
+    tape: Tape,
+    held: Arc<AtomicUsize>,
+}
+
+/// A body as it arrives, kept for every reader from its start.
+#[derive(Default)]
+struct Tape {
+    state: Mutex<Recorded>,
+    grew: Notify,
+}
+
+#[derive(Default)]
+struct Recorded {
+    chunks: Vec<Bytes>,
+    bytes: usize,
+    trailers: Option<HeaderMap>,
+    /// The body ended: `Ok` whole, `Err` cut with this error.
+    end: Option<Result<(), String>>,
+}
+
+impl Shared {
+    /// Reads `body` onto the tape, to its end or its error.
+    async fn record(&self, mut body: ProxyBody) {
+        loop {
+            let frame = body.frame().await;
+            let mut state = self.tape.state.lock();
+            match frame {
+                None => state.end = Some(Ok(())),
+                Some(Err(e)) => state.end = Some(Err(e.to_string())),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        state.bytes += data.len();
+                        self.held.fetch_add(data.len(), Ordering::Relaxed);
+                        state.chunks.push(data);
+                    }
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            state.trailers = Some(trailers);
+                        }
+                    }
+                },
+            }
+            let done = state.end.is_some();
+            drop(state);
+            self.tape.grew.notify_waiters();
+            if done {
+                return;
+            }
+        }
+    }
+
+    /// Whether a waiter's `request` may have this response: the same values of the headers
+    /// its `Vary` names, and, where it sends credentials or cookies, a response that says it
+    /// may be shared.
+    fn serves(&self, request: &Parts) -> bool {
+        let same = |name: &str| {
+            request
+                .headers
+                .get_all(name)
+                .iter()
+                .eq(self.request.get_all(name).iter())
+        };
+        let varies = self
+            .headers
+            .get_all(VARY)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .all(same);
+        if !varies {
+            return false;
+        }
+        let personal =
+            request.headers.contains_key(AUTHORIZATION) || request.headers.contains_key(COOKIE);
+        !personal || says_shared(&self.headers)
+    }
+
+    /// The response again, for one more reader.
+    fn response(self: &Arc<Self>) -> Response<ProxyBody> {
+        let mut response = Response::new(self.reader());
+        *response.status_mut() = self.status;
+        *response.version_mut() = self.version;
+        *response.headers_mut() = self.headers.clone();
+        response
+    }
+
+    fn reader(self: &Arc<Self>) -> ProxyBody {
+        Reader {
+            shared: self.clone(),
+            next: 0,
+            trailers_sent: false,
+            waiting: None,
+        }
+        .boxed()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.held
+            .fetch_sub(self.tape.state.get_mut().bytes, Ordering::Relaxed);
+    }
+}
+
+/// One reader of a tape: its chunks from the first, as they arrive.
+struct Reader {
+    shared: Arc<Shared>,
+    next: usize,
+    trailers_sent: bool,
+    waiting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + Sync>>>,
+}
+
+impl Body for Reader {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            // Registered before the tape is looked at, so that a chunk recorded in between
+            // still wakes this reader.
+            if self.waiting.is_none() {
+                let shared = self.shared.clone();
+                self.waiting = Some(Box::pin(async move { shared.tape.grew.notified().await }));
+            }
+            if let Some(waiting) = self.waiting.as_mut() {
+                // Polled once to register; a wake-up before the look below is kept.
+                if waiting.as_mut().poll(cx).is_ready() {
+                    self.waiting = None;
+                    continue;
+                }
+            }
+            let state = self.shared.tape.state.lock();
+            if let Some(chunk) = state.chunks.get(self.next).cloned() {
+                drop(state);
+                self.next += 1;
+                return Poll::Ready(Some(Ok(Frame::data(chunk))));
+            }
+            match &state.end {
+                None => return Poll::Pending,
+                Some(Err(e)) => {
+                    let e = e.clone();
+                    drop(state);
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+                Some(Ok(())) => {
+                    let trailers = state.trailers.clone();
+                    drop(state);
+                    if !self.trailers_sent {
+                        self.trailers_sent = true;
+                        if let Some(t) = trailers {
+                            return Poll::Ready(Some(Ok(Frame::trailers(t))));
+                        }
+                    }
+                    return Poll::Ready(None);
+                }
+            }
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let length = self
+            .shared
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        match length {
+            Some(n) if self.next == 0 => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// Whether the leader's `response` to `request` may be shared with the waiters: storable in a
+/// shared cache (RFC 9111, as `http-cache-semantics` reads it), with no `Set-Cookie`, a
+/// `Vary` that is not `*`, and a declared length within `max_object` and what `[cache]
+/// memory` has left (a body of no declared length is shared as it comes).
+fn shareable<B>(
+    request: &Parts,
+    response: &Response<B>,
+    config: &CacheConfig,
+    held: &AtomicUsize,
+) -> bool {
+    let policy = http_cache_semantics::CachePolicy::new_options(
+        request,
+        response,
+        SystemTime::now(),
+        http_cache_semantics::CacheOptions::default(),
+    );
+    if !policy.is_storable() || response.headers().contains_key(SET_COOKIE) {
+        return false;
+    }
+    if response.headers().get_all(VARY).iter().any(|v| {
+        v.to_str()
+            .map_or(true, |v| v.split(',').any(|n| n.trim() == "*"))
+    }) {
+        return false;
+    }
+    let length = response
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let held = held.load(Ordering::Relaxed) as u64;
+    length.is_none_or(|n| n <= config.max_object && held.saturating_add(n) <= config.memory)
+}
+
+/// Whether a response says a cache may give it to others than who asked: `public`,
+/// `s-maxage` or `must-revalidate` (RFC 9111 §3.5), which is what a request with credentials
+/// or cookies must see before it is served another's response.
+fn says_shared(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|d| d.trim().to_ascii_lowercase())
+        .any(|d| d == "public" || d.starts_with("s-maxage") || d == "must-revalidate")
+}
+
+/// The flight's key: the method, the absolute URI, and what the destination keys its budget
+/// by where it is the sender rather than the URI.
+fn key_of(route: &Route, request: &Outgoing) -> String {
+    let head = request.head();
+    format!(
+        "{} {} {}",
+        head.method,
+        head.uri,
+        route.key_material(request).unwrap_or_default()
+    )
+}
+
+/// `response` with pacegate's `Cache-Status` item after the origin's.
+pub fn with_status<B>(mut response: Response<B>, item: &'static str) -> Response<B> {
+    crate::headers::append_to_list(
+        response.headers_mut(),
+        &http::header::HeaderName::from_static("cache-status"),
+        Bytes::from_static(item.as_bytes()),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::StreamBody;
+
+    fn shared() -> Arc<Shared> {
+        Arc::new(Shared {
+            status: StatusCode::OK,
+            version: Version::HTTP_11,
+            headers: HeaderMap::new(),
+            request: HeaderMap::new(),
+            tape: Tape::default(),
+            held: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    #[tokio::test]
+    async fn every_reader_gets_each_chunk_as_it_arrives_from_the_first() {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let body = StreamBody::new(tokio_stream_of(rx)).boxed();
+        let tape = shared();
+        let early = tape.reader();
+        let recording = tokio::spawn({
+            let tape = tape.clone();
+            async move { tape.record(body).await }
+        });
+        tx.send(Ok(Frame::data(Bytes::from_static(b"first "))))
+            .await
+            .unwrap();
+        // The early reader has the first chunk before the body is over.
+        let mut early = early;
+        let first = early.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "first ");
+        tx.send(Ok(Frame::data(Bytes::from_static(b"second"))))
+            .await
+            .unwrap();
+        drop(tx);
+        recording.await.unwrap();
+        // A reader made later reads it all from the start.
+        let late = tape.reader().collect().await.unwrap().to_bytes();
+        assert_eq!(late, "first second");
+        let rest = early.collect().await.unwrap().to_bytes();
+        assert_eq!(rest, "second");
+        assert_eq!(
+            tape.held.load(Ordering::Relaxed),
+            12,
+            "held while the tape lives"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_cut_short_for_every_reader() {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"part"))),
+            Err("upstream reset".into()),
+        ];
+        let tape = shared();
+        tape.record(StreamBody::new(futures_util::stream::iter(frames)).boxed())
+            .await;
+        let mut reader = tape.reader();
+        assert_eq!(
+            reader.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "part"
+        );
+        assert!(reader.frame().await.unwrap().is_err());
+    }
+
+    /// A stream of what `rx` receives.
+    fn tokio_stream_of<T: Send + 'static>(
+        mut rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures_util::Stream<Item = T> + Send + Sync {
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+
+    #[test]
+    fn only_a_response_a_shared_cache_may_store_is_shared() {
+        let request = http::Request::get("http://images.example.com/a.png")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let held = AtomicUsize::new(0);
+        let response = |pairs: &[(&str, &str)]| {
+            let mut r = Response::builder().status(200);
+            for (k, v) in pairs {
+                r = r.header(*k, *v);
+            }
+            r.body(()).unwrap()
+        };
+        let config = CacheConfig {
+            memory: 4096,
+            max_object: 1024,
+            lead_timeout: Duration::from_secs(5),
+        };
+        assert!(shareable(
+            &request,
+            &response(&[("cache-control", "max-age=60")]),
+            &config,
+            &held
+        ));
+        for pairs in [
+            vec![("cache-control", "no-store")],
+            vec![("cache-control", "private, max-age=60")],
+            vec![("cache-control", "max-age=60"), ("set-cookie", "s=1")],
+            vec![("cache-control", "max-age=60"), ("vary", "*")],
+            vec![("cache-control", "max-age=60"), ("content-length", "2048")],
+        ] {
+            assert!(
+                !shareable(&request, &response(&pairs), &config, &held),
+                "{pairs:?}"
+            );
+        }
+        // Within max_object, but past what memory has left.
+        held.store(3500, Ordering::Relaxed);
+        let kib = response(&[("cache-control", "max-age=60"), ("content-length", "1000")]);
+        assert!(!shareable(&request, &kib, &config, &held));
+        assert!(says_shared(
+            &response(&[("cache-control", "public, max-age=60")])
+                .headers()
+                .clone()
+        ));
+        assert!(!says_shared(
+            &response(&[("cache-control", "max-age=60")])
+                .headers()
+                .clone()
+        ));
+    }
+}

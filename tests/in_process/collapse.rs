@@ -1,0 +1,228 @@
+//! One fetch for many, counted at the upstream: identical GETs in flight share the first
+//! one's response and take no slot; an answer that cannot be shared sends each on its own and
+//! is not collapsed again for a while; a leader whose client goes away still serves the
+//! others; a slow leader is replaced; `Vary` and credentials keep responses apart.
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use support::{client, Alpn, FakeUpstream, TestProxy};
+
+async fn start(upstream: &FakeUpstream, cache: bool, section: &str) -> TestProxy {
+    let config = format!(
+        "{section}\n[destinations.images]\nhosts = [\"localhost\"]\nrate = 20\ncache = {cache}\n"
+    );
+    TestProxy::start(&upstream.ca.cert_path, "", &config).await
+}
+
+/// `n` GETs of `url` at once, each with `headers`; their statuses, `Cache-Status` and bodies.
+async fn at_once(
+    proxy: &TestProxy,
+    url: &str,
+    n: usize,
+    headers: &[(&'static str, &'static str)],
+) -> Vec<(u16, String, String)> {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (via, url) = (via.clone(), url.to_owned());
+            let headers = headers.to_vec();
+            tokio::spawn(async move {
+                let mut req = via.get(url);
+                for (k, v) in headers {
+                    req = req.header(k, v);
+                }
+                let r = req.send().await.unwrap();
+                let status = r.status().as_u16();
+                let cache = r
+                    .headers()
+                    .get("cache-status")
+                    .map(|v| v.to_str().unwrap().to_owned())
+                    .unwrap_or_default();
+                (status, cache, r.text().await.unwrap())
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+const SECTION: &str = "[cache]\nmemory = \"16MiB\"";
+
+#[tokio::test]
+async fn identical_gets_in_flight_share_one_fetch_and_without_cache_each_takes_a_slot() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=60&delay=300&body=card%20image",
+        upstream.http_url("localhost")
+    );
+    let started = Instant::now();
+    let got = at_once(&proxy, &url, 8, &[]).await;
+    assert_eq!(upstream.recorded().len(), 1, "one fetch for eight");
+    assert!(
+        got.iter().all(|(s, _, b)| *s == 200 && b == "card image"),
+        "{got:?}"
+    );
+    let collapsed = got
+        .iter()
+        .filter(|(_, c, _)| c.ends_with("collapsed"))
+        .count();
+    assert_eq!(collapsed, 7, "{got:?}");
+    assert!(
+        got.iter()
+            .all(|(_, c, _)| c.starts_with("pacegate; fwd=uri-miss")),
+        "{got:?}"
+    );
+    // Seven slots at 20 a second would have taken 350 ms more than the one fetch.
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_collapsed_total{destination=\"images\",outcome=\"served\"}")
+            .await,
+        7.0
+    );
+
+    // The control: the same load where responses are not shared.
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, false, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=60&delay=300",
+        upstream.http_url("localhost")
+    );
+    at_once(&proxy, &url, 8, &[]).await;
+    assert_eq!(upstream.recorded().len(), 8);
+}
+
+#[tokio::test]
+async fn an_answer_that_cannot_be_shared_sends_each_on_its_own_and_is_not_collapsed_again() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:no-store&delay=200",
+        upstream.http_url("localhost")
+    );
+    let got = at_once(&proxy, &url, 5, &[]).await;
+    assert_eq!(upstream.recorded().len(), 5, "each through its own slot");
+    assert!(got.iter().all(|(s, _, _)| *s == 200), "{got:?}");
+    assert_eq!(
+        proxy
+            .metric("pacegate_collapsed_total{destination=\"images\",outcome=\"released\"}")
+            .await,
+        1.0
+    );
+    // The next burst is not held behind a leader at all: nobody waits for another.
+    let got = at_once(&proxy, &url, 3, &[]).await;
+    assert_eq!(upstream.recorded().len(), 8);
+    assert!(
+        got.iter().all(|(_, c, _)| c == "pacegate; fwd=uri-miss"),
+        "fetched, none released: {got:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_leader_whose_client_goes_away_still_serves_the_others() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=60&delay=800&body=shared",
+        upstream.http_url("localhost")
+    );
+    let impatient = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let leader = {
+        let url = url.clone();
+        tokio::spawn(async move { impatient.get(url).send().await })
+    };
+    // The waiter comes once the leader is on its way.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let got = at_once(&proxy, &url, 1, &[]).await;
+    assert!(
+        leader.await.unwrap().is_err(),
+        "the leader's client gave up"
+    );
+    assert_eq!(got[0].0, 200);
+    assert_eq!(got[0].2, "shared");
+    assert_eq!(
+        upstream.recorded().len(),
+        1,
+        "the leader's fetch went on for the waiter"
+    );
+}
+
+#[tokio::test]
+async fn a_leader_with_no_answer_within_the_bound_is_replaced_by_a_waiter() {
+    let upstream = FakeUpstream::start().await;
+    let section = "[cache]\nmemory = \"16MiB\"\nlead_timeout = \"400ms\"";
+    let proxy = start(&upstream, true, section).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=60&delay=1500",
+        upstream.http_url("localhost")
+    );
+    let got = at_once(&proxy, &url, 2, &[]).await;
+    assert!(got.iter().all(|(s, _, _)| *s == 200), "{got:?}");
+    assert_eq!(
+        upstream.recorded().len(),
+        2,
+        "the waiter went in the slow leader's place"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_collapsed_total{destination=\"images\",outcome=\"took_over\"}")
+            .await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn vary_and_credentials_keep_responses_apart() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let base = upstream.http_url("localhost");
+    // Varies by language: only the requests in the leader's language share its answer.
+    let url =
+        format!("{base}/status/200?h=cache-control:max-age=60&h=vary:accept-language&delay=300");
+    let (en, de) = tokio::join!(
+        at_once(&proxy, &url, 3, &[("accept-language", "en")]),
+        async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            at_once(&proxy, &url, 2, &[("accept-language", "de")]).await
+        }
+    );
+    assert!(en.iter().chain(&de).all(|(s, _, _)| *s == 200));
+    assert_eq!(
+        upstream.recorded().len(),
+        3,
+        "one for the English three, one for each German request: {en:?} {de:?}"
+    );
+    // With credentials, only an answer that says it may be shared is shared.
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let private = format!(
+        "{}/status/200?h=cache-control:max-age=60&delay=300",
+        upstream.http_url("localhost")
+    );
+    at_once(&proxy, &private, 3, &[("authorization", "Bearer a")]).await;
+    assert_eq!(
+        upstream.recorded().len(),
+        3,
+        "max-age alone is not for others"
+    );
+    let public = format!(
+        "{}/status/200?h=cache-control:public,%20max-age=60&delay=300",
+        upstream.http_url("localhost")
+    );
+    at_once(&proxy, &public, 3, &[("authorization", "Bearer a")]).await;
+    assert_eq!(upstream.recorded().len(), 4, "public: one fetch for three");
+}
