@@ -16,6 +16,10 @@
 //!
 //! A verdict on the leader's response is applied once, by the leader's exchange: the waiters
 //! get the response as it came, or go through the pacer themselves.
+//!
+//! A shared response whose body came whole, within `max_object`, is kept (in memory, within
+//! `[cache] memory`, the least used evicted first): while it is fresh by RFC 9111, a request
+//! for it is answered from memory and takes no slot. A stale one is fetched again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,7 +31,7 @@ use bytes::Bytes;
 use http::header::{HeaderMap, AUTHORIZATION, CACHE_CONTROL, COOKIE, SET_COOKIE, VARY};
 use http::request::Parts;
 use http::{Method, Response, StatusCode, Version};
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use parking_lot::Mutex;
 use tokio::sync::{watch, Notify};
@@ -48,6 +52,12 @@ const NOT_COLLAPSED_MAX: usize = 10_000;
 pub mod status {
     /// The leader's, or a request fetched on its own: no entry was found.
     pub const FETCHED: &str = "pacegate; fwd=uri-miss";
+    /// The leader's, shared and kept once its body is whole.
+    pub const STORED: &str = "pacegate; fwd=uri-miss; stored";
+    /// The leader's where a stale entry was fetched again, and kept in its place.
+    pub const REFRESHED: &str = "pacegate; fwd=stale; stored";
+    /// Answered from a fresh entry: no slot, nothing sent.
+    pub const HIT: &str = "pacegate; hit";
     /// A waiter given the leader's response.
     pub const COLLAPSED: &str = "pacegate; fwd=uri-miss; collapsed";
     /// A waiter released to fetch on its own: the response could not be shared.
@@ -61,9 +71,33 @@ pub struct Collapser {
     config: CacheConfig,
     flights: Mutex<HashMap<Arc<str>, Arc<Flight>>>,
     not_collapsed: Mutex<HashMap<Arc<str>, Instant>>,
-    /// Bytes held in every flight's tape, against `[cache] memory`.
+    /// Bytes held in the tapes of responses still being read, against `[cache] memory`.
     held: Arc<AtomicUsize>,
+    /// Responses kept whole, by key, weighed in bytes against `[cache] memory`.
+    kept: quick_cache::sync::Cache<Arc<str>, Arc<Entry>, ByBytes>,
     metrics: Arc<Metrics>,
+}
+
+/// A response kept whole: what may be served from it, and when (its RFC 9111 policy).
+struct Entry {
+    policy: http_cache_semantics::CachePolicy,
+    shared: Arc<Shared>,
+}
+
+/// An entry's weight: its body and its headers, in bytes.
+#[derive(Clone)]
+struct ByBytes;
+
+impl quick_cache::Weighter<Arc<str>, Arc<Entry>> for ByBytes {
+    fn weight(&self, key: &Arc<str>, entry: &Arc<Entry>) -> u64 {
+        let headers: usize = entry
+            .shared
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum();
+        (key.len() + headers + entry.shared.bytes()) as u64
+    }
 }
 
 /// One request in flight, and what became of it.
@@ -87,6 +121,8 @@ enum Phase {
 
 /// What a request to a collapsing destination is, before it is sent.
 pub enum Joined {
+    /// Answered from a fresh entry.
+    Hit(Response<ProxyBody>),
     /// Not collapsed (a method other than GET and HEAD, a body, a URI lately unshareable).
     Alone,
     /// The first: it goes, and others may wait for it.
@@ -102,6 +138,8 @@ pub struct Lead {
     key: Arc<str>,
     flight: Arc<Flight>,
     answered: bool,
+    /// An entry was kept, but stale: this fetch replaces it.
+    stale: bool,
 }
 
 /// A request waiting for another's answer.
@@ -124,11 +162,30 @@ pub enum Waited {
 impl Collapser {
     /// A collapser by `config`, counting into `metrics`.
     pub fn new(config: CacheConfig, metrics: Arc<Metrics>) -> Arc<Self> {
+        // Each shard holds a share of `memory`: no more shards than leave room in each for
+        // the largest object kept.
+        let shards = (config.memory / config.max_object.max(1)).clamp(1, 16) as usize;
+        let kept = match quick_cache::OptionsBuilder::new()
+            .estimated_items_capacity(usize::try_from(config.memory / 16_384).unwrap_or(1).max(64))
+            .weight_capacity(config.memory)
+            .shards(shards)
+            .build()
+        {
+            Ok(options) => quick_cache::sync::Cache::with_options(
+                options,
+                ByBytes,
+                Default::default(),
+                Default::default(),
+            ),
+            // Every number above is set: only a shard count of 0 could fail, and it is 1 at least.
+            Err(_) => quick_cache::sync::Cache::with_weighter(64, config.memory, ByBytes),
+        };
         Arc::new(Self {
             config,
             flights: Mutex::default(),
             not_collapsed: Mutex::default(),
             held: Arc::new(AtomicUsize::new(0)),
+            kept,
             metrics,
         })
     }
@@ -141,6 +198,23 @@ impl Collapser {
             return Joined::Alone;
         }
         let key: Arc<str> = Arc::from(key_of(route, request));
+        let mut stale = false;
+        if let Some(entry) = self.kept.get(&key) {
+            match entry.policy.before_request(head, SystemTime::now()) {
+                http_cache_semantics::BeforeRequest::Fresh(parts) => {
+                    self.looked_up(route, "hit");
+                    let response = Response::from_parts(parts, entry.shared.reader());
+                    return Joined::Hit(with_status(response, status::HIT));
+                }
+                // Fetched again, through a slot; what it brings replaces the entry.
+                http_cache_semantics::BeforeRequest::Stale { matches, .. } => {
+                    stale = matches;
+                    self.looked_up(route, if matches { "stale" } else { "miss" });
+                }
+            }
+        } else {
+            self.looked_up(route, "miss");
+        }
         if self.lately_unshareable(&key) {
             return Joined::Alone;
         }
@@ -162,6 +236,7 @@ impl Collapser {
                     key,
                     flight,
                     answered: false,
+                    stale,
                 })
             }
         }
@@ -207,6 +282,26 @@ impl Collapser {
         }
     }
 
+    fn looked_up(&self, route: &Route, result: &str) {
+        self.metrics
+            .cache
+            .with_label_values(&[route.label(), result])
+            .inc();
+    }
+
+    /// Keeps a response whose body came whole, within `max_object`, under `key`.
+    fn keep(&self, route: &Route, key: Arc<str>, entry: Entry) {
+        let whole = matches!(entry.shared.tape.state.lock().end, Some(Ok(())));
+        if !whole || entry.shared.bytes() as u64 > self.config.max_object {
+            return;
+        }
+        self.kept.insert(key, Arc::new(entry));
+        self.looked_up(route, "stored");
+        self.metrics
+            .cache_bytes
+            .set(i64::try_from(self.kept.weight()).unwrap_or(i64::MAX));
+    }
+
     fn count(&self, route: &Route, what: &str) {
         self.metrics
             .collapsed
@@ -237,7 +332,7 @@ impl Lead {
             Ok(response) => response,
         };
         let collapser = self.collapser.clone();
-        if !shareable(request, &response, &collapser.config, &collapser.held) {
+        let Some(policy) = shareable(request, &response, &collapser.config, &collapser.held) else {
             collapser.mark_unshareable(&self.key);
             collapser.land(&self.key, &self.flight);
             self.flight.phase.send_replace(Phase::Released);
@@ -246,7 +341,7 @@ impl Lead {
                 response: Ok(with_status(response, status::FETCHED)),
                 note,
             };
-        }
+        };
         let (parts, body) = response.into_parts();
         let shared = Arc::new(Shared {
             status: parts.status,
@@ -261,13 +356,27 @@ impl Lead {
         // away leaves it to the waiters.
         let (key, flight) = (self.key.clone(), self.flight.clone());
         let pump = shared.clone();
+        let route = route.clone();
         tokio::spawn(async move {
             pump.record(body).await;
+            collapser.keep(
+                &route,
+                key.clone(),
+                Entry {
+                    policy,
+                    shared: pump,
+                },
+            );
             collapser.land(&key, &flight);
         });
         let mine = Response::from_parts(parts, shared.reader());
+        let item = if self.stale {
+            status::REFRESHED
+        } else {
+            status::STORED
+        };
         Exchanged {
-            response: Ok(with_status(mine, status::FETCHED)),
+            response: Ok(with_status(mine, item)),
             note,
         }
     }
@@ -368,6 +477,7 @@ impl Wait {
                     key: self.key.clone(),
                     flight,
                     answered: false,
+                    stale: false,
                 })
             }
         }
@@ -402,6 +512,11 @@ struct Recorded {
 }
 
 impl Shared {
+    /// The body's bytes recorded so far.
+    fn bytes(&self) -> usize {
+        self.tape.state.lock().bytes
+    }
+
     /// Reads `body` onto the tape, to its end or its error.
     async fn record(&self, mut body: ProxyBody) {
         loop {
@@ -424,9 +539,13 @@ impl Shared {
                 },
             }
             let done = state.end.is_some();
+            let bytes = state.bytes;
             drop(state);
             self.tape.grew.notify_waiters();
             if done {
+                // Recorded: what it holds now counts against the kept responses' memory, if
+                // it is kept, not against the responses in flight.
+                self.held.fetch_sub(bytes, Ordering::Relaxed);
                 return;
             }
         }
@@ -477,13 +596,6 @@ impl Shared {
             waiting: None,
         }
         .boxed()
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        self.held
-            .fetch_sub(self.tape.state.get_mut().bytes, Ordering::Relaxed);
     }
 }
 
@@ -544,19 +656,6 @@ impl Body for Reader {
             }
         }
     }
-
-    fn size_hint(&self) -> SizeHint {
-        let length = self
-            .shared
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        match length {
-            Some(n) if self.next == 0 => SizeHint::with_exact(n),
-            _ => SizeHint::default(),
-        }
-    }
 }
 
 /// Whether the leader's `response` to `request` may be shared with the waiters: storable in a
@@ -568,7 +667,7 @@ fn shareable<B>(
     response: &Response<B>,
     config: &CacheConfig,
     held: &AtomicUsize,
-) -> bool {
+) -> Option<http_cache_semantics::CachePolicy> {
     let policy = http_cache_semantics::CachePolicy::new_options(
         request,
         response,
@@ -576,13 +675,13 @@ fn shareable<B>(
         http_cache_semantics::CacheOptions::default(),
     );
     if !policy.is_storable() || response.headers().contains_key(SET_COOKIE) {
-        return false;
+        return None;
     }
     if response.headers().get_all(VARY).iter().any(|v| {
         v.to_str()
             .map_or(true, |v| v.split(',').any(|n| n.trim() == "*"))
     }) {
-        return false;
+        return None;
     }
     let length = response
         .headers()
@@ -590,7 +689,9 @@ fn shareable<B>(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     let held = held.load(Ordering::Relaxed) as u64;
-    length.is_none_or(|n| n <= config.max_object && held.saturating_add(n) <= config.memory)
+    length
+        .is_none_or(|n| n <= config.max_object && held.saturating_add(n) <= config.memory)
+        .then_some(policy)
 }
 
 /// Whether a response says a cache may give it to others than who asked: `public`,
@@ -661,6 +762,11 @@ mod tests {
         let mut early = early;
         let first = early.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "first ");
+        assert_eq!(
+            tape.held.load(Ordering::Relaxed),
+            6,
+            "held while it is read"
+        );
         tx.send(Ok(Frame::data(Bytes::from_static(b"second"))))
             .await
             .unwrap();
@@ -673,8 +779,8 @@ mod tests {
         assert_eq!(rest, "second");
         assert_eq!(
             tape.held.load(Ordering::Relaxed),
-            12,
-            "held while the tape lives"
+            0,
+            "counted against the memory for responses in flight only while it is read"
         );
     }
 
@@ -727,7 +833,8 @@ mod tests {
             &response(&[("cache-control", "max-age=60")]),
             &config,
             &held
-        ));
+        )
+        .is_some());
         for pairs in [
             vec![("cache-control", "no-store")],
             vec![("cache-control", "private, max-age=60")],
@@ -736,14 +843,14 @@ mod tests {
             vec![("cache-control", "max-age=60"), ("content-length", "2048")],
         ] {
             assert!(
-                !shareable(&request, &response(&pairs), &config, &held),
+                shareable(&request, &response(&pairs), &config, &held).is_none(),
                 "{pairs:?}"
             );
         }
         // Within max_object, but past what memory has left.
         held.store(3500, Ordering::Relaxed);
         let kib = response(&[("cache-control", "max-age=60"), ("content-length", "1000")]);
-        assert!(!shareable(&request, &kib, &config, &held));
+        assert!(shareable(&request, &kib, &config, &held).is_none());
         assert!(says_shared(
             &response(&[("cache-control", "public, max-age=60")])
                 .headers()

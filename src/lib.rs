@@ -18,7 +18,8 @@
 //! - [`class`]: priority classes, and which one a request asks for (header or proxy user).
 //! - [`collapse`]: one fetch for many: an identical GET or HEAD of a destination with
 //!   `cache = true` waits for the one in flight and takes no slot; what can become of it is
-//!   named (served, on its own, in the leader's place), and `Cache-Status` says which.
+//!   named (served, on its own, in the leader's place), and `Cache-Status` says which; a
+//!   shared response kept whole answers from memory while it is fresh.
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal, and the bucket it names; `signals::tokens` what
 //!   one says of a budget in tokens or points, for a meter; `signals::walls` which bot

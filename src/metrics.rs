@@ -73,6 +73,12 @@ pub struct Metrics {
     /// own), `vary` (shared, but not for this request's `Vary`'d headers), `lead_timeout` and
     /// `took_over` (a leader slow or failed, and a waiter going in its place).
     pub collapsed: IntCounterVec,
+    /// `pacegate_cache_total{destination,result}`: lookups of kept responses (`hit`: answered
+    /// from memory, no slot; `stale`: kept but fetched again; `miss`) and responses kept
+    /// (`stored`).
+    pub cache: IntCounterVec,
+    /// `pacegate_cache_bytes`: what the kept responses weigh, against `[cache] memory`.
+    pub cache_bytes: IntGauge,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
     /// `pacegate_meter_units_total{destination}` (a meter's budget, `NAME~UNIT`): what its
@@ -278,6 +284,17 @@ impl Metrics {
                 "Requests that found an identical one in flight, by destination and what became of them",
             ),
             &["destination", "outcome"],
+        )?;
+        let cache = IntCounterVec::new(
+            Opts::new(
+                "pacegate_cache_total",
+                "Lookups of kept responses (hit, stale, miss) and responses kept (stored), by destination",
+            ),
+            &["destination", "result"],
+        )?;
+        let cache_bytes = IntGauge::new(
+            "pacegate_cache_bytes",
+            "Bytes of the responses kept in memory",
         )?;
         let slots_dropped = IntCounterVec::new(
             Opts::new(
@@ -500,10 +517,12 @@ impl Metrics {
         register(Box::new(tls_handshake_failures.clone()))?;
         register(Box::new(cert_cache.clone()))?;
         register(Box::new(cert_cache_entries.clone()))?;
+        register(Box::new(cache_bytes.clone()))?;
         for c in [
             &verdicts,
             &challenges,
             &collapsed,
+            &cache,
             &retries,
             &meter_units,
             &meter_unsettled,
@@ -561,6 +580,8 @@ impl Metrics {
             verdicts,
             challenges,
             collapsed,
+            cache,
+            cache_bytes,
             retries,
             meter_units,
             meter_unsettled,

@@ -170,6 +170,15 @@ async fn collapsed(
         unreachable!("called for a collapsing destination")
     };
     let lead = match collapse.join(route, &request) {
+        Joined::Hit(response) => {
+            return Exchanged {
+                response: Ok(response),
+                note: Note {
+                    class: Some(class),
+                    ..Note::default()
+                },
+            }
+        }
         Joined::Alone => {
             let status = if head.method == http::Method::GET || head.method == http::Method::HEAD {
                 collapse::status::FETCHED

@@ -74,6 +74,16 @@ mode = "shadow"
         .await
         .unwrap();
     assert_eq!(shadow.status(), 200);
+    // A bot wall challenges `shadow` once: the card says so, and what to do.
+    let challenged = via
+        .get(format!(
+            "{}/status/403?h=cf-mitigated:challenge",
+            upstream.http_url("127.0.0.1")
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(challenged.status(), 403);
 
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-page.png");
     let out = tokio::process::Command::new("node")
@@ -154,6 +164,14 @@ mode = "shadow"
     let shadow = card("before", "shadow");
     assert_eq!(shadow["mode"], "shadow");
     assert_eq!(shadow["shadowBadge"], true);
+    let wall = shadow["challenges"].as_str().unwrap_or_default();
+    assert!(
+        wall.contains("1 of 2 responses")
+            && wall.contains("cloudflare 1")
+            && wall.contains("intercept = false"),
+        "{shadow}"
+    );
+    assert_eq!(paced["challenges"], serde_json::Value::Null, "{paced}");
 
     // The unlock went through the page: it asked for the token, and the lock is gone.
     assert_eq!(found["prompts"].as_array().unwrap().len(), 1, "{found}");

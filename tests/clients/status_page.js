@@ -23,6 +23,7 @@ const readCards = (page) =>
         waiting: field('waiting'),
         oldest: field('oldest'),
         vendor: field('vendor'),
+        challenges: field('challenges'),
         lock: field('lock'),
         unlockButton: c.querySelector('button.unlock') !== null,
         sparklineSamples: Number(c.querySelector('svg.spark')?.dataset.samples ?? -1),

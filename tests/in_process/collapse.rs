@@ -1,7 +1,9 @@
 //! One fetch for many, counted at the upstream: identical GETs in flight share the first
 //! one's response and take no slot; an answer that cannot be shared sends each on its own and
 //! is not collapsed again for a while; a leader whose client goes away still serves the
-//! others; a slow leader is replaced; `Vary` and credentials keep responses apart.
+//! others; a slow leader is replaced; `Vary` and credentials keep responses apart. A response
+//! kept whole is answered from memory while fresh, fetched again once stale, and what is kept
+//! stays within `[cache] memory`.
 
 use crate::support;
 
@@ -225,4 +227,132 @@ async fn vary_and_credentials_keep_responses_apart() {
     );
     at_once(&proxy, &public, 3, &[("authorization", "Bearer a")]).await;
     assert_eq!(upstream.recorded().len(), 4, "public: one fetch for three");
+}
+
+#[tokio::test]
+async fn a_fresh_response_is_answered_from_memory_and_takes_no_slot() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=60&body=card%20image",
+        upstream.http_url("localhost")
+    );
+    let first = at_once(&proxy, &url, 1, &[]).await;
+    assert_eq!(first[0].1, "pacegate; fwd=uri-miss; stored");
+    // Kept once its body is whole (a task of its own finishes it): the next ones are hits.
+    support::eventually(Duration::from_secs(5), "the response kept", || async {
+        let stored = proxy
+            .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
+            .await;
+        (stored == 1.0).then_some(())
+    })
+    .await;
+    let started = Instant::now();
+    let again = at_once(&proxy, &url, 6, &[]).await;
+    assert!(
+        again
+            .iter()
+            .all(|(s, c, b)| *s == 200 && c == "pacegate; hit" && b == "card image"),
+        "{again:?}"
+    );
+    assert_eq!(
+        upstream.recorded().len(),
+        1,
+        "nothing more reached the vendor"
+    );
+    // Six slots at 20 a second would take 250 ms at the least.
+    assert!(
+        started.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_cache_total{destination=\"images\",result=\"hit\"}")
+            .await,
+        6.0
+    );
+
+    // The control: an answer that may not be kept is fetched every time.
+    let url = format!(
+        "{}/status/200?h=cache-control:no-store",
+        upstream.http_url("localhost")
+    );
+    for _ in 0..3 {
+        at_once(&proxy, &url, 1, &[]).await;
+    }
+    assert_eq!(upstream.recorded().len(), 4);
+}
+
+#[tokio::test]
+async fn a_stale_response_is_fetched_again_and_kept_in_its_place() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=1",
+        upstream.http_url("localhost")
+    );
+    at_once(&proxy, &url, 1, &[]).await;
+    // max-age is in whole seconds: past it, the entry is stale.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let stale = at_once(&proxy, &url, 1, &[]).await;
+    assert_eq!(stale[0].1, "pacegate; fwd=stale; stored", "{stale:?}");
+    assert_eq!(upstream.recorded().len(), 2);
+    support::eventually(
+        Duration::from_secs(5),
+        "a hit on the fresh copy",
+        || async { (at_once(&proxy, &url, 1, &[]).await[0].1 == "pacegate; hit").then_some(()) },
+    )
+    .await;
+    assert_eq!(upstream.recorded().len(), 2, "the fresh copy answered");
+}
+
+#[tokio::test]
+async fn what_is_kept_stays_within_memory_and_a_response_asked_for_often_stays_kept() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, "[cache]\nmemory = \"8KiB\"").await;
+    let url = |i: usize| {
+        format!(
+            "{}/bytes/3000?h=cache-control:max-age=60&i={i}",
+            upstream.http_url("localhost")
+        )
+    };
+    let stored = |n: f64| {
+        let proxy = &proxy;
+        async move {
+            support::eventually(Duration::from_secs(5), "responses kept", || async {
+                let stored = proxy
+                    .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
+                    .await;
+                (stored == n).then_some(())
+            })
+            .await;
+        }
+    };
+    // The hot one: fetched once, then asked for again and again.
+    at_once(&proxy, &url(0), 1, &[]).await;
+    stored(1.0).await;
+    for _ in 0..3 {
+        assert_eq!(at_once(&proxy, &url(0), 1, &[]).await[0].1, "pacegate; hit");
+    }
+    // Five more of 3 KB each: 8 KiB cannot hold them all.
+    for i in 1..6 {
+        at_once(&proxy, &url(i), 1, &[]).await;
+    }
+    stored(6.0).await;
+    let bytes = proxy.metric("pacegate_cache_bytes").await;
+    assert!(bytes > 0.0 && bytes <= 8192.0, "{bytes} bytes kept");
+    assert_eq!(
+        at_once(&proxy, &url(0), 1, &[]).await[0].1,
+        "pacegate; hit",
+        "the response asked for often was kept"
+    );
+    assert_eq!(upstream.recorded().len(), 6);
+    for i in 1..6 {
+        at_once(&proxy, &url(i), 1, &[]).await;
+    }
+    assert!(
+        upstream.recorded().len() > 6,
+        "the others did not all fit: some were evicted and fetched again"
+    );
 }

@@ -538,7 +538,7 @@ async fn respond(
             );
             r
         }
-        ["bytes", n] => Response::new(stream_body(n.parse().unwrap(), None)),
+        ["bytes", n] => with_headers(Response::new(stream_body(n.parse().unwrap(), None))),
         ["gated", n] => Response::new(stream_body(n.parse().unwrap(), Some(state.clone()))),
         ["sleep", ms] => {
             tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
