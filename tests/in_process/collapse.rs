@@ -356,3 +356,64 @@ async fn what_is_kept_stays_within_memory_and_a_response_asked_for_often_stays_k
         "the others did not all fit: some were evicted and fetched again"
     );
 }
+
+#[tokio::test]
+async fn fifty_workers_fetching_ten_images_five_times_each_cost_ten_slots() {
+    /// Ten image URLs, five requests each, all at once, over two keep-alive pools: each
+    /// request's URL index and the body it got.
+    async fn fifty(proxy: &TestProxy, base: &str) -> Vec<(usize, String)> {
+        let pools = [
+            client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1),
+            client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1),
+        ];
+        let tasks: Vec<_> = (0..50)
+            .map(|n| {
+                let (via, i) = (pools[n % 2].clone(), n % 10);
+                let url = format!(
+                    "{base}/status/200?h=cache-control:max-age=60&delay=200&body=image%20{i}"
+                );
+                tokio::spawn(async move {
+                    (i, via.get(url).send().await.unwrap().text().await.unwrap())
+                })
+            })
+            .collect();
+        let mut got = Vec::new();
+        for t in tasks {
+            got.push(t.await.unwrap());
+        }
+        got
+    }
+    let granted = "pacegate_granted_total{class=\"default\",destination=\"images\",group=\"\"}";
+    let upstream = FakeUpstream::start().await;
+    let config = "[cache]\nmemory = \"16MiB\"\n[destinations.images]\nhosts = [\"localhost\"]\nrate = 7\ncache = true\n";
+    let proxy = TestProxy::start(&upstream.ca.cert_path, "", config).await;
+    let got = fifty(&proxy, &upstream.http_url("localhost")).await;
+    assert!(
+        got.iter().all(|(i, body)| *body == format!("image {i}")),
+        "every client the right bytes"
+    );
+    assert_eq!(upstream.recorded().len(), 10, "one fetch per image");
+    assert_eq!(proxy.metric(granted).await, 10.0, "ten slots");
+    // The same again while fresh: answered from memory, nothing reaches the vendor.
+    support::eventually(Duration::from_secs(5), "ten responses kept", || async {
+        let stored = proxy
+            .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
+            .await;
+        (stored == 10.0).then_some(())
+    })
+    .await;
+    let again = fifty(&proxy, &upstream.http_url("localhost")).await;
+    assert!(again.iter().all(|(i, body)| *body == format!("image {i}")));
+    assert_eq!(upstream.recorded().len(), 10, "no arrival while fresh");
+
+    // The control: without `cache`, fifty arrivals.
+    let upstream = FakeUpstream::start().await;
+    let proxy = TestProxy::start(
+        &upstream.ca.cert_path,
+        "",
+        &config.replace("cache = true", "cache = false"),
+    )
+    .await;
+    fifty(&proxy, &upstream.http_url("localhost")).await;
+    assert_eq!(upstream.recorded().len(), 50);
+}
