@@ -55,6 +55,17 @@ async fn at_once(
 
 const SECTION: &str = "[cache]\nmemory = \"16MiB\"";
 
+/// Waits until `n` responses were kept: a task of its own keeps one once its body is whole.
+async fn kept(proxy: &TestProxy, n: f64) {
+    support::eventually(Duration::from_secs(5), "responses kept", || async {
+        let stored = proxy
+            .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
+            .await;
+        (stored == n).then_some(())
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn identical_gets_in_flight_share_one_fetch_and_without_cache_each_takes_a_slot() {
     let upstream = FakeUpstream::start().await;
@@ -240,13 +251,7 @@ async fn a_fresh_response_is_answered_from_memory_and_takes_no_slot() {
     let first = at_once(&proxy, &url, 1, &[]).await;
     assert_eq!(first[0].1, "pacegate; fwd=uri-miss; stored");
     // Kept once its body is whole (a task of its own finishes it): the next ones are hits.
-    support::eventually(Duration::from_secs(5), "the response kept", || async {
-        let stored = proxy
-            .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
-            .await;
-        (stored == 1.0).then_some(())
-    })
-    .await;
+    kept(&proxy, 1.0).await;
     let started = Instant::now();
     let again = at_once(&proxy, &url, 6, &[]).await;
     assert!(
@@ -317,21 +322,9 @@ async fn what_is_kept_stays_within_memory_and_a_response_asked_for_often_stays_k
             upstream.http_url("localhost")
         )
     };
-    let stored = |n: f64| {
-        let proxy = &proxy;
-        async move {
-            support::eventually(Duration::from_secs(5), "responses kept", || async {
-                let stored = proxy
-                    .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
-                    .await;
-                (stored == n).then_some(())
-            })
-            .await;
-        }
-    };
     // The hot one: fetched once, then asked for again and again.
     at_once(&proxy, &url(0), 1, &[]).await;
-    stored(1.0).await;
+    kept(&proxy, 1.0).await;
     for _ in 0..3 {
         assert_eq!(at_once(&proxy, &url(0), 1, &[]).await[0].1, "pacegate; hit");
     }
@@ -339,7 +332,7 @@ async fn what_is_kept_stays_within_memory_and_a_response_asked_for_often_stays_k
     for i in 1..6 {
         at_once(&proxy, &url(i), 1, &[]).await;
     }
-    stored(6.0).await;
+    kept(&proxy, 6.0).await;
     let bytes = proxy.metric("pacegate_cache_bytes").await;
     assert!(bytes > 0.0 && bytes <= 8192.0, "{bytes} bytes kept");
     assert_eq!(
@@ -395,13 +388,7 @@ async fn fifty_workers_fetching_ten_images_five_times_each_cost_ten_slots() {
     assert_eq!(upstream.recorded().len(), 10, "one fetch per image");
     assert_eq!(proxy.metric(granted).await, 10.0, "ten slots");
     // The same again while fresh: answered from memory, nothing reaches the vendor.
-    support::eventually(Duration::from_secs(5), "ten responses kept", || async {
-        let stored = proxy
-            .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
-            .await;
-        (stored == 10.0).then_some(())
-    })
-    .await;
+    kept(&proxy, 10.0).await;
     let again = fifty(&proxy, &upstream.http_url("localhost")).await;
     assert!(again.iter().all(|(i, body)| *body == format!("image {i}")));
     assert_eq!(upstream.recorded().len(), 10, "no arrival while fresh");
