@@ -19,7 +19,8 @@
 //!
 //! A shared response whose body came whole, within `max_object`, is kept (in memory, within
 //! `[cache] memory`, the least used evicted first): while it is fresh by RFC 9111, a request
-//! for it is answered from memory and takes no slot. A stale one is fetched again.
+//! for it is answered from memory and takes no slot. A stale one is asked for again on its
+//! validators: a 304 refreshes it, anything else replaces it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -58,6 +59,8 @@ pub mod status {
     pub const REFRESHED: &str = "pacegate; fwd=stale; stored";
     /// Answered from a fresh entry: no slot, nothing sent.
     pub const HIT: &str = "pacegate; hit";
+    /// A stale entry the vendor said, through a slot, had not changed: served from memory.
+    pub const REVALIDATED: &str = "pacegate; fwd=stale; fwd-status=304";
     /// A waiter given the leader's response.
     pub const COLLAPSED: &str = "pacegate; fwd=uri-miss; collapsed";
     /// A waiter released to fetch on its own: the response could not be shared.
@@ -138,8 +141,9 @@ pub struct Lead {
     key: Arc<str>,
     flight: Arc<Flight>,
     answered: bool,
-    /// An entry was kept, but stale: this fetch replaces it.
-    stale: bool,
+    /// An entry was kept, but stale: this fetch replaces it, or, answered 304 to the
+    /// conditions it asks with ([`Lead::conditions`]), refreshes it.
+    stale: Option<Arc<Entry>>,
 }
 
 /// A request waiting for another's answer.
@@ -198,7 +202,7 @@ impl Collapser {
             return Joined::Alone;
         }
         let key: Arc<str> = Arc::from(key_of(route, request));
-        let mut stale = false;
+        let mut stale = None;
         if let Some(entry) = self.kept.get(&key) {
             match entry.policy.before_request(head, SystemTime::now()) {
                 http_cache_semantics::BeforeRequest::Fresh(parts) => {
@@ -208,7 +212,7 @@ impl Collapser {
                 }
                 // Fetched again, through a slot; what it brings replaces the entry.
                 http_cache_semantics::BeforeRequest::Stale { matches, .. } => {
-                    stale = matches;
+                    stale = matches.then(|| entry.clone());
                     self.looked_up(route, if matches { "stale" } else { "miss" });
                 }
             }
@@ -316,8 +320,30 @@ impl Lead {
         self.flight.departure.clone()
     }
 
+    /// The headers that make the leader's request conditional on a stale entry's validators
+    /// (`If-None-Match`, `If-Modified-Since`), where it refreshes one.
+    pub fn conditions(&self, request: &Parts) -> Vec<(http::HeaderName, http::HeaderValue)> {
+        let Some(entry) = &self.stale else {
+            return Vec::new();
+        };
+        match entry.policy.before_request(request, SystemTime::now()) {
+            http_cache_semantics::BeforeRequest::Stale { request: asked, .. } => {
+                [http::header::IF_NONE_MATCH, http::header::IF_MODIFIED_SINCE]
+                    .into_iter()
+                    .filter(|name| !request.headers.contains_key(name))
+                    .filter_map(|name| {
+                        let value = asked.headers.get(&name)?.clone();
+                        Some((name, value))
+                    })
+                    .collect()
+            }
+            http_cache_semantics::BeforeRequest::Fresh(_) => Vec::new(),
+        }
+    }
+
     /// Shares the leader's exchange with the waiters where its response can be shared, and
-    /// returns what the leader's own client gets.
+    /// returns what the leader's own client gets. `request` is as it was sent, conditions
+    /// included.
     pub fn answer(mut self, route: &Route, request: &Parts, exchanged: Exchanged) -> Exchanged {
         self.answered = true;
         let Exchanged { response, note } = exchanged;
@@ -331,6 +357,14 @@ impl Lead {
             }
             Ok(response) => response,
         };
+        if response.status() == StatusCode::NOT_MODIFIED {
+            if let Some(refreshed) = self.refreshed(route, request, &response) {
+                return Exchanged {
+                    response: Ok(refreshed),
+                    note,
+                };
+            }
+        }
         let collapser = self.collapser.clone();
         let Some(policy) = shareable(request, &response, &collapser.config, &collapser.held) else {
             collapser.mark_unshareable(&self.key);
@@ -348,7 +382,7 @@ impl Lead {
             version: parts.version,
             headers: parts.headers.clone(),
             request: request.headers.clone(),
-            tape: Tape::default(),
+            tape: Arc::default(),
             held: collapser.held.clone(),
         });
         self.flight.phase.send_replace(Phase::Head(shared.clone()));
@@ -370,7 +404,7 @@ impl Lead {
             collapser.land(&key, &flight);
         });
         let mine = Response::from_parts(parts, shared.reader());
-        let item = if self.stale {
+        let item = if self.stale.is_some() {
             status::REFRESHED
         } else {
             status::STORED
@@ -379,6 +413,44 @@ impl Lead {
             response: Ok(with_status(mine, item)),
             note,
         }
+    }
+
+    /// A 304 to a stale entry's conditions: the entry refreshed with the headers it brings,
+    /// kept again, and served to the leader and its waiters from memory. `None` where the
+    /// entry cannot be used (no entry, or validators that do not match).
+    fn refreshed<B>(
+        &self,
+        route: &Route,
+        request: &Parts,
+        response: &Response<B>,
+    ) -> Option<Response<ProxyBody>> {
+        let entry = self.stale.as_ref()?;
+        let http_cache_semantics::AfterResponse::NotModified(policy, parts) = entry
+            .policy
+            .after_response(request, response, SystemTime::now())
+        else {
+            return None;
+        };
+        let shared = Arc::new(Shared {
+            status: parts.status,
+            version: parts.version,
+            headers: parts.headers,
+            request: entry.shared.request.clone(),
+            tape: entry.shared.tape.clone(),
+            held: entry.shared.held.clone(),
+        });
+        self.flight.phase.send_replace(Phase::Head(shared.clone()));
+        self.collapser.land(&self.key, &self.flight);
+        self.collapser.keep(
+            route,
+            self.key.clone(),
+            Entry {
+                policy,
+                shared: shared.clone(),
+            },
+        );
+        self.collapser.looked_up(route, "revalidated");
+        Some(with_status(shared.response(), status::REVALIDATED))
     }
 
     /// The flight fails: out of the table, and one waiter takes over.
@@ -477,7 +549,7 @@ impl Wait {
                     key: self.key.clone(),
                     flight,
                     answered: false,
-                    stale: false,
+                    stale: None,
                 })
             }
         }
@@ -491,7 +563,8 @@ struct Shared {
     version: Version,
     headers: HeaderMap,
     request: HeaderMap,
-    tape: Tape,
+    /// Shared with the entry it refreshes, where a 304 brought new headers.
+    tape: Arc<Tape>,
     held: Arc<AtomicUsize>,
 }
 
@@ -740,7 +813,7 @@ mod tests {
             version: Version::HTTP_11,
             headers: HeaderMap::new(),
             request: HeaderMap::new(),
-            tape: Tape::default(),
+            tape: Arc::default(),
             held: Arc::new(AtomicUsize::new(0)),
         })
     }

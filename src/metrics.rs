@@ -74,8 +74,8 @@ pub struct Metrics {
     /// `took_over` (a leader slow or failed, and a waiter going in its place).
     pub collapsed: IntCounterVec,
     /// `pacegate_cache_total{destination,result}`: lookups of kept responses (`hit`: answered
-    /// from memory, no slot; `stale`: kept but fetched again; `miss`) and responses kept
-    /// (`stored`).
+    /// from memory, no slot; `stale`: kept but asked for again; `miss`), responses kept
+    /// (`stored`), and stale ones the vendor said had not changed (`revalidated`).
     pub cache: IntCounterVec,
     /// `pacegate_cache_bytes`: what the kept responses weigh, against `[cache] memory`.
     pub cache_bytes: IntGauge,

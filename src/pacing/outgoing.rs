@@ -97,6 +97,11 @@ impl Outgoing {
         }
     }
 
+    /// Adds a header to what goes upstream (a condition on a kept response's validators).
+    pub fn add_header(&mut self, name: http::HeaderName, value: http::HeaderValue) {
+        self.parts.headers.insert(name, value);
+    }
+
     /// Its method, URI and headers, as they go upstream.
     pub fn head(&self) -> &Parts {
         &self.parts

@@ -215,6 +215,12 @@ async fn collapsed(
     // The leader's fetch is a task of its own: the others wait for it even when its own
     // client goes away.
     request.tell_departures(lead.departure());
+    // Conditional on a stale entry's validators, where it refreshes one.
+    let mut head = head;
+    for (name, value) in lead.conditions(&head) {
+        request.add_header(name.clone(), value.clone());
+        head.headers.insert(name, value);
+    }
     let (pacer, upstream, route) = (inner.pacer.clone(), inner.upstream.clone(), route.clone());
     let fetch = tokio::spawn(async move {
         let exchanged = pacer.exchange(&upstream, &route, class, &mut request).await;

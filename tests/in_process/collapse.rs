@@ -404,3 +404,44 @@ async fn fifty_workers_fetching_ten_images_five_times_each_cost_ten_slots() {
     fifty(&proxy, &upstream.http_url("localhost")).await;
     assert_eq!(upstream.recorded().len(), 50);
 }
+
+#[tokio::test]
+async fn a_stale_entry_the_vendor_says_has_not_changed_is_served_from_memory() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    // An entity fresh for a second, tagged: asked with its tag, the vendor answers 304.
+    let url = format!("{}/etag/v1", upstream.http_url("localhost"));
+    let first = at_once(&proxy, &url, 1, &[]).await;
+    assert_eq!(first[0].2, "entity v1\n");
+    kept(&proxy, 1.0).await;
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let again = at_once(&proxy, &url, 1, &[]).await;
+    assert_eq!(
+        again[0].0, 200,
+        "the client asked for the entity, not a 304"
+    );
+    assert_eq!(
+        again[0].1, "pacegate; fwd=stale; fwd-status=304",
+        "{again:?}"
+    );
+    assert_eq!(again[0].2, "entity v1\n", "the kept body");
+    let asked = upstream.recorded();
+    assert_eq!(asked.len(), 2, "revalidated through a slot");
+    assert_eq!(
+        asked[1]
+            .headers
+            .get("if-none-match")
+            .map(|v| v.to_str().unwrap()),
+        Some("\"v1\""),
+        "asked on its tag"
+    );
+    // Refreshed: fresh again for a second.
+    assert_eq!(at_once(&proxy, &url, 1, &[]).await[0].1, "pacegate; hit");
+    assert_eq!(upstream.recorded().len(), 2);
+    assert_eq!(
+        proxy
+            .metric("pacegate_cache_total{destination=\"images\",result=\"revalidated\"}")
+            .await,
+        1.0
+    );
+}

@@ -383,6 +383,7 @@ async fn respond(
             .boxed();
         return Response::new(body);
     }
+    let if_none_match = req.headers().get("if-none-match").cloned();
     // Every other route reads the whole request body first.
     let mut body = req.into_body();
     while let Some(Ok(frame)) = body.frame().await {
@@ -537,6 +538,20 @@ async fn respond(
                 HeaderValue::from_static("text/event-stream"),
             );
             r
+        }
+        // An entity tagged `tag`, fresh for a second: a request that names the tag gets a 304.
+        ["etag", tag] => {
+            let etag = format!("\"{tag}\"");
+            let resp = if if_none_match.is_some_and(|v| v.as_bytes() == etag.as_bytes()) {
+                full(StatusCode::NOT_MODIFIED, "")
+            } else {
+                full(StatusCode::OK, format!("entity {tag}\n"))
+            };
+            let mut resp = with_headers(resp);
+            let h = resp.headers_mut();
+            h.insert("etag", HeaderValue::from_str(&etag).unwrap());
+            h.insert("cache-control", HeaderValue::from_static("max-age=1"));
+            resp
         }
         ["bytes", n] => with_headers(Response::new(stream_body(n.parse().unwrap(), None))),
         ["gated", n] => Response::new(stream_body(n.parse().unwrap(), Some(state.clone()))),
