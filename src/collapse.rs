@@ -76,8 +76,12 @@ pub struct Collapser {
     not_collapsed: Mutex<HashMap<Arc<str>, Instant>>,
     /// Bytes held in the tapes of responses still being read, against `[cache] memory`.
     held: Arc<AtomicUsize>,
-    /// Responses kept whole, by key, weighed in bytes against `[cache] memory`.
+    /// Responses kept whole, by key and the values of the headers they vary by, weighed in
+    /// bytes against `[cache] memory`.
     kept: quick_cache::sync::Cache<Arc<str>, Arc<Entry>, ByBytes>,
+    /// The headers a key's responses last said they vary by (`Vary`): a request is looked up,
+    /// and collapsed, with its own values of them, so that each variant is kept apart.
+    varies: quick_cache::sync::Cache<Arc<str>, Arc<[String]>>,
     metrics: Arc<Metrics>,
 }
 
@@ -138,6 +142,8 @@ pub enum Joined {
 /// without answering (its client gone), the flight fails, and a waiter takes over.
 pub struct Lead {
     collapser: Arc<Collapser>,
+    /// The request's key without the values of the headers its responses vary by.
+    base: Arc<str>,
     key: Arc<str>,
     flight: Arc<Flight>,
     answered: bool,
@@ -149,6 +155,7 @@ pub struct Lead {
 /// A request waiting for another's answer.
 pub struct Wait {
     collapser: Arc<Collapser>,
+    base: Arc<str>,
     key: Arc<str>,
     flight: Arc<Flight>,
 }
@@ -190,6 +197,7 @@ impl Collapser {
             not_collapsed: Mutex::default(),
             held: Arc::new(AtomicUsize::new(0)),
             kept,
+            varies: quick_cache::sync::Cache::new(NOT_COLLAPSED_MAX),
             metrics,
         })
     }
@@ -201,7 +209,11 @@ impl Collapser {
         if !(head.method == Method::GET || head.method == Method::HEAD) || request.has_body() {
             return Joined::Alone;
         }
-        let key: Arc<str> = Arc::from(key_of(route, request));
+        let base: Arc<str> = Arc::from(key_of(route, request));
+        let key: Arc<str> = match self.varies.get(&*base) {
+            Some(names) => Arc::from(varied(&base, &names, &head.headers)),
+            None => base.clone(),
+        };
         let mut stale = None;
         if let Some(entry) = self.kept.get(&key) {
             match entry.policy.before_request(head, SystemTime::now()) {
@@ -226,6 +238,7 @@ impl Collapser {
         match flights.get(&key) {
             Some(flight) => Joined::Wait(Wait {
                 collapser: self.clone(),
+                base,
                 key,
                 flight: flight.clone(),
             }),
@@ -237,6 +250,7 @@ impl Collapser {
                 flights.insert(key.clone(), flight.clone());
                 Joined::Lead(Lead {
                     collapser: self.clone(),
+                    base,
                     key,
                     flight,
                     answered: false,
@@ -293,12 +307,17 @@ impl Collapser {
             .inc();
     }
 
-    /// Keeps a response whose body came whole, within `max_object`, under `key`.
-    fn keep(&self, route: &Route, key: Arc<str>, entry: Entry) {
+    /// Keeps a response whose body came whole, within `max_object`, for the request whose
+    /// key is `base`: under it and the request's values of the headers the response varies
+    /// by, which are remembered for `base`.
+    fn keep(&self, route: &Route, base: &str, entry: Entry) {
         let whole = matches!(entry.shared.tape.state.lock().end, Some(Ok(())));
         if !whole || entry.shared.bytes() as u64 > self.config.max_object {
             return;
         }
+        let names: Arc<[String]> = vary_names(&entry.shared.headers).collect();
+        let key = Arc::from(varied(base, &names, &entry.shared.request));
+        self.varies.insert(Arc::from(base), names);
         self.kept.insert(key, Arc::new(entry));
         self.looked_up(route, "stored");
         self.metrics
@@ -388,14 +407,14 @@ impl Lead {
         self.flight.phase.send_replace(Phase::Head(shared.clone()));
         // The body is read into the tape by a task of its own: a leader whose client goes
         // away leaves it to the waiters.
-        let (key, flight) = (self.key.clone(), self.flight.clone());
+        let (base, key, flight) = (self.base.clone(), self.key.clone(), self.flight.clone());
         let pump = shared.clone();
         let route = route.clone();
         tokio::spawn(async move {
             pump.record(body).await;
             collapser.keep(
                 &route,
-                key.clone(),
+                &base,
                 Entry {
                     policy,
                     shared: pump,
@@ -443,7 +462,7 @@ impl Lead {
         self.collapser.land(&self.key, &self.flight);
         self.collapser.keep(
             route,
-            self.key.clone(),
+            &self.base,
             Entry {
                 policy,
                 shared: shared.clone(),
@@ -533,6 +552,7 @@ impl Wait {
         match flights.get(&self.key).cloned() {
             Some(other) if !Arc::ptr_eq(&other, &self.flight) => Err(Wait {
                 collapser: self.collapser.clone(),
+                base: self.base.clone(),
                 key: self.key.clone(),
                 flight: other,
             }),
@@ -546,6 +566,7 @@ impl Wait {
                 self.collapser.count(route, "took_over");
                 Ok(Lead {
                     collapser: self.collapser.clone(),
+                    base: self.base.clone(),
                     key: self.key.clone(),
                     flight,
                     answered: false,
@@ -790,6 +811,31 @@ fn key_of(route: &Route, request: &Outgoing) -> String {
         head.uri,
         route.key_material(request).unwrap_or_default()
     )
+}
+
+/// The header names a response's `Vary` lists, lower case (`*` is never kept).
+fn vary_names(headers: &HeaderMap) -> impl Iterator<Item = String> + '_ {
+    headers
+        .get_all(VARY)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty())
+}
+
+/// `base` with `headers`' values of each of `names`: the key of one variant.
+fn varied(base: &str, names: &[String], headers: &HeaderMap) -> String {
+    let mut key = base.to_owned();
+    for name in names {
+        key.push('\n');
+        key.push_str(name);
+        for value in headers.get_all(name.as_str()) {
+            key.push(':');
+            key.push_str(&String::from_utf8_lossy(value.as_bytes()));
+        }
+    }
+    key
 }
 
 /// `response` with pacegate's `Cache-Status` item after the origin's.

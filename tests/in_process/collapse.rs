@@ -445,3 +445,29 @@ async fn a_stale_entry_the_vendor_says_has_not_changed_is_served_from_memory() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn each_variant_a_response_varies_by_is_kept_apart() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/status/200?h=cache-control:max-age=60&h=vary:accept-encoding",
+        upstream.http_url("localhost")
+    );
+    let gzip = [("accept-encoding", "gzip")];
+    let identity = [("accept-encoding", "identity")];
+    at_once(&proxy, &url, 1, &gzip).await;
+    kept(&proxy, 1.0).await;
+    assert_ne!(
+        at_once(&proxy, &url, 1, &identity).await[0].1,
+        "pacegate; hit"
+    );
+    kept(&proxy, 2.0).await;
+    // Both kept: each client's next request is answered from memory.
+    assert_eq!(at_once(&proxy, &url, 1, &gzip).await[0].1, "pacegate; hit");
+    assert_eq!(
+        at_once(&proxy, &url, 1, &identity).await[0].1,
+        "pacegate; hit"
+    );
+    assert_eq!(upstream.recorded().len(), 2, "one fetch per variant");
+}
