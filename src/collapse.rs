@@ -656,15 +656,7 @@ impl Shared {
                 .iter()
                 .eq(self.request.get_all(name).iter())
         };
-        let varies = self
-            .headers
-            .get_all(VARY)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .all(same);
+        let varies = vary_names(&self.headers).all(|name| same(&name));
         if !varies {
             return false;
         }

@@ -38,14 +38,14 @@ pub struct Outgoing {
 }
 
 /// When a request last left for the upstream, for those that wait for its answer: in
-/// milliseconds from the clock's start, plus one (0: not yet).
+/// milliseconds from the lanes' clock (`lane::now_ms`), plus one (0: not yet).
 #[derive(Debug, Default)]
 pub struct Departure(std::sync::atomic::AtomicU64);
 
 impl Departure {
     /// The request leaves now.
     pub fn stamp(&self) {
-        let now = u64::try_from(epoch().elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let now = super::lane::now_ms().min(u64::MAX - 1);
         self.0.store(now + 1, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -55,18 +55,10 @@ impl Departure {
             .0
             .load(std::sync::atomic::Ordering::Relaxed)
             .checked_sub(1)?;
-        Some(
-            epoch()
-                .elapsed()
-                .saturating_sub(std::time::Duration::from_millis(at)),
-        )
+        Some(std::time::Duration::from_millis(
+            super::lane::now_ms().saturating_sub(at),
+        ))
     }
-}
-
-/// The instant departures are counted from.
-fn epoch() -> tokio::time::Instant {
-    static EPOCH: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
-    *EPOCH.get_or_init(tokio::time::Instant::now)
 }
 
 impl Outgoing {
