@@ -25,23 +25,23 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::header::{HeaderMap, AUTHORIZATION, CACHE_CONTROL, COOKIE, SET_COOKIE, VARY};
+use http::header::{HeaderMap, CACHE_CONTROL, SET_COOKIE, VARY};
 use http::request::Parts;
-use http::{Method, Response, StatusCode, Version};
-use http_body::{Body, Frame};
-use http_body_util::BodyExt;
+use http::{Method, Response, StatusCode};
 use parking_lot::Mutex;
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 use tokio::time::Instant;
+
+mod tape;
 
 use crate::config::CacheConfig;
 use crate::metrics::Metrics;
 use crate::pacing::{Departure, Exchanged, Outgoing, Route};
-use crate::upstream::{BoxError, ProxyBody};
+use crate::upstream::ProxyBody;
+use tape::Shared;
 
 /// How long a URI whose response could not be shared is not collapsed.
 pub const NOT_COLLAPSED_FOR: Duration = Duration::from_secs(120);
@@ -577,173 +577,6 @@ impl Wait {
     }
 }
 
-/// The leader's response as the waiters share it: its head, the leader's request headers
-/// (for `Vary`), and its body on a tape.
-struct Shared {
-    status: StatusCode,
-    version: Version,
-    headers: HeaderMap,
-    request: HeaderMap,
-    /// Shared with the entry it refreshes, where a 304 brought new headers.
-    tape: Arc<Tape>,
-    held: Arc<AtomicUsize>,
-}
-
-/// A body as it arrives, kept for every reader from its start.
-#[derive(Default)]
-struct Tape {
-    state: Mutex<Recorded>,
-    grew: Notify,
-}
-
-#[derive(Default)]
-struct Recorded {
-    chunks: Vec<Bytes>,
-    bytes: usize,
-    trailers: Option<HeaderMap>,
-    /// The body ended: `Ok` whole, `Err` cut with this error.
-    end: Option<Result<(), String>>,
-}
-
-impl Shared {
-    /// The body's bytes recorded so far.
-    fn bytes(&self) -> usize {
-        self.tape.state.lock().bytes
-    }
-
-    /// Reads `body` onto the tape, to its end or its error.
-    async fn record(&self, mut body: ProxyBody) {
-        loop {
-            let frame = body.frame().await;
-            let mut state = self.tape.state.lock();
-            match frame {
-                None => state.end = Some(Ok(())),
-                Some(Err(e)) => state.end = Some(Err(e.to_string())),
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        state.bytes += data.len();
-                        self.held.fetch_add(data.len(), Ordering::Relaxed);
-                        state.chunks.push(data);
-                    }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            state.trailers = Some(trailers);
-                        }
-                    }
-                },
-            }
-            let done = state.end.is_some();
-            let bytes = state.bytes;
-            drop(state);
-            self.tape.grew.notify_waiters();
-            if done {
-                // Recorded: what it holds now counts against the kept responses' memory, if
-                // it is kept, not against the responses in flight.
-                self.held.fetch_sub(bytes, Ordering::Relaxed);
-                return;
-            }
-        }
-    }
-
-    /// Whether a waiter's `request` may have this response: the same values of the headers
-    /// its `Vary` names, and, where it sends credentials or cookies, a response that says it
-    /// may be shared.
-    fn serves(&self, request: &Parts) -> bool {
-        let same = |name: &str| {
-            request
-                .headers
-                .get_all(name)
-                .iter()
-                .eq(self.request.get_all(name).iter())
-        };
-        let varies = vary_names(&self.headers).all(|name| same(&name));
-        if !varies {
-            return false;
-        }
-        let personal =
-            request.headers.contains_key(AUTHORIZATION) || request.headers.contains_key(COOKIE);
-        !personal || says_shared(&self.headers)
-    }
-
-    /// The response again, for one more reader.
-    fn response(self: &Arc<Self>) -> Response<ProxyBody> {
-        let mut response = Response::new(self.reader());
-        *response.status_mut() = self.status;
-        *response.version_mut() = self.version;
-        *response.headers_mut() = self.headers.clone();
-        response
-    }
-
-    fn reader(self: &Arc<Self>) -> ProxyBody {
-        Reader {
-            shared: self.clone(),
-            next: 0,
-            trailers_sent: false,
-            waiting: None,
-        }
-        .boxed()
-    }
-}
-
-/// One reader of a tape: its chunks from the first, as they arrive.
-struct Reader {
-    shared: Arc<Shared>,
-    next: usize,
-    trailers_sent: bool,
-    waiting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + Sync>>>,
-}
-
-impl Body for Reader {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        loop {
-            // Registered before the tape is looked at, so that a chunk recorded in between
-            // still wakes this reader.
-            if self.waiting.is_none() {
-                let shared = self.shared.clone();
-                self.waiting = Some(Box::pin(async move { shared.tape.grew.notified().await }));
-            }
-            if let Some(waiting) = self.waiting.as_mut() {
-                // Polled once to register; a wake-up before the look below is kept.
-                if waiting.as_mut().poll(cx).is_ready() {
-                    self.waiting = None;
-                    continue;
-                }
-            }
-            let state = self.shared.tape.state.lock();
-            if let Some(chunk) = state.chunks.get(self.next).cloned() {
-                drop(state);
-                self.next += 1;
-                return Poll::Ready(Some(Ok(Frame::data(chunk))));
-            }
-            match &state.end {
-                None => return Poll::Pending,
-                Some(Err(e)) => {
-                    let e = e.clone();
-                    drop(state);
-                    return Poll::Ready(Some(Err(e.into())));
-                }
-                Some(Ok(())) => {
-                    let trailers = state.trailers.clone();
-                    drop(state);
-                    if !self.trailers_sent {
-                        self.trailers_sent = true;
-                        if let Some(t) = trailers {
-                            return Poll::Ready(Some(Ok(Frame::trailers(t))));
-                        }
-                    }
-                    return Poll::Ready(None);
-                }
-            }
-        }
-    }
-}
-
 /// Whether the leader's `response` to `request` may be shared with the waiters: storable in a
 /// shared cache (RFC 9111, as `http-cache-semantics` reads it), with no `Set-Cookie`, a
 /// `Vary` that is not `*`, and a declared length within `max_object` and what `[cache]
@@ -843,6 +676,10 @@ pub fn with_status<B>(mut response: Response<B>, item: &'static str) -> Response
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::upstream::BoxError;
+    use http::Version;
+    use http_body::Frame;
+    use http_body_util::BodyExt;
     use http_body_util::StreamBody;
 
     fn shared() -> Arc<Shared> {
