@@ -1,5 +1,5 @@
 //! The admin listener: `GET /metrics`, `GET /status`, `GET /healthz`, `GET /readyz` and the
-//! writes, `POST /reload` and `POST /destinations/NAME/unlock`.
+//! writes, `POST /reload`, `POST /destinations/NAME/unlock` and `POST /cache/purge`.
 //!
 //! A write needs intent. With `[admin] token_env`, the bearer token. Without one (the listener
 //! is then on loopback), a request from loopback whose `Host` is this listener's address and
@@ -59,6 +59,8 @@ pub struct Admin {
     reloader: Option<Arc<Reloader>>,
     /// The last ten minutes of each destination's pace, for the status page.
     history: Arc<History>,
+    /// The kept responses, where there is a `[cache]`.
+    collapse: Option<Arc<crate::collapse::Collapser>>,
 }
 
 fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -105,6 +107,7 @@ impl Admin {
         shutdown: Shutdown,
         config: &AdminConfig,
         reloader: Option<Arc<Reloader>>,
+        collapse: Option<Arc<crate::collapse::Collapser>>,
     ) -> Self {
         Self {
             metrics,
@@ -115,6 +118,7 @@ impl Admin {
             read_token: config.read_token.as_deref().map(Arc::from),
             reloader,
             history: Arc::default(),
+            collapse,
         }
     }
 
@@ -215,8 +219,8 @@ impl Admin {
                 return resp;
             }
         }
-        let write =
-            req.method() == Method::POST && (path == "/reload" || unlock_target(&path).is_some());
+        let write = req.method() == Method::POST
+            && (path == "/reload" || path == "/cache/purge" || unlock_target(&path).is_some());
         if write {
             if let Err(why) = self.write_allowed(&req, at) {
                 let code = if self.token.is_some() {
@@ -281,6 +285,7 @@ impl Admin {
                     json(code, &status)
                 }
             },
+            (&Method::POST, "/cache/purge") => self.purge(req.uri().query().unwrap_or_default()),
             (&Method::POST, p) if unlock_target(p).is_some() => {
                 let name = unlock_target(p).unwrap_or_default();
                 self.unlock(name).await
@@ -290,9 +295,42 @@ impl Admin {
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "endpoints: GET / (the status page) /metrics /status /history /store /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock\n",
+                "endpoints: GET / (the status page) /metrics /status /history /store /instances /healthz /readyz /config /reload, POST /reload /destinations/NAME/unlock /cache/purge?url=URL|destination=NAME\n",
             ),
         }
+    }
+
+    /// Removes the kept responses to `url=URL` (percent-encoded), or all of
+    /// `destination=NAME`'s, from memory and disk.
+    fn purge(&self, query: &str) -> Response<Full<Bytes>> {
+        let Some(collapse) = &self.collapse else {
+            return text(
+                StatusCode::NOT_FOUND,
+                "this instance has no [cache]: nothing is kept to purge\n",
+            );
+        };
+        let value = |name: &str| {
+            query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .map(|v| {
+                    percent_encoding::percent_decode_str(v)
+                        .decode_utf8_lossy()
+                        .into_owned()
+                })
+        };
+        let (url, destination) = (value("url"), value("destination"));
+        if url.is_none() == destination.is_none() {
+            return text(
+                StatusCode::BAD_REQUEST,
+                "name what to purge: ?url=URL (percent-encoded, as the client asked for it) or ?destination=NAME\n",
+            );
+        }
+        let purged = collapse.purge(url.as_deref(), destination.as_deref());
+        json(
+            StatusCode::OK,
+            &serde_json::json!({ "url": url, "destination": destination, "purged": purged }),
+        )
     }
 
     async fn unlock(&self, name: &str) -> Response<Full<Bytes>> {

@@ -50,6 +50,9 @@ pub enum StartError {
     /// A signal handler could not be installed.
     #[error("cannot install the SIGHUP handler: {source}")]
     Signal { source: std::io::Error },
+    /// The cache's disk tier cannot be written (a config the host does not allow: exit 64).
+    #[error(transparent)]
+    CacheDir(#[from] crate::collapse::DiskError),
 }
 
 /// A started pacegate: its bound addresses, and the handles to stop it.
@@ -239,6 +242,11 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         what: "upstream response",
     });
 
+    let collapse = config
+        .cache
+        .clone()
+        .map(|c| crate::collapse::Collapser::new(c, metrics.clone()))
+        .transpose()?;
     let shutdown = Shutdown::new();
     let gate = crate::server::Gate::new(&config.proxy.limits);
     let proxy = Proxy::new(ProxyParts {
@@ -250,10 +258,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
         gate: gate.clone(),
-        collapse: config
-            .cache
-            .clone()
-            .map(|c| crate::collapse::Collapser::new(c, metrics.clone())),
+        collapse: collapse.clone(),
     });
     let proxy_task = tokio::spawn(crate::server::serve(
         proxy_listener,
@@ -281,6 +286,7 @@ async fn start_on(config: Config, shared: Option<MemoryStore>) -> Result<Running
         shutdown.clone(),
         &config.admin,
         reloader.clone(),
+        collapse,
     );
     let admin_task = tokio::spawn(admin.serve(admin_listener, admin_stop.clone()));
     tracing::info!(

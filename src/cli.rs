@@ -181,6 +181,83 @@ pub fn migrate(url: &str) -> ExitCode {
     }
 }
 
+/// `pacegate cache purge`: removes the kept responses to `url`, or all of `destination`'s,
+/// in the running instance the config (or `admin`) names.
+pub fn cache_purge(
+    url: Option<&str>,
+    destination: Option<&str>,
+    path: &Path,
+    admin: Option<String>,
+) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if config.cache.is_none() {
+        eprintln!(
+            "error: {} has no [cache] section: nothing is kept to purge",
+            path.display()
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let query = match (url, destination) {
+        (Some(url), None) => {
+            if url
+                .parse::<http::Uri>()
+                .ok()
+                .and_then(|u| u.host().map(str::len))
+                .is_none()
+            {
+                eprintln!(
+                    "error: `{url}` is not an absolute URL (e.g. https://images.example.com/a.png)"
+                );
+                return ExitCode::from(EXIT_USAGE);
+            }
+            format!(
+                "url={}",
+                percent_encoding::utf8_percent_encode(url, percent_encoding::NON_ALPHANUMERIC)
+            )
+        }
+        (None, Some(name)) => {
+            if !config.destinations.iter().any(|d| d.name == name) {
+                eprintln!(
+                    "error: {} has no destination named `{name}`",
+                    path.display()
+                );
+                return ExitCode::from(EXIT_USAGE);
+            }
+            format!(
+                "destination={}",
+                percent_encoding::utf8_percent_encode(name, percent_encoding::NON_ALPHANUMERIC)
+            )
+        }
+        _ => {
+            eprintln!("error: name a URL or --destination NAME");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    match admin_call(
+        &config,
+        admin,
+        http::Method::POST,
+        &format!("/cache/purge?{query}"),
+    ) {
+        Err(code) => code,
+        Ok((s, body)) if s.is_success() => {
+            let purged = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["purged"].as_u64())
+                .unwrap_or(0);
+            println!("purged {purged} kept response(s)");
+            ExitCode::SUCCESS
+        }
+        Ok((s, body)) => {
+            eprintln!("error: the admin listener answered {s}: {}", body.trim());
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}
+
 pub fn unlock(name: &str, path: &Path, admin: Option<String>) -> ExitCode {
     let config = match load(path) {
         Ok(c) => c,
@@ -315,6 +392,12 @@ pub fn serve(path: &Path) -> ExitCode {
     };
     match runtime.block_on(crate::app::run(config)) {
         Ok(()) => ExitCode::SUCCESS,
+        // A directory the config names that this host does not let pacegate write: the
+        // config's to change, as with any other bad value.
+        Err(e @ crate::app::StartError::CacheDir(_)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_USAGE)
+        }
         Err(e) => fail(&e),
     }
 }

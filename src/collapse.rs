@@ -31,17 +31,21 @@ use bytes::Bytes;
 use http::header::{HeaderMap, CACHE_CONTROL, SET_COOKIE, VARY};
 use http::request::Parts;
 use http::{Method, Response, StatusCode};
+use http_body_util::BodyExt;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+mod disk;
 mod tape;
 
 use crate::config::CacheConfig;
 use crate::metrics::Metrics;
 use crate::pacing::{Departure, Exchanged, Outgoing, Route};
 use crate::upstream::ProxyBody;
-use tape::Shared;
+pub use disk::DiskError;
+use disk::{Disk, Stored};
+use tape::{Shared, Tape};
 
 /// How long a URI whose response could not be shared is not collapsed.
 pub const NOT_COLLAPSED_FOR: Duration = Duration::from_secs(120);
@@ -78,7 +82,15 @@ pub struct Collapser {
     held: Arc<AtomicUsize>,
     /// Responses kept whole, by key and the values of the headers they vary by, weighed in
     /// bytes against `[cache] memory`.
-    kept: quick_cache::sync::Cache<Arc<str>, Arc<Entry>, ByBytes>,
+    kept: quick_cache::sync::Cache<
+        Arc<str>,
+        Arc<Entry>,
+        ByBytes,
+        quick_cache::DefaultHashBuilder,
+        Evictions,
+    >,
+    /// The disk tier, where `[cache] dir` is set.
+    disk: Option<Arc<Disk>>,
     /// The headers a key's responses last said they vary by (`Vary`): a request is looked up,
     /// and collapsed, with its own values of them, so that each variant is kept apart.
     varies: quick_cache::sync::Cache<Arc<str>, Arc<[String]>>,
@@ -88,7 +100,64 @@ pub struct Collapser {
 /// A response kept whole: what may be served from it, and when (its RFC 9111 policy).
 struct Entry {
     policy: http_cache_semantics::CachePolicy,
+    /// When the response (or the 304 that refreshed it) was received: its policy's time.
+    received: SystemTime,
+    /// The destination it came from (for a purge by destination).
+    destination: Arc<str>,
     shared: Arc<Shared>,
+}
+
+impl Entry {
+    /// An entry read from the disk tier: its policy as it was when it was received (so that
+    /// its age goes on from then), its body on a tape of its own.
+    fn from_stored(stored: Stored, held: &Arc<AtomicUsize>) -> Option<Self> {
+        let mut words = stored.key.split(' ');
+        let method = Method::from_bytes(words.next()?.as_bytes()).ok()?;
+        let uri: http::Uri = words.next()?.parse().ok()?;
+        let mut request = http::Request::new(());
+        *request.method_mut() = method;
+        *request.uri_mut() = uri;
+        *request.headers_mut() = stored.request.clone();
+        let mut response = Response::new(());
+        *response.status_mut() = stored.status;
+        *response.headers_mut() = stored.headers.clone();
+        let policy = http_cache_semantics::CachePolicy::new_options(
+            &request,
+            &response,
+            stored.received,
+            http_cache_semantics::CacheOptions::default(),
+        );
+        let shared = Arc::new(Shared {
+            status: stored.status,
+            version: http::Version::HTTP_11,
+            headers: stored.headers,
+            request: stored.request,
+            tape: Arc::default(),
+            held: held.clone(),
+        });
+        shared.push(stored.body);
+        shared.end(Ok(()));
+        Some(Self {
+            policy,
+            received: stored.received,
+            destination: stored.destination,
+            shared,
+        })
+    }
+}
+
+/// Counts the kept responses memory lets go of (they stay on disk, where there is one).
+#[derive(Clone)]
+struct Evictions(prometheus::IntCounter);
+
+impl quick_cache::Lifecycle<Arc<str>, Arc<Entry>> for Evictions {
+    type RequestState = ();
+
+    fn begin_request(&self) -> Self::RequestState {}
+
+    fn on_evict(&self, _: &mut Self::RequestState, _: Arc<str>, _: Arc<Entry>) {
+        self.0.inc();
+    }
 }
 
 /// An entry's weight: its body and its headers, in bytes.
@@ -112,6 +181,18 @@ struct Flight {
     phase: watch::Sender<Phase>,
     /// When the leader's request left for the upstream (stamped by its exchange).
     departure: Arc<Departure>,
+    /// The waiters that have not yet made their reader of its tape.
+    waiting: Arc<AtomicUsize>,
+}
+
+impl Flight {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            phase: watch::channel(Phase::Waiting).0,
+            departure: Arc::new(Departure::default()),
+            waiting: Arc::default(),
+        })
+    }
 }
 
 #[derive(Clone)]
@@ -171,40 +252,60 @@ pub enum Waited {
 }
 
 impl Collapser {
-    /// A collapser by `config`, counting into `metrics`.
-    pub fn new(config: CacheConfig, metrics: Arc<Metrics>) -> Arc<Self> {
+    /// A collapser by `config`, counting into `metrics`; its disk tier opened where
+    /// `[cache] dir` is set (`Err` where it cannot be written).
+    pub fn new(config: CacheConfig, metrics: Arc<Metrics>) -> Result<Arc<Self>, DiskError> {
+        let disk = match (&config.dir, config.disk) {
+            (Some(dir), Some(bytes)) => Some(Arc::new(Disk::open(dir, bytes)?)),
+            _ => None,
+        };
         // Each shard holds a share of `memory`: no more shards than leave room in each for
         // the largest object kept.
         let shards = (config.memory / config.max_object.max(1)).clamp(1, 16) as usize;
-        let kept = match quick_cache::OptionsBuilder::new()
+        let evictions = Evictions(metrics.cache_evictions.with_label_values(&["memory"]));
+        let options = quick_cache::OptionsBuilder::new()
             .estimated_items_capacity(usize::try_from(config.memory / 16_384).unwrap_or(1).max(64))
             .weight_capacity(config.memory)
             .shards(shards)
             .build()
-        {
-            Ok(options) => quick_cache::sync::Cache::with_options(
-                options,
-                ByBytes,
-                Default::default(),
-                Default::default(),
-            ),
-            // Every number above is set: only a shard count of 0 could fail, and it is 1 at least.
-            Err(_) => quick_cache::sync::Cache::with_weighter(64, config.memory, ByBytes),
-        };
-        Arc::new(Self {
+            // Every number above is set: only a shard count of 0 could fail, and it is 1 at
+            // least.
+            .unwrap_or_else(|_| unreachable!("the options are complete"));
+        let kept = quick_cache::sync::Cache::with_options(
+            options,
+            ByBytes,
+            quick_cache::DefaultHashBuilder::default(),
+            evictions,
+        );
+        let collapser = Arc::new(Self {
             config,
             flights: Mutex::default(),
             not_collapsed: Mutex::default(),
             held: Arc::new(AtomicUsize::new(0)),
             kept,
+            disk,
             varies: quick_cache::sync::Cache::new(NOT_COLLAPSED_MAX),
             metrics,
-        })
+        });
+        // What each key on disk varies by: its own key says.
+        if let Some(disk) = &collapser.disk {
+            for key in disk.keys() {
+                if let Some((base, rest)) = key.split_once('\n') {
+                    let names: Arc<[String]> = rest
+                        .split('\n')
+                        .map(|line| line.split(':').next().unwrap_or_default().to_owned())
+                        .collect();
+                    collapser.varies.insert(Arc::from(base), names);
+                }
+            }
+        }
+        collapser.weighed();
+        Ok(collapser)
     }
 
     /// What `request` to `route` is: alone, a leader, or a waiter. Only a body-less GET or
     /// HEAD of a destination with `cache = true` is collapsed.
-    pub fn join(self: &Arc<Self>, route: &Route, request: &Outgoing) -> Joined {
+    pub async fn join(self: &Arc<Self>, route: &Route, request: &Outgoing) -> Joined {
         let head = request.head();
         if !(head.method == Method::GET || head.method == Method::HEAD) || request.has_body() {
             return Joined::Alone;
@@ -215,7 +316,11 @@ impl Collapser {
             None => base.clone(),
         };
         let mut stale = None;
-        if let Some(entry) = self.kept.get(&key) {
+        let mut found = self.kept.get(&key);
+        if found.is_none() {
+            found = self.on_disk(&key).await;
+        }
+        if let Some(entry) = found {
             match entry.policy.before_request(head, SystemTime::now()) {
                 http_cache_semantics::BeforeRequest::Fresh(parts) => {
                     self.looked_up(route, "hit");
@@ -236,17 +341,9 @@ impl Collapser {
         }
         let mut flights = self.flights.lock();
         match flights.get(&key) {
-            Some(flight) => Joined::Wait(Wait {
-                collapser: self.clone(),
-                base,
-                key,
-                flight: flight.clone(),
-            }),
+            Some(flight) => Joined::Wait(Wait::new(self.clone(), base, key, flight.clone())),
             None => {
-                let flight = Arc::new(Flight {
-                    phase: watch::channel(Phase::Waiting).0,
-                    departure: Arc::new(Departure::default()),
-                });
+                let flight = Flight::new();
                 flights.insert(key.clone(), flight.clone());
                 Joined::Lead(Lead {
                     collapser: self.clone(),
@@ -311,18 +408,133 @@ impl Collapser {
     /// key is `base`: under it and the request's values of the headers the response varies
     /// by, which are remembered for `base`.
     fn keep(&self, route: &Route, base: &str, entry: Entry) {
-        let whole = matches!(entry.shared.tape.state.lock().end, Some(Ok(())));
-        if !whole || entry.shared.bytes() as u64 > self.config.max_object {
+        if !entry.shared.whole() || entry.shared.bytes() as u64 > self.config.max_object {
             return;
         }
         let names: Arc<[String]> = vary_names(&entry.shared.headers).collect();
-        let key = Arc::from(varied(base, &names, &entry.shared.request));
+        let key: Arc<str> = Arc::from(varied(base, &names, &entry.shared.request));
         self.varies.insert(Arc::from(base), names);
-        self.kept.insert(key, Arc::new(entry));
+        let entry = Arc::new(entry);
+        self.kept.insert(key.clone(), entry.clone());
         self.looked_up(route, "stored");
+        if let Some(disk) = self.disk.clone() {
+            let stored = Stored {
+                key,
+                destination: entry.destination.clone(),
+                received: entry.received,
+                status: entry.shared.status,
+                headers: entry.shared.headers.clone(),
+                request: entry.shared.request.clone(),
+                body: entry.shared.body(),
+            };
+            let metrics = self.metrics.clone();
+            let route = route.clone();
+            // Written beside the requests, not before their answers: they were served.
+            tokio::task::spawn_blocking(move || {
+                match disk.write(&stored) {
+                    Ok(evicted) => metrics
+                        .cache_evictions
+                        .with_label_values(&["disk"])
+                        .inc_by(evicted as u64),
+                    Err(e) => {
+                        metrics
+                            .cache
+                            .with_label_values(&[route.label(), "unwritten"])
+                            .inc();
+                        tracing::warn!(
+                            destination = %route.name(),
+                            error = %e,
+                            "a response kept in memory could not be written to cache.dir: it is not on disk"
+                        );
+                    }
+                }
+                metrics
+                    .cache_bytes
+                    .with_label_values(&["disk"])
+                    .set(i64::try_from(disk.bytes()).unwrap_or(i64::MAX));
+            });
+        }
+        self.weighed();
+    }
+
+    /// The entry for `key` from the disk tier, kept in memory again; `None` where there is
+    /// none, or it is not whole.
+    async fn on_disk(&self, key: &Arc<str>) -> Option<Arc<Entry>> {
+        let disk = self.disk.clone()?;
+        if !disk.has(key) {
+            return None;
+        }
+        let wanted = key.clone();
+        let stored = tokio::task::spawn_blocking(move || disk.read(&wanted))
+            .await
+            .ok()
+            .flatten()?;
+        let entry = Arc::new(Entry::from_stored(stored, &self.held)?);
+        self.kept.insert(key.clone(), entry.clone());
+        self.weighed();
+        Some(entry)
+    }
+
+    /// Sets the gauge of the bodies being read.
+    fn in_flight(&self) {
+        let held = self.held.load(Ordering::Relaxed);
         self.metrics
             .cache_bytes
-            .set(i64::try_from(self.kept.weight()).unwrap_or(i64::MAX));
+            .with_label_values(&["flight"])
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
+    }
+
+    /// Sets the bytes gauges from what is held.
+    fn weighed(&self) {
+        let gauge = |tier: &str, bytes: u64| {
+            self.metrics
+                .cache_bytes
+                .with_label_values(&[tier])
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        };
+        gauge("memory", self.kept.weight());
+        gauge("flight", self.held.load(Ordering::Relaxed) as u64);
+        if let Some(disk) = &self.disk {
+            gauge("disk", disk.bytes());
+        }
+    }
+
+    /// Removes the kept responses to `url` (any method, any variant), or all of
+    /// `destination`'s, from memory and disk; how many.
+    pub fn purge(&self, url: Option<&str>, destination: Option<&str>) -> usize {
+        let url = match url.map(resource) {
+            Some(None) => return 0,
+            Some(Some(url)) => Some(url),
+            None => None,
+        };
+        let matches = |key: &str, from: &str| {
+            let uri = key.split(' ').nth(1).unwrap_or_default();
+            url.as_ref()
+                .is_none_or(|u| resource(uri).as_ref() == Some(u))
+                && destination.is_none_or(|d| from == d)
+        };
+        // Collected first, then removed: the cache's shards are locked while it is walked.
+        let purged = Mutex::new(Vec::new());
+        self.kept.retain(|key, entry| {
+            if matches(key, &entry.destination) {
+                purged.lock().push(key.clone());
+            }
+            true
+        });
+        let purged = purged.into_inner();
+        for key in &purged {
+            self.kept.remove(key);
+        }
+        let mut gone = purged.len();
+        if let Some(disk) = &self.disk {
+            // What is on disk and not in memory too, counted once.
+            let in_memory: std::collections::HashSet<&str> = purged.iter().map(|k| &**k).collect();
+            let in_memory = |key: &str| in_memory.contains(key);
+            gone += disk.purge(|key, from| matches(key, from) && !in_memory(key));
+            disk.purge(|key, _| in_memory(key));
+        }
+        self.weighed();
+        gone
     }
 
     fn count(&self, route: &Route, what: &str) {
@@ -361,77 +573,92 @@ impl Lead {
     }
 
     /// Shares the leader's exchange with the waiters where its response can be shared, and
-    /// returns what the leader's own client gets. `request` is as it was sent, conditions
-    /// included.
-    pub fn answer(mut self, route: &Route, request: &Parts, exchanged: Exchanged) -> Exchanged {
+    /// returns what the leader's own client gets, and the shared body for the leader's fetch
+    /// to record ([`Recording::record`]). `request` is as it was sent, conditions included.
+    pub fn answer(
+        mut self,
+        route: &Route,
+        request: &Parts,
+        exchanged: Exchanged,
+    ) -> (Exchanged, Option<Recording>) {
         self.answered = true;
         let Exchanged { response, note } = exchanged;
         let response = match response {
             Err(e) => {
                 self.fail();
-                return Exchanged {
+                let exchanged = Exchanged {
                     response: Err(e),
                     note,
                 };
+                return (exchanged, None);
             }
             Ok(response) => response,
         };
         if response.status() == StatusCode::NOT_MODIFIED {
             if let Some(refreshed) = self.refreshed(route, request, &response) {
-                return Exchanged {
+                let exchanged = Exchanged {
                     response: Ok(refreshed),
                     note,
                 };
+                return (exchanged, None);
             }
         }
         let collapser = self.collapser.clone();
-        let Some(policy) = shareable(request, &response, &collapser.config, &collapser.held) else {
+        let received = SystemTime::now();
+        let Some(policy) = shareable(request, &response, received) else {
             collapser.mark_unshareable(&self.key);
             collapser.land(&self.key, &self.flight);
             self.flight.phase.send_replace(Phase::Released);
             collapser.count(route, "released");
-            return Exchanged {
+            let exchanged = Exchanged {
                 response: Ok(with_status(response, status::FETCHED)),
                 note,
             };
+            return (exchanged, None);
         };
+        let kept = fits(&response, &collapser.config, &collapser.held);
         let (parts, body) = response.into_parts();
         let shared = Arc::new(Shared {
             status: parts.status,
             version: parts.version,
             headers: parts.headers.clone(),
             request: request.headers.clone(),
-            tape: Arc::default(),
+            tape: Arc::new(Tape::joined_by(self.flight.waiting.clone())),
             held: collapser.held.clone(),
         });
-        self.flight.phase.send_replace(Phase::Head(shared.clone()));
-        // The body is read into the tape by a task of its own: a leader whose client goes
-        // away leaves it to the waiters.
-        let (base, key, flight) = (self.base.clone(), self.key.clone(), self.flight.clone());
-        let pump = shared.clone();
-        let route = route.clone();
-        tokio::spawn(async move {
-            pump.record(body).await;
-            collapser.keep(
-                &route,
-                &base,
-                Entry {
-                    policy,
-                    shared: pump,
-                },
-            );
-            collapser.land(&key, &flight);
-        });
         let mine = Response::from_parts(parts, shared.reader());
-        let item = if self.stale.is_some() {
+        self.flight.phase.send_replace(Phase::Head(shared.clone()));
+        let item = if !kept {
+            // Too large to keep: shared as it streams by, with those waiting now; a request
+            // that comes later fetches it again.
+            shared.stream();
+            collapser.land(&self.key, &self.flight);
+            collapser.count(route, "streamed");
+            status::FETCHED
+        } else if self.stale.is_some() {
             status::REFRESHED
         } else {
             status::STORED
         };
-        Exchanged {
+        let recording = Recording {
+            collapser,
+            route: route.clone(),
+            base: self.base.clone(),
+            key: self.key.clone(),
+            flight: self.flight.clone(),
+            shared,
+            policy,
+            received,
+            body: Some(body),
+            skip: 0,
+            kept,
+            resumed: 0,
+        };
+        let exchanged = Exchanged {
             response: Ok(with_status(mine, item)),
             note,
-        }
+        };
+        (exchanged, Some(recording))
     }
 
     /// A 304 to a stale entry's conditions: the entry refreshed with the headers it brings,
@@ -444,9 +671,9 @@ impl Lead {
         response: &Response<B>,
     ) -> Option<Response<ProxyBody>> {
         let entry = self.stale.as_ref()?;
-        let http_cache_semantics::AfterResponse::NotModified(policy, parts) = entry
-            .policy
-            .after_response(request, response, SystemTime::now())
+        let received = SystemTime::now();
+        let http_cache_semantics::AfterResponse::NotModified(policy, parts) =
+            entry.policy.after_response(request, response, received)
         else {
             return None;
         };
@@ -465,6 +692,8 @@ impl Lead {
             &self.base,
             Entry {
                 policy,
+                received,
+                destination: entry.destination.clone(),
                 shared: shared.clone(),
             },
         );
@@ -487,7 +716,187 @@ impl Drop for Lead {
     }
 }
 
+/// How many times a shared body cut short is asked for again.
+const RESUMES: u8 = 2;
+
+/// The shared body of a leader's response, read onto its tape by the leader's fetch, a task
+/// of its own (a leader whose client goes away leaves it to the waiters).
+pub struct Recording {
+    collapser: Arc<Collapser>,
+    route: Route,
+    base: Arc<str>,
+    key: Arc<str>,
+    flight: Arc<Flight>,
+    shared: Arc<Shared>,
+    policy: http_cache_semantics::CachePolicy,
+    received: SystemTime,
+    body: Option<ProxyBody>,
+    /// Bytes of the body on the tape already, from a fetch cut short: left out of this one.
+    skip: usize,
+    /// Kept once whole; else streamed by.
+    kept: bool,
+    resumed: u8,
+}
+
+/// A shared body cut short: the fetch asks for it again, through a slot, and goes on
+/// ([`Cut::resume`]).
+pub struct Cut(Recording);
+
+impl Recording {
+    /// Reads the body onto the tape, to its end: `Some` where it was cut short and may be
+    /// asked for again (its entity named by a validator, so that the rest of another
+    /// fetch of it is the rest of this one). Else the readers are cut as it was: a body
+    /// cut short is never given as whole.
+    pub async fn record(mut self) -> Option<Cut> {
+        let Some(mut body) = self.body.take() else {
+            self.finish(Err("no body to record".into()));
+            return None;
+        };
+        loop {
+            match body.frame().await {
+                None => {
+                    self.finish(Ok(()));
+                    return None;
+                }
+                Some(Err(e)) => {
+                    if self.resumed < RESUMES && validated(&self.shared.headers) {
+                        self.resumed += 1;
+                        self.skip = self.shared.bytes();
+                        self.collapser.count(&self.route, "cut");
+                        return Some(Cut(self));
+                    }
+                    self.finish(Err(e.to_string()));
+                    return None;
+                }
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        let had = self.skip.min(data.len());
+                        self.skip -= had;
+                        if had < data.len() {
+                            self.shared.push(data.slice(had..));
+                            self.collapser.in_flight();
+                        }
+                        if !self.room() {
+                            // Past max_object, or what memory has left: not kept after all.
+                            self.kept = false;
+                            self.shared.stream();
+                            self.collapser.land(&self.key, &self.flight);
+                            self.collapser.count(&self.route, "streamed");
+                        }
+                        if !self.kept && !self.shared.drained().await {
+                            self.finish(Err("no reader is left".into()));
+                            return None;
+                        }
+                    }
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            self.shared.trailers(trailers);
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// Whether a kept body still fits: within `max_object`, and the bodies in flight within
+    /// `[cache] memory`.
+    fn room(&self) -> bool {
+        let config = &self.collapser.config;
+        !self.kept
+            || (self.shared.bytes() as u64 <= config.max_object
+                && self.collapser.held.load(Ordering::Relaxed) as u64 <= config.memory)
+    }
+
+    /// Ends the tape, keeps a body that came whole, and lands the flight.
+    fn finish(self, end: Result<(), String>) {
+        self.shared.end(end);
+        self.collapser.in_flight();
+        if self.kept && self.shared.whole() {
+            self.collapser.keep(
+                &self.route,
+                &self.base,
+                Entry {
+                    policy: self.policy,
+                    received: self.received,
+                    destination: self.route.name().clone(),
+                    shared: self.shared,
+                },
+            );
+        }
+        self.collapser.land(&self.key, &self.flight);
+    }
+}
+
+impl Cut {
+    /// Goes on with `exchanged`, the same request sent again: its body, past what the tape
+    /// has, where it is the same entity (the same status and validators); else the readers
+    /// are cut.
+    pub fn resume(self, exchanged: Exchanged) -> Option<Recording> {
+        let mut recording = self.0;
+        match exchanged.response {
+            Ok(response) if same_entity(&recording.shared, &response) => {
+                recording.body = Some(response.into_body());
+                recording.collapser.count(&recording.route, "resumed");
+                Some(recording)
+            }
+            Ok(response) => {
+                recording.finish(Err(format!(
+                    "the body was cut short, and asked for again, the vendor answered {} with another entity",
+                    response.status()
+                )));
+                None
+            }
+            Err(e) => {
+                recording.finish(Err(format!(
+                    "the body was cut short, and asking for it again failed: {e}"
+                )));
+                None
+            }
+        }
+    }
+}
+
+/// Whether a response names its entity so that another fetch of it can be told apart: a
+/// strong `ETag`, or a `Last-Modified` with a `Content-Length`.
+fn validated(headers: &HeaderMap) -> bool {
+    let strong = headers
+        .get(http::header::ETAG)
+        .is_some_and(|v| !v.as_bytes().starts_with(b"W/"));
+    strong
+        || (headers.contains_key(http::header::LAST_MODIFIED)
+            && headers.contains_key(http::header::CONTENT_LENGTH))
+}
+
+/// Whether `response` is the entity `shared` began: the same status, and the same strong
+/// `ETag`, or the same `Last-Modified` and `Content-Length`.
+fn same_entity<B>(shared: &Shared, response: &Response<B>) -> bool {
+    let same = |name: http::HeaderName| {
+        let (a, b) = (shared.headers.get(&name), response.headers().get(&name));
+        a.is_some() && a == b
+    };
+    response.status() == shared.status
+        && if shared
+            .headers
+            .get(http::header::ETAG)
+            .is_some_and(|v| !v.as_bytes().starts_with(b"W/"))
+        {
+            same(http::header::ETAG)
+        } else {
+            same(http::header::LAST_MODIFIED) && same(http::header::CONTENT_LENGTH)
+        }
+}
+
 impl Wait {
+    fn new(collapser: Arc<Collapser>, base: Arc<str>, key: Arc<str>, flight: Arc<Flight>) -> Self {
+        flight.waiting.fetch_add(1, Ordering::AcqRel);
+        Self {
+            collapser,
+            base,
+            key,
+            flight,
+        }
+    }
+
     /// Waits for the leader's head: served with it where this request may have it, else on
     /// its own, or in the leader's place.
     pub async fn answer(mut self, route: &Route, request: &Parts) -> Waited {
@@ -550,17 +959,14 @@ impl Wait {
     fn take_over(self, route: &Route) -> Result<Lead, Wait> {
         let mut flights = self.collapser.flights.lock();
         match flights.get(&self.key).cloned() {
-            Some(other) if !Arc::ptr_eq(&other, &self.flight) => Err(Wait {
-                collapser: self.collapser.clone(),
-                base: self.base.clone(),
-                key: self.key.clone(),
-                flight: other,
-            }),
+            Some(other) if !Arc::ptr_eq(&other, &self.flight) => Err(Wait::new(
+                self.collapser.clone(),
+                self.base.clone(),
+                self.key.clone(),
+                other,
+            )),
             _ => {
-                let flight = Arc::new(Flight {
-                    phase: watch::channel(Phase::Waiting).0,
-                    departure: Arc::new(Departure::default()),
-                });
+                let flight = Flight::new();
                 flights.insert(self.key.clone(), flight.clone());
                 drop(flights);
                 self.collapser.count(route, "took_over");
@@ -577,20 +983,28 @@ impl Wait {
     }
 }
 
+impl Drop for Wait {
+    fn drop(&mut self) {
+        self.flight.waiting.fetch_sub(1, Ordering::AcqRel);
+        // Served, its reader is made; else what a streamed tape held for it may go.
+        if let Phase::Head(shared) = &*self.flight.phase.borrow() {
+            shared.tape.left(&self.collapser.held);
+        }
+    }
+}
+
 /// Whether the leader's `response` to `request` may be shared with the waiters: storable in a
-/// shared cache (RFC 9111, as `http-cache-semantics` reads it), with no `Set-Cookie`, a
-/// `Vary` that is not `*`, and a declared length within `max_object` and what `[cache]
-/// memory` has left (a body of no declared length is shared as it comes).
+/// shared cache (RFC 9111, as `http-cache-semantics` reads it), with no `Set-Cookie` and a
+/// `Vary` that is not `*`.
 fn shareable<B>(
     request: &Parts,
     response: &Response<B>,
-    config: &CacheConfig,
-    held: &AtomicUsize,
+    received: SystemTime,
 ) -> Option<http_cache_semantics::CachePolicy> {
     let policy = http_cache_semantics::CachePolicy::new_options(
         request,
         response,
-        SystemTime::now(),
+        received,
         http_cache_semantics::CacheOptions::default(),
     );
     if !policy.is_storable() || response.headers().contains_key(SET_COOKIE) {
@@ -602,15 +1016,20 @@ fn shareable<B>(
     }) {
         return None;
     }
+    Some(policy)
+}
+
+/// Whether a shared response may be kept whole: a declared length within `max_object` and
+/// what `[cache] memory` has left (a body of no declared length is kept until it is past
+/// them). Else it is streamed by, to those who wait for it now.
+fn fits<B>(response: &Response<B>, config: &CacheConfig, held: &AtomicUsize) -> bool {
     let length = response
         .headers()
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     let held = held.load(Ordering::Relaxed) as u64;
-    length
-        .is_none_or(|n| n <= config.max_object && held.saturating_add(n) <= config.memory)
-        .then_some(policy)
+    length.is_none_or(|n| n <= config.max_object && held.saturating_add(n) <= config.memory)
 }
 
 /// Whether a response says a cache may give it to others than who asked: `public`,
@@ -663,6 +1082,20 @@ fn varied(base: &str, names: &[String], headers: &HeaderMap) -> String {
     key
 }
 
+/// What a URL names, however it is written: its scheme, host (lower case), port (the
+/// scheme's where none is written) and path with query (`/` where none is written).
+fn resource(url: &str) -> Option<(String, String, u16, String)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let scheme = uri.scheme_str()?.to_ascii_lowercase();
+    let port = uri.port_u16().or(match scheme.as_str() {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    })?;
+    let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    Some((scheme, uri.host()?.to_ascii_lowercase(), port, path))
+}
+
 /// `response` with pacegate's `Cache-Status` item after the origin's.
 pub fn with_status<B>(mut response: Response<B>, item: &'static str) -> Response<B> {
     crate::headers::append_to_list(
@@ -676,11 +1109,8 @@ pub fn with_status<B>(mut response: Response<B>, item: &'static str) -> Response
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::upstream::BoxError;
     use http::Version;
-    use http_body::Frame;
     use http_body_util::BodyExt;
-    use http_body_util::StreamBody;
 
     fn shared() -> Arc<Shared> {
         Arc::new(Shared {
@@ -695,19 +1125,10 @@ mod tests {
 
     #[tokio::test]
     async fn every_reader_gets_each_chunk_as_it_arrives_from_the_first() {
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
-        let body = StreamBody::new(tokio_stream_of(rx)).boxed();
         let tape = shared();
-        let early = tape.reader();
-        let recording = tokio::spawn({
-            let tape = tape.clone();
-            async move { tape.record(body).await }
-        });
-        tx.send(Ok(Frame::data(Bytes::from_static(b"first "))))
-            .await
-            .unwrap();
+        let mut early = tape.reader();
+        tape.push(Bytes::from_static(b"first "));
         // The early reader has the first chunk before the body is over.
-        let mut early = early;
         let first = early.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "first ");
         assert_eq!(
@@ -715,16 +1136,14 @@ mod tests {
             6,
             "held while it is read"
         );
-        tx.send(Ok(Frame::data(Bytes::from_static(b"second"))))
-            .await
-            .unwrap();
-        drop(tx);
-        recording.await.unwrap();
+        let pending = tokio::spawn(async move { early.collect().await.unwrap().to_bytes() });
+        tape.push(Bytes::from_static(b"second"));
+        tape.end(Ok(()));
         // A reader made later reads it all from the start.
         let late = tape.reader().collect().await.unwrap().to_bytes();
         assert_eq!(late, "first second");
-        let rest = early.collect().await.unwrap().to_bytes();
-        assert_eq!(rest, "second");
+        assert_eq!(pending.await.unwrap(), "second");
+        assert!(tape.whole());
         assert_eq!(
             tape.held.load(Ordering::Relaxed),
             0,
@@ -734,26 +1153,56 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_cut_short_is_cut_short_for_every_reader() {
-        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
-            Ok(Frame::data(Bytes::from_static(b"part"))),
-            Err("upstream reset".into()),
-        ];
         let tape = shared();
-        tape.record(StreamBody::new(futures_util::stream::iter(frames)).boxed())
-            .await;
+        tape.push(Bytes::from_static(b"part"));
+        tape.end(Err("upstream reset".into()));
         let mut reader = tape.reader();
         assert_eq!(
             reader.frame().await.unwrap().unwrap().into_data().unwrap(),
             "part"
         );
         assert!(reader.frame().await.unwrap().is_err());
+        assert!(!tape.whole());
     }
 
-    /// A stream of what `rx` receives.
-    fn tokio_stream_of<T: Send + 'static>(
-        mut rx: tokio::sync::mpsc::Receiver<T>,
-    ) -> impl futures_util::Stream<Item = T> + Send + Sync {
-        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    #[tokio::test]
+    async fn a_streamed_tape_holds_only_what_its_slowest_reader_has_not_had() {
+        let tape = shared();
+        let (mut fast, mut slow) = (tape.reader(), tape.reader());
+        tape.stream();
+        let chunk = Bytes::from(vec![7u8; tape::WINDOW / 2]);
+        for _ in 0..2 {
+            tape.push(chunk.clone());
+        }
+        assert!(
+            tape.drained().await,
+            "a window's worth may wait for its readers"
+        );
+        tape.push(chunk.clone());
+        for _ in 0..3 {
+            fast.frame().await.unwrap().unwrap();
+        }
+        // The slow reader holds all three: the recording waits for it.
+        let waited = tokio::time::timeout(Duration::from_millis(50), tape.drained()).await;
+        assert!(waited.is_err(), "past the window, the recording waits");
+        slow.frame().await.unwrap().unwrap();
+        assert!(tape.drained().await);
+        assert_eq!(
+            tape.held.load(Ordering::Relaxed),
+            chunk.len() * 2,
+            "the chunk both had is let go of"
+        );
+        // A reader made now would miss the start: it is cut, never given the rest as whole.
+        let mut late = tape.reader();
+        assert!(late.frame().await.unwrap().is_err());
+        drop(late);
+        // With no reader left, nothing waits for one.
+        drop((fast, slow));
+        assert_eq!(tape.held.load(Ordering::Relaxed), 0);
+        tape.push(chunk.clone());
+        tape.push(chunk.clone());
+        tape.push(chunk);
+        assert!(!tape.drained().await, "no reader is left to read the rest");
     }
 
     #[test]
@@ -775,30 +1224,30 @@ mod tests {
             memory: 4096,
             max_object: 1024,
             lead_timeout: Duration::from_secs(5),
+            ..CacheConfig::default()
         };
-        assert!(shareable(
-            &request,
-            &response(&[("cache-control", "max-age=60")]),
-            &config,
-            &held
-        )
-        .is_some());
+        let ok = response(&[("cache-control", "max-age=60")]);
+        assert!(shareable(&request, &ok, SystemTime::now()).is_some());
+        assert!(fits(&ok, &config, &held));
         for pairs in [
             vec![("cache-control", "no-store")],
             vec![("cache-control", "private, max-age=60")],
             vec![("cache-control", "max-age=60"), ("set-cookie", "s=1")],
             vec![("cache-control", "max-age=60"), ("vary", "*")],
-            vec![("cache-control", "max-age=60"), ("content-length", "2048")],
         ] {
             assert!(
-                shareable(&request, &response(&pairs), &config, &held).is_none(),
+                shareable(&request, &response(&pairs), SystemTime::now()).is_none(),
                 "{pairs:?}"
             );
         }
+        // Shared, but past max_object: streamed by, not kept.
+        let large = response(&[("cache-control", "max-age=60"), ("content-length", "2048")]);
+        assert!(shareable(&request, &large, SystemTime::now()).is_some());
+        assert!(!fits(&large, &config, &held));
         // Within max_object, but past what memory has left.
         held.store(3500, Ordering::Relaxed);
         let kib = response(&[("cache-control", "max-age=60"), ("content-length", "1000")]);
-        assert!(shareable(&request, &kib, &config, &held).is_none());
+        assert!(!fits(&kib, &config, &held));
         assert!(says_shared(
             &response(&[("cache-control", "public, max-age=60")])
                 .headers()

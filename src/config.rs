@@ -149,13 +149,20 @@ pub struct CacheConfig {
     /// The most bytes of shared responses held in memory at once: a response that would pass
     /// it is not shared. Default 256 MiB.
     pub memory: u64,
-    /// The largest response shared (by its `Content-Length`); larger ones go to each request
-    /// on its own. Default 32 MiB.
+    /// The largest response kept; a larger one is shared only with the requests that wait
+    /// for it as it streams by. Default 32 MiB.
     pub max_object: u64,
     /// How long after the leader's request was sent its waiters wait for its response head
     /// before one of them goes in its place. Default 5 s.
     #[serde(with = "humantime_serde")]
     pub lead_timeout: Duration,
+    /// The disk tier's directory: kept responses are written there too, and survive a
+    /// restart. `None`: memory only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<std::path::PathBuf>,
+    /// The most bytes the disk tier holds: 10 GiB unless set, with `dir`; `None` without.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<u64>,
 }
 
 impl Default for CacheConfig {
@@ -164,6 +171,8 @@ impl Default for CacheConfig {
             memory: 256 * 1024 * 1024,
             max_object: 32 * 1024 * 1024,
             lead_timeout: Duration::from_secs(5),
+            dir: None,
+            disk: None,
         }
     }
 }

@@ -53,6 +53,11 @@ enum Command {
         #[arg(long)]
         admin: Option<String>,
     },
+    /// Manage the responses kept by `[cache]`.
+    Cache {
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
     /// Apply the postgres store's migrations (serve does it too, unless [store] migrate = false).
     Migrate {
         /// The store, e.g. postgres://pacegate@db:5432/pacegate.
@@ -100,6 +105,26 @@ enum DemoStore {
     Auto,
     Postgres,
     Memory,
+}
+
+#[derive(Subcommand)]
+enum CacheCommand {
+    /// Remove the kept responses to URL (every method and variant), or all of a
+    /// destination's, from memory and disk, through the admin listener the config names.
+    Purge {
+        /// The URL as clients ask for it, e.g. https://images.example.com/a.png.
+        #[arg(required_unless_present = "destination")]
+        url: Option<String>,
+        /// Every response kept for this destination (`[destinations.NAME]`).
+        #[arg(long, conflicts_with = "url")]
+        destination: Option<String>,
+        /// Config file (gives the admin listener and its token variable).
+        #[arg(long, env = "PACEGATE_CONFIG")]
+        config: PathBuf,
+        /// Admin listener to use instead of the config's, e.g. http://10.0.0.5:9464.
+        #[arg(long)]
+        admin: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -159,6 +184,15 @@ fn main() -> ExitCode {
         Command::Ca {
             command: CaCommand::Bundle { config, out },
         } => cli::bundle(&config, &out),
+        Command::Cache {
+            command:
+                CacheCommand::Purge {
+                    url,
+                    destination,
+                    config,
+                    admin,
+                },
+        } => cli::cache_purge(url.as_deref(), destination.as_deref(), &config, admin),
         Command::Migrate { store } => cli::migrate(&store),
         Command::Unlock {
             name,

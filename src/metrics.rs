@@ -77,8 +77,12 @@ pub struct Metrics {
     /// from memory, no slot; `stale`: kept but asked for again; `miss`), responses kept
     /// (`stored`), and stale ones the vendor said had not changed (`revalidated`).
     pub cache: IntCounterVec,
-    /// `pacegate_cache_bytes`: what the kept responses weigh, against `[cache] memory`.
-    pub cache_bytes: IntGauge,
+    /// `pacegate_cache_bytes{tier}`: what the kept responses weigh in memory (against
+    /// `[cache] memory`) and on disk (against `[cache] disk`), and the bodies being read
+    /// (`flight`).
+    pub cache_bytes: IntGaugeVec,
+    /// `pacegate_cache_evictions_total{tier}`: kept responses let go of to make room.
+    pub cache_evictions: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
     /// `pacegate_meter_units_total{destination}` (a meter's budget, `NAME~UNIT`): what its
@@ -292,9 +296,19 @@ impl Metrics {
             ),
             &["destination", "result"],
         )?;
-        let cache_bytes = IntGauge::new(
-            "pacegate_cache_bytes",
-            "Bytes of the responses kept in memory",
+        let cache_bytes = IntGaugeVec::new(
+            Opts::new(
+                "pacegate_cache_bytes",
+                "Bytes of the kept responses, by tier (memory, disk), and of the bodies being read (flight)",
+            ),
+            &["tier"],
+        )?;
+        let cache_evictions = IntCounterVec::new(
+            Opts::new(
+                "pacegate_cache_evictions_total",
+                "Kept responses let go of to make room, by tier",
+            ),
+            &["tier"],
         )?;
         let slots_dropped = IntCounterVec::new(
             Opts::new(
@@ -523,6 +537,7 @@ impl Metrics {
             &challenges,
             &collapsed,
             &cache,
+            &cache_evictions,
             &retries,
             &meter_units,
             &meter_unsettled,
@@ -582,6 +597,7 @@ impl Metrics {
             collapsed,
             cache,
             cache_bytes,
+            cache_evictions,
             retries,
             meter_units,
             meter_unsettled,

@@ -1,7 +1,13 @@
 //! A shared response: its head, and its body on a tape that every reader follows from its
 //! start as the bytes arrive (the leader's client, its waiters, the requests a kept response
 //! answers), recorded by a task of its own.
+//!
+//! A tape that is kept holds every chunk. One that is not ("streamed": past `max_object`, or
+//! past what `[cache] memory` has left) lets go of each chunk once every reader has had it,
+//! and its recording waits for the slowest reader while more than [`WINDOW`] bytes are
+//! unread: its memory does not grow with the body, and the readers share its one fetch.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -18,6 +24,9 @@ use tokio::sync::Notify;
 use super::{says_shared, vary_names};
 use crate::upstream::{BoxError, ProxyBody};
 
+/// The most bytes a streamed tape holds that some reader has not had yet.
+pub(super) const WINDOW: usize = 1 << 20;
+
 /// The leader's response as the waiters share it: its head, the leader's request headers
 /// (for `Vary`), and its body on a tape.
 pub(super) struct Shared {
@@ -30,20 +39,72 @@ pub(super) struct Shared {
     pub(super) held: Arc<AtomicUsize>,
 }
 
-/// A body as it arrives, kept for every reader from its start.
+/// A body as it arrives, kept for every reader from its start (or, streamed, until every
+/// reader has had it).
 #[derive(Default)]
 pub(super) struct Tape {
-    pub(super) state: Mutex<Recorded>,
-    pub(super) grew: Notify,
+    state: Mutex<Recorded>,
+    /// The waiters that will read it and have no reader yet: a streamed tape lets go of
+    /// nothing while there are any.
+    joining: Arc<AtomicUsize>,
+    /// A chunk was recorded, or the body ended.
+    grew: Notify,
+    /// A reader of a streamed tape had a chunk, or went away.
+    read: Notify,
 }
 
 #[derive(Default)]
-pub(super) struct Recorded {
-    pub(super) chunks: Vec<Bytes>,
-    pub(super) bytes: usize,
-    pub(super) trailers: Option<HeaderMap>,
+struct Recorded {
+    /// The chunks held, the first of them the `gone`-th of the body.
+    chunks: VecDeque<Bytes>,
+    /// How many chunks a streamed tape let go of.
+    gone: usize,
+    /// The body's bytes recorded so far, and how many of them are held.
+    bytes: usize,
+    buffered: usize,
+    trailers: Option<HeaderMap>,
     /// The body ended: `Ok` whole, `Err` cut with this error.
-    pub(super) end: Option<Result<(), String>>,
+    end: Option<Result<(), String>>,
+    /// Chunks every reader has had are let go of.
+    streamed: bool,
+    /// The next chunk of each reader, by its number.
+    readers: HashMap<u64, usize>,
+    numbered: u64,
+}
+
+impl Tape {
+    /// A tape the waiters counted by `joining` will read.
+    pub(super) fn joined_by(joining: Arc<AtomicUsize>) -> Self {
+        Self {
+            joining,
+            ..Self::default()
+        }
+    }
+
+    /// A waiter went away without reading: what only it held back may go.
+    pub(super) fn left(&self, held: &AtomicUsize) {
+        self.state.lock().let_go(held, &self.joining);
+        self.read.notify_waiters();
+    }
+}
+
+impl Recorded {
+    /// Lets go of the chunks every reader has had, where the tape is streamed and no waiter
+    /// is still to make its reader.
+    fn let_go(&mut self, held: &AtomicUsize, joining: &AtomicUsize) {
+        if !self.streamed || joining.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let slowest = self.readers.values().copied().min().unwrap_or(usize::MAX);
+        while self.gone < slowest {
+            let Some(chunk) = self.chunks.pop_front() else {
+                break;
+            };
+            self.gone += 1;
+            self.buffered -= chunk.len();
+            held.fetch_sub(chunk.len(), Ordering::Relaxed);
+        }
+    }
 }
 
 impl Shared {
@@ -52,37 +113,82 @@ impl Shared {
         self.tape.state.lock().bytes
     }
 
-    /// Reads `body` onto the tape, to its end or its error.
-    pub(super) async fn record(&self, mut body: ProxyBody) {
+    /// The body's bytes held, in one piece.
+    pub(super) fn body(&self) -> Bytes {
+        let state = self.tape.state.lock();
+        if state.chunks.len() == 1 {
+            return state.chunks[0].clone();
+        }
+        let mut body = bytes::BytesMut::with_capacity(state.buffered);
+        for chunk in &state.chunks {
+            body.extend_from_slice(chunk);
+        }
+        body.freeze()
+    }
+
+    /// Whether the body came whole, every chunk of it held.
+    pub(super) fn whole(&self) -> bool {
+        let state = self.tape.state.lock();
+        matches!(state.end, Some(Ok(()))) && !state.streamed
+    }
+
+    /// Records a chunk of the body.
+    pub(super) fn push(&self, data: Bytes) {
+        let mut state = self.tape.state.lock();
+        state.bytes += data.len();
+        state.buffered += data.len();
+        self.held.fetch_add(data.len(), Ordering::Relaxed);
+        state.chunks.push_back(data);
+        drop(state);
+        self.tape.grew.notify_waiters();
+    }
+
+    /// Records the body's trailers.
+    pub(super) fn trailers(&self, trailers: HeaderMap) {
+        self.tape.state.lock().trailers = Some(trailers);
+    }
+
+    /// Ends the body: whole, or cut with an error every reader gets where the body would
+    /// have gone on.
+    pub(super) fn end(&self, end: Result<(), String>) {
+        let mut state = self.tape.state.lock();
+        state.end = Some(end);
+        // Recorded: what it holds now counts against the kept responses' memory, if it is
+        // kept, not against the responses in flight.
+        self.held.fetch_sub(state.buffered, Ordering::Relaxed);
+        drop(state);
+        self.tape.grew.notify_waiters();
+    }
+
+    /// The tape is not kept: from now on it holds only what some reader has not had.
+    pub(super) fn stream(&self) {
+        let mut state = self.tape.state.lock();
+        state.streamed = true;
+        state.let_go(&self.held, &self.tape.joining);
+    }
+
+    /// Waits, on a streamed tape, until no more than [`WINDOW`] bytes are unread; `false`
+    /// where no reader is left to read them (a reader made late, the body gone on without
+    /// it, is cut rather than given its rest).
+    pub(super) async fn drained(&self) -> bool {
         loop {
-            let frame = body.frame().await;
-            let mut state = self.tape.state.lock();
-            match frame {
-                None => state.end = Some(Ok(())),
-                Some(Err(e)) => state.end = Some(Err(e.to_string())),
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        state.bytes += data.len();
-                        self.held.fetch_add(data.len(), Ordering::Relaxed);
-                        state.chunks.push(data);
-                    }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            state.trailers = Some(trailers);
-                        }
-                    }
-                },
+            // Registered before the look, so that a read in between still wakes it.
+            let read = self.tape.read.notified();
+            {
+                let state = self.tape.state.lock();
+                if !state.streamed {
+                    return true;
+                }
+                if state.buffered <= WINDOW {
+                    return true;
+                }
+                // No reader left, none to come, and a window's worth unread: nobody will
+                // read the rest.
+                if state.readers.is_empty() && self.tape.joining.load(Ordering::Acquire) == 0 {
+                    return false;
+                }
             }
-            let done = state.end.is_some();
-            let bytes = state.bytes;
-            drop(state);
-            self.tape.grew.notify_waiters();
-            if done {
-                // Recorded: what it holds now counts against the kept responses' memory, if
-                // it is kept, not against the responses in flight.
-                self.held.fetch_sub(bytes, Ordering::Relaxed);
-                return;
-            }
+            read.await;
         }
     }
 
@@ -116,8 +222,16 @@ impl Shared {
     }
 
     pub(super) fn reader(self: &Arc<Self>) -> ProxyBody {
+        let number = {
+            let mut state = self.tape.state.lock();
+            state.numbered += 1;
+            let number = state.numbered;
+            state.readers.insert(number, 0);
+            number
+        };
         Reader {
             shared: self.clone(),
+            number,
             next: 0,
             trailers_sent: false,
             waiting: None,
@@ -129,9 +243,20 @@ impl Shared {
 /// One reader of a tape: its chunks from the first, as they arrive.
 struct Reader {
     shared: Arc<Shared>,
+    number: u64,
     next: usize,
     trailers_sent: bool,
     waiting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + Sync>>>,
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        let mut state = self.shared.tape.state.lock();
+        state.readers.remove(&self.number);
+        state.let_go(&self.shared.held, &self.shared.tape.joining);
+        drop(state);
+        self.shared.tape.read.notify_waiters();
+    }
 }
 
 impl Body for Reader {
@@ -156,10 +281,30 @@ impl Body for Reader {
                     continue;
                 }
             }
-            let state = self.shared.tape.state.lock();
-            if let Some(chunk) = state.chunks.get(self.next).cloned() {
-                drop(state);
+            let shared = self.shared.clone();
+            let mut state = shared.tape.state.lock();
+            if self.next < state.gone {
+                // Made after a streamed body let go of its start: never handed a body
+                // without its start as if it were whole.
+                return Poll::Ready(Some(Err(
+                    "the shared body went on without this reader".into()
+                )));
+            }
+            let at = self.next - state.gone;
+            if let Some(chunk) = state.chunks.get(at).cloned() {
                 self.next += 1;
+                // Where a kept tape turns streamed, a reader's place is known from its next
+                // chunk on: until then it holds the chunks from the one it had last.
+                let streamed = state.streamed;
+                if streamed {
+                    let next = self.next;
+                    state.readers.insert(self.number, next);
+                    state.let_go(&shared.held, &shared.tape.joining);
+                }
+                drop(state);
+                if streamed {
+                    shared.tape.read.notify_waiters();
+                }
                 return Poll::Ready(Some(Ok(Frame::data(chunk))));
             }
             match &state.end {

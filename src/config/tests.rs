@@ -934,6 +934,25 @@ fn the_cache_section_is_read_checked_and_needed_by_a_collapsing_destination() {
     )
     .unwrap_err();
     assert_eq!(paths(&err), ["destinations.images.cache"], "{err:#?}");
+    let with_disk = parse(
+        r#"
+        [tls]
+        generate_ca = true
+        [cache]
+        memory = "64MiB"
+        dir = "/var/cache/pacegate"
+        "#,
+    )
+    .unwrap();
+    let cache = with_disk.cache.as_ref().unwrap();
+    assert_eq!(cache.dir.as_deref(), Some(Path::new("/var/cache/pacegate")));
+    assert_eq!(
+        cache.disk,
+        Some(10 * 1024 * 1024 * 1024),
+        "the default with dir"
+    );
+    let again = Config::parse(&with_disk.to_toml(), Path::new("/nonexistent")).unwrap();
+    assert_eq!(again.cache, with_disk.cache);
     let err = parse(
         r#"
         [tls]
@@ -941,19 +960,13 @@ fn the_cache_section_is_read_checked_and_needed_by_a_collapsing_destination() {
         [cache]
         memory = "1MiB"
         max_object = "2MiB"
-        dir = "/var/cache/pacegate"
         disk = "10GiB"
         lead_timeout = "1h"
         "#,
     )
     .unwrap_err();
     let p = paths(&err);
-    for expected in [
-        "cache.max_object",
-        "cache.dir",
-        "cache.disk",
-        "cache.lead_timeout",
-    ] {
+    for expected in ["cache.max_object", "cache.disk", "cache.lead_timeout"] {
         assert!(p.contains(&expected), "missing {expected} in {err:#?}");
     }
 }

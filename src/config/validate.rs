@@ -13,6 +13,9 @@ use super::*;
 use crate::class::Classes;
 use crate::destination::{Destination, HostPattern, Ports};
 
+/// `[cache] disk` where `dir` is set and `disk` is not: 10 GiB.
+const DEFAULT_DISK: u64 = 10 * 1024 * 1024 * 1024;
+
 mod groups;
 mod meters;
 mod pace;
@@ -594,16 +597,20 @@ impl Validator<'_> {
         }
     }
 
-    /// `[cache]`. The disk tier is not there yet: `dir` and `disk` are refused, not ignored.
+    /// `[cache]` (its disk tier's directory is opened, and found writable or not, at start).
     pub(super) fn cache(&mut self, raw: RawCache) -> CacheConfig {
         let default = CacheConfig::default();
-        for (key, set) in [("dir", raw.dir.is_some()), ("disk", raw.disk.is_some())] {
-            if set {
-                self.push(
-                    &format!("cache.{key}"),
-                    "the disk tier is not built yet: identical requests in flight are shared from memory only; leave dir and disk out",
-                );
-            }
+        if raw.disk.is_some() && raw.dir.is_none() {
+            self.push(
+                "cache.disk",
+                "bounds the disk tier, which needs cache.dir: set dir = \"/var/cache/pacegate\" (a directory pacegate can write), or leave disk out",
+            );
+        }
+        if raw.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+            self.push(
+                "cache.dir",
+                "is empty: name the directory of the disk tier, or leave dir out to keep responses in memory only",
+            );
         }
         let mut size = |key: &str, raw: Option<&RawSize>, default: u64| -> u64 {
             let Some(raw) = raw else { return default };
@@ -629,15 +636,24 @@ impl Validator<'_> {
             raw.max_object.as_ref(),
             default.max_object.min(memory),
         );
+        let disk = size("disk", raw.disk.as_ref(), DEFAULT_DISK);
         if max_object > memory {
             self.push(
                 "cache.max_object",
                 format!("{max_object} bytes is more than cache.memory ({memory}): no response that large could be held"),
             );
         }
+        if raw.dir.is_some() && max_object > disk {
+            self.push(
+                "cache.max_object",
+                format!("{max_object} bytes is more than cache.disk ({disk}): no response that large could be written"),
+            );
+        }
         CacheConfig {
             memory,
             max_object,
+            disk: raw.dir.is_some().then_some(disk),
+            dir: raw.dir.filter(|d| !d.as_os_str().is_empty()),
             lead_timeout: self.duration(
                 "cache.lead_timeout",
                 raw.lead_timeout,

@@ -199,8 +199,8 @@ impl Outgoing {
     }
 
     /// Removes a header before the request goes upstream (one a meter reads and the vendor
-    /// must not see).
-    pub(super) fn remove_header(&mut self, name: &http::HeaderName) {
+    /// must not see, or a condition a collapsed fetch asked before and does not again).
+    pub fn remove_header(&mut self, name: &http::HeaderName) {
         self.parts.headers.remove(name);
     }
 

@@ -169,7 +169,7 @@ async fn collapsed(
     let Some(collapse) = collapse else {
         unreachable!("called for a collapsing destination")
     };
-    let lead = match collapse.join(route, &request) {
+    let lead = match collapse.join(route, &request).await {
         Joined::Hit(response) => {
             return Exchanged {
                 response: Ok(response),
@@ -217,20 +217,36 @@ async fn collapsed(
     request.tell_departures(lead.departure());
     // Conditional on a stale entry's validators, where it refreshes one.
     let mut head = head;
-    for (name, value) in lead.conditions(&head) {
+    let conditions = lead.conditions(&head);
+    for (name, value) in &conditions {
         request.add_header(name.clone(), value.clone());
-        head.headers.insert(name, value);
+        head.headers.insert(name.clone(), value.clone());
     }
     let (pacer, upstream, route) = (inner.pacer.clone(), inner.upstream.clone(), route.clone());
-    let fetch = tokio::spawn(async move {
+    let (answered, answer) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
         let exchanged = pacer.exchange(&upstream, &route, class, &mut request).await;
-        lead.answer(&route, &head, exchanged)
+        let (exchanged, mut recording) = lead.answer(&route, &head, exchanged);
+        // The leader's client may be gone: the body is recorded for the others all the same.
+        let _ = answered.send(exchanged);
+        // A body cut short is asked for again, whole and through a slot, and goes on from
+        // where it was cut (see `collapse::Recording::record`).
+        for (name, _) in &conditions {
+            request.remove_header(name);
+        }
+        while let Some(cut) = match recording {
+            Some(recording) => recording.record().await,
+            None => None,
+        } {
+            let again = pacer.exchange(&upstream, &route, class, &mut request).await;
+            recording = cut.resume(again);
+        }
     });
-    match fetch.await {
+    match answer.await {
         Ok(exchanged) => exchanged,
-        Err(e) => Exchanged {
+        Err(_) => Exchanged {
             response: Err(crate::pacing::ExchangeError::Upstream(
-                crate::upstream::UpstreamError::Protocol(format!("the shared fetch ended: {e}")),
+                crate::upstream::UpstreamError::Protocol("the shared fetch ended".into()),
             )),
             note: Note::default(),
         },

@@ -340,3 +340,58 @@ fn serve_runs_on_as_many_threads_as_configured() {
         assert_eq!(workers(served.instance.child.id()), threads);
     }
 }
+
+/// A cache directory pacegate cannot write stops `serve` with exit 64 and its path; `cache
+/// purge` names what it removes through the admin listener, and refuses what it cannot name.
+#[test]
+fn the_cache_directory_is_checked_at_start_and_a_purge_goes_through_the_admin_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocker = dir.path().join("not-a-directory");
+    std::fs::write(&blocker, b"a file").unwrap();
+    let cache = |path: &Path| {
+        format!(
+            "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"\n[destinations.images]\nhosts = [\"localhost\"]\nrate = 5\ncache = true\n",
+            path.display()
+        )
+    };
+    let config = dir.path().join("pacegate.toml");
+    let unwritable = blocker.join("cache");
+    std::fs::write(
+        &config,
+        support::process::config_text("", "", None, &cache(&unwritable)),
+    )
+    .unwrap();
+    let out = pacegate(&["serve", "--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains(&unwritable.display().to_string()),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let cache_dir = dir.path().join("cache");
+    let served = support::process::Served::start("", None, &cache(&cache_dir));
+    assert!(
+        cache_dir.join("tmp").is_dir(),
+        "the disk tier is made at start"
+    );
+    let config = served.dir.path().join("pacegate.toml");
+    let admin = format!("http://{}", served.instance.admin);
+    let purge = |args: &[&str]| {
+        let mut all = vec!["cache", "purge"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--config", config.to_str().unwrap(), "--admin", &admin]);
+        pacegate(&all)
+    };
+    let out = purge(&["--destination", "images"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "purged 0 kept response(s)");
+    let out = purge(&["https://localhost/a.png"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = purge(&["--destination", "nowhere"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(text(&out.stderr).contains("no destination named `nowhere`"));
+    let out = purge(&["/a.png"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(text(&out.stderr).contains("not an absolute URL"));
+}

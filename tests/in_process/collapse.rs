@@ -333,7 +333,7 @@ async fn what_is_kept_stays_within_memory_and_a_response_asked_for_often_stays_k
         at_once(&proxy, &url(i), 1, &[]).await;
     }
     kept(&proxy, 6.0).await;
-    let bytes = proxy.metric("pacegate_cache_bytes").await;
+    let bytes = proxy.metric("pacegate_cache_bytes{tier=\"memory\"}").await;
     assert!(bytes > 0.0 && bytes <= 8192.0, "{bytes} bytes kept");
     assert_eq!(
         at_once(&proxy, &url(0), 1, &[]).await[0].1,
@@ -470,4 +470,323 @@ async fn each_variant_a_response_varies_by_is_kept_apart() {
         "pacegate; hit"
     );
     assert_eq!(upstream.recorded().len(), 2, "one fetch per variant");
+}
+
+/// `n` GETs of `url` at once; each one's status and body, or the error that cut it.
+async fn bodies_at_once(
+    proxy: &TestProxy,
+    url: &str,
+    n: usize,
+) -> Vec<Result<(u16, Vec<u8>), String>> {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (via, url) = (via.clone(), url.to_owned());
+            tokio::spawn(async move {
+                let r = via.get(url).send().await.map_err(|e| e.to_string())?;
+                let status = r.status().as_u16();
+                let body = r.bytes().await.map_err(|e| format!("{e:?}"))?;
+                Ok((status, body.to_vec()))
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// The fake upstream's bytes 0..n.
+fn pattern_bytes(n: u64) -> Vec<u8> {
+    (0..n).map(support::upstream::pattern).collect()
+}
+
+#[tokio::test]
+async fn a_body_cut_mid_way_is_fetched_again_for_every_reader_and_never_given_short() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let n = 300_000;
+    let url = format!(
+        "{}/cut/{n}/card?h=cache-control:max-age=60",
+        upstream.http_url("localhost")
+    );
+    let got = bodies_at_once(&proxy, &url, 5).await;
+    let whole = pattern_bytes(n);
+    for result in &got {
+        let (status, body) = result.as_ref().unwrap_or_else(|e| panic!("cut: {e}"));
+        assert_eq!(*status, 200);
+        assert!(body == &whole, "{} bytes, not the entity's", body.len());
+    }
+    assert_eq!(
+        upstream.recorded().len(),
+        2,
+        "the cut fetch and one more, for all five"
+    );
+    assert_eq!(
+        proxy
+            .metric("pacegate_collapsed_total{destination=\"images\",outcome=\"resumed\"}")
+            .await,
+        1.0
+    );
+    kept(&proxy, 1.0).await;
+
+    // The control: an entity with no validator cannot be told from another, so it is not
+    // pieced together: every reader is cut, none given a short body as whole.
+    let url = format!(
+        "{}/cut/{n}/plain?h=cache-control:max-age=60&etag=0",
+        upstream.http_url("localhost")
+    );
+    let got = bodies_at_once(&proxy, &url, 5).await;
+    assert!(
+        got.iter().all(Result::is_err),
+        "{:?}",
+        got.iter()
+            .map(|r| r.as_ref().map(|(s, b)| (*s, b.len())))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(upstream.recorded().len(), 3);
+}
+
+#[tokio::test]
+async fn an_object_past_max_object_streams_to_every_waiter_and_is_not_kept() {
+    let upstream = FakeUpstream::start().await;
+    let section = "[cache]\nmemory = \"4MiB\"\nmax_object = \"256KiB\"";
+    let proxy = start(&upstream, true, section).await;
+    let n: u64 = 16 << 20;
+    let url = format!(
+        "{}/gated/{n}?h=cache-control:max-age=60",
+        upstream.http_url("localhost")
+    );
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let mut responses = Vec::new();
+    for _ in 0..4 {
+        responses.push(tokio::spawn(via.get(&url).send()));
+    }
+    // All four are in: the leader's body waits at the gate after its first chunk.
+    support::eventually(Duration::from_secs(5), "three waiters", || async {
+        let waiting = proxy
+            .metric("pacegate_collapsed_total{destination=\"images\",outcome=\"served\"}")
+            .await;
+        (waiting == 3.0).then_some(())
+    })
+    .await;
+    let mut responses: Vec<reqwest::Response> = {
+        let mut out = Vec::new();
+        for r in responses {
+            out.push(r.await.unwrap().unwrap());
+        }
+        out
+    };
+    upstream.release();
+    // Three read on; one reads nothing for a while: the body waits for it, not memory.
+    let slow = responses.pop().unwrap();
+    let readers: Vec<_> = responses
+        .into_iter()
+        .map(|r| tokio::spawn(async move { r.bytes().await.unwrap() }))
+        .collect();
+    // Watched for two seconds, long enough for the vendor to send it all.
+    let mut most = 0f64;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        most = most.max(proxy.metric("pacegate_cache_bytes{tier=\"flight\"}").await);
+    }
+    assert!(
+        most < (3 << 20) as f64,
+        "{most} bytes held in flight for a {n}-byte object"
+    );
+    assert!(most > 0.0, "the gauge is read while the body is held");
+    let whole = pattern_bytes(n);
+    let slow = slow.bytes().await.unwrap();
+    assert!(slow == whole, "the slow reader got {} bytes", slow.len());
+    for r in readers {
+        assert!(r.await.unwrap() == whole);
+    }
+    assert_eq!(upstream.recorded().len(), 1, "one fetch for the four");
+    assert_eq!(
+        proxy
+            .metric("pacegate_cache_total{destination=\"images\",result=\"stored\"}")
+            .await,
+        0.0,
+        "too large to keep"
+    );
+    // Not kept: the next request fetches it again.
+    let again = bodies_at_once(&proxy, &url.replace("gated", "bytes"), 1).await;
+    assert_eq!(again[0].as_ref().unwrap().1.len() as u64, n);
+    assert_eq!(upstream.recorded().len(), 2);
+}
+
+#[tokio::test]
+async fn waiters_on_an_answer_that_cannot_be_shared_go_at_its_head_not_its_end() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, SECTION).await;
+    let url = format!(
+        "{}/gated/1000000?h=cache-control:no-store",
+        upstream.http_url("localhost")
+    );
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let requests: Vec<_> = (0..5).map(|_| tokio::spawn(via.get(&url).send())).collect();
+    // Every body waits at the gate after its first chunk: all five reached the vendor while
+    // the first one's body was still unfinished.
+    support::eventually(Duration::from_secs(5), "five arrivals", || async {
+        (upstream.recorded().len() == 5).then_some(())
+    })
+    .await;
+    let arrivals = upstream.arrivals();
+    upstream.release();
+    for r in requests {
+        let r = r.await.unwrap().unwrap();
+        assert_eq!(r.bytes().await.unwrap().len(), 1_000_000);
+    }
+    // Each took its own slot, at 20 a second.
+    let mut arrivals = arrivals;
+    arrivals.sort();
+    let span = *arrivals.last().unwrap() - arrivals[0];
+    assert!(span >= Duration::from_millis(150), "paced: {span:?}");
+}
+
+#[tokio::test]
+async fn the_disk_tier_keeps_its_hits_across_a_restart_and_a_damaged_file_is_a_miss() {
+    let upstream = FakeUpstream::start().await;
+    let cache = tempfile::tempdir().unwrap();
+    let section = format!(
+        "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"\ndisk = \"64MiB\"",
+        cache.path().display()
+    );
+    let proxy = start(&upstream, true, &section).await;
+    let urls: Vec<String> = (0..4)
+        .map(|i| {
+            format!(
+                "{}/status/200?body=image%20{i}&h=cache-control:max-age=600",
+                upstream.http_url("localhost")
+            )
+        })
+        .collect();
+    for url in &urls {
+        at_once(&proxy, url, 1, &[]).await;
+    }
+    kept(&proxy, 4.0).await;
+    support::eventually(Duration::from_secs(5), "four files", || async {
+        let files = std::fs::read_dir(cache.path())
+            .unwrap()
+            .filter(|f| f.as_ref().unwrap().file_type().unwrap().is_file())
+            .count();
+        (files == 4).then_some(())
+    })
+    .await;
+    let proxy = proxy.restart().await;
+    for (i, url) in urls.iter().enumerate() {
+        let got = at_once(&proxy, url, 1, &[]).await;
+        assert_eq!(got[0].1, "pacegate; hit", "{url}");
+        assert_eq!(got[0].2, format!("image {i}"));
+    }
+    assert_eq!(
+        upstream.recorded().len(),
+        4,
+        "every hit survived the restart"
+    );
+
+    // A file damaged while pacegate was down: a miss, fetched again, never an error.
+    let mut proxy = proxy;
+    proxy.stop().await;
+    for file in std::fs::read_dir(cache.path()).unwrap() {
+        let path = file.unwrap().path();
+        if path.is_file() {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let at = bytes.len() / 2;
+            bytes[at] ^= 0x5a;
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+    let proxy = TestProxy::start_in(std::mem::replace(
+        &mut proxy.dir,
+        tempfile::tempdir().unwrap(),
+    ))
+    .await;
+    let got = at_once(&proxy, &urls[0], 1, &[]).await;
+    assert_eq!(got[0].0, 200);
+    assert_eq!(got[0].1, "pacegate; fwd=uri-miss; stored");
+    assert_eq!(got[0].2, "image 0");
+    assert_eq!(upstream.recorded().len(), 5);
+}
+
+#[tokio::test]
+async fn a_purge_removes_a_url_or_a_destination_from_memory_and_disk() {
+    let upstream = FakeUpstream::start().await;
+    let cache = tempfile::tempdir().unwrap();
+    let section = format!(
+        "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"",
+        cache.path().display()
+    );
+    let proxy = start(&upstream, true, &section).await;
+    let urls: Vec<String> = (0..3)
+        .map(|i| {
+            format!(
+                "{}/status/200?i={i}&h=cache-control:max-age=600",
+                upstream.http_url("localhost")
+            )
+        })
+        .collect();
+    for url in &urls {
+        at_once(&proxy, url, 1, &[]).await;
+    }
+    kept(&proxy, 3.0).await;
+    let admin = support::admin_client();
+    let purge = |query: String| {
+        let admin = admin.clone();
+        let at = proxy.admin;
+        async move {
+            let r = admin
+                .post(format!("http://{at}/cache/purge?{query}"))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (
+                status,
+                serde_json::from_str::<serde_json::Value>(&r.text().await.unwrap()).ok(),
+            )
+        }
+    };
+    let encoded: String = urls[0]
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    let (status, body) = purge(format!("url={encoded}")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body.unwrap()["purged"], 1);
+    let got = at_once(&proxy, &urls[0], 1, &[]).await;
+    assert_eq!(
+        got[0].1, "pacegate; fwd=uri-miss; stored",
+        "purged: fetched again"
+    );
+    let got = at_once(&proxy, &urls[1], 1, &[]).await;
+    assert_eq!(got[0].1, "pacegate; hit", "the others stay");
+    kept(&proxy, 4.0).await;
+    let (status, body) = purge("destination=images".into()).await;
+    assert_eq!(status, 200);
+    assert_eq!(body.unwrap()["purged"], 3);
+    let got = at_once(&proxy, &urls[2], 1, &[]).await;
+    assert_eq!(got[0].1, "pacegate; fwd=uri-miss; stored");
+    // Not on disk either: a restart brings none back but the one fetched since.
+    let proxy = proxy.restart().await;
+    let got = at_once(&proxy, &urls[1], 1, &[]).await;
+    assert_eq!(got[0].1, "pacegate; fwd=uri-miss; stored");
+    // A write from another site's page is refused.
+    let r = support::admin_client()
+        .post(format!(
+            "http://{}/cache/purge?destination=images",
+            proxy.admin
+        ))
+        .header("origin", "https://evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 403);
 }

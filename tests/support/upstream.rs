@@ -10,7 +10,9 @@
 //! anything else says hello. `/status` also takes `delay={ms}`, `body={text}` (`%20` for a
 //! space) and `gzip=1` (the body gzip-encoded). `/window/{n}/{secs}` allows n requests per
 //! fixed window of secs seconds (from the first request), counting down in the IETF
-//! `RateLimit` fields, and answers 429 past n.
+//! `RateLimit` fields, and answers 429 past n. `/etag/{tag}` is an entity fresh for a second
+//! that answers 304 to its tag; `/cut/{n}/{tag}` declares n bytes of entity `tag` and cuts the
+//! first request for it after half of them. `/bytes`, `/gated` and `/cut` take `h=` too.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -554,7 +556,51 @@ async fn respond(
             resp
         }
         ["bytes", n] => with_headers(Response::new(stream_body(n.parse().unwrap(), None))),
-        ["gated", n] => Response::new(stream_body(n.parse().unwrap(), Some(state.clone()))),
+        ["gated", n] => with_headers(Response::new(stream_body(
+            n.parse().unwrap(),
+            Some(state.clone()),
+        ))),
+        // n bytes of entity `tag` (a strong `ETag` unless `etag=0`), declared: the first
+        // request for the tag is cut after half of them, those after it get them whole.
+        ["cut", n, tag] => {
+            let n: u64 = n.parse().unwrap();
+            let first = {
+                let mut seen = state.flaky.lock().unwrap();
+                let count = seen.entry(format!("cut/{tag}")).or_insert(0);
+                *count += 1;
+                *count == 1
+            };
+            let body = if first {
+                let half: Vec<u8> = (0..n / 2).map(pattern).collect();
+                let frames: Vec<Result<Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> = vec![
+                    Ok(Frame::data(Bytes::from(half))),
+                    Err("the vendor went away mid-body".into()),
+                ];
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                tokio::spawn(async move {
+                    for frame in frames {
+                        // The half is on its way before the cut.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        if tx.send(frame).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                StreamBody::new(tokio_stream_from(rx)).boxed()
+            } else {
+                stream_body(n, None)
+            };
+            let mut resp = with_headers(Response::new(body));
+            let h = resp.headers_mut();
+            h.insert("content-length", HeaderValue::from(n));
+            if !query.split('&').any(|kv| kv == "etag=0") {
+                h.insert(
+                    "etag",
+                    HeaderValue::from_str(&format!("\"{tag}\"")).unwrap(),
+                );
+            }
+            resp
+        }
         ["sleep", ms] => {
             tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
             full(StatusCode::OK, "slept\n")
