@@ -260,7 +260,15 @@ impl Admin {
                     "instances": self.metrics.store_instances.get(),
                 }),
             ),
-            (&Method::GET, "/status") => json(StatusCode::OK, &self.pacer.status().await),
+            (&Method::GET, "/status") => {
+                let mut statuses = self.pacer.status().await;
+                if let Some(collapse) = &self.collapse {
+                    for status in &mut statuses {
+                        status.cache = collapse.status(&status.destination);
+                    }
+                }
+                json(StatusCode::OK, &statuses)
+            }
             (&Method::GET, "/instances") => match self.fleet.instances().await {
                 Ok(list) => json(StatusCode::OK, &list),
                 Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),

@@ -71,6 +71,23 @@ pub mod status {
     pub const RELEASED: &str = "pacegate; fwd=uri-miss; detail=uncacheable";
     /// A request of a method that is not collapsed.
     pub const METHOD: &str = "pacegate; fwd=method";
+
+    /// What pacegate's `Cache-Status` item says, in a word, for the request log: `hit`,
+    /// `collapsed`, `stored`, `refreshed`, `revalidated`, `uncacheable`, `miss` or `method`;
+    /// `None` for another cache's item.
+    pub fn word(item: &[u8]) -> Option<&'static str> {
+        Some(match item {
+            b if b == HIT.as_bytes() => "hit",
+            b if b == COLLAPSED.as_bytes() => "collapsed",
+            b if b == STORED.as_bytes() => "stored",
+            b if b == REFRESHED.as_bytes() => "refreshed",
+            b if b == REVALIDATED.as_bytes() => "revalidated",
+            b if b == RELEASED.as_bytes() => "uncacheable",
+            b if b == FETCHED.as_bytes() => "miss",
+            b if b == METHOD.as_bytes() => "method",
+            _ => return None,
+        })
+    }
 }
 
 /// The requests in flight that others may wait for, and the URIs that are not collapsed.
@@ -91,6 +108,8 @@ pub struct Collapser {
     >,
     /// The disk tier, where `[cache] dir` is set.
     disk: Option<Arc<Disk>>,
+    /// The destinations whose requests were looked up.
+    looking: parking_lot::RwLock<std::collections::HashSet<Arc<str>>>,
     /// The headers a key's responses last said they vary by (`Vary`): a request is looked up,
     /// and collapsed, with its own values of them, so that each variant is kept apart.
     varies: quick_cache::sync::Cache<Arc<str>, Arc<[String]>>,
@@ -284,6 +303,7 @@ impl Collapser {
             held: Arc::new(AtomicUsize::new(0)),
             kept,
             disk,
+            looking: Default::default(),
             varies: quick_cache::sync::Cache::new(NOT_COLLAPSED_MAX),
             metrics,
         });
@@ -398,10 +418,46 @@ impl Collapser {
     }
 
     fn looked_up(&self, route: &Route, result: &str) {
+        if !self.looking.read().contains(route.label()) {
+            self.looking.write().insert(route.label().clone());
+        }
         self.metrics
             .cache
             .with_label_values(&[route.label(), result])
             .inc();
+    }
+
+    /// What the cache saved `destination` on this instance; `None` where it looked none of
+    /// its requests up.
+    pub fn status(&self, destination: &str) -> Option<crate::status::CacheStatus> {
+        if !self.looking.read().contains(destination) {
+            return None;
+        }
+        let looked = |result: &str| {
+            self.metrics
+                .cache
+                .with_label_values(&[destination, result])
+                .get()
+        };
+        let hits = looked("hit");
+        let requests = hits + looked("stale") + looked("miss");
+        let collapsed = self
+            .metrics
+            .collapsed
+            .with_label_values(&[destination, "served"])
+            .get();
+        let slots_saved = hits + collapsed;
+        Some(crate::status::CacheStatus {
+            requests,
+            hits,
+            collapsed,
+            slots_saved,
+            hit_ratio: if requests == 0 {
+                0.0
+            } else {
+                slots_saved as f64 / requests as f64
+            },
+        })
     }
 
     /// Keeps a response whose body came whole, within `max_object`, for the request whose

@@ -165,6 +165,9 @@ pub struct RequestLine<'a> {
     pub verdict_reason: &'a str,
     pub retries: u32,
     pub class: &'a str,
+    /// What the cache made of it (`hit`, `collapsed`, `stored`, ..., as its `Cache-Status`
+    /// says), for a destination with `cache = true`; else empty.
+    pub cache: &'a str,
     pub reason: &'a str,
 }
 
@@ -217,6 +220,7 @@ impl RequestLine<'_> {
             verdict_reason = self.verdict_reason,
             retries = self.retries,
             class = self.class,
+            cache = self.cache,
             reason = self.reason,
         );
     }
@@ -239,6 +243,7 @@ impl RequestLine<'_> {
             self.verdict,
             self.verdict_reason,
             self.class,
+            self.cache,
             self.reason,
         ] {
             put_str(out, text);
@@ -331,6 +336,8 @@ fn render_request(read: &mut Reader<'_>, out: &mut Vec<u8>, second: &mut Second)
     out.extend_from_slice(b" retries=");
     decimal(out, u64::from(retries));
     out.extend_from_slice(b" class=");
+    quoted(out, read.bytes()?)?;
+    out.extend_from_slice(b" cache=");
     quoted(out, read.bytes()?)?;
     out.extend_from_slice(b" reason=");
     quoted(out, read.bytes()?)?;
@@ -520,6 +527,7 @@ mod tests {
             verdict_reason: "status",
             retries: 0,
             class: "",
+            cache: "hit",
             reason,
         }
     }

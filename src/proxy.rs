@@ -499,11 +499,26 @@ impl Proxy {
                 .pace
                 .class
                 .map_or("", |c| self.inner.pacer.classes().name(c)),
+            cache: cache_word(handled.response.headers()),
             reason: handled.reason.as_deref().unwrap_or(""),
         }
         .log();
         handled.response
     }
+}
+
+/// What pacegate's `Cache-Status` item on a response says, in a word (empty where it has
+/// none: a destination without `cache = true`). Its item is the last, after the origin's.
+fn cache_word(headers: &http::HeaderMap) -> &'static str {
+    headers
+        .get_all("cache-status")
+        .iter()
+        .next_back()
+        .and_then(|v| {
+            let last = v.as_bytes().rsplit(|&b| b == b',').next()?;
+            crate::collapse::status::word(last.trim_ascii())
+        })
+        .unwrap_or("")
 }
 
 /// What a response of a destination's budget tells its client of pacegate: where its time
@@ -650,6 +665,28 @@ fn port_number(written: &str) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_request_log_says_what_pacegate_s_cache_status_item_says() {
+        let word = |values: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for v in values {
+                headers.append("cache-status", v.parse().unwrap());
+            }
+            cache_word(&headers)
+        };
+        assert_eq!(word(&[crate::collapse::status::HIT]), "hit");
+        assert_eq!(
+            word(&["OriginCache; hit, pacegate; fwd=uri-miss; collapsed"]),
+            "collapsed"
+        );
+        assert_eq!(
+            word(&["OriginCache; fwd=miss", crate::collapse::status::STORED]),
+            "stored"
+        );
+        assert_eq!(word(&["OriginCache; hit"]), "", "another cache's item");
+        assert_eq!(word(&[]), "");
+    }
 
     fn target(connect: bool, uri: &str) -> Result<(String, u16), String> {
         let uri: http::Uri = uri.parse().expect("a URI");

@@ -70,6 +70,25 @@ pub struct DestinationStatus {
     /// Bot walls' challenges on this instance, where any came (see [`ChallengeStatus`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub challenges: Option<ChallengeStatus>,
+    /// What `[cache]` saved this destination on this instance, where it looked any request
+    /// up (see [`CacheStatus`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheStatus>,
+}
+
+/// A destination's kept and collapsed responses on this instance, since it started.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CacheStatus {
+    /// GET and HEAD requests that looked for a kept response.
+    pub requests: u64,
+    /// Answered from a fresh kept response.
+    pub hits: u64,
+    /// Given the response of an identical request in flight.
+    pub collapsed: u64,
+    /// Requests that took no slot: `hits` and `collapsed`.
+    pub slots_saved: u64,
+    /// `slots_saved` of `requests`, from 0 to 1.
+    pub hit_ratio: f64,
 }
 
 /// A budget's bot-wall challenges on this instance.
@@ -328,6 +347,18 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
             c.last_5m,
             c.responses_5m,
             by.join(", ")
+        ));
+    }
+    for r in rows {
+        let Some(c) = &r.cache else { continue };
+        out.push_str(&format!(
+            "{}: CACHE: {:.0}% of {} requests took no slot ({} saved: {} hits, {} collapsed)\n",
+            r.destination,
+            c.hit_ratio * 100.0,
+            c.requests,
+            c.slots_saved,
+            c.hits,
+            c.collapsed
         ));
     }
     for r in rows.iter().filter(|r| !r.config_mismatch.is_empty()) {

@@ -197,6 +197,8 @@ impl Pacer {
                 max_wait_seconds: keys.pace.max_wait.as_secs_f64(),
                 keys: self.keys_status(&lane, now),
                 challenges: challenge_status(&lane),
+                // What the cache saved is the proxy's to say (`collapse::Collapser::status`).
+                cache: None,
             };
             // A split budget's requests wait in its keys' queues.
             if let Some(top) = s.keys.as_ref().and_then(|k| k.top.first()) {

@@ -31,9 +31,12 @@ async fn the_page_shows_each_destination_and_unlocks_through_its_button() {
 [classes]
 order = ["interactive", "backfill"]
 default = "interactive"
+[cache]
+memory = "16MiB"
 [destinations.locked]
 hosts = ["localhost:{http}"]
 rate = 100
+cache = true
 [destinations.paced]
 hosts = ["localhost:{https}"]
 rate = 2
@@ -172,6 +175,15 @@ mode = "shadow"
         "{shadow}"
     );
     assert_eq!(paced["challenges"], serde_json::Value::Null, "{paced}");
+    // What the cache saved, on the card of the destination that has one.
+    let cache = card("before", "locked")["cache"].clone();
+    assert!(
+        cache
+            .as_str()
+            .is_some_and(|c| c.contains("0% of 1 requests took no slot")),
+        "{cache}"
+    );
+    assert_eq!(paced["cache"], serde_json::Value::Null, "{paced}");
 
     // The unlock went through the page: it asked for the token, and the lock is gone.
     assert_eq!(found["prompts"].as_array().unwrap().len(), 1, "{found}");

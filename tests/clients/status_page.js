@@ -24,6 +24,7 @@ const readCards = (page) =>
         oldest: field('oldest'),
         vendor: field('vendor'),
         challenges: field('challenges'),
+        cache: field('cache'),
         lock: field('lock'),
         unlockButton: c.querySelector('button.unlock') !== null,
         sparklineSamples: Number(c.querySelector('svg.spark')?.dataset.samples ?? -1),

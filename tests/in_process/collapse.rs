@@ -392,6 +392,22 @@ async fn fifty_workers_fetching_ten_images_five_times_each_cost_ten_slots() {
     let again = fifty(&proxy, &upstream.http_url("localhost")).await;
     assert!(again.iter().all(|(i, body)| *body == format!("image {i}")));
     assert_eq!(upstream.recorded().len(), 10, "no arrival while fresh");
+    // What status says it saved: forty of the first fifty, all of the next.
+    let cache = proxy.destination("images").await["cache"].clone();
+    assert_eq!(cache["requests"], 100, "{cache}");
+    assert_eq!(cache["slots_saved"], 90, "{cache}");
+    assert_eq!(cache["hits"], 50, "{cache}");
+    assert_eq!(cache["collapsed"], 40, "{cache}");
+    assert!((cache["hit_ratio"].as_f64().unwrap() - 0.9).abs() < 1e-9);
+    let rows: Vec<pacegate::status::DestinationStatus> =
+        serde_json::from_value(proxy.status().await).unwrap();
+    let table = pacegate::status::status_table(&rows);
+    assert!(
+        table.contains(
+            "images: CACHE: 90% of 100 requests took no slot (90 saved: 50 hits, 40 collapsed)"
+        ),
+        "{table}"
+    );
 
     // The control: without `cache`, fifty arrivals.
     let upstream = FakeUpstream::start().await;
@@ -403,6 +419,11 @@ async fn fifty_workers_fetching_ten_images_five_times_each_cost_ten_slots() {
     .await;
     fifty(&proxy, &upstream.http_url("localhost")).await;
     assert_eq!(upstream.recorded().len(), 50);
+    assert_eq!(
+        proxy.destination("images").await["cache"],
+        serde_json::Value::Null,
+        "nothing looked up, nothing said"
+    );
 }
 
 #[tokio::test]
@@ -789,4 +810,46 @@ async fn a_purge_removes_a_url_or_a_destination_from_memory_and_disk() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 403);
+}
+
+#[tokio::test]
+async fn a_write_the_disk_refuses_drops_the_entry_from_disk_and_the_client_has_its_response() {
+    let upstream = FakeUpstream::start().await;
+    let cache = tempfile::tempdir().unwrap();
+    let section = format!(
+        "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"",
+        cache.path().display()
+    );
+    let proxy = start(&upstream, true, &section).await;
+    // Where each file is written before it is renamed into place: no longer a directory, so
+    // every write fails, as on a full disk.
+    let tmp = cache.path().join("tmp");
+    std::fs::remove_dir_all(&tmp).unwrap();
+    std::fs::write(&tmp, b"in the way").unwrap();
+    let url = format!(
+        "{}/status/200?body=kept%20in%20memory&h=cache-control:max-age=600",
+        upstream.http_url("localhost")
+    );
+    let got = at_once(&proxy, &url, 1, &[]).await;
+    assert_eq!((got[0].0, got[0].2.as_str()), (200, "kept in memory"));
+    support::eventually(
+        Duration::from_secs(5),
+        "the failed write counted",
+        || async {
+            let unwritten = proxy
+                .metric("pacegate_cache_total{destination=\"images\",result=\"unwritten\"}")
+                .await;
+            (unwritten == 1.0).then_some(())
+        },
+    )
+    .await;
+    let files: Vec<_> = std::fs::read_dir(cache.path())
+        .unwrap()
+        .map(|f| f.unwrap().file_name())
+        .collect();
+    assert_eq!(files, ["tmp"], "no entry on disk");
+    // Memory still holds it.
+    let again = at_once(&proxy, &url, 1, &[]).await;
+    assert_eq!(again[0].1, "pacegate; hit");
+    assert_eq!(upstream.recorded().len(), 1);
 }
