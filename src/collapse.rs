@@ -92,7 +92,8 @@ pub mod status {
 
 /// The requests in flight that others may wait for, and the URIs that are not collapsed.
 pub struct Collapser {
-    config: CacheConfig,
+    /// `[cache]` as it is now: a reload changes it in place ([`Collapser::reconfigure`]).
+    config: arc_swap::ArcSwap<CacheConfig>,
     flights: Mutex<HashMap<Arc<str>, Arc<Flight>>>,
     not_collapsed: Mutex<HashMap<Arc<str>, Instant>>,
     /// Bytes held in the tapes of responses still being read, against `[cache] memory`.
@@ -107,7 +108,7 @@ pub struct Collapser {
         Evictions,
     >,
     /// The disk tier, where `[cache] dir` is set.
-    disk: Option<Arc<Disk>>,
+    disk: arc_swap::ArcSwapOption<Disk>,
     /// The destinations whose requests were looked up.
     looking: parking_lot::RwLock<std::collections::HashSet<Arc<str>>>,
     /// The headers a key's responses last said they vary by (`Vary`): a request is looked up,
@@ -297,30 +298,65 @@ impl Collapser {
             evictions,
         );
         let collapser = Arc::new(Self {
-            config,
+            config: arc_swap::ArcSwap::from_pointee(config),
             flights: Mutex::default(),
             not_collapsed: Mutex::default(),
             held: Arc::new(AtomicUsize::new(0)),
             kept,
-            disk,
+            disk: arc_swap::ArcSwapOption::new(disk),
             looking: Default::default(),
             varies: quick_cache::sync::Cache::new(NOT_COLLAPSED_MAX),
             metrics,
         });
-        // What each key on disk varies by: its own key says.
-        if let Some(disk) = &collapser.disk {
+        if let Some(disk) = collapser.disk.load_full() {
+            collapser.learn_varies(&disk);
+        }
+        collapser.weighed();
+        Ok(collapser)
+    }
+
+    /// What each key on `disk` varies by: its own key says.
+    fn learn_varies(&self, disk: &Disk) {
+        {
             for key in disk.keys() {
                 if let Some((base, rest)) = key.split_once('\n') {
                     let names: Arc<[String]> = rest
                         .split('\n')
                         .map(|line| line.split(':').next().unwrap_or_default().to_owned())
                         .collect();
-                    collapser.varies.insert(Arc::from(base), names);
+                    self.varies.insert(Arc::from(base), names);
                 }
             }
         }
-        collapser.weighed();
-        Ok(collapser)
+    }
+
+    /// Applies a reloaded `[cache]`, keeping what it can: the kept responses stay (the least
+    /// used let go of where `memory` shrank), and a new `dir` is opened (what the old one
+    /// holds stays there). `Err` where the new `dir` cannot be written: nothing changes.
+    pub fn reconfigure(&self, new: &CacheConfig) -> Result<(), DiskError> {
+        let old = self.config.load_full();
+        if new.dir != old.dir {
+            let disk = match (&new.dir, new.disk) {
+                (Some(dir), Some(bytes)) => Some(Arc::new(Disk::open(dir, bytes)?)),
+                _ => None,
+            };
+            if let Some(disk) = &disk {
+                self.learn_varies(disk);
+            }
+            self.disk.store(disk);
+        } else if let (Some(disk), Some(bytes)) = (self.disk.load_full(), new.disk) {
+            let evicted = disk.resize(bytes);
+            self.metrics
+                .cache_evictions
+                .with_label_values(&["disk"])
+                .inc_by(evicted as u64);
+        }
+        if new.memory != old.memory {
+            self.kept.set_capacity(new.memory);
+        }
+        self.config.store(Arc::new(new.clone()));
+        self.weighed();
+        Ok(())
     }
 
     /// What `request` to `route` is: alone, a leader, or a waiter. Only a body-less GET or
@@ -464,7 +500,7 @@ impl Collapser {
     /// key is `base`: under it and the request's values of the headers the response varies
     /// by, which are remembered for `base`.
     fn keep(&self, route: &Route, base: &str, entry: Entry) {
-        if !entry.shared.whole() || entry.shared.bytes() as u64 > self.config.max_object {
+        if !entry.shared.whole() || entry.shared.bytes() as u64 > self.config.load().max_object {
             return;
         }
         let names: Arc<[String]> = vary_names(&entry.shared.headers).collect();
@@ -473,7 +509,7 @@ impl Collapser {
         let entry = Arc::new(entry);
         self.kept.insert(key.clone(), entry.clone());
         self.looked_up(route, "stored");
-        if let Some(disk) = self.disk.clone() {
+        if let Some(disk) = self.disk.load_full() {
             let stored = Stored {
                 key,
                 destination: entry.destination.clone(),
@@ -516,7 +552,7 @@ impl Collapser {
     /// The entry for `key` from the disk tier, kept in memory again; `None` where there is
     /// none, or it is not whole.
     async fn on_disk(&self, key: &Arc<str>) -> Option<Arc<Entry>> {
-        let disk = self.disk.clone()?;
+        let disk = self.disk.load_full()?;
         if !disk.has(key) {
             return None;
         }
@@ -550,7 +586,7 @@ impl Collapser {
         };
         gauge("memory", self.kept.weight());
         gauge("flight", self.held.load(Ordering::Relaxed) as u64);
-        if let Some(disk) = &self.disk {
+        if let Some(disk) = self.disk.load_full() {
             gauge("disk", disk.bytes());
         }
     }
@@ -582,7 +618,7 @@ impl Collapser {
             self.kept.remove(key);
         }
         let mut gone = purged.len();
-        if let Some(disk) = &self.disk {
+        if let Some(disk) = self.disk.load_full() {
             // What is on disk and not in memory too, counted once.
             let in_memory: std::collections::HashSet<&str> = purged.iter().map(|k| &**k).collect();
             let in_memory = |key: &str| in_memory.contains(key);
@@ -672,7 +708,7 @@ impl Lead {
             };
             return (exchanged, None);
         };
-        let kept = fits(&response, &collapser.config, &collapser.held);
+        let kept = fits(&response, &collapser.config.load(), &collapser.held);
         let (parts, body) = response.into_parts();
         let shared = Arc::new(Shared {
             status: parts.status,
@@ -857,7 +893,7 @@ impl Recording {
     /// Whether a kept body still fits: within `max_object`, and the bodies in flight within
     /// `[cache] memory`.
     fn room(&self) -> bool {
-        let config = &self.collapser.config;
+        let config = self.collapser.config.load();
         !self.kept
             || (self.shared.bytes() as u64 <= config.max_object
                 && self.collapser.held.load(Ordering::Relaxed) as u64 <= config.memory)
@@ -979,7 +1015,7 @@ impl Wait {
     /// was sent `lead_timeout` ago and no head came.
     async fn next_phase(&self, route: &Route) -> Phase {
         let mut phase = self.flight.phase.subscribe();
-        let lead_timeout = self.collapser.config.lead_timeout;
+        let lead_timeout = self.collapser.config.load().lead_timeout;
         loop {
             let now = phase.borrow_and_update().clone();
             if !matches!(now, Phase::Waiting) {

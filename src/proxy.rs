@@ -209,6 +209,11 @@ impl Proxy {
         }
     }
 
+    /// The kept responses and the requests in flight they share, where there is a `[cache]`.
+    pub fn collapser(&self) -> Option<Arc<crate::collapse::Collapser>> {
+        self.inner.collapse.clone()
+    }
+
     /// Takes a reloaded policy: requests that arrive from now on follow it.
     pub fn set_policy(&self, policy: ClientPolicy) {
         self.inner.policy.store(Arc::new(policy));

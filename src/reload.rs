@@ -123,6 +123,24 @@ impl Reloader {
         for key in &needs_restart {
             tracing::warn!(key = %key, "changed in the config file, but takes a restart: the running value is kept");
         }
+        // The cache first: a new `dir` it cannot write refuses the reload before anything
+        // else changes.
+        let cache_changed = applied.iter().any(|k| k.starts_with("cache."));
+        if let (true, Some(collapse), Some(cache)) =
+            (cache_changed, self.proxy.collapser(), &new.cache)
+        {
+            if let Err(e) = collapse.reconfigure(cache) {
+                let problem = format!("(cache): {e}");
+                tracing::error!("reload refused: {problem}");
+                return ReloadStatus {
+                    result: "error".into(),
+                    at: now(),
+                    problems: vec![problem],
+                    ..ReloadStatus::default()
+                };
+            }
+            running.cache = new.cache.clone();
+        }
         let destinations = match self.pacer.reconfigure(&new.destinations).await {
             Ok(changes) => changes,
             Err(e) => {
@@ -179,6 +197,13 @@ pub fn in_place(key: &str) -> bool {
         || under("proxy.unmatched")
         || under("proxy.ports")
         || under("log")
+        // Each key of a `[cache]` that runs; the section itself, added or removed, takes a
+        // restart.
+        || under("cache.memory")
+        || under("cache.max_object")
+        || under("cache.lead_timeout")
+        || under("cache.dir")
+        || under("cache.disk")
 }
 
 /// A config as TOML, each proxy user's password shown as `(set)`.

@@ -38,7 +38,8 @@ pub(super) struct Stored {
 /// The files of the disk tier, and which was used last.
 pub(super) struct Disk {
     dir: PathBuf,
-    capacity: u64,
+    /// The most bytes it holds (`[cache] disk`; a reload may change it).
+    capacity: std::sync::atomic::AtomicU64,
     index: Mutex<Index>,
 }
 
@@ -148,7 +149,7 @@ impl Disk {
         }
         let disk = Self {
             dir: dir.to_owned(),
-            capacity,
+            capacity: capacity.into(),
             index: Mutex::new(index),
         };
         // A smaller `disk` than the last run's: the least lately used go.
@@ -252,12 +253,19 @@ impl Disk {
         names.len()
     }
 
+    /// Holds at most `capacity` bytes from now on; how many entries went to make it so.
+    pub(super) fn resize(&self, capacity: u64) -> usize {
+        self.capacity
+            .store(capacity, std::sync::atomic::Ordering::Relaxed);
+        self.evict()
+    }
+
     /// Removes the least lately used entries while the tier is past its bytes; how many.
     pub(super) fn evict(&self) -> usize {
         let mut gone = 0;
         loop {
             let mut index = self.index.lock();
-            if index.bytes <= self.capacity {
+            if index.bytes <= self.capacity.load(std::sync::atomic::Ordering::Relaxed) {
                 return gone;
             }
             let Some((_, name)) = index.order.pop_first() else {

@@ -853,3 +853,87 @@ async fn a_write_the_disk_refuses_drops_the_entry_from_disk_and_the_client_has_i
     assert_eq!(again[0].1, "pacegate; hit");
     assert_eq!(upstream.recorded().len(), 1);
 }
+
+#[tokio::test]
+async fn a_reload_that_changes_the_cache_keeps_what_it_can() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = start(&upstream, true, "[cache]\nmemory = \"16MiB\"").await;
+    let urls: Vec<String> = (0..3)
+        .map(|i| {
+            format!(
+                "{}/status/200?body=image%20{i}&h=cache-control:max-age=600",
+                upstream.http_url("localhost")
+            )
+        })
+        .collect();
+    for url in &urls {
+        at_once(&proxy, url, 1, &[]).await;
+    }
+    kept(&proxy, 3.0).await;
+    // A disk tier added, and memory halved.
+    let cache = tempfile::tempdir().unwrap();
+    let file = proxy.dir.path().join(support::CONFIG_FILE);
+    let text = std::fs::read_to_string(&file).unwrap().replace(
+        "memory = \"16MiB\"",
+        &format!("memory = \"8MiB\"\ndir = \"{}\"", cache.path().display()),
+    );
+    std::fs::write(&file, text).unwrap();
+    let reload = |proxy: &TestProxy| {
+        let at = proxy.admin;
+        async move {
+            let r = support::admin_client()
+                .post(format!("http://{at}/reload"))
+                .send()
+                .await
+                .unwrap();
+            serde_json::from_str::<serde_json::Value>(&r.text().await.unwrap()).unwrap()
+        }
+    };
+    let status = reload(&proxy).await;
+    assert_eq!(status["result"], "ok", "{status}");
+    let applied = status["applied"].to_string();
+    assert!(
+        applied.contains("cache.memory") && applied.contains("cache.dir"),
+        "{status}"
+    );
+    assert_eq!(status["needs_restart"], serde_json::json!([]), "{status}");
+    // What was kept is still kept.
+    for (i, url) in urls.iter().enumerate() {
+        let got = at_once(&proxy, url, 1, &[]).await;
+        assert_eq!(
+            (got[0].1.as_str(), got[0].2.clone()),
+            ("pacegate; hit", format!("image {i}"))
+        );
+    }
+    // What is kept from now on is written to the new disk tier too.
+    let url = format!(
+        "{}/status/200?body=new&h=cache-control:max-age=600",
+        upstream.http_url("localhost")
+    );
+    at_once(&proxy, &url, 1, &[]).await;
+    support::eventually(Duration::from_secs(5), "a file in the new dir", || async {
+        let files = std::fs::read_dir(cache.path())
+            .unwrap()
+            .filter(|f| f.as_ref().unwrap().file_type().unwrap().is_file())
+            .count();
+        (files == 1).then_some(())
+    })
+    .await;
+    assert_eq!(upstream.recorded().len(), 4);
+    // A dir that cannot be written refuses the reload, and names it.
+    let blocker = cache.path().join("a-file");
+    std::fs::write(&blocker, b"x").unwrap();
+    let text = std::fs::read_to_string(&file).unwrap().replace(
+        &cache.path().display().to_string(),
+        &blocker.join("cache").display().to_string(),
+    );
+    std::fs::write(&file, text).unwrap();
+    let status = reload(&proxy).await;
+    assert_eq!(status["result"], "error", "{status}");
+    assert!(
+        status["problems"].to_string().contains("a-file"),
+        "{status}"
+    );
+    let got = at_once(&proxy, &urls[0], 1, &[]).await;
+    assert_eq!(got[0].1, "pacegate; hit", "the running cache stays");
+}
