@@ -120,12 +120,20 @@ pub struct Collapser {
 /// A response kept whole: what may be served from it, and when (its RFC 9111 policy).
 struct Entry {
     policy: http_cache_semantics::CachePolicy,
-    /// When the response (or the 304 that refreshed it) was received: its policy's time.
-    received: SystemTime,
     /// The destination it came from (for a purge by destination).
     destination: Arc<str>,
+    /// Its body; its headers are the policy's (served from it), and of the request it
+    /// answered, those the response varies by.
     shared: Arc<Shared>,
+    /// What it holds in memory, in bytes, its bookkeeping included ([`ENTRY_OVERHEAD`]).
+    weight: u64,
 }
+
+/// What an entry holds in memory besides its key, headers and body: its policy's parsed
+/// directives, the maps its headers are in, one allocation per value, the tape, the cache's
+/// own bookkeeping (measured: `docs/benchmarks.md`, "The memory tier's resident set").
+/// Weighed with the entry, so that `[cache] memory` bounds what the process holds.
+const ENTRY_OVERHEAD: u64 = 4096;
 
 impl Entry {
     /// An entry read from the disk tier: its policy as it was when it was received (so that
@@ -134,13 +142,32 @@ impl Entry {
         let mut words = stored.key.split(' ');
         let method = Method::from_bytes(words.next()?.as_bytes()).ok()?;
         let uri: http::Uri = words.next()?.parse().ok()?;
+        // Of the request, only what a later one is matched on: its `Host`, and the headers
+        // the response varies by.
+        let mut varying = HeaderMap::new();
+        let host = std::iter::once(http::header::HOST.as_str().to_owned());
+        for name in host.chain(vary_names(&stored.headers)) {
+            let Ok(name) = http::HeaderName::from_bytes(name.as_bytes()) else {
+                continue;
+            };
+            for value in stored.request.get_all(&name) {
+                varying.append(name.clone(), value.clone());
+            }
+        }
+        let headers: usize = stored
+            .headers
+            .iter()
+            .chain(&varying)
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum();
+        let weight = (stored.key.len() + headers + stored.body.len()) as u64 + ENTRY_OVERHEAD;
         let mut request = http::Request::new(());
         *request.method_mut() = method;
         *request.uri_mut() = uri;
-        *request.headers_mut() = stored.request.clone();
+        *request.headers_mut() = varying.clone();
         let mut response = Response::new(());
         *response.status_mut() = stored.status;
-        *response.headers_mut() = stored.headers.clone();
+        *response.headers_mut() = stored.headers;
         let policy = http_cache_semantics::CachePolicy::new_options(
             &request,
             &response,
@@ -150,8 +177,8 @@ impl Entry {
         let shared = Arc::new(Shared {
             status: stored.status,
             version: http::Version::HTTP_11,
-            headers: stored.headers,
-            request: stored.request,
+            headers: HeaderMap::new(),
+            request: varying,
             tape: Arc::default(),
             held: held.clone(),
         });
@@ -159,9 +186,9 @@ impl Entry {
         shared.end(Ok(()));
         Some(Self {
             policy,
-            received: stored.received,
             destination: stored.destination,
             shared,
+            weight,
         })
     }
 }
@@ -180,19 +207,13 @@ impl quick_cache::Lifecycle<Arc<str>, Arc<Entry>> for Evictions {
     }
 }
 
-/// An entry's weight: its body and its headers, in bytes.
+/// An entry's weight: what it holds in memory, in bytes ([`Entry::weight`]).
 #[derive(Clone)]
 struct ByBytes;
 
 impl quick_cache::Weighter<Arc<str>, Arc<Entry>> for ByBytes {
-    fn weight(&self, key: &Arc<str>, entry: &Arc<Entry>) -> u64 {
-        let headers: usize = entry
-            .shared
-            .headers
-            .iter()
-            .map(|(k, v)| k.as_str().len() + v.len())
-            .sum();
-        (key.len() + headers + entry.shared.bytes()) as u64
+    fn weight(&self, _: &Arc<str>, entry: &Arc<Entry>) -> u64 {
+        entry.weight
     }
 }
 
@@ -499,26 +520,36 @@ impl Collapser {
     /// Keeps a response whose body came whole, within `max_object`, for the request whose
     /// key is `base`: under it and the request's values of the headers the response varies
     /// by, which are remembered for `base`.
-    fn keep(&self, route: &Route, base: &str, entry: Entry) {
-        if !entry.shared.whole() || entry.shared.bytes() as u64 > self.config.load().max_object {
+    fn keep(&self, route: &Route, base: &str, received: SystemTime, shared: &Shared) {
+        if !shared.whole() || shared.bytes() as u64 > self.config.load().max_object {
             return;
         }
-        let names: Arc<[String]> = vary_names(&entry.shared.headers).collect();
-        let key: Arc<str> = Arc::from(varied(base, &names, &entry.shared.request));
+        let names: Arc<[String]> = vary_names(&shared.headers).collect();
+        let key: Arc<str> = Arc::from(varied(base, &names, &shared.request));
         self.varies.insert(Arc::from(base), names);
+        // Kept in pieces of its own, apart from the tape its readers in flight follow: the
+        // headers and body as they came are slices of the buffers the connections read
+        // into, which they would hold as long as the entry lives.
+        let stored = Stored {
+            key: key.clone(),
+            destination: route.name().clone(),
+            received,
+            status: shared.status,
+            headers: {
+                let mut headers = owned(&shared.headers);
+                crate::headers::strip_hop_by_hop(&mut headers);
+                headers
+            },
+            request: owned(&shared.request),
+            body: shared.body(),
+        };
+        let Some(entry) = Entry::from_stored(stored.clone(), &self.held) else {
+            return;
+        };
         let entry = Arc::new(entry);
-        self.kept.insert(key.clone(), entry.clone());
+        self.kept.insert(key, entry);
         self.looked_up(route, "stored");
         if let Some(disk) = self.disk.load_full() {
-            let stored = Stored {
-                key,
-                destination: entry.destination.clone(),
-                received: entry.received,
-                status: entry.shared.status,
-                headers: entry.shared.headers.clone(),
-                request: entry.shared.request.clone(),
-                body: entry.shared.body(),
-            };
             let metrics = self.metrics.clone();
             let route = route.clone();
             // Written beside the requests, not before their answers: they were served.
@@ -697,7 +728,7 @@ impl Lead {
         }
         let collapser = self.collapser.clone();
         let received = SystemTime::now();
-        let Some(policy) = shareable(request, &response, received) else {
+        if !shareable(request, &response, received) {
             collapser.mark_unshareable(&self.key);
             collapser.land(&self.key, &self.flight);
             self.flight.phase.send_replace(Phase::Released);
@@ -707,7 +738,7 @@ impl Lead {
                 note,
             };
             return (exchanged, None);
-        };
+        }
         let kept = fits(&response, &collapser.config.load(), &collapser.held);
         let (parts, body) = response.into_parts();
         let shared = Arc::new(Shared {
@@ -739,7 +770,6 @@ impl Lead {
             key: self.key.clone(),
             flight: self.flight.clone(),
             shared,
-            policy,
             received,
             body: Some(body),
             skip: 0,
@@ -764,7 +794,8 @@ impl Lead {
     ) -> Option<Response<ProxyBody>> {
         let entry = self.stale.as_ref()?;
         let received = SystemTime::now();
-        let http_cache_semantics::AfterResponse::NotModified(policy, parts) =
+        // The new policy is made again from what is kept (`Entry::from_stored`).
+        let http_cache_semantics::AfterResponse::NotModified(_, parts) =
             entry.policy.after_response(request, response, received)
         else {
             return None;
@@ -779,16 +810,7 @@ impl Lead {
         });
         self.flight.phase.send_replace(Phase::Head(shared.clone()));
         self.collapser.land(&self.key, &self.flight);
-        self.collapser.keep(
-            route,
-            &self.base,
-            Entry {
-                policy,
-                received,
-                destination: entry.destination.clone(),
-                shared: shared.clone(),
-            },
-        );
+        self.collapser.keep(route, &self.base, received, &shared);
         self.collapser.looked_up(route, "revalidated");
         Some(with_status(shared.response(), status::REVALIDATED))
     }
@@ -820,7 +842,6 @@ pub struct Recording {
     key: Arc<str>,
     flight: Arc<Flight>,
     shared: Arc<Shared>,
-    policy: http_cache_semantics::CachePolicy,
     received: SystemTime,
     body: Option<ProxyBody>,
     /// Bytes of the body on the tape already, from a fetch cut short: left out of this one.
@@ -904,16 +925,8 @@ impl Recording {
         self.shared.end(end);
         self.collapser.in_flight();
         if self.kept && self.shared.whole() {
-            self.collapser.keep(
-                &self.route,
-                &self.base,
-                Entry {
-                    policy: self.policy,
-                    received: self.received,
-                    destination: self.route.name().clone(),
-                    shared: self.shared,
-                },
-            );
+            self.collapser
+                .keep(&self.route, &self.base, self.received, &self.shared);
         }
         self.collapser.land(&self.key, &self.flight);
     }
@@ -1088,11 +1101,7 @@ impl Drop for Wait {
 /// Whether the leader's `response` to `request` may be shared with the waiters: storable in a
 /// shared cache (RFC 9111, as `http-cache-semantics` reads it), with no `Set-Cookie` and a
 /// `Vary` that is not `*`.
-fn shareable<B>(
-    request: &Parts,
-    response: &Response<B>,
-    received: SystemTime,
-) -> Option<http_cache_semantics::CachePolicy> {
+fn shareable<B>(request: &Parts, response: &Response<B>, received: SystemTime) -> bool {
     let policy = http_cache_semantics::CachePolicy::new_options(
         request,
         response,
@@ -1100,15 +1109,15 @@ fn shareable<B>(
         http_cache_semantics::CacheOptions::default(),
     );
     if !policy.is_storable() || response.headers().contains_key(SET_COOKIE) {
-        return None;
+        return false;
     }
     if response.headers().get_all(VARY).iter().any(|v| {
         v.to_str()
             .map_or(true, |v| v.split(',').any(|n| n.trim() == "*"))
     }) {
-        return None;
+        return false;
     }
-    Some(policy)
+    true
 }
 
 /// Whether a shared response may be kept whole: a declared length within `max_object` and
@@ -1186,6 +1195,20 @@ fn resource(url: &str) -> Option<(String, String, u16, String)> {
     })?;
     let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
     Some((scheme, uri.host()?.to_ascii_lowercase(), port, path))
+}
+
+/// `headers` copied, each name and value in an allocation of its own.
+fn owned(headers: &HeaderMap) -> HeaderMap {
+    let mut copy = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(name.as_str().as_bytes()),
+            http::HeaderValue::from_bytes(value.as_bytes()),
+        ) {
+            copy.append(name, value);
+        }
+    }
+    copy
 }
 
 /// `response` with pacegate's `Cache-Status` item after the origin's.
@@ -1298,6 +1321,31 @@ mod tests {
     }
 
     #[test]
+    fn what_is_kept_holds_none_of_the_buffer_it_was_read_into() {
+        // A connection's read buffer: the head and the body are slices of it.
+        let buffer = Bytes::from(vec![b'x'; 64 * 1024]);
+        let within = |p: *const u8| {
+            let start = buffer.as_ptr() as usize;
+            (start..start + buffer.len()).contains(&(p as usize))
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "etag",
+            http::HeaderValue::from_maybe_shared(buffer.slice(0..8)).unwrap(),
+        );
+        let copy = owned(&headers);
+        assert_eq!(copy["etag"], headers["etag"]);
+        assert!(within(headers["etag"].as_bytes().as_ptr()));
+        assert!(!within(copy["etag"].as_bytes().as_ptr()));
+        let tape = shared();
+        tape.push(buffer.slice(100..16_484));
+        tape.end(Ok(()));
+        let body = tape.body();
+        assert_eq!(body.len(), 16_384);
+        assert!(!within(body.as_ptr()), "the body is copied out of it");
+    }
+
+    #[test]
     fn only_a_response_a_shared_cache_may_store_is_shared() {
         let request = http::Request::get("http://images.example.com/a.png")
             .body(())
@@ -1319,7 +1367,7 @@ mod tests {
             ..CacheConfig::default()
         };
         let ok = response(&[("cache-control", "max-age=60")]);
-        assert!(shareable(&request, &ok, SystemTime::now()).is_some());
+        assert!(shareable(&request, &ok, SystemTime::now()));
         assert!(fits(&ok, &config, &held));
         for pairs in [
             vec![("cache-control", "no-store")],
@@ -1328,13 +1376,13 @@ mod tests {
             vec![("cache-control", "max-age=60"), ("vary", "*")],
         ] {
             assert!(
-                shareable(&request, &response(&pairs), SystemTime::now()).is_none(),
+                !shareable(&request, &response(&pairs), SystemTime::now()),
                 "{pairs:?}"
             );
         }
         // Shared, but past max_object: streamed by, not kept.
         let large = response(&[("cache-control", "max-age=60"), ("content-length", "2048")]);
-        assert!(shareable(&request, &large, SystemTime::now()).is_some());
+        assert!(shareable(&request, &large, SystemTime::now()));
         assert!(!fits(&large, &config, &held));
         // Within max_object, but past what memory has left.
         held.store(3500, Ordering::Relaxed);

@@ -25,6 +25,7 @@ const MAGIC: &[u8] = b"pacegate-cache 1\n";
 const DIGEST: usize = 32;
 
 /// A kept response as a file holds it.
+#[derive(Clone)]
 pub(super) struct Stored {
     pub(super) key: Arc<str>,
     pub(super) destination: Arc<str>,

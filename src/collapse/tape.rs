@@ -113,12 +113,10 @@ impl Shared {
         self.tape.state.lock().bytes
     }
 
-    /// The body's bytes held, in one piece.
+    /// The body's bytes held, in one piece of its own: a chunk as it came may be a slice
+    /// of a larger buffer the connection read into, held as long as the slice is.
     pub(super) fn body(&self) -> Bytes {
         let state = self.tape.state.lock();
-        if state.chunks.len() == 1 {
-            return state.chunks[0].clone();
-        }
         let mut body = bytes::BytesMut::with_capacity(state.buffered);
         for chunk in &state.chunks {
             body.extend_from_slice(chunk);
