@@ -401,6 +401,7 @@ impl Collapser {
             match entry.policy.before_request(head, SystemTime::now()) {
                 http_cache_semantics::BeforeRequest::Fresh(parts) => {
                     self.looked_up(route, "hit");
+                    self.saved(route);
                     let response = Response::from_parts(parts, entry.shared.reader());
                     return Joined::Hit(with_status(response, status::HIT));
                 }
@@ -658,6 +659,14 @@ impl Collapser {
         }
         self.weighed();
         gone
+    }
+
+    /// A request answered without a slot: from a kept response, or another's in flight.
+    fn saved(&self, route: &Route) {
+        self.metrics
+            .slots_saved
+            .with_label_values(&[route.label()])
+            .inc();
     }
 
     fn count(&self, route: &Route, what: &str) {
@@ -1013,6 +1022,7 @@ impl Wait {
                         return Waited::OnItsOwn;
                     }
                     self.collapser.count(route, "served");
+                    self.collapser.saved(route);
                     return Waited::Served(with_status(shared.response(), status::COLLAPSED));
                 }
                 Phase::Released => return Waited::OnItsOwn,

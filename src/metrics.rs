@@ -83,6 +83,9 @@ pub struct Metrics {
     pub cache_bytes: IntGaugeVec,
     /// `pacegate_cache_evictions_total{tier}`: kept responses let go of to make room.
     pub cache_evictions: IntCounterVec,
+    /// `pacegate_slots_saved_total{destination}`: requests answered without a slot, from a
+    /// kept response or an identical one's in flight.
+    pub slots_saved: IntCounterVec,
     /// `pacegate_retries_total{destination}`: throttled requests retried in the proxy.
     pub retries: IntCounterVec,
     /// `pacegate_meter_units_total{destination}` (a meter's budget, `NAME~UNIT`): what its
@@ -302,6 +305,13 @@ impl Metrics {
                 "Bytes of the kept responses, by tier (memory, disk), and of the bodies being read (flight)",
             ),
             &["tier"],
+        )?;
+        let slots_saved = IntCounterVec::new(
+            Opts::new(
+                "pacegate_slots_saved_total",
+                "Requests answered without a slot, from a kept response or an identical one's in flight, by destination",
+            ),
+            &["destination"],
         )?;
         let cache_evictions = IntCounterVec::new(
             Opts::new(
@@ -538,6 +548,7 @@ impl Metrics {
             &collapsed,
             &cache,
             &cache_evictions,
+            &slots_saved,
             &retries,
             &meter_units,
             &meter_unsettled,
@@ -598,6 +609,7 @@ impl Metrics {
             cache,
             cache_bytes,
             cache_evictions,
+            slots_saved,
             retries,
             meter_units,
             meter_unsettled,

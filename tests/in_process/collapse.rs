@@ -400,6 +400,12 @@ async fn fifty_workers_fetching_ten_images_five_times_each_cost_ten_slots() {
     assert_eq!(cache["hits"], 50, "{cache}");
     assert_eq!(cache["collapsed"], 40, "{cache}");
     assert!((cache["hit_ratio"].as_f64().unwrap() - 0.9).abs() < 1e-9);
+    assert_eq!(
+        proxy
+            .metric("pacegate_slots_saved_total{destination=\"images\"}")
+            .await,
+        90.0
+    );
     let rows: Vec<pacegate::status::DestinationStatus> =
         serde_json::from_value(proxy.status().await).unwrap();
     let table = pacegate::status::status_table(&rows);
