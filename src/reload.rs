@@ -130,28 +130,16 @@ impl Reloader {
             (cache_changed, self.proxy.collapser(), &new.cache)
         {
             if let Err(e) = collapse.reconfigure(cache) {
-                let problem = format!("(cache): {e}");
-                tracing::error!("reload refused: {problem}");
-                return ReloadStatus {
-                    result: "error".into(),
-                    at: now(),
-                    problems: vec![problem],
-                    ..ReloadStatus::default()
-                };
+                return refused_at_apply(format!("(cache): {e}"));
             }
             running.cache = new.cache.clone();
         }
         let destinations = match self.pacer.reconfigure(&new.destinations).await {
             Ok(changes) => changes,
             Err(e) => {
-                let problem = format!("(store): cannot load a new destination's budget: {e}");
-                tracing::error!("reload refused: {problem}");
-                return ReloadStatus {
-                    result: "error".into(),
-                    at: now(),
-                    problems: vec![problem],
-                    ..ReloadStatus::default()
-                };
+                return refused_at_apply(format!(
+                    "(store): cannot load a new destination's budget: {e}"
+                ));
             }
         };
         // What a restart would take stays as it runs; the rest is the file's.
@@ -177,6 +165,18 @@ impl Reloader {
             needs_restart,
             destinations,
         }
+    }
+}
+
+/// A valid config that could not be applied: `problem` logged and said, the running config
+/// kept.
+fn refused_at_apply(problem: String) -> ReloadStatus {
+    tracing::error!("reload refused: {problem}");
+    ReloadStatus {
+        result: "error".into(),
+        at: now(),
+        problems: vec![problem],
+        ..ReloadStatus::default()
     }
 }
 

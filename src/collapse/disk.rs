@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -110,7 +111,12 @@ impl Disk {
             move |source| DiskError { path, source }
         };
         let tmp = dir.join("tmp");
-        std::fs::create_dir_all(&tmp).map_err(failed(&tmp))?;
+        // Made for pacegate alone (what it keeps is the vendors' answers to its clients).
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&tmp)
+            .map_err(failed(&tmp))?;
         // What a write cut short by a crash left.
         for leftover in std::fs::read_dir(&tmp).map_err(failed(&tmp))?.flatten() {
             let _ = std::fs::remove_file(leftover.path());
@@ -218,7 +224,11 @@ impl Disk {
                 .unwrap_or(Duration::ZERO)
                 .as_nanos()
         ));
-        let written = std::fs::File::create(&tmp)
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
             .and_then(|mut f| f.write_all(&bytes))
             .and_then(|()| std::fs::rename(&tmp, self.dir.join(&name)));
         if let Err(e) = written {
@@ -459,6 +469,18 @@ mod tests {
         std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
         let disk = Disk::open(dir.path(), 1 << 20).unwrap();
         assert!(disk.read("GET http://a/1 ").is_none());
+    }
+
+    #[test]
+    fn what_it_makes_only_pacegate_reads() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let tier = dir.path().join("cache");
+        let disk = Disk::open(&tier, 1 << 20).unwrap();
+        disk.write(&stored("GET http://a/1 ", b"one")).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&tier), 0o700);
+        assert_eq!(mode(&tier.join(name_of("GET http://a/1 "))), 0o600);
     }
 
     #[test]

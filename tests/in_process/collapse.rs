@@ -500,6 +500,31 @@ async fn each_variant_a_response_varies_by_is_kept_apart() {
     assert_eq!(upstream.recorded().len(), 2, "one fetch per variant");
 }
 
+/// `n` cacheable URLs (fresh for ten minutes), each answering `image {i}`.
+fn images(upstream: &FakeUpstream, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            format!(
+                "{}/status/200?body=image%20{i}&h=cache-control:max-age=600",
+                upstream.http_url("localhost")
+            )
+        })
+        .collect()
+}
+
+/// The entry files in a disk tier's directory.
+fn files_in(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|f| f.as_ref().unwrap().file_type().unwrap().is_file())
+        .count()
+}
+
+/// A `[cache]` of 16 MiB in memory, with a disk tier in `dir`.
+fn with_disk(dir: &std::path::Path) -> String {
+    format!("[cache]\nmemory = \"16MiB\"\ndir = \"{}\"", dir.display())
+}
+
 /// `n` GETs of `url` at once; each one's status and body, or the error that cut it.
 async fn bodies_at_once(
     proxy: &TestProxy,
@@ -677,29 +702,14 @@ async fn waiters_on_an_answer_that_cannot_be_shared_go_at_its_head_not_its_end()
 async fn the_disk_tier_keeps_its_hits_across_a_restart_and_a_damaged_file_is_a_miss() {
     let upstream = FakeUpstream::start().await;
     let cache = tempfile::tempdir().unwrap();
-    let section = format!(
-        "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"\ndisk = \"64MiB\"",
-        cache.path().display()
-    );
-    let proxy = start(&upstream, true, &section).await;
-    let urls: Vec<String> = (0..4)
-        .map(|i| {
-            format!(
-                "{}/status/200?body=image%20{i}&h=cache-control:max-age=600",
-                upstream.http_url("localhost")
-            )
-        })
-        .collect();
+    let proxy = start(&upstream, true, &with_disk(cache.path())).await;
+    let urls = images(&upstream, 4);
     for url in &urls {
         at_once(&proxy, url, 1, &[]).await;
     }
     kept(&proxy, 4.0).await;
     support::eventually(Duration::from_secs(5), "four files", || async {
-        let files = std::fs::read_dir(cache.path())
-            .unwrap()
-            .filter(|f| f.as_ref().unwrap().file_type().unwrap().is_file())
-            .count();
-        (files == 4).then_some(())
+        (files_in(cache.path()) == 4).then_some(())
     })
     .await;
     let proxy = proxy.restart().await;
@@ -742,19 +752,8 @@ async fn the_disk_tier_keeps_its_hits_across_a_restart_and_a_damaged_file_is_a_m
 async fn a_purge_removes_a_url_or_a_destination_from_memory_and_disk() {
     let upstream = FakeUpstream::start().await;
     let cache = tempfile::tempdir().unwrap();
-    let section = format!(
-        "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"",
-        cache.path().display()
-    );
-    let proxy = start(&upstream, true, &section).await;
-    let urls: Vec<String> = (0..3)
-        .map(|i| {
-            format!(
-                "{}/status/200?i={i}&h=cache-control:max-age=600",
-                upstream.http_url("localhost")
-            )
-        })
-        .collect();
+    let proxy = start(&upstream, true, &with_disk(cache.path())).await;
+    let urls = images(&upstream, 3);
     for url in &urls {
         at_once(&proxy, url, 1, &[]).await;
     }
@@ -823,11 +822,7 @@ async fn a_purge_removes_a_url_or_a_destination_from_memory_and_disk() {
 async fn a_write_the_disk_refuses_drops_the_entry_from_disk_and_the_client_has_its_response() {
     let upstream = FakeUpstream::start().await;
     let cache = tempfile::tempdir().unwrap();
-    let section = format!(
-        "[cache]\nmemory = \"16MiB\"\ndir = \"{}\"",
-        cache.path().display()
-    );
-    let proxy = start(&upstream, true, &section).await;
+    let proxy = start(&upstream, true, &with_disk(cache.path())).await;
     // Where each file is written before it is renamed into place: no longer a directory, so
     // every write fails, as on a full disk.
     let tmp = cache.path().join("tmp");
@@ -865,14 +860,7 @@ async fn a_write_the_disk_refuses_drops_the_entry_from_disk_and_the_client_has_i
 async fn a_reload_that_changes_the_cache_keeps_what_it_can() {
     let upstream = FakeUpstream::start().await;
     let proxy = start(&upstream, true, "[cache]\nmemory = \"16MiB\"").await;
-    let urls: Vec<String> = (0..3)
-        .map(|i| {
-            format!(
-                "{}/status/200?body=image%20{i}&h=cache-control:max-age=600",
-                upstream.http_url("localhost")
-            )
-        })
-        .collect();
+    let urls = images(&upstream, 3);
     for url in &urls {
         at_once(&proxy, url, 1, &[]).await;
     }
@@ -919,11 +907,7 @@ async fn a_reload_that_changes_the_cache_keeps_what_it_can() {
     );
     at_once(&proxy, &url, 1, &[]).await;
     support::eventually(Duration::from_secs(5), "a file in the new dir", || async {
-        let files = std::fs::read_dir(cache.path())
-            .unwrap()
-            .filter(|f| f.as_ref().unwrap().file_type().unwrap().is_file())
-            .count();
-        (files == 1).then_some(())
+        (files_in(cache.path()) == 1).then_some(())
     })
     .await;
     assert_eq!(upstream.recorded().len(), 4);
