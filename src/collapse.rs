@@ -7,8 +7,9 @@
 //! name it (so that no waiter hangs, and an uncacheable answer never serialises a burst):
 //!
 //! - the leader's response head is shareable (storable in a shared cache, by RFC 9111 as
-//!   `http-cache-semantics` reads it, with no `Set-Cookie`, within `[cache] memory`): the
-//!   waiter gets it, its body streamed as it arrives (a [`Tape`] every reader follows);
+//!   `http-cache-semantics` reads it, with no `Set-Cookie`): the waiter gets it, its body
+//!   streamed as it arrives (a [`Tape`] every reader follows; past `max_object`, one that
+//!   lets go of what every reader has had, and is not kept);
 //! - it is not: the waiters go on their own, each through its own slot, and the URI is not
 //!   collapsed for [`NOT_COLLAPSED_FOR`], so that the next burst is not serialised either;
 //! - the leader failed (no response, a refusal) or its request was sent and no head came
@@ -17,10 +18,13 @@
 //! A verdict on the leader's response is applied once, by the leader's exchange: the waiters
 //! get the response as it came, or go through the pacer themselves.
 //!
-//! A shared response whose body came whole, within `max_object`, is kept (in memory, within
-//! `[cache] memory`, the least used evicted first): while it is fresh by RFC 9111, a request
-//! for it is answered from memory and takes no slot. A stale one is asked for again on its
-//! validators: a 304 refreshes it, anything else replaces it.
+//! The leader's fetch records the body ([`Recording`]): one the vendor cuts short is asked
+//! for again, through a slot, and goes on where it was cut, for an entity its validators
+//! name. A shared response whose body came whole, within `max_object`, is kept (`kept`: in
+//! memory, within `[cache] memory`, the least used evicted first, and on disk with `[cache]
+//! dir`): while it is fresh by RFC 9111, a request for it is answered from there and takes
+//! no slot. A stale one is asked for again on its validators: a 304 refreshes it, anything
+//! else replaces it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,20 +35,23 @@ use bytes::Bytes;
 use http::header::{HeaderMap, CACHE_CONTROL, SET_COOKIE, VARY};
 use http::request::Parts;
 use http::{Method, Response, StatusCode};
-use http_body_util::BodyExt;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 mod disk;
+mod kept;
+mod recording;
 mod tape;
 
 use crate::config::CacheConfig;
 use crate::metrics::Metrics;
 use crate::pacing::{Departure, Exchanged, Outgoing, Route};
 use crate::upstream::ProxyBody;
+use disk::Disk;
 pub use disk::DiskError;
-use disk::{Disk, Stored};
+use kept::{ByBytes, Entry, Evictions};
+pub use recording::{Cut, Recording};
 use tape::{Shared, Tape};
 
 /// How long a URI whose response could not be shared is not collapsed.
@@ -115,106 +122,6 @@ pub struct Collapser {
     /// and collapsed, with its own values of them, so that each variant is kept apart.
     varies: quick_cache::sync::Cache<Arc<str>, Arc<[String]>>,
     metrics: Arc<Metrics>,
-}
-
-/// A response kept whole: what may be served from it, and when (its RFC 9111 policy).
-struct Entry {
-    policy: http_cache_semantics::CachePolicy,
-    /// The destination it came from (for a purge by destination).
-    destination: Arc<str>,
-    /// Its body; its headers are the policy's (served from it), and of the request it
-    /// answered, those the response varies by.
-    shared: Arc<Shared>,
-    /// What it holds in memory, in bytes, its bookkeeping included ([`ENTRY_OVERHEAD`]).
-    weight: u64,
-}
-
-/// What an entry holds in memory besides its key, headers and body: its policy's parsed
-/// directives, the maps its headers are in, one allocation per value, the tape, the cache's
-/// own bookkeeping (measured: `docs/benchmarks.md`, "The memory tier's resident set").
-/// Weighed with the entry, so that `[cache] memory` bounds what the process holds.
-const ENTRY_OVERHEAD: u64 = 4096;
-
-impl Entry {
-    /// An entry read from the disk tier: its policy as it was when it was received (so that
-    /// its age goes on from then), its body on a tape of its own.
-    fn from_stored(stored: Stored, held: &Arc<AtomicUsize>) -> Option<Self> {
-        let mut words = stored.key.split(' ');
-        let method = Method::from_bytes(words.next()?.as_bytes()).ok()?;
-        let uri: http::Uri = words.next()?.parse().ok()?;
-        // Of the request, only what a later one is matched on: its `Host`, and the headers
-        // the response varies by.
-        let mut varying = HeaderMap::new();
-        let host = std::iter::once(http::header::HOST.as_str().to_owned());
-        for name in host.chain(vary_names(&stored.headers)) {
-            let Ok(name) = http::HeaderName::from_bytes(name.as_bytes()) else {
-                continue;
-            };
-            for value in stored.request.get_all(&name) {
-                varying.append(name.clone(), value.clone());
-            }
-        }
-        let headers: usize = stored
-            .headers
-            .iter()
-            .chain(&varying)
-            .map(|(k, v)| k.as_str().len() + v.len())
-            .sum();
-        let weight = (stored.key.len() + headers + stored.body.len()) as u64 + ENTRY_OVERHEAD;
-        let mut request = http::Request::new(());
-        *request.method_mut() = method;
-        *request.uri_mut() = uri;
-        *request.headers_mut() = varying.clone();
-        let mut response = Response::new(());
-        *response.status_mut() = stored.status;
-        *response.headers_mut() = stored.headers;
-        let policy = http_cache_semantics::CachePolicy::new_options(
-            &request,
-            &response,
-            stored.received,
-            http_cache_semantics::CacheOptions::default(),
-        );
-        let shared = Arc::new(Shared {
-            status: stored.status,
-            version: http::Version::HTTP_11,
-            headers: HeaderMap::new(),
-            request: varying,
-            tape: Arc::default(),
-            held: held.clone(),
-        });
-        shared.push(stored.body);
-        shared.end(Ok(()));
-        Some(Self {
-            policy,
-            destination: stored.destination,
-            shared,
-            weight,
-        })
-    }
-}
-
-/// Counts the kept responses memory lets go of (they stay on disk, where there is one).
-#[derive(Clone)]
-struct Evictions(prometheus::IntCounter);
-
-impl quick_cache::Lifecycle<Arc<str>, Arc<Entry>> for Evictions {
-    type RequestState = ();
-
-    fn begin_request(&self) -> Self::RequestState {}
-
-    fn on_evict(&self, _: &mut Self::RequestState, _: Arc<str>, _: Arc<Entry>) {
-        self.0.inc();
-    }
-}
-
-/// An entry's weight: what it holds in memory, in bytes ([`Entry::weight`]).
-#[derive(Clone)]
-struct ByBytes;
-
-impl quick_cache::Weighter<Arc<str>, Arc<Entry>> for ByBytes {
-    fn weight(&self, _: &Arc<str>, entry: &Arc<Entry>) -> u64 {
-        entry.weight
-    }
 }
 
 /// One request in flight, and what became of it.
@@ -336,50 +243,6 @@ impl Collapser {
         Ok(collapser)
     }
 
-    /// What each key on `disk` varies by: its own key says.
-    fn learn_varies(&self, disk: &Disk) {
-        {
-            for key in disk.keys() {
-                if let Some((base, rest)) = key.split_once('\n') {
-                    let names: Arc<[String]> = rest
-                        .split('\n')
-                        .map(|line| line.split(':').next().unwrap_or_default().to_owned())
-                        .collect();
-                    self.varies.insert(Arc::from(base), names);
-                }
-            }
-        }
-    }
-
-    /// Applies a reloaded `[cache]`, keeping what it can: the kept responses stay (the least
-    /// used let go of where `memory` shrank), and a new `dir` is opened (what the old one
-    /// holds stays there). `Err` where the new `dir` cannot be written: nothing changes.
-    pub fn reconfigure(&self, new: &CacheConfig) -> Result<(), DiskError> {
-        let old = self.config.load_full();
-        if new.dir != old.dir {
-            let disk = match (&new.dir, new.disk) {
-                (Some(dir), Some(bytes)) => Some(Arc::new(Disk::open(dir, bytes)?)),
-                _ => None,
-            };
-            if let Some(disk) = &disk {
-                self.learn_varies(disk);
-            }
-            self.disk.store(disk);
-        } else if let (Some(disk), Some(bytes)) = (self.disk.load_full(), new.disk) {
-            let evicted = disk.resize(bytes);
-            self.metrics
-                .cache_evictions
-                .with_label_values(&["disk"])
-                .inc_by(evicted as u64);
-        }
-        if new.memory != old.memory {
-            self.kept.set_capacity(new.memory);
-        }
-        self.config.store(Arc::new(new.clone()));
-        self.weighed();
-        Ok(())
-    }
-
     /// What `request` to `route` is: alone, a leader, or a waiter. Only a body-less GET or
     /// HEAD of a destination with `cache = true` is collapsed.
     pub async fn join(self: &Arc<Self>, route: &Route, request: &Outgoing) -> Joined {
@@ -483,182 +346,6 @@ impl Collapser {
             .cache
             .with_label_values(&[route.label(), result])
             .inc();
-    }
-
-    /// What the cache saved `destination` on this instance; `None` where it looked none of
-    /// its requests up.
-    pub fn status(&self, destination: &str) -> Option<crate::status::CacheStatus> {
-        if !self.looking.read().contains(destination) {
-            return None;
-        }
-        let looked = |result: &str| {
-            self.metrics
-                .cache
-                .with_label_values(&[destination, result])
-                .get()
-        };
-        let hits = looked("hit");
-        let requests = hits + looked("stale") + looked("miss");
-        let collapsed = self
-            .metrics
-            .collapsed
-            .with_label_values(&[destination, "served"])
-            .get();
-        let slots_saved = hits + collapsed;
-        Some(crate::status::CacheStatus {
-            requests,
-            hits,
-            collapsed,
-            slots_saved,
-            hit_ratio: if requests == 0 {
-                0.0
-            } else {
-                slots_saved as f64 / requests as f64
-            },
-        })
-    }
-
-    /// Keeps a response whose body came whole, within `max_object`, for the request whose
-    /// key is `base`: under it and the request's values of the headers the response varies
-    /// by, which are remembered for `base`.
-    fn keep(&self, route: &Route, base: &str, received: SystemTime, shared: &Shared) {
-        if !shared.whole() || shared.bytes() as u64 > self.config.load().max_object {
-            return;
-        }
-        let names: Arc<[String]> = vary_names(&shared.headers).collect();
-        let key: Arc<str> = Arc::from(varied(base, &names, &shared.request));
-        self.varies.insert(Arc::from(base), names);
-        // Kept in pieces of its own, apart from the tape its readers in flight follow: the
-        // headers and body as they came are slices of the buffers the connections read
-        // into, which they would hold as long as the entry lives.
-        let stored = Stored {
-            key: key.clone(),
-            destination: route.name().clone(),
-            received,
-            status: shared.status,
-            headers: {
-                let mut headers = owned(&shared.headers);
-                crate::headers::strip_hop_by_hop(&mut headers);
-                headers
-            },
-            request: owned(&shared.request),
-            body: shared.body(),
-        };
-        let Some(entry) = Entry::from_stored(stored.clone(), &self.held) else {
-            return;
-        };
-        let entry = Arc::new(entry);
-        self.kept.insert(key, entry);
-        self.looked_up(route, "stored");
-        if let Some(disk) = self.disk.load_full() {
-            let metrics = self.metrics.clone();
-            let route = route.clone();
-            // Written beside the requests, not before their answers: they were served.
-            tokio::task::spawn_blocking(move || {
-                match disk.write(&stored) {
-                    Ok(evicted) => metrics
-                        .cache_evictions
-                        .with_label_values(&["disk"])
-                        .inc_by(evicted as u64),
-                    Err(e) => {
-                        metrics
-                            .cache
-                            .with_label_values(&[route.label(), "unwritten"])
-                            .inc();
-                        tracing::warn!(
-                            destination = %route.name(),
-                            error = %e,
-                            "a response kept in memory could not be written to cache.dir: it is not on disk"
-                        );
-                    }
-                }
-                metrics
-                    .cache_bytes
-                    .with_label_values(&["disk"])
-                    .set(i64::try_from(disk.bytes()).unwrap_or(i64::MAX));
-            });
-        }
-        self.weighed();
-    }
-
-    /// The entry for `key` from the disk tier, kept in memory again; `None` where there is
-    /// none, or it is not whole.
-    async fn on_disk(&self, key: &Arc<str>) -> Option<Arc<Entry>> {
-        let disk = self.disk.load_full()?;
-        if !disk.has(key) {
-            return None;
-        }
-        let wanted = key.clone();
-        let stored = tokio::task::spawn_blocking(move || disk.read(&wanted))
-            .await
-            .ok()
-            .flatten()?;
-        let entry = Arc::new(Entry::from_stored(stored, &self.held)?);
-        self.kept.insert(key.clone(), entry.clone());
-        self.weighed();
-        Some(entry)
-    }
-
-    /// Sets the gauge of the bodies being read.
-    fn in_flight(&self) {
-        let held = self.held.load(Ordering::Relaxed);
-        self.metrics
-            .cache_bytes
-            .with_label_values(&["flight"])
-            .set(i64::try_from(held).unwrap_or(i64::MAX));
-    }
-
-    /// Sets the bytes gauges from what is held.
-    fn weighed(&self) {
-        let gauge = |tier: &str, bytes: u64| {
-            self.metrics
-                .cache_bytes
-                .with_label_values(&[tier])
-                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
-        };
-        gauge("memory", self.kept.weight());
-        gauge("flight", self.held.load(Ordering::Relaxed) as u64);
-        if let Some(disk) = self.disk.load_full() {
-            gauge("disk", disk.bytes());
-        }
-    }
-
-    /// Removes the kept responses to `url` (any method, any variant), or all of
-    /// `destination`'s, from memory and disk; how many.
-    pub fn purge(&self, url: Option<&str>, destination: Option<&str>) -> usize {
-        let url = match url.map(resource) {
-            Some(None) => return 0,
-            Some(Some(url)) => Some(url),
-            None => None,
-        };
-        let matches = |key: &str, from: &str| {
-            let uri = key.split(' ').nth(1).unwrap_or_default();
-            url.as_ref()
-                .is_none_or(|u| resource(uri).as_ref() == Some(u))
-                && destination.is_none_or(|d| from == d)
-        };
-        // Collected first, then removed: the cache's shards are locked while it is walked.
-        let purged = Mutex::new(Vec::new());
-        self.kept.retain(|key, entry| {
-            if matches(key, &entry.destination) {
-                purged.lock().push(key.clone());
-            }
-            true
-        });
-        let purged = purged.into_inner();
-        for key in &purged {
-            self.kept.remove(key);
-        }
-        let mut gone = purged.len();
-        if let Some(disk) = self.disk.load_full() {
-            // What is on disk and not in memory too, counted once.
-            let in_memory: std::collections::HashSet<&str> = purged.iter().map(|k| &**k).collect();
-            let in_memory = |key: &str| in_memory.contains(key);
-            gone += disk.purge(|key, from| matches(key, from) && !in_memory(key));
-            disk.purge(|key, _| in_memory(key));
-        }
-        self.weighed();
-        gone
     }
 
     /// A request answered without a slot: from a kept response, or another's in flight.
@@ -837,167 +524,6 @@ impl Drop for Lead {
             self.fail();
         }
     }
-}
-
-/// How many times a shared body cut short is asked for again.
-const RESUMES: u8 = 2;
-
-/// The shared body of a leader's response, read onto its tape by the leader's fetch, a task
-/// of its own (a leader whose client goes away leaves it to the waiters).
-pub struct Recording {
-    collapser: Arc<Collapser>,
-    route: Route,
-    base: Arc<str>,
-    key: Arc<str>,
-    flight: Arc<Flight>,
-    shared: Arc<Shared>,
-    received: SystemTime,
-    body: Option<ProxyBody>,
-    /// Bytes of the body on the tape already, from a fetch cut short: left out of this one.
-    skip: usize,
-    /// Kept once whole; else streamed by.
-    kept: bool,
-    resumed: u8,
-}
-
-/// A shared body cut short: the fetch asks for it again, through a slot, and goes on
-/// ([`Cut::resume`]).
-pub struct Cut(Recording);
-
-impl Recording {
-    /// Reads the body onto the tape, to its end: `Some` where it was cut short and may be
-    /// asked for again (its entity named by a validator, so that the rest of another
-    /// fetch of it is the rest of this one). Else the readers are cut as it was: a body
-    /// cut short is never given as whole.
-    pub async fn record(mut self) -> Option<Cut> {
-        let Some(mut body) = self.body.take() else {
-            self.finish(Err("no body to record".into()));
-            return None;
-        };
-        loop {
-            match body.frame().await {
-                None => {
-                    self.finish(Ok(()));
-                    return None;
-                }
-                Some(Err(e)) => {
-                    if self.resumed < RESUMES && validated(&self.shared.headers) {
-                        self.resumed += 1;
-                        self.skip = self.shared.bytes();
-                        self.collapser.count(&self.route, "cut");
-                        return Some(Cut(self));
-                    }
-                    self.finish(Err(e.to_string()));
-                    return None;
-                }
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        let had = self.skip.min(data.len());
-                        self.skip -= had;
-                        if had < data.len() {
-                            self.shared.push(data.slice(had..));
-                            self.collapser.in_flight();
-                        }
-                        if !self.room() {
-                            // Past max_object, or what memory has left: not kept after all.
-                            self.kept = false;
-                            self.shared.stream();
-                            self.collapser.land(&self.key, &self.flight);
-                            self.collapser.count(&self.route, "streamed");
-                        }
-                        if !self.kept && !self.shared.drained().await {
-                            self.finish(Err("no reader is left".into()));
-                            return None;
-                        }
-                    }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            self.shared.trailers(trailers);
-                        }
-                    }
-                },
-            }
-        }
-    }
-
-    /// Whether a kept body still fits: within `max_object`, and the bodies in flight within
-    /// `[cache] memory`.
-    fn room(&self) -> bool {
-        let config = self.collapser.config.load();
-        !self.kept
-            || (self.shared.bytes() as u64 <= config.max_object
-                && self.collapser.held.load(Ordering::Relaxed) as u64 <= config.memory)
-    }
-
-    /// Ends the tape, keeps a body that came whole, and lands the flight.
-    fn finish(self, end: Result<(), String>) {
-        self.shared.end(end);
-        self.collapser.in_flight();
-        if self.kept && self.shared.whole() {
-            self.collapser
-                .keep(&self.route, &self.base, self.received, &self.shared);
-        }
-        self.collapser.land(&self.key, &self.flight);
-    }
-}
-
-impl Cut {
-    /// Goes on with `exchanged`, the same request sent again: its body, past what the tape
-    /// has, where it is the same entity (the same status and validators); else the readers
-    /// are cut.
-    pub fn resume(self, exchanged: Exchanged) -> Option<Recording> {
-        let mut recording = self.0;
-        match exchanged.response {
-            Ok(response) if same_entity(&recording.shared, &response) => {
-                recording.body = Some(response.into_body());
-                recording.collapser.count(&recording.route, "resumed");
-                Some(recording)
-            }
-            Ok(response) => {
-                recording.finish(Err(format!(
-                    "the body was cut short, and asked for again, the vendor answered {} with another entity",
-                    response.status()
-                )));
-                None
-            }
-            Err(e) => {
-                recording.finish(Err(format!(
-                    "the body was cut short, and asking for it again failed: {e}"
-                )));
-                None
-            }
-        }
-    }
-}
-
-/// Whether a response names its entity so that another fetch of it can be told apart: a
-/// strong `ETag`, or a `Last-Modified` with a `Content-Length`.
-fn validated(headers: &HeaderMap) -> bool {
-    let strong = headers
-        .get(http::header::ETAG)
-        .is_some_and(|v| !v.as_bytes().starts_with(b"W/"));
-    strong
-        || (headers.contains_key(http::header::LAST_MODIFIED)
-            && headers.contains_key(http::header::CONTENT_LENGTH))
-}
-
-/// Whether `response` is the entity `shared` began: the same status, and the same strong
-/// `ETag`, or the same `Last-Modified` and `Content-Length`.
-fn same_entity<B>(shared: &Shared, response: &Response<B>) -> bool {
-    let same = |name: http::HeaderName| {
-        let (a, b) = (shared.headers.get(&name), response.headers().get(&name));
-        a.is_some() && a == b
-    };
-    response.status() == shared.status
-        && if shared
-            .headers
-            .get(http::header::ETAG)
-            .is_some_and(|v| !v.as_bytes().starts_with(b"W/"))
-        {
-            same(http::header::ETAG)
-        } else {
-            same(http::header::LAST_MODIFIED) && same(http::header::CONTENT_LENGTH)
-        }
 }
 
 impl Wait {
@@ -1193,34 +719,6 @@ fn varied(base: &str, names: &[String], headers: &HeaderMap) -> String {
     key
 }
 
-/// What a URL names, however it is written: its scheme, host (lower case), port (the
-/// scheme's where none is written) and path with query (`/` where none is written).
-fn resource(url: &str) -> Option<(String, String, u16, String)> {
-    let uri: http::Uri = url.parse().ok()?;
-    let scheme = uri.scheme_str()?.to_ascii_lowercase();
-    let port = uri.port_u16().or(match scheme.as_str() {
-        "http" => Some(80),
-        "https" => Some(443),
-        _ => None,
-    })?;
-    let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
-    Some((scheme, uri.host()?.to_ascii_lowercase(), port, path))
-}
-
-/// `headers` copied, each name and value in an allocation of its own.
-fn owned(headers: &HeaderMap) -> HeaderMap {
-    let mut copy = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        if let (Ok(name), Ok(value)) = (
-            http::HeaderName::from_bytes(name.as_str().as_bytes()),
-            http::HeaderValue::from_bytes(value.as_bytes()),
-        ) {
-            copy.append(name, value);
-        }
-    }
-    copy
-}
-
 /// `response` with pacegate's `Cache-Status` item after the origin's.
 pub fn with_status<B>(mut response: Response<B>, item: &'static str) -> Response<B> {
     crate::headers::append_to_list(
@@ -1234,126 +732,6 @@ pub fn with_status<B>(mut response: Response<B>, item: &'static str) -> Response
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::Version;
-    use http_body_util::BodyExt;
-
-    fn shared() -> Arc<Shared> {
-        Arc::new(Shared {
-            status: StatusCode::OK,
-            version: Version::HTTP_11,
-            headers: HeaderMap::new(),
-            request: HeaderMap::new(),
-            tape: Arc::default(),
-            held: Arc::new(AtomicUsize::new(0)),
-        })
-    }
-
-    #[tokio::test]
-    async fn every_reader_gets_each_chunk_as_it_arrives_from_the_first() {
-        let tape = shared();
-        let mut early = tape.reader();
-        tape.push(Bytes::from_static(b"first "));
-        // The early reader has the first chunk before the body is over.
-        let first = early.frame().await.unwrap().unwrap().into_data().unwrap();
-        assert_eq!(first, "first ");
-        assert_eq!(
-            tape.held.load(Ordering::Relaxed),
-            6,
-            "held while it is read"
-        );
-        let pending = tokio::spawn(async move { early.collect().await.unwrap().to_bytes() });
-        tape.push(Bytes::from_static(b"second"));
-        tape.end(Ok(()));
-        // A reader made later reads it all from the start.
-        let late = tape.reader().collect().await.unwrap().to_bytes();
-        assert_eq!(late, "first second");
-        assert_eq!(pending.await.unwrap(), "second");
-        assert!(tape.whole());
-        assert_eq!(
-            tape.held.load(Ordering::Relaxed),
-            0,
-            "counted against the memory for responses in flight only while it is read"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_body_cut_short_is_cut_short_for_every_reader() {
-        let tape = shared();
-        tape.push(Bytes::from_static(b"part"));
-        tape.end(Err("upstream reset".into()));
-        let mut reader = tape.reader();
-        assert_eq!(
-            reader.frame().await.unwrap().unwrap().into_data().unwrap(),
-            "part"
-        );
-        assert!(reader.frame().await.unwrap().is_err());
-        assert!(!tape.whole());
-    }
-
-    #[tokio::test]
-    async fn a_streamed_tape_holds_only_what_its_slowest_reader_has_not_had() {
-        let tape = shared();
-        let (mut fast, mut slow) = (tape.reader(), tape.reader());
-        tape.stream();
-        let chunk = Bytes::from(vec![7u8; tape::WINDOW / 2]);
-        for _ in 0..2 {
-            tape.push(chunk.clone());
-        }
-        assert!(
-            tape.drained().await,
-            "a window's worth may wait for its readers"
-        );
-        tape.push(chunk.clone());
-        for _ in 0..3 {
-            fast.frame().await.unwrap().unwrap();
-        }
-        // The slow reader holds all three: the recording waits for it.
-        let waited = tokio::time::timeout(Duration::from_millis(50), tape.drained()).await;
-        assert!(waited.is_err(), "past the window, the recording waits");
-        slow.frame().await.unwrap().unwrap();
-        assert!(tape.drained().await);
-        assert_eq!(
-            tape.held.load(Ordering::Relaxed),
-            chunk.len() * 2,
-            "the chunk both had is let go of"
-        );
-        // A reader made now would miss the start: it is cut, never given the rest as whole.
-        let mut late = tape.reader();
-        assert!(late.frame().await.unwrap().is_err());
-        drop(late);
-        // With no reader left, nothing waits for one.
-        drop((fast, slow));
-        assert_eq!(tape.held.load(Ordering::Relaxed), 0);
-        tape.push(chunk.clone());
-        tape.push(chunk.clone());
-        tape.push(chunk);
-        assert!(!tape.drained().await, "no reader is left to read the rest");
-    }
-
-    #[test]
-    fn what_is_kept_holds_none_of_the_buffer_it_was_read_into() {
-        // A connection's read buffer: the head and the body are slices of it.
-        let buffer = Bytes::from(vec![b'x'; 64 * 1024]);
-        let within = |p: *const u8| {
-            let start = buffer.as_ptr() as usize;
-            (start..start + buffer.len()).contains(&(p as usize))
-        };
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            "etag",
-            http::HeaderValue::from_maybe_shared(buffer.slice(0..8)).unwrap(),
-        );
-        let copy = owned(&headers);
-        assert_eq!(copy["etag"], headers["etag"]);
-        assert!(within(headers["etag"].as_bytes().as_ptr()));
-        assert!(!within(copy["etag"].as_bytes().as_ptr()));
-        let tape = shared();
-        tape.push(buffer.slice(100..16_484));
-        tape.end(Ok(()));
-        let body = tape.body();
-        assert_eq!(body.len(), 16_384);
-        assert!(!within(body.as_ptr()), "the body is copied out of it");
-    }
 
     #[test]
     fn only_a_response_a_shared_cache_may_store_is_shared() {

@@ -21,8 +21,9 @@
 //!   named (served, on its own, in the leader's place), and `Cache-Status` says which; a
 //!   shared response kept whole answers from memory while it is fresh; `collapse::tape` is a
 //!   shared response's body, recorded once and read by each of them from its start (or,
-//!   past `max_object`, streamed by); `collapse::disk` the disk tier, a file per kept
-//!   response.
+//!   past `max_object`, streamed by); `collapse::recording` the leader's fetch reading its
+//!   body onto the tape (and asking again for one cut short); `collapse::kept` what an entry
+//!   holds, keeping and purging them; `collapse::disk` the disk tier, a file per entry.
 //! - [`signals`]: what a vendor's rate-limit headers say (remaining, limit, reset), every
 //!   header family reduced to one signal, and the bucket it names; `signals::tokens` what
 //!   one says of a budget in tokens or points, for a meter; `signals::walls` which bot

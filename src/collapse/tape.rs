@@ -327,3 +327,102 @@ impl Body for Reader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn shared() -> Arc<Shared> {
+        Arc::new(Shared {
+            status: StatusCode::OK,
+            version: Version::HTTP_11,
+            headers: HeaderMap::new(),
+            request: HeaderMap::new(),
+            tape: Arc::default(),
+            held: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    #[tokio::test]
+    async fn every_reader_gets_each_chunk_as_it_arrives_from_the_first() {
+        let tape = shared();
+        let mut early = tape.reader();
+        tape.push(Bytes::from_static(b"first "));
+        // The early reader has the first chunk before the body is over.
+        let first = early.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "first ");
+        assert_eq!(
+            tape.held.load(Ordering::Relaxed),
+            6,
+            "held while it is read"
+        );
+        let pending = tokio::spawn(async move { early.collect().await.unwrap().to_bytes() });
+        tape.push(Bytes::from_static(b"second"));
+        tape.end(Ok(()));
+        // A reader made later reads it all from the start.
+        let late = tape.reader().collect().await.unwrap().to_bytes();
+        assert_eq!(late, "first second");
+        assert_eq!(pending.await.unwrap(), "second");
+        assert!(tape.whole());
+        assert_eq!(
+            tape.held.load(Ordering::Relaxed),
+            0,
+            "counted against the memory for responses in flight only while it is read"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_cut_short_for_every_reader() {
+        let tape = shared();
+        tape.push(Bytes::from_static(b"part"));
+        tape.end(Err("upstream reset".into()));
+        let mut reader = tape.reader();
+        assert_eq!(
+            reader.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "part"
+        );
+        assert!(reader.frame().await.unwrap().is_err());
+        assert!(!tape.whole());
+    }
+
+    #[tokio::test]
+    async fn a_streamed_tape_holds_only_what_its_slowest_reader_has_not_had() {
+        let tape = shared();
+        let (mut fast, mut slow) = (tape.reader(), tape.reader());
+        tape.stream();
+        let chunk = Bytes::from(vec![7u8; WINDOW / 2]);
+        for _ in 0..2 {
+            tape.push(chunk.clone());
+        }
+        assert!(
+            tape.drained().await,
+            "a window's worth may wait for its readers"
+        );
+        tape.push(chunk.clone());
+        for _ in 0..3 {
+            fast.frame().await.unwrap().unwrap();
+        }
+        // The slow reader holds all three: the recording waits for it.
+        let waited = tokio::time::timeout(Duration::from_millis(50), tape.drained()).await;
+        assert!(waited.is_err(), "past the window, the recording waits");
+        slow.frame().await.unwrap().unwrap();
+        assert!(tape.drained().await);
+        assert_eq!(
+            tape.held.load(Ordering::Relaxed),
+            chunk.len() * 2,
+            "the chunk both had is let go of"
+        );
+        // A reader made now would miss the start: it is cut, never given the rest as whole.
+        let mut late = tape.reader();
+        assert!(late.frame().await.unwrap().is_err());
+        drop(late);
+        // With no reader left, nothing waits for one.
+        drop((fast, slow));
+        assert_eq!(tape.held.load(Ordering::Relaxed), 0);
+        tape.push(chunk.clone());
+        tape.push(chunk.clone());
+        tape.push(chunk);
+        assert!(!tape.drained().await, "no reader is left to read the rest");
+    }
+}
