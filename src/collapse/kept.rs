@@ -370,18 +370,6 @@ pub(super) fn owned(headers: &HeaderMap) -> HeaderMap {
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use http::{StatusCode, Version};
-
-    fn shared() -> Arc<Shared> {
-        Arc::new(Shared {
-            status: StatusCode::OK,
-            version: Version::HTTP_11,
-            headers: HeaderMap::new(),
-            request: HeaderMap::new(),
-            tape: Arc::default(),
-            held: Arc::new(AtomicUsize::new(0)),
-        })
-    }
 
     #[test]
     fn what_is_kept_holds_none_of_the_buffer_it_was_read_into() {
@@ -400,7 +388,7 @@ mod tests {
         assert_eq!(copy["etag"], headers["etag"]);
         assert!(within(headers["etag"].as_bytes().as_ptr()));
         assert!(!within(copy["etag"].as_bytes().as_ptr()));
-        let tape = shared();
+        let tape = Shared::empty();
         tape.push(buffer.slice(100..16_484));
         tape.end(Ok(()));
         let body = tape.body();

@@ -238,6 +238,21 @@ impl Shared {
     }
 }
 
+#[cfg(test)]
+impl Shared {
+    /// A 200 with no headers and nothing on its tape yet, counting into a `held` of its own.
+    pub(super) fn empty() -> Arc<Self> {
+        Arc::new(Self {
+            status: StatusCode::OK,
+            version: Version::HTTP_11,
+            headers: HeaderMap::new(),
+            request: HeaderMap::new(),
+            tape: Arc::default(),
+            held: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+}
+
 /// One reader of a tape: its chunks from the first, as they arrive.
 struct Reader {
     shared: Arc<Shared>,
@@ -333,20 +348,9 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn shared() -> Arc<Shared> {
-        Arc::new(Shared {
-            status: StatusCode::OK,
-            version: Version::HTTP_11,
-            headers: HeaderMap::new(),
-            request: HeaderMap::new(),
-            tape: Arc::default(),
-            held: Arc::new(AtomicUsize::new(0)),
-        })
-    }
-
     #[tokio::test]
     async fn every_reader_gets_each_chunk_as_it_arrives_from_the_first() {
-        let tape = shared();
+        let tape = Shared::empty();
         let mut early = tape.reader();
         tape.push(Bytes::from_static(b"first "));
         // The early reader has the first chunk before the body is over.
@@ -374,7 +378,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_cut_short_is_cut_short_for_every_reader() {
-        let tape = shared();
+        let tape = Shared::empty();
         tape.push(Bytes::from_static(b"part"));
         tape.end(Err("upstream reset".into()));
         let mut reader = tape.reader();
@@ -388,7 +392,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_streamed_tape_holds_only_what_its_slowest_reader_has_not_had() {
-        let tape = shared();
+        let tape = Shared::empty();
         let (mut fast, mut slow) = (tape.reader(), tape.reader());
         tape.stream();
         let chunk = Bytes::from(vec![7u8; WINDOW / 2]);
