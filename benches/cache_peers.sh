@@ -19,6 +19,7 @@
 # needs. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benches/peers_lib.sh
 ROUNDS=${ROUNDS:-2}
 SECONDS_EACH=${SECONDS_EACH:-5}
 CONCURRENCY=${CONCURRENCY:-32 256}
@@ -53,30 +54,11 @@ cleanup() {
   [ "$shm" = "$work" ] || rm -rf "$shm"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port); fill=$(free_port)
 pga=$(free_port); filla=$(free_port)
 
 mkdir -p "$work/www" "$work/up" "$work/rp" "$work/squid"
 head -c 16384 /dev/urandom > "$work/www/16k"
-nginx_conf() { # prefix, server block
-  cat <<CONF
-daemon off;
-master_process on;
-worker_processes 1;
-user root;
-pid $1/nginx.pid;
-error_log $1/error.log;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  keepalive_requests 10000000;
-  client_body_temp_path $1/cb; proxy_temp_path $1/pt; fastcgi_temp_path $1/ft;
-  uwsgi_temp_path $1/ut; scgi_temp_path $1/st;
-  $2
-}
-CONF
-}
 # The upstream logs each request it serves: what the caches let through.
 nginx_conf "$work/up" "server { listen 127.0.0.1:$up; root $work/www;
     access_log $work/up/access.log;
@@ -134,26 +116,8 @@ pacegate_config "$pg" "256MiB" "$pga" > "$work/pacegate.toml"
 "$bin" serve --config "$work/pacegate.toml" 2> "$work/pacegate.log" & pids+=($!)
 pacegate_pid=$!
 
-wait_for() { # port...
-  for port in "$@"; do
-    for _ in $(seq 100); do
-      (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
-      sleep 0.1
-    done
-  done
-}
 wait_for $up $rp $sq $pg
 
-tree() { echo "$1"; for c in $(pgrep -P "$1" || true); do tree "$c"; done; }
-cpu() {
-  local total=0 tck; tck=$(getconf CLK_TCK)
-  for p in $(tree "$1"); do
-    [ -r "/proc/$p/stat" ] || continue
-    local t; t=$(awk '{print $14 + $15}' "/proc/$p/stat")
-    total=$((total + t))
-  done
-  echo "$total $tck" | awk '{printf "%.4f", $1 / $2}'
-}
 rp_pid=${pids[1]}; sq_pid=${pids[2]}
 
 cat > "$work/proxied.lua" <<LUA

@@ -39,6 +39,7 @@
 # what it needs. Loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benches/peers_lib.sh
 ROUNDS=${ROUNDS:-2}
 SECONDS_EACH=${SECONDS_EACH:-5}
 CONCURRENCY=${CONCURRENCY:-1 32 256}
@@ -82,7 +83,6 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 up=$(free_port); rp=$(free_port); sq=$(free_port); pg=$(free_port); hf=$(free_port)
 ups=$(free_port); rps=$(free_port); sqb=$(free_port); ifl=$(free_port)
 
@@ -103,24 +103,6 @@ openssl x509 -req -in "$work/up.csr" -CA "$work/up-ca.pem" -CAkey "$work/up-ca-k
   -CAcreateserial -days 2 -out "$work/up.pem" \
   -extfile <(printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth') 2>/dev/null
 chmod 644 "$work"/*.pem
-nginx_conf() { # prefix, server block
-  cat <<CONF
-daemon off;
-master_process on;
-worker_processes 1;
-user root;
-pid $1/nginx.pid;
-error_log $1/error.log;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  keepalive_requests 10000000;
-  client_body_temp_path $1/cb; proxy_temp_path $1/pt; fastcgi_temp_path $1/ft;
-  uwsgi_temp_path $1/ut; scgi_temp_path $1/st;
-  $2
-}
-CONF
-}
 tls_keys="ssl_certificate $work/up.pem; ssl_certificate_key $work/up-key.pem;"
 nginx_conf "$work/up" "server { listen 127.0.0.1:$up; root $work/www; }
   server { listen 127.0.0.1:$ups ssl; $tls_keys root $work/www; }" > "$work/up/nginx.conf"
@@ -186,31 +168,12 @@ wrk.path = "http://localhost:$up/1k"
 wrk.headers["Host"] = "localhost:$up"
 LUA
 
-wait_for() { # port...
-  for port in "$@"; do
-    for _ in $(seq 100); do
-      (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break
-      sleep 0.1
-    done
-  done
-}
 wait_for $up $rp $sq $pg $hf $ups $rps $sqb
 # The interception floor signs with pacegate's CA, which pacegate has made by now.
 "${on_proxy[@]}" "$ifloor" "127.0.0.1:$ifl" "$work/ca.pem" "$work/ca-key.pem" "$work/up-ca.pem" & pids+=($!)
 ifloor_pid=$!
 wait_for $ifl
 
-# CPU seconds of a process and its children, from /proc (user + system).
-tree() { echo "$1"; for c in $(pgrep -P "$1" || true); do tree "$c"; done; }
-cpu() {
-  local total=0 tck; tck=$(getconf CLK_TCK)
-  for p in $(tree "$1"); do
-    [ -r "/proc/$p/stat" ] || continue
-    local t; t=$(awk '{print $14 + $15}' "/proc/$p/stat")
-    total=$((total + t))
-  done
-  echo "$total $tck" | awk '{printf "%.4f", $1 / $2}'
-}
 # The pids of each target's process tree root.
 up_pid=${pids[0]}; rp_pid=${pids[1]}; sq_pid=${pids[2]}
 
