@@ -27,18 +27,9 @@ OBJECTS=${OBJECTS:-10000}
 MEMORY_MIB=${MEMORY_MIB:-160}
 bin=${PACEGATE_BIN:-target/release/pacegate}
 
-need=()
-command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
-command -v wrk >/dev/null 2>&1 || need+=(wrk)
-[ -x /usr/sbin/squid ] || need+=(squid-openssl)
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-  else
-    echo "benches/cache_peers.sh needs: ${need[*]} (Debian: sudo apt-get install ${need[*]})" >&2
-    exit 1
-  fi
-fi
+# need.sh checks /usr/sbin too, where Debian puts nginx and squid.
+. benches/need.sh
+need benches/cache_peers.sh nginx:nginx-light wrk:wrk squid:squid-openssl
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$bin" ] || cargo build --release --quiet
 

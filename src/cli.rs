@@ -219,12 +219,8 @@ pub fn cache_purge(
             )
         }
         (None, Some(name)) => {
-            if !config.destinations.iter().any(|d| d.name == name) {
-                eprintln!(
-                    "error: {} has no destination named `{name}`",
-                    path.display()
-                );
-                return ExitCode::from(EXIT_USAGE);
+            if let Err(code) = named(&config, path, name) {
+                return code;
             }
             format!(
                 "destination={}",
@@ -258,17 +254,25 @@ pub fn cache_purge(
     }
 }
 
+/// `Err` (exit 64, and why) where the config at `path` has no destination `name`.
+fn named(config: &Config, path: &Path, name: &str) -> Result<(), ExitCode> {
+    if config.destinations.iter().any(|d| d.name == name) {
+        return Ok(());
+    }
+    eprintln!(
+        "error: {} has no destination named `{name}`",
+        path.display()
+    );
+    Err(ExitCode::from(EXIT_USAGE))
+}
+
 pub fn unlock(name: &str, path: &Path, admin: Option<String>) -> ExitCode {
     let config = match load(path) {
         Ok(c) => c,
         Err(code) => return code,
     };
-    if !config.destinations.iter().any(|d| d.name == name) {
-        eprintln!(
-            "error: {} has no destination named `{name}`",
-            path.display()
-        );
-        return ExitCode::from(EXIT_USAGE);
+    if let Err(code) = named(&config, path, name) {
+        return code;
     }
     match admin_call(
         &config,

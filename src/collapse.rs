@@ -116,6 +116,8 @@ pub struct Collapser {
     >,
     /// The disk tier, where `[cache] dir` is set.
     disk: arc_swap::ArcSwapOption<Disk>,
+    /// `pacegate_cache_bytes{tier="flight"}`, set as each chunk is recorded: looked up once.
+    flight_bytes: prometheus::IntGauge,
     /// The destinations whose requests were looked up.
     looking: parking_lot::RwLock<std::collections::HashSet<Arc<str>>>,
     /// The headers a key's responses last said they vary by (`Vary`): a request is looked up,
@@ -203,10 +205,7 @@ impl Collapser {
     /// A collapser by `config`, counting into `metrics`; its disk tier opened where
     /// `[cache] dir` is set (`Err` where it cannot be written).
     pub fn new(config: CacheConfig, metrics: Arc<Metrics>) -> Result<Arc<Self>, DiskError> {
-        let disk = match (&config.dir, config.disk) {
-            (Some(dir), Some(bytes)) => Some(Arc::new(Disk::open(dir, bytes)?)),
-            _ => None,
-        };
+        let disk = Disk::of(&config)?;
         // Each shard holds a share of `memory`: no more shards than leave room in each for
         // the largest object kept.
         let shards = (config.memory / config.max_object.max(1)).clamp(1, 16) as usize;
@@ -232,6 +231,7 @@ impl Collapser {
             held: Arc::new(AtomicUsize::new(0)),
             kept,
             disk: arc_swap::ArcSwapOption::new(disk),
+            flight_bytes: metrics.cache_bytes.with_label_values(&["flight"]),
             looking: Default::default(),
             varies: quick_cache::sync::Cache::new(NOT_COLLAPSED_MAX),
             metrics,

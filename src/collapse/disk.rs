@@ -102,6 +102,14 @@ pub struct DiskError {
 }
 
 impl Disk {
+    /// The disk tier `config` names (`dir` and `disk`), opened; `None` without one.
+    pub(super) fn of(config: &crate::config::CacheConfig) -> Result<Option<Arc<Self>>, DiskError> {
+        match (&config.dir, config.disk) {
+            (Some(dir), Some(bytes)) => Ok(Some(Arc::new(Self::open(dir, bytes)?))),
+            _ => Ok(None),
+        }
+    }
+
     /// Opens the disk tier in `dir`, made if it is not there: a file that is not a whole
     /// entry is removed, the others are indexed (their last use their modification time).
     /// `Err` where the directory cannot be made, read or written.

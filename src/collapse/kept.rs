@@ -138,10 +138,7 @@ impl Collapser {
     pub fn reconfigure(&self, new: &CacheConfig) -> Result<(), DiskError> {
         let old = self.config.load_full();
         if new.dir != old.dir {
-            let disk = match (&new.dir, new.disk) {
-                (Some(dir), Some(bytes)) => Some(Arc::new(Disk::open(dir, bytes)?)),
-                _ => None,
-            };
+            let disk = Disk::of(new)?;
             if let Some(disk) = &disk {
                 self.learn_varies(disk);
             }
@@ -278,9 +275,7 @@ impl Collapser {
     /// Sets the gauge of the bodies being read.
     pub(super) fn in_flight(&self) {
         let held = self.held.load(Ordering::Relaxed);
-        self.metrics
-            .cache_bytes
-            .with_label_values(&["flight"])
+        self.flight_bytes
             .set(i64::try_from(held).unwrap_or(i64::MAX));
     }
 

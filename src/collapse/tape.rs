@@ -277,41 +277,43 @@ impl Body for Reader {
     type Error = BoxError;
 
     fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
+        self: std::pin::Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // A reader is `Unpin`: its fields are borrowed apart, the tape without a clone.
+        let this = self.get_mut();
         loop {
             // Registered before the tape is looked at, so that a chunk recorded in between
             // still wakes this reader.
-            if self.waiting.is_none() {
-                let shared = self.shared.clone();
-                self.waiting = Some(Box::pin(async move { shared.tape.grew.notified().await }));
+            if this.waiting.is_none() {
+                let shared = this.shared.clone();
+                this.waiting = Some(Box::pin(async move { shared.tape.grew.notified().await }));
             }
-            if let Some(waiting) = self.waiting.as_mut() {
+            if let Some(waiting) = this.waiting.as_mut() {
                 // Polled once to register; a wake-up before the look below is kept.
                 if waiting.as_mut().poll(cx).is_ready() {
-                    self.waiting = None;
+                    this.waiting = None;
                     continue;
                 }
             }
-            let shared = self.shared.clone();
+            let shared = &this.shared;
             let mut state = shared.tape.state.lock();
-            if self.next < state.gone {
+            if this.next < state.gone {
                 // Made after a streamed body let go of its start: never handed a body
                 // without its start as if it were whole.
                 return Poll::Ready(Some(Err(
                     "the shared body went on without this reader".into()
                 )));
             }
-            let at = self.next - state.gone;
+            let at = this.next - state.gone;
             if let Some(chunk) = state.chunks.get(at).cloned() {
-                self.next += 1;
+                this.next += 1;
                 // Where a kept tape turns streamed, a reader's place is known from its next
                 // chunk on: until then it holds the chunks from the one it had last.
                 let streamed = state.streamed;
                 if streamed {
-                    let next = self.next;
-                    state.readers.insert(self.number, next);
+                    let next = this.next;
+                    state.readers.insert(this.number, next);
                     state.let_go(&shared.held, &shared.tape.joining);
                 }
                 drop(state);
@@ -330,8 +332,8 @@ impl Body for Reader {
                 Some(Ok(())) => {
                     let trailers = state.trailers.clone();
                     drop(state);
-                    if !self.trailers_sent {
-                        self.trailers_sent = true;
+                    if !this.trailers_sent {
+                        this.trailers_sent = true;
                         if let Some(t) = trailers {
                             return Poll::Ready(Some(Ok(Frame::trailers(t))));
                         }
