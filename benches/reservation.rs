@@ -22,6 +22,7 @@ fn rule() -> Rule {
     // A fast destination, so that slots stay near "now" over millions of reservations.
     Rule {
         interval: Duration::from_nanos(1),
+        cost: 1,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

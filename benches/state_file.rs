@@ -17,6 +17,7 @@ use pacegate::store::memory::MemoryStore;
 fn rule() -> Rule {
     Rule {
         interval: Duration::from_millis(10),
+        cost: 1,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

@@ -33,6 +33,7 @@ fn rule() -> Rule {
     // Far faster than any reservation: the slot is always "now", nobody waits.
     Rule {
         interval: Duration::from_nanos(1000),
+        cost: 1,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

@@ -7,7 +7,9 @@
 --
 -- A function's signature is kept for the binary of the release before, which may still run
 -- beside this one during a rolling upgrade: pacegate_record (pacegate_record_said without
--- the requests unanswered), pacegate_reserve_for (one slot at a time),
+-- the requests unanswered), pacegate_reserve_paced (pacegate_reserve_weighted with every
+-- slot one unit), pacegate_reassert (pacegate_reassert_units with every send one unit),
+-- pacegate_reserve_for (one slot at a time),
 -- pacegate_reserve_batch (pacegate_reserve_paced without p_spread: a vendor's budget is always
 -- spread), pacegate_reserve_slots (without p_lost_hold either: a lost row starts at "now") and
 -- pacegate_reserve_many (without p_lead either: every slot from the database's bare "now") are
@@ -288,7 +290,11 @@ $$;
 -- its way to the upstream (the name stays: CREATE OR REPLACE cannot rename a parameter).
 -- p_spread is budget::Rule::vendor_pace: the vendor's remaining requests spread until its reset
 -- (true), or spent at the rate until the reserve (false).
-CREATE OR REPLACE FUNCTION pacegate_reserve_paced(
+-- p_cost is budget::Rule::cost: the units each slot stands for in the quota windows (a
+-- meter's estimate; p_interval is already that many intervals). pacegate_budgets.sends is the
+-- running total of units sent, and each pacegate_sends row's seq the total up to and
+-- including its send (budget::schedule::Sent).
+CREATE OR REPLACE FUNCTION pacegate_reserve_weighted(
     p_destination text,
     p_interval double precision,
     p_burst integer,
@@ -309,7 +315,8 @@ CREATE OR REPLACE FUNCTION pacegate_reserve_paced(
     p_horizon double precision,
     p_lead double precision,
     p_lost_hold double precision,
-    p_spread boolean
+    p_spread boolean,
+    p_cost bigint
 ) RETURNS TABLE (
     outcome text,
     slot timestamptz,
@@ -457,16 +464,19 @@ BEGIN
         IF chosen + 1 <= n THEN
             new_credits[chosen + 1] := greatest(new_credits[chosen + 1] - 1, 0);
         END IF;
-        -- budget::schedule::Budget::reserve: beat keeping, then quota windows.
+        -- budget::schedule::Budget::reserve: beat keeping, then quota windows
+        -- (Budget::window_floor): the send holding unit sends + cost - limit must have left
+        -- each window; slots of this batch are cost units each, after sends0.
         s := GREATEST(earliest, b.next_at - t * (p_burst - 1), b.paused_until);
         FOR i IN 1..nq LOOP
-            IF b.sends >= p_quota_limits[i] THEN
-                want := b.sends - p_quota_limits[i] + 1;
+            want := b.sends + LEAST(p_cost, p_quota_limits[i]) - p_quota_limits[i];
+            IF want > 0 THEN
                 IF want > sends0 THEN
-                    at_ts := slots[want - sends0];
+                    at_ts := slots[(want - sends0 - 1) / p_cost + 1];
                 ELSE
                     SELECT x.at INTO at_ts FROM pacegate_sends AS x
-                        WHERE x.destination = p_destination AND x.seq = want;
+                        WHERE x.destination = p_destination AND x.seq >= want
+                        ORDER BY x.seq LIMIT 1;
                     IF NOT FOUND THEN
                         at_ts := NULL;
                     END IF;
@@ -477,8 +487,8 @@ BEGIN
             END IF;
         END LOOP;
         IF nq > 0 THEN
-            IF b.sends > sends0 THEN
-                s := GREATEST(s, slots[b.sends - sends0]);
+            IF cardinality(slots) > 0 THEN
+                s := GREATEST(s, slots[cardinality(slots)]);
             ELSE
                 SELECT x.at INTO at_ts FROM pacegate_sends AS x
                     WHERE x.destination = p_destination AND x.seq = b.sends;
@@ -520,7 +530,7 @@ BEGIN
         b.next_at := GREATEST(b.next_at, s) + t;
         b.last_slot := GREATEST(b.last_slot, s);
         IF nq > 0 THEN
-            b.sends := b.sends + 1;
+            b.sends := b.sends + p_cost;
         END IF;
         IF b.vendor_reset IS NOT NULL THEN
             b.vendor_taken := b.vendor_taken + 1;
@@ -539,8 +549,9 @@ BEGIN
     IF nq > 0 THEN
         SELECT max(q) INTO keep FROM unnest(p_quota_limits) AS q;
         INSERT INTO pacegate_sends (destination, seq, at)
-            SELECT p_destination, sends0 + o.i, o.at FROM unnest(slots) WITH ORDINALITY AS o(at, i)
-            WHERE sends0 + o.i > b.sends - keep;
+            SELECT p_destination, sends0 + o.i * p_cost, o.at
+            FROM unnest(slots) WITH ORDINALITY AS o(at, i)
+            WHERE sends0 + o.i * p_cost > b.sends - keep;
         DELETE FROM pacegate_sends AS x
             WHERE x.destination = p_destination AND x.seq <= b.sends - keep;
     END IF;
@@ -557,6 +568,96 @@ BEGIN
     RETURN QUERY SELECT 'granted'::text, slots[1], now_ts, b.generation, chosen, b.backoff,
         NULL::timestamptz, NULL::integer, NULL::text, NULL::text, slots[2:];
 END
+$$;
+
+-- A slot given back unused (budget::Store::give_back): p_secs (negative) of its schedule
+-- refunded as a settlement's refund is, and, where p_at names its send, that send taken out
+-- of the quota windows (budget::schedule::Budget::unsend): the latest send at p_at of
+-- p_units units is removed and the ones after it count p_units fewer. seq is the key, so
+-- the later rows move down through negative values, never onto a row not yet moved.
+CREATE OR REPLACE FUNCTION pacegate_give_back(
+    p_destination text,
+    p_secs double precision,
+    p_at timestamptz,
+    p_units bigint
+) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    b pacegate_budgets%ROWTYPE;
+    x bigint;
+    prev bigint;
+BEGIN
+    SELECT * INTO b FROM pacegate_budgets AS y WHERE y.destination = p_destination FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    UPDATE pacegate_budgets AS y
+        SET next_at = GREATEST(y.next_at + make_interval(secs => p_secs * y.backoff),
+            LEAST(y.next_at, GREATEST(clock_timestamp(), y.last_slot)))
+        WHERE y.destination = p_destination;
+    IF p_at IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT s.seq INTO x FROM pacegate_sends AS s
+        WHERE s.destination = p_destination AND s.at = p_at
+        ORDER BY s.seq DESC LIMIT 1;
+    IF x IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT max(s.seq) INTO prev FROM pacegate_sends AS s
+        WHERE s.destination = p_destination AND s.seq < x;
+    IF x - coalesce(prev, x - LEAST(p_units, x)) <> p_units THEN
+        RETURN;
+    END IF;
+    DELETE FROM pacegate_sends AS s WHERE s.destination = p_destination AND s.seq = x;
+    UPDATE pacegate_sends AS s SET seq = -(s.seq - p_units)
+        WHERE s.destination = p_destination AND s.seq > x;
+    UPDATE pacegate_sends AS s SET seq = -s.seq
+        WHERE s.destination = p_destination AND s.seq < 0;
+    UPDATE pacegate_budgets AS y SET sends = y.sends - p_units
+        WHERE y.destination = p_destination;
+END
+$$;
+
+-- The release before weighs every slot one unit in the quota windows.
+CREATE OR REPLACE FUNCTION pacegate_reserve_paced(
+    p_destination text,
+    p_interval double precision,
+    p_burst integer,
+    p_not_after double precision,
+    p_instance text,
+    p_lease double precision,
+    p_shares double precision[],
+    p_quota_limits bigint[],
+    p_quota_pers double precision[],
+    p_max_late double precision,
+    p_classes integer[],
+    p_counts integer[],
+    p_oldest double precision[],
+    p_next double precision[],
+    p_tell boolean,
+    p_reserve bigint,
+    p_most integer,
+    p_horizon double precision,
+    p_lead double precision,
+    p_lost_hold double precision,
+    p_spread boolean
+) RETURNS TABLE (
+    outcome text,
+    slot timestamptz,
+    db_now timestamptz,
+    generation bigint,
+    class integer,
+    backoff double precision,
+    lock_since timestamptz,
+    lock_status integer,
+    lock_request text,
+    lock_instance text,
+    more timestamptz[]
+) LANGUAGE sql AS $$
+    SELECT * FROM pacegate_reserve_weighted(p_destination, p_interval, p_burst, p_not_after,
+        p_instance, p_lease, p_shares, p_quota_limits, p_quota_pers, p_max_late, p_classes,
+        p_counts, p_oldest, p_next, p_tell, p_reserve, p_most, p_horizon, p_lead, p_lost_hold,
+        p_spread, 1)
 $$;
 
 -- The release before spreads a vendor's remaining requests until its reset, always.
@@ -722,8 +823,9 @@ $$;
 -- disappears, the next slot never moves back, the backoff and the block streak never fall,
 -- the vendor's budget never grows, and a quota window holds every send an instance knew of
 -- after the latest one it still holds. p_send_in lists those sends, each budget's in time
--- order, p_sends[i] of them for budget i. Returns how many budgets it tightened.
-CREATE OR REPLACE FUNCTION pacegate_reassert(
+-- order, p_sends[i] of them for budget i, and p_send_units the units each weighed (NULL:
+-- one). Returns how many budgets it tightened.
+CREATE OR REPLACE FUNCTION pacegate_reassert_units(
     p_budgets text[],
     p_next_in double precision[],
     p_paused_in double precision[],
@@ -741,7 +843,8 @@ CREATE OR REPLACE FUNCTION pacegate_reassert(
     p_vendor_limit bigint[],
     p_vendor_reset_in double precision[],
     p_sends integer[],
-    p_send_in double precision[]
+    p_send_in double precision[],
+    p_send_units bigint[]
 ) RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     b pacegate_budgets%ROWTYPE;
@@ -795,7 +898,7 @@ BEGIN
         FOR s IN first..first + coalesce(p_sends[i], 0) - 1 LOOP
             at_ts := now_ts + make_interval(secs => p_send_in[s]);
             CONTINUE WHEN latest IS NOT NULL AND at_ts <= latest;
-            b.sends := b.sends + 1;
+            b.sends := b.sends + coalesce(p_send_units[s], 1);
             INSERT INTO pacegate_sends (destination, seq, at) VALUES (p_budgets[i], b.sends, at_ts)
                 ON CONFLICT (destination, seq) DO UPDATE SET at = EXCLUDED.at;
             latest := at_ts;
@@ -818,4 +921,31 @@ BEGIN
     END LOOP;
     RETURN tightened;
 END
+$$;
+
+-- The release before weighs every send it puts back one unit.
+CREATE OR REPLACE FUNCTION pacegate_reassert(
+    p_budgets text[],
+    p_next_in double precision[],
+    p_paused_in double precision[],
+    p_paused_by text[],
+    p_backoff double precision[],
+    p_generation bigint[],
+    p_clean_streak integer[],
+    p_block_streak integer[],
+    p_lock_since timestamptz[],
+    p_lock_status integer[],
+    p_lock_request text[],
+    p_lock_instance text[],
+    p_vendor_family text[],
+    p_vendor_remaining bigint[],
+    p_vendor_limit bigint[],
+    p_vendor_reset_in double precision[],
+    p_sends integer[],
+    p_send_in double precision[]
+) RETURNS integer LANGUAGE sql AS $$
+    SELECT pacegate_reassert_units(p_budgets, p_next_in, p_paused_in, p_paused_by, p_backoff,
+        p_generation, p_clean_streak, p_block_streak, p_lock_since, p_lock_status,
+        p_lock_request, p_lock_instance, p_vendor_family, p_vendor_remaining, p_vendor_limit,
+        p_vendor_reset_in, p_sends, p_send_in, NULL)
 $$;

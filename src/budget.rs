@@ -40,8 +40,11 @@ pub fn halted_by(budget: &str) -> Option<&str> {
 /// A destination's pacing rule, from its config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rule {
-    /// `1 / rate`.
+    /// `1 / rate`: the interval a slot of [`Rule::cost`] units takes.
     pub interval: Duration,
+    /// The units a slot stands for: 1 for a request, a meter request's estimate in a rule
+    /// from [`Rule::weighted`]. Quota windows count them.
+    pub cost: u32,
     /// Slots that may be taken at once after an idle spell (at least 1).
     pub burst: u32,
     /// Backoff multiplier per widening, and divisor per decay (> 1).
@@ -74,6 +77,7 @@ impl Rule {
         }
         std::borrow::Cow::Owned(Rule {
             interval: self.interval.saturating_mul(cost),
+            cost: self.cost.saturating_mul(cost),
             ..self.clone()
         })
     }
@@ -208,6 +212,11 @@ pub struct Grant {
     /// The batch's later slots, in order, under the same generation (empty for one slot):
     /// `slot.at` and these, converted alike, for the class's next requests.
     pub more: Vec<Instant>,
+    /// Where the budget keeps quota windows and its store's timeline is not the local clock
+    /// (postgres), each slot's mark in them, `slot` then `more`: its send's time as the store
+    /// holds it, to take the send out by should the slot be given back unused (see
+    /// [`Store::give_back`]). Empty elsewhere.
+    pub sent: Vec<u64>,
 }
 
 /// A lockout: what halted a destination.
@@ -572,6 +581,21 @@ pub trait Store: Send + Sync + 'static {
     /// for a charge, earlier for a refund (see [`schedule::Budget::settle`]). Every instance's
     /// next request waits for what the request took, not for what was reserved for it.
     async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError>;
+
+    /// Gives back a slot of `budget` (a meter's) reserved for `units` and never used, or
+    /// used by a request the vendor charged nothing for: its units are refunded as a
+    /// settlement's are, and, where the budget keeps quota windows, its send is taken out of
+    /// them (see [`schedule::Budget::unsend`]), so that a slot taken again after it went stale
+    /// is not counted twice. `sent` is the slot's mark where its grant had one
+    /// ([`Grant::sent`]); a mark or slot of another store's finds no send, and only refunds.
+    async fn give_back(
+        &self,
+        budget: &str,
+        rule: &Rule,
+        slot: &Reservation,
+        sent: Option<u64>,
+        units: u32,
+    ) -> Result<(), StoreError>;
 
     /// Clears a lockout; returns the one cleared, if any.
     async fn unlock(&self, destination: &str) -> Result<Option<Lockout>, StoreError>;

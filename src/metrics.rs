@@ -470,7 +470,7 @@ impl Metrics {
         let quota_used = GaugeVec::new(
             Opts::new(
                 "pacegate_quota_used",
-                "Slots taken in the last quota window over every instance (limit in the window label's destination config)",
+                "Slots taken in the last quota window over every instance, in units for a meter (limit in the window label's destination config)",
             ),
             &["destination", "group", "window"],
         )?;

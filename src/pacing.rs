@@ -160,6 +160,10 @@ pub(crate) struct Meters {
     /// The meter whose slot came last for the latest request: the one that binds, whose
     /// slot the next request waits for first (see `Pacer::take_meters`).
     binding: std::sync::atomic::AtomicUsize,
+    /// The request's own budget bound the latest request: its meters' slots, taken before
+    /// its own, went stale waiting for it. The next request takes its meters at its own
+    /// slot instead (see `Pacer::retake_meters`), until a meter binds again.
+    own_binds: std::sync::atomic::AtomicBool,
 }
 
 impl Meters {
@@ -176,6 +180,7 @@ impl Meters {
                 .map(|m| (m.clone(), Arc::new(Lane::meter(d, g, m, classes.clone()))))
                 .collect(),
             binding: std::sync::atomic::AtomicUsize::new(0),
+            own_binds: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }

@@ -33,6 +33,7 @@ pub(crate) use shared::run_shared;
 pub(crate) fn rule(rate: f64) -> Rule {
     Rule {
         interval: Duration::from_secs_f64(1.0 / rate),
+        cost: 1,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 8.0,
@@ -251,6 +252,8 @@ where
     weighted::a_settlement_moves_the_next_slot(&fresh().await, tol).await;
     weighted::a_refund_gives_back_no_time_already_past(&fresh().await, tol).await;
     weighted::a_refund_does_not_reach_before_a_slot_granted_since(&fresh().await, tol).await;
+    weighted::a_quota_window_counts_units_and_charges(&fresh().await, tol).await;
+    weighted::a_slot_given_back_leaves_the_quota_window(&fresh().await, tol).await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

@@ -35,10 +35,10 @@ pub struct Mark {
     /// news, however late it arrives (two questions on two connections, answered out of
     /// order), and does not replace it.
     asked: Option<Instant>,
-    /// The latest slots granted here, for a budget with quota windows: as many as its
-    /// largest window holds.
-    pub sends: VecDeque<Instant>,
-    /// The largest quota window's limit; 0 without windows.
+    /// The latest slots granted here, and charges settled here, each with the units it
+    /// weighed, for a budget with quota windows: enough to hold its largest window's units.
+    pub sends: VecDeque<(Instant, u32)>,
+    /// The largest quota window's limit, in units; 0 without windows.
     pub window: u32,
 }
 
@@ -66,7 +66,7 @@ impl Mark {
         Some(view)
     }
 
-    fn granted(&mut self, first: Instant, more: &[Instant], interval: Duration) {
+    fn granted(&mut self, first: Instant, more: &[Instant], interval: Duration, cost: u32) {
         let last = more.iter().copied().fold(first, Instant::max);
         self.not_before(last + interval);
         self.last = Some(match self.last {
@@ -74,10 +74,22 @@ impl Mark {
             _ => (last, interval),
         });
         if self.window > 0 {
-            self.sends.push_back(first);
-            self.sends.extend(more);
-            let over = self.sends.len().saturating_sub(self.window as usize);
-            self.sends.drain(..over);
+            self.sends.push_back((first, cost));
+            self.sends.extend(more.iter().map(|at| (*at, cost)));
+            self.keep_window();
+        }
+    }
+
+    /// Forgets the sends no window reaches: those before the largest window's units.
+    fn keep_window(&mut self) {
+        let mut units: u64 = self.sends.iter().map(|(_, u)| u64::from(*u)).sum();
+        while let Some((_, first)) = self.sends.front() {
+            let rest = units - u64::from(*first);
+            if rest < u64::from(self.window) {
+                break;
+            }
+            units = rest;
+            self.sends.pop_front();
         }
     }
 
@@ -106,7 +118,7 @@ impl Known {
         match answer {
             Ok(grant) => self.with_mark(budget, |mark| {
                 mark.window = rule.quota.iter().map(|q| q.limit).max().unwrap_or(0);
-                mark.granted(grant.slot.at, &grant.more, rule.interval);
+                mark.granted(grant.slot.at, &grant.more, rule.interval, rule.cost);
             }),
             // The schedule's next slot (a pause, a block, a vendor's reset).
             Err(ReserveError::TooLate { slot }) => {
@@ -140,6 +152,27 @@ impl Known {
             }
             mark.asked = Some(asked);
             mark.view = Some((now, view.clone()));
+        });
+    }
+
+    /// A settlement that charged `units` more than a request reserved, at `at`: in a budget
+    /// with quota windows, a send of those units (see `budget::schedule::Budget::settle`).
+    pub fn charged(&self, budget: &str, units: u32, at: Instant) {
+        self.with_mark(budget, |mark| {
+            if mark.window > 0 && units > 0 {
+                let latest = mark.sends.back().map_or(at, |(t, _)| at.max(*t));
+                mark.sends.push_back((latest, units));
+                mark.keep_window();
+            }
+        });
+    }
+
+    /// A slot granted here at `at` for `units`, given back unused: out of the windows.
+    pub fn given_back(&self, budget: &str, at: Instant, units: u32) {
+        self.with_mark(budget, |mark| {
+            if let Some(i) = mark.sends.iter().rposition(|s| *s == (at, units)) {
+                mark.sends.remove(i);
+            }
         });
     }
 
@@ -210,6 +243,7 @@ mod tests {
             },
             class: Class(0),
             more,
+            sent: Vec::new(),
         })
     }
 
@@ -300,6 +334,35 @@ mod tests {
         known.reserved("q", &r, &grant(at(0), vec![at(100), at(200)]));
         let (_, mark) = known.marks().pop().unwrap();
         assert_eq!(mark.window, 2);
-        assert_eq!(Vec::from(mark.sends), vec![at(100), at(200)]);
+        assert_eq!(Vec::from(mark.sends), vec![(at(100), 1), (at(200), 1)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_meter_s_window_keeps_enough_sends_for_its_units_charges_included() {
+        let known = Known::default();
+        let r = Rule {
+            quota: vec![Quota {
+                limit: 1000,
+                per: Duration::from_secs(60),
+            }],
+            ..rule(10.0)
+        };
+        let now = Instant::now();
+        let at = |ms| now + Duration::from_millis(ms);
+        known.reserved("m", &r.weighted(400), &grant(at(0), vec![at(100), at(200)]));
+        // 1,200 units: the window's 1,000 reach into the first send, which stays.
+        let (_, mark) = known.marks().pop().unwrap();
+        assert_eq!(
+            Vec::from(mark.sends),
+            vec![(at(0), 400), (at(100), 400), (at(200), 400)]
+        );
+        // A charge of 300 known before the latest slot counts at that slot; the first send
+        // is then out of the window's reach.
+        known.charged("m", 300, at(150));
+        let (_, mark) = known.marks().pop().unwrap();
+        assert_eq!(
+            Vec::from(mark.sends),
+            vec![(at(100), 400), (at(200), 400), (at(200), 300)]
+        );
     }
 }

@@ -36,11 +36,15 @@ enum Op {
     /// for a batch of up to `most` slots, else one request alone (the one-statement path).
     /// `limit`: whether to set a limit, and on which side of the model's slot (then it is 5
     /// to 50 ms off it).
+    /// `cost`: the units each slot weighs (a meter's), in the beat and the quota windows.
     Reserve {
         busy: bool,
         limit: Option<(bool, u64)>,
         most: u32,
+        cost: u32,
     },
+    /// A meter's settlement: this many units more than reserved (fewer where negative).
+    Settle(i64),
     /// A clean response, reserved under the current generation (`stale`: the one before).
     Clean {
         success: bool,
@@ -80,8 +84,15 @@ fn op() -> impl Strategy<Value = Op> {
             any::<bool>(),
             proptest::option::of((any::<bool>(), 5_000u64..50_000)),
             1u32..6,
+            prop::sample::select(vec![1u32, 1, 2, 3]),
         )
-            .prop_map(|(busy, limit, most)| Op::Reserve { busy, limit, most }),
+            .prop_map(|(busy, limit, most, cost)| Op::Reserve {
+                busy,
+                limit,
+                most,
+                cost,
+            }),
+        1 => (-3i64..4).prop_map(Op::Settle),
         3 => (any::<bool>(), proptest::bool::weighted(0.2))
             .prop_map(|(success, stale)| Op::Clean { success, stale }),
         2 => (
@@ -155,6 +166,7 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
                     jitter,
                 }),
                 interval: Duration::from_secs_f64(1.0 / rate),
+                cost: 1,
                 burst,
                 backoff_factor,
                 backoff_max,
@@ -243,6 +255,7 @@ fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), TestCaseError> {
 async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), TestCaseError> {
     let mut model = Budget::default();
     let mut now = START;
+    let mut reserved = false;
     db.set_now(now).await;
     for (step, op) in ops.iter().enumerate() {
         let at = || format!("step {step} ({op:?}) of {ops:?} with {rule:?}");
@@ -251,7 +264,20 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                 now += Duration::from_micros(*us);
                 db.set_now(now).await;
             }
-            Op::Reserve { busy, limit, most } => {
+            // A settlement follows its request's slot: none before the first granted.
+            Op::Settle(_) if !reserved => {}
+            Op::Settle(units) => {
+                model.settle(rule, *units, now);
+                db.store().settle(d, rule, *units).await.unwrap();
+            }
+            Op::Reserve {
+                busy,
+                limit,
+                most,
+                cost,
+            } => {
+                // The model reserves by the weighted rule, as every store does with the cost.
+                let weighted = rule.weighted(*cost);
                 let (count, most) = if *busy { (*most + 1, *most) } else { (1, 1) };
                 let list = [Waiting {
                     class: Class(0),
@@ -264,7 +290,7 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                 let not_after = limit.map(|(after, off_us)| {
                     let mut probe = model.clone();
                     let slot = probe
-                        .reserve_for(rule, now, "model", &list, None, 1)
+                        .reserve_for(&weighted, now, "model", &list, None, 1)
                         .map_or(now, |s| s.slot);
                     let off = Duration::from_micros(off_us);
                     if after {
@@ -273,7 +299,8 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                         slot.saturating_sub(off).max(now)
                     }
                 });
-                let expected = model.reserve_for(rule, now, "model", &list, not_after, most);
+                let expected = model.reserve_for(&weighted, now, "model", &list, not_after, most);
+                reserved |= expected.is_ok();
                 let real_now = Instant::now();
                 let queues = [ClassQueue {
                     class: Class(0),
@@ -285,7 +312,7 @@ async fn run(db: &dyn Modelled, d: &str, rule: &Rule, ops: &[Op]) -> Result<(), 
                     queues: &queues,
                     not_after: not_after.map(|n| real_now + (n - now)),
                     most,
-                    cost: 1,
+                    cost: *cost,
                 };
                 let got = db.store().reserve(d, rule, ask).await;
                 // The store reads the limit as a time from its own now, after taking its

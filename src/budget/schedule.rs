@@ -34,6 +34,18 @@ pub struct Vendor {
     pub taken: u64,
 }
 
+/// A send counted in a budget's quota windows: when it was, and the units sent up to and
+/// including it. Counting in a running total lets a window find the send that holds a given
+/// unit by a search, whatever each send weighed: one slot of a request budget, or a meter's
+/// request of thousands of tokens, or a settlement's charge after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sent {
+    /// When it was sent (its slot), or, for a charge, when the charge was known.
+    pub at: Duration,
+    /// Units sent on the budget up to and including this send.
+    pub through: u64,
+}
+
 /// One instance's waiting requests of one class, in store time.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Waiting {
@@ -75,8 +87,9 @@ pub struct Budget {
     pub lock: Option<Box<Lockout>>,
     /// Each class's credit towards its share, by rank (see [`choose`]).
     pub credits: Vec<f64>,
-    /// The latest slots, as many as the largest quota limit (none without a quota).
-    pub sends: VecDeque<Duration>,
+    /// The latest sends, enough to hold the largest quota limit's units (none without a
+    /// quota).
+    pub sends: VecDeque<Sent>,
     /// Each instance's waiting requests, by instance id.
     pub waiting: BTreeMap<String, Vec<Waiting>>,
 }
@@ -165,7 +178,7 @@ impl Budget {
         let last = [
             self.next_at,
             self.paused_until,
-            self.sends.back().copied().unwrap_or_default(),
+            self.sends.back().map(|s| s.at).unwrap_or_default(),
         ]
         .into_iter()
         .max()
@@ -189,9 +202,10 @@ impl Budget {
     /// timer lateness never accumulates; after an idle spell longer than the tolerance, the
     /// schedule restarts from `now`.
     ///
-    /// With quota windows, a slot also waits until the oldest send of a full window has left
-    /// it, plus [`Rule::quota_margin`] so that a slot used late, or slow to reach the upstream,
-    /// still cannot crowd a window there.
+    /// With quota windows, a slot also waits until the window has room for its units
+    /// ([`Rule::cost`]: one for a request, a meter's estimate for a weighted slot), plus
+    /// [`Rule::quota_margin`] so that a slot used late, or slow to reach the upstream, still
+    /// cannot crowd a window there (see [`Budget::window_floor`]).
     ///
     /// With a vendor view, the k-th slot since it was said waits for its share of the window:
     /// `observed + k × (reset − observed) / (remaining − reserve)`, and past the last share,
@@ -211,16 +225,7 @@ impl Budget {
         let mut slot = now
             .max(self.next_at.saturating_sub(tolerance))
             .max(self.paused_until);
-        for q in &rule.quota {
-            let limit = q.limit as usize;
-            if self.sends.len() >= limit {
-                let first = self.sends[self.sends.len() - limit];
-                slot = slot.max(first + q.per + rule.quota_margin());
-            }
-        }
-        if let Some(last) = self.sends.back() {
-            slot = slot.max(*last);
-        }
+        slot = slot.max(self.window_floor(rule));
         if self.vendor.as_ref().is_some_and(|v| v.reset <= now) {
             self.vendor = None;
         }
@@ -235,12 +240,7 @@ impl Budget {
         }
         self.next_at = self.next_at.max(slot) + t;
         self.last_slot = self.last_slot.max(slot);
-        if let Some(keep) = rule.quota.iter().map(|q| q.limit as usize).max() {
-            self.sends.push_back(slot);
-            while self.sends.len() > keep {
-                self.sends.pop_front();
-            }
-        }
+        self.sent(rule, slot, u64::from(rule.cost));
         Ok((slot, self.generation))
     }
 
@@ -252,7 +252,14 @@ impl Budget {
     /// slots stay in the order they were granted, so that a window holds at most the rate's
     /// share, one request's cost, and what one request in flight was estimated above its
     /// cost.
+    ///
+    /// In quota windows a charge counts as a send of its units when it is known (no earlier
+    /// than the latest slot, so that the sends stay in time order); a refund is not taken out
+    /// of them: a quota is a hard ceiling, and counting the estimate only leaves it under-used.
     pub fn settle(&mut self, rule: &Rule, units: i64, now: Duration) {
+        if units > 0 {
+            self.sent(rule, now.max(self.last_slot), units.unsigned_abs());
+        }
         let shift = self
             .interval(rule)
             .saturating_mul(u32::try_from(units.unsigned_abs()).unwrap_or(u32::MAX));
@@ -264,6 +271,81 @@ impl Budget {
                 .saturating_sub(shift)
                 .max(self.next_at.min(floor))
         };
+    }
+
+    /// The earliest a slot of [`Rule::cost`] units fits every quota window: for each window
+    /// of `limit` units, the send that holds unit `through + cost - limit` (the first that must
+    /// have left the window for the slot's units to fit) must be a window and its margin
+    /// past; and no slot goes before the latest send, so that the sends stay in time order.
+    /// A slot costing more than a window's limit waits for the whole window to empty.
+    fn window_floor(&self, rule: &Rule) -> Duration {
+        let Some(last) = self.sends.back() else {
+            return Duration::ZERO;
+        };
+        let mut floor = last.at;
+        for q in &rule.quota {
+            let limit = u64::from(q.limit);
+            let want = (last.through + u64::from(rule.cost).min(limit)).saturating_sub(limit);
+            if want == 0 {
+                continue;
+            }
+            let i = self.sends.partition_point(|s| s.through < want);
+            if let Some(holder) = self.sends.get(i) {
+                floor = floor.max(holder.at + q.per + rule.quota_margin());
+            }
+        }
+        floor
+    }
+
+    /// Counts a send of `units` at `at` in the quota windows, and forgets the sends no
+    /// window can reach: those wholly before the largest limit's units.
+    fn sent(&mut self, rule: &Rule, at: Duration, units: u64) {
+        let Some(keep) = rule.quota.iter().map(|q| u64::from(q.limit)).max() else {
+            return;
+        };
+        let through = self.sends.back().map_or(0, |s| s.through) + units;
+        self.sends.push_back(Sent { at, through });
+        while self
+            .sends
+            .front()
+            .is_some_and(|s| s.through + keep <= through)
+        {
+            self.sends.pop_front();
+        }
+    }
+
+    /// Takes the send at `at` of `units` out of the quota windows: a slot given back unused
+    /// (see [`crate::budget::Store::give_back`]). The sends after it count that many units
+    /// fewer. A send no longer kept, or not of those units, is left alone.
+    pub fn unsend(&mut self, at: Duration, units: u64) {
+        let Some(i) = (0..self.sends.len()).rev().find(|i| {
+            let s = self.sends[*i];
+            let own = match i.checked_sub(1) {
+                Some(p) => s.through - self.sends[p].through,
+                None => units.min(s.through),
+            };
+            s.at == at && own == units
+        }) else {
+            return;
+        };
+        self.sends.remove(i);
+        for s in self.sends.iter_mut().skip(i) {
+            s.through -= units;
+        }
+    }
+
+    /// The units sent within `per` before `now`. Where no send kept lies before the window,
+    /// every unit counted is taken to be in it: the sends forgotten held at least the largest
+    /// limit, so the caller's cap at the limit is then exact.
+    pub fn sent_within(&self, per: Duration, now: Duration) -> u64 {
+        let Some(last) = self.sends.back() else {
+            return 0;
+        };
+        let before = now
+            .checked_sub(per)
+            .and_then(|from| self.sends.partition_point(|s| s.at <= from).checked_sub(1))
+            .map_or(0, |i| self.sends[i].through);
+        last.through - before
     }
 
     /// When the next slot is free by the beat and a pause (quota windows and the vendor's

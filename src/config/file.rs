@@ -337,8 +337,7 @@ pub(super) struct RawMeter {
     pub(super) rate: Option<f64>,
     pub(super) cost: Option<RawCost>,
     pub(super) default: Option<u64>,
-    /// Read only to be refused with a reason: a meter has no quota windows yet.
-    pub(super) quota: Option<toml::Value>,
+    pub(super) quota: Option<Vec<Quota>>,
 }
 
 impl RawDestination {

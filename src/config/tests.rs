@@ -852,6 +852,62 @@ fn meters_are_read_in_their_units_with_the_destination_s_keys() {
 }
 
 #[test]
+fn a_meter_s_quota_windows_are_in_its_unit_and_bound_its_largest_estimate() {
+    let c = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.openai]
+        hosts = ["api.openai.com"]
+        rate = 50
+        [destinations.openai.meters.tokens]
+        per_minute = 90000
+        cost = "openai"
+        quota = [{{ limit = 2000000, per = "1d" }}, {{ limit = 60000, per = "1m" }}]
+        "#
+    ))
+    .unwrap();
+    let tokens = &c.destinations[0].meters[0];
+    assert_eq!(
+        tokens
+            .pace
+            .quota
+            .iter()
+            .map(|q| q.limit)
+            .collect::<Vec<_>>(),
+        [2_000_000, 60_000]
+    );
+    // No request is estimated above what its smallest window holds, or it could never fit.
+    assert_eq!(tokens.size, 60_000);
+    // A meter split by key needs its keys kept as long as its longest window.
+    let err = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.openai]
+        hosts = ["api.openai.com"]
+        rate = 50
+        key = "json:model"
+        [destinations.openai.meters.tokens]
+        per_minute = 90000
+        cost = "openai"
+        quota = [{{ limit = 2000000, per = "1d" }}, {{ limit = 5, per = "0s" }}]
+        "#
+    ))
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [
+            "destinations.openai.meters.tokens.quota",
+            "destinations.openai.meters.tokens.quota[1].per"
+        ],
+        "{err:#?}"
+    );
+    assert!(
+        format!("{err:?}").contains("raise `key_idle` to at least 1day"),
+        "{err:#?}"
+    );
+}
+
+#[test]
 fn meter_mistakes_are_reported_with_their_key_paths() {
     let err = parse(&format!(
         r#"{MINIMAL}
@@ -875,7 +931,7 @@ fn meter_mistakes_are_reported_with_their_key_paths() {
         [destinations.openai.groups.chat.meters.tokens]
         per_minute = 0
         cost = "openai"
-        quota = [{{ limit = 1000000, per = "1d" }}]
+        quota = [{{ limit = 0, per = "1d" }}]
         "#
     ))
     .unwrap_err();
@@ -885,7 +941,7 @@ fn meter_mistakes_are_reported_with_their_key_paths() {
         got,
         vec![
             "destinations.openai.groups.chat.meters.tokens.per_minute",
-            "destinations.openai.groups.chat.meters.tokens.quota",
+            "destinations.openai.groups.chat.meters.tokens.quota[0].limit",
             "destinations.openai.max_body",
             "destinations.openai.meters.free.colour",
             "destinations.openai.meters.free.cost",

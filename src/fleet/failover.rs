@@ -44,8 +44,8 @@ use super::heartbeat::{self, Health};
 use super::standing::{Alone, Split, Standing, StandingGauges};
 use super::{Fleet, Instance, Membership, ALONE_AFTER, HEARTBEAT, LIVE_WITHIN};
 use crate::budget::{
-    Ask, BudgetView, ClassQueue, Event, Grant, Known, Lockout, Observation, ReserveError, Rule,
-    Snapshot, Store, StoreError,
+    Ask, BudgetView, ClassQueue, Event, Grant, Known, Lockout, Observation, Reservation,
+    ReserveError, Rule, Snapshot, Store, StoreError,
 };
 use crate::config::OnUnavailable;
 use crate::destination::Quota;
@@ -109,8 +109,9 @@ pub trait Fallback: Store {
     /// schedule continuing after `next_at`.
     fn seed(&self, destination: &str, view: &BudgetView, next_at: Option<Instant>);
 
-    /// Takes `destination`'s quota windows to be full now, with `sends` slots each.
-    fn fill_windows(&self, destination: &str, sends: u32);
+    /// Takes `destination`'s quota windows to be full now, with `units` sent in each (a
+    /// request budget's slots, a meter's units).
+    fn fill_windows(&self, destination: &str, units: u32);
 }
 
 /// A shared store, degrading per [`OnUnavailable`] while it is unreachable.
@@ -575,6 +576,33 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
                 .settle(budget, alone.as_ref().unwrap_or(rule), units)
                 .await
         })
+        .await
+    }
+
+    async fn give_back(
+        &self,
+        budget: &str,
+        rule: &Rule,
+        slot: &Reservation,
+        sent: Option<u64>,
+        units: u32,
+    ) -> Result<(), StoreError> {
+        let governing = self.agreement.governing(budget);
+        let rule = governing.as_deref().unwrap_or(rule);
+        // A slot names a send in the windows of the store that granted it; the other store
+        // finds none by it and only refunds.
+        self.shared_or_local(
+            self.primary.give_back(budget, rule, slot, sent, units),
+            || async move {
+                let alone = match self.standing.alone(Instant::now()) {
+                    Alone::Pace(part, _) => Self::alone_rule(rule, part),
+                    _ => None,
+                };
+                self.local
+                    .give_back(budget, alone.as_ref().unwrap_or(rule), slot, sent, units)
+                    .await
+            },
+        )
         .await
     }
 

@@ -177,6 +177,7 @@ impl Pacer {
                 unseen_late: Duration::ZERO,
             },
             cost: 1,
+            sent: None,
         };
         self.sent(route, keys, granted, Instant::now(), Duration::ZERO, None)
     }
@@ -269,7 +270,17 @@ impl Pacer {
             };
             if let Some(slot) = taken {
                 let now = until(slot.at, now).await;
-                return Ok((lane::Grant { class, slot, cost }, now));
+                // A slot taken at once is the memory store's: its instant names its send.
+                let sent = None;
+                return Ok((
+                    lane::Grant {
+                        class,
+                        slot,
+                        cost,
+                        sent,
+                    },
+                    now,
+                ));
             }
             // Boxed: a request that waits in the queue waits for its slot anyway, and the wait
             // is most of what this future would hold in every request's (see `Pacer::enter`).

@@ -371,6 +371,7 @@ impl Dispatcher {
         let slots = std::iter::once(grant.slot.at).chain(grant.more.iter().copied());
         for (i, at) in slots.enumerate() {
             let slot = Reservation { at, ..grant.slot };
+            let sent = grant.sent.get(i).copied();
             match self
                 .sleep_to_slot(slot, grant.class, count - i, last, &mut told)
                 .await
@@ -385,7 +386,7 @@ impl Dispatcher {
                     tracing::debug!(destination = %self.lane.name, left, "the budget turned stricter; the rest of the batch is dropped");
                     return true;
                 }
-                Some(Slept::OnTime) => self.settle(slot, grant.class, cost),
+                Some(Slept::OnTime) => self.settle((slot, sent), grant.class, cost),
                 Some(Slept::Locked(lock)) => {
                     self.forget_ahead();
                     self.lane.refuse_all(&self.lane.locked_error(lock));
@@ -552,7 +553,7 @@ impl Dispatcher {
 
     /// Hands the slot that has come to the request of `class` it was granted for, unless it
     /// came too late to use.
-    fn settle(&self, slot: Reservation, class: Class, cost: u32) {
+    fn settle(&self, (slot, sent): (Reservation, Option<u64>), class: Class, cost: u32) {
         let lane = &self.lane;
         // A slot is an instant, not a licence: a request sent well after it (this process was
         // descheduled, or the store's answer was delayed) would bunch with the next ones. Such
@@ -562,7 +563,7 @@ impl Dispatcher {
             tracing::info!(destination = %lane.name, late_ms = late.as_secs_f64() * 1000.0, "slot too late to use; reserving another");
             return;
         }
-        if !lane.hand_out(class, slot, cost) {
+        if !lane.hand_out(class, (slot, sent), cost) {
             tracing::debug!(destination = %lane.name, "a reserved slot found no waiter (all gave up)");
         }
     }
@@ -602,10 +603,12 @@ impl Dispatcher {
                 lane.refuse_all(&lane.locked_error(lock));
             }
             ReserveError::TooLate { slot } => {
-                // Every waiter's deadline is before the first free slot: refuse them all now
-                // rather than let them wait for nothing.
+                // Every waiter asked for has a deadline before the first free slot: refuse
+                // them now rather than let them wait for nothing. One that came since, with
+                // a later deadline (a request's own, behind a meter's quick second try),
+                // waits on.
                 let retry_after = slot.saturating_duration_since(Instant::now());
-                let waiters = lane.queue.lock().drain();
+                let waiters = lane.queue.lock().drain_before(slot);
                 for w in waiters {
                     let error = lane.deadline_error(w.class, retry_after);
                     w.refuse(error);

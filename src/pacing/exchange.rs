@@ -5,6 +5,7 @@
 //! through a fresh slot. The proxy hands [`Pacer::exchange`] a request and the upstream client
 //! and gets a response or a refusal: lateness, retries and verdicts are decided here only.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -189,7 +190,9 @@ impl Pacer {
                         self.shadow_meters(m, class, deadline);
                     }
                 }
-                let metered = metered && !shadow;
+                // Where the request's own budget binds, its meters are taken at its slot (4).
+                let metered =
+                    metered && !shadow && !route.meters().own_binds.load(Ordering::Relaxed);
                 if cold || metered {
                     // Boxed, as the other rare waits here (see `Pacer::enter`): one wait for
                     // both, since a wait held in the future costs every request its room.
@@ -240,10 +243,13 @@ impl Pacer {
                     }
                     continue;
                 }
-                if let Some(m) = outgoing.meters() {
-                    if !shadow && self.meters_too_late(m, admission.sent) {
-                        continue;
-                    }
+                // Its meters' slots, where they are to be taken at its own: boxed, as the
+                // other rare waits here.
+                if !shadow
+                    && self.meters_due_at_slot(outgoing, admission.sent)
+                    && !Box::pin(self.meters_at_slot(outgoing, route, class, &admission)).await
+                {
+                    continue;
                 }
                 let req = if retryable {
                     outgoing.attempt()

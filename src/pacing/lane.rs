@@ -656,7 +656,12 @@ impl Lane {
     }
 
     /// Hands `slot` to the waiter it is for (see [`Queue::hand_out`]).
-    pub(super) fn hand_out(&self, class: Class, slot: Reservation, cost: u32) -> bool {
+    pub(super) fn hand_out(
+        &self,
+        class: Class,
+        slot: (Reservation, Option<u64>),
+        cost: u32,
+    ) -> bool {
         self.queue.lock().hand_out(class, slot, cost, |class| {
             self.deadline_error(class, self.keys.load().rule.interval)
         })
@@ -689,6 +694,7 @@ fn rule_of(pace: &Pace, classes: &Classes, of_key: bool) -> Rule {
         shares: Arc::from(classes.shares()),
         quota: pace.quota.clone(),
         interval: Duration::from_secs_f64(1.0 / rate),
+        cost: 1,
         burst: pace.burst,
         backoff_factor: pace.backoff_factor,
         backoff_max: pace.backoff_max,

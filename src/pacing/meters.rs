@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use super::lane::Lane;
 use super::outgoing::{BodyError, Outgoing};
-use super::{PaceError, Pacer, Route};
+use super::{Admission, PaceError, Pacer, Route};
 use crate::budget::{Event, Observation, Pause, Reservation, Store};
 use crate::class::Class;
 use crate::destination::KeyFrom;
@@ -47,6 +47,8 @@ struct Taken {
     /// The slot, and what it was reserved for (the cost the dispatcher asked it for, which
     /// may be another waiter's: settled against all the same).
     slot: Option<(Reservation, u32)>,
+    /// The slot's mark in the meter's quota windows, where its store gave one.
+    sent: Option<u64>,
     /// Where its cost is its query's: the query, whose settled cost is recalled for the next.
     query: Option<Query>,
 }
@@ -57,6 +59,10 @@ pub(super) struct Metering {
     /// A stream was asked for its usage on the client's behalf (see [`usage`]): what that
     /// added is taken out of the answer.
     asked_usage: bool,
+    /// Slots given back whose store calls may not have landed yet: the request's next
+    /// slots are taken only once they have, or a quota window would still count the ones
+    /// given back and place the new ones a window later.
+    returning: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Metering {
@@ -67,11 +73,16 @@ impl Metering {
 }
 
 impl Taken {
-    /// Gives its slot back whole, if it holds one.
-    fn give_back(&mut self, store: &Arc<dyn Store>) {
-        if let Some((_, reserved)) = self.slot.take() {
-            settle(store, &self.lane, -i64::from(reserved));
-        }
+    /// Holds the slot its meter granted.
+    fn hold(&mut self, granted: super::lane::Grant) {
+        self.slot = Some((granted.slot, granted.cost));
+        self.sent = granted.sent;
+    }
+
+    /// Gives its slot back whole, if it holds one: the store's call, under way.
+    fn give_back(&mut self, store: &Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
+        let (slot, reserved) = self.slot.take()?;
+        give_back(store, &self.lane, slot, self.sent.take(), reserved)
     }
 }
 
@@ -123,6 +134,7 @@ impl Pacer {
                     cost: m.cost.clone(),
                     estimate: m.cost.estimate(read, outgoing.headers(), default, m.size),
                     slot: None,
+                    sent: None,
                     query,
                 }
             })
@@ -142,7 +154,14 @@ impl Pacer {
             .then(|| body.as_deref().and_then(usage::ask))
             .flatten();
         let asked_usage = asked.is_some();
-        outgoing.metered(asked.or(body), Metering { taken, asked_usage });
+        outgoing.metered(
+            asked.or(body),
+            Metering {
+                taken,
+                asked_usage,
+                returning: Vec::new(),
+            },
+        );
         Ok(())
     }
 
@@ -195,6 +214,10 @@ impl Pacer {
             .collect();
         let asked = Instant::now();
         for _ in 0..METER_ROUNDS {
+            // Bounded by the store's own timeout, as every call of it is.
+            for returning in metering.returning.drain(..) {
+                let _ = returning.await;
+            }
             for &i in &wanted {
                 let t = &metering.taken[i];
                 let lane = t.lane.clone();
@@ -206,7 +229,7 @@ impl Pacer {
                     .await;
                 match waited {
                     Ok((granted, _)) => {
-                        metering.taken[i].slot = Some((granted.slot, granted.cost));
+                        metering.taken[i].hold(granted);
                     }
                     Err(e) => {
                         self.give_back(metering);
@@ -237,7 +260,8 @@ impl Pacer {
                 break;
             }
             for &i in &wanted {
-                metering.taken[i].give_back(&self.store);
+                let returning = metering.taken[i].give_back(&self.store);
+                metering.returning.extend(returning);
             }
         }
         // Still stale after every round: the send's own check gives them all back.
@@ -268,31 +292,113 @@ impl Pacer {
     }
 
     /// Whether a meter's slot is too late at `now` to send on (see [`METER_LATE`]): then
-    /// every meter's slot is given back, and the request waits for new ones.
+    /// every meter's slot is given back, to be taken again (see [`Pacer::retake_meters`]).
     pub(super) fn meters_too_late(&self, metering: &mut Metering, now: Instant) -> bool {
-        let late = metering.taken.iter().find_map(|t| {
-            let (slot, _) = t.slot?;
-            let late = slot.lateness(now);
-            (late > METER_LATE).then_some((t, late))
+        let late = metering.taken.iter().any(|t| {
+            t.slot
+                .is_some_and(|(slot, _)| slot.lateness(now) > METER_LATE)
         });
-        let Some((t, late)) = late else {
-            return false;
+        if late {
+            self.give_back(metering);
+        }
+        late
+    }
+
+    /// Whether `outgoing`'s meters are to be taken at its own slot, sent at `sent`: none
+    /// was taken before it (its own budget binds), or those taken went stale waiting for it
+    /// (and are given back, see [`Pacer::meters_too_late`]).
+    pub(super) fn meters_due_at_slot(&self, outgoing: &mut Outgoing, sent: Instant) -> bool {
+        outgoing.meters().is_some_and(|m| {
+            m.taken.iter().any(|t| t.slot.is_none()) || self.meters_too_late(m, sent)
+        })
+    }
+
+    /// Takes `outgoing`'s meters at its own slot (see [`Pacer::retake_meters`]); returns
+    /// whether it may go on that slot. Its budget binds from then on, for the requests after
+    /// it too, until a meter is not to be had by the slot: then that one binds again, and the
+    /// request waits for both once more.
+    pub(super) async fn meters_at_slot(
+        &self,
+        outgoing: &mut Outgoing,
+        route: &Route,
+        class: Class,
+        admission: &Admission,
+    ) -> bool {
+        let Some(m) = outgoing.meters() else {
+            return true;
         };
-        t.lane.series(&self.metrics).slots_dropped.inc();
+        let own = &route.meters().own_binds;
+        own.store(true, Ordering::Relaxed);
+        if self.retake_meters(m, class, admission.send_by()).await
+            && !self.too_late(admission, Instant::now())
+        {
+            return true;
+        }
+        own.store(false, Ordering::Relaxed);
+        self.give_back(m);
+        false
+    }
+
+    /// At the request's own slot, its meters' slots that went stale waiting for it (see
+    /// [`Pacer::meters_too_late`], which gave them back) are taken again, each due by `by`
+    /// (the latest the request may still go on its own slot). Returns whether every one was:
+    /// the request then goes on its own slot, with fresh ones. Where the request's own budget
+    /// binds and its meters have room, this is how it goes at all: taken again before its
+    /// own slot, as the order otherwise has it, they would go stale again waiting behind
+    /// the requests queued there meanwhile, for ever. Where one is not due by then (that
+    /// meter binds after all), none is kept and the request waits for both again.
+    pub(super) async fn retake_meters(
+        &self,
+        metering: &mut Metering,
+        class: Class,
+        by: Instant,
+    ) -> bool {
+        for returning in metering.returning.drain(..) {
+            let _ = returning.await;
+        }
+        for i in 0..metering.taken.len() {
+            let t = &metering.taken[i];
+            let lane = t.lane.clone();
+            let keys = lane.keys();
+            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
+            match self
+                .slot(&lane, &keys.rule, class, (Instant::now(), by), cost)
+                .await
+            {
+                Ok((granted, _)) if granted.slot.at <= by => {
+                    metering.taken[i].hold(granted);
+                }
+                Ok((granted, _)) => {
+                    metering.taken[i].hold(granted);
+                    self.meters_missed(metering, &lane);
+                    return false;
+                }
+                Err(_) => {
+                    self.meters_missed(metering, &lane);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// A request's meters could not be had again by its own slot ([`Pacer::retake_meters`]):
+    /// `lane`'s binds. Every one is given back, and the request waits for both again.
+    fn meters_missed(&self, metering: &mut Metering, lane: &Arc<Lane>) {
+        lane.series(&self.metrics).slots_dropped.inc();
         tracing::info!(
-            destination = %t.lane.name,
-            late_ms = late.as_secs_f64() * 1000.0,
+            destination = %lane.name,
             "a request whose own slot came too long after its meter's waits for both again"
         );
         self.give_back(metering);
-        true
     }
 
     /// Gives every meter's slot back whole: the request did not go, or the vendor charged
     /// nothing for it.
     pub(super) fn give_back(&self, metering: &mut Metering) {
         for t in &mut metering.taken {
-            t.give_back(&self.store);
+            let returning = t.give_back(&self.store);
+            metering.returning.extend(returning);
         }
     }
 
@@ -300,6 +406,7 @@ impl Pacer {
     /// request's estimate, charged as the vendor counts it), and a retry takes new ones.
     pub(super) fn spent(&self, metering: &mut Metering) {
         for t in &mut metering.taken {
+            t.sent = None;
             if let Some((_, reserved)) = t.slot.take() {
                 self.metrics
                     .meter_units
@@ -426,6 +533,25 @@ fn settle(store: &Arc<dyn Store>, lane: &Arc<Lane>, units: i64) {
         }
 
     });
+}
+
+/// Gives `slot`, reserved for `units` on `lane`, back to the store unused (see
+/// [`Store::give_back`]), as [`settle`] does a settlement: on a task of its own.
+fn give_back(
+    store: &Arc<dyn Store>,
+    lane: &Arc<Lane>,
+    slot: Reservation,
+    sent: Option<u64>,
+    units: u32,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    let (store, lane) = (store.clone(), lane.clone());
+    Some(runtime.spawn(async move {
+        let rule = lane.keys().rule.clone();
+        if let Err(e) = store.give_back(&lane.name, &rule, &slot, sent, units).await {
+            tracing::warn!(destination = %lane.name, units, "cannot give a meter's slot back ({e}); its estimate stands");
+        }
+    }))
 }
 
 /// One meter's reading of a response.

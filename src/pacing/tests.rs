@@ -894,6 +894,17 @@ impl Store for Stalling {
         self.inner.settle(budget, rule, units).await
     }
 
+    async fn give_back(
+        &self,
+        budget: &str,
+        rule: &crate::budget::Rule,
+        slot: &crate::budget::Reservation,
+        sent: Option<u64>,
+        units: u32,
+    ) -> Result<(), StoreError> {
+        self.inner.give_back(budget, rule, slot, sent, units).await
+    }
+
     async fn view(&self, destination: &str) -> Result<crate::budget::BudgetView, StoreError> {
         self.read();
         self.inner.view(destination).await

@@ -5,7 +5,7 @@ mod state_file;
 
 use state_file::Durability;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::budget::schedule::{Budget, NoSlot, Waiting};
+use crate::budget::schedule::{Budget, NoSlot, Sent, Waiting};
 use crate::budget::{
     halted_by, Ask, BudgetView, ClassQueue, ClassWaiting, Event, Grant, Lockout, Observation,
     Reservation, ReserveError, Rule, Snapshot, Store, StoreError, VendorView,
@@ -204,13 +204,9 @@ impl MemoryStore {
             .iter()
             .map(|q| {
                 budgets.get(destination).map_or(0, |b| {
-                    let from = now.checked_sub(q.per);
-                    let n = b
-                        .sends
-                        .iter()
-                        .filter(|t| from.is_none_or(|f| **t > f))
-                        .count();
-                    (n as u32).min(q.limit)
+                    u32::try_from(b.sent_within(q.per, now))
+                        .unwrap_or(u32::MAX)
+                        .min(q.limit)
                 })
             })
             .collect()
@@ -263,6 +259,8 @@ impl Store for MemoryStore {
                         },
                         class: granted.class,
                         more: granted.more.iter().map(|t| self.instant(*t)).collect(),
+                        // A slot's instant names its send exactly here.
+                        sent: Vec::new(),
                     })
                 }
                 Err(NoSlot::Locked(lock)) => Err(ReserveError::Locked(lock)),
@@ -354,6 +352,28 @@ impl Store for MemoryStore {
         let now = self.now();
         if let Some(b) = self.budgets.lock().get_mut(budget) {
             b.settle(rule, units, now);
+            if units > 0 && !rule.quota.is_empty() {
+                self.mark(budget);
+            }
+        }
+        Ok(())
+    }
+
+    async fn give_back(
+        &self,
+        budget: &str,
+        rule: &Rule,
+        slot: &Reservation,
+        _sent: Option<u64>,
+        units: u32,
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        if let Some(b) = self.budgets.lock().get_mut(budget) {
+            if !rule.quota.is_empty() {
+                b.unsend(self.offset(slot.at), u64::from(units));
+                self.mark(budget);
+            }
+            b.settle(rule, -i64::from(units), now);
         }
         Ok(())
     }
@@ -462,14 +482,17 @@ impl Fallback for MemoryStore {
         }
     }
 
-    /// Fills `destination`'s quota windows as of now: `sends` slots taken at this instant. A
-    /// store taking over from a lost shared one cannot know how full the shared windows are,
-    /// so it assumes them full.
-    fn fill_windows(&self, destination: &str, sends: u32) {
+    /// Fills `destination`'s quota windows as of now: `units` sent at this instant. A store
+    /// taking over from a lost shared one cannot know how full the shared windows are, so it
+    /// assumes them full.
+    fn fill_windows(&self, destination: &str, units: u32) {
         let now = self.now();
         let mut budgets = self.budgets.lock();
         let b = budgets.entry(destination.to_owned()).or_default();
-        b.sends = std::iter::repeat_n(now, sends as usize).collect();
+        b.sends = VecDeque::from([Sent {
+            at: now,
+            through: u64::from(units),
+        }]);
     }
 }
 

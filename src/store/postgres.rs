@@ -27,7 +27,9 @@ mod sql;
 mod typed;
 
 pub use migrations::MIGRATIONS;
-use rows::{after, columns, db, lockout, pause_args, rows_of, snapshot_of, view_of, Row};
+use rows::{
+    after, columns, db, lockout, pause_args, rows_of, sent_mark, snapshot_of, view_of, Row,
+};
 use sql::*;
 
 use clock::DbClock;
@@ -319,6 +321,7 @@ impl PostgresStore {
                         },
                         class: only.class,
                         more: Vec::new(),
+                        sent: Vec::new(),
                     });
                 }
             }
@@ -364,6 +367,7 @@ impl PostgresStore {
                     &lead,
                     &lost_hold,
                     &(rule.vendor_pace == VendorPace::Spread),
+                    &i64::from(rule.cost),
                 ],
             )
             .await?;
@@ -383,12 +387,14 @@ impl PostgresStore {
         match outcome {
             "granted" => {
                 let class = Class(u16::try_from(row.get::<_, i32>(4)).unwrap_or(0));
-                let more: Vec<Instant> = row
+                let more_at = row
                     .get::<_, Option<Vec<SystemTime>>>(10)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|s| clock.local(s))
-                    .collect();
+                    .unwrap_or_default();
+                let more: Vec<Instant> = more_at.iter().map(|s| clock.local(*s)).collect();
+                let sent = match rule.quota.is_empty() {
+                    true => Vec::new(),
+                    false => slot.iter().chain(&more_at).map(|s| sent_mark(*s)).collect(),
+                };
                 let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
                 self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
                 let first = at(slot)?;
@@ -400,6 +406,7 @@ impl PostgresStore {
                     },
                     class,
                     more,
+                    sent,
                 })
             }
             // Another instance's request goes first: tell the list again next time, in
@@ -591,7 +598,34 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         // Units as seconds of the schedule: at most a meter's size of intervals, exact in f64.
         let secs = rule.interval.as_secs_f64() * units as f64;
-        client.rows(SQL_SETTLE, &[&budget, &secs]).await?;
+        let charged = if rule.quota.is_empty() {
+            0
+        } else {
+            units.max(0)
+        };
+        client.rows(SQL_SETTLE, &[&budget, &secs, &charged]).await?;
+        let charged = u32::try_from(charged).unwrap_or(u32::MAX);
+        self.known.charged(budget, charged, Instant::now());
+        Ok(())
+    }
+
+    async fn give_back(
+        &self,
+        budget: &str,
+        rule: &Rule,
+        slot: &Reservation,
+        sent: Option<u64>,
+        units: u32,
+    ) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let secs = -rule.interval.as_secs_f64() * f64::from(units);
+        let at = sent.map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us));
+        client
+            .rows(SQL_GIVE_BACK, &[&budget, &secs, &at, &i64::from(units)])
+            .await?;
+        if at.is_some() {
+            self.known.given_back(budget, slot.at, units);
+        }
         Ok(())
     }
 

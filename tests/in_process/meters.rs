@@ -440,3 +440,77 @@ async fn a_group_s_meter_paces_its_requests_and_no_other() {
         150.0
     );
 }
+
+/// Twelve workers sending chat completions one after the other through `proxy` to `vendor`
+/// for `run`; returns how many of the answers were not 200.
+async fn twelve_workers(proxy: &TestProxy, vendor: &FakeLlm, run: Duration) -> usize {
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let until = std::time::Instant::now() + run;
+    let workers: Vec<_> = (0..12)
+        .map(|w| {
+            let (via, url) = (via.clone(), vendor.url());
+            tokio::spawn(async move {
+                let mut failed = 0;
+                let body = serde_json::json!({
+                    "model": "m",
+                    "max_tokens": 300 + w,
+                    "messages": [{"role": "user", "content": "x".repeat(1000)}],
+                });
+                while std::time::Instant::now() < until {
+                    let resp = via
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body.to_string())
+                        .send()
+                        .await
+                        .unwrap();
+                    failed += usize::from(resp.status() != 200);
+                    resp.bytes().await.unwrap();
+                }
+                failed
+            })
+        })
+        .collect();
+    let mut failed = 0;
+    for w in workers {
+        failed += w.await.unwrap();
+    }
+    failed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_request_rate_binds_a_meter_with_room_never_stalls_the_requests() {
+    // Its certificate authority is not used: the vendor is plain HTTP.
+    let unused = FakeUpstream::start().await;
+    let vendor = FakeLlm::start(1e9, 1e9).await;
+    // 50 requests a second bind; the meter's 100,000 tokens a second (about 175 of these
+    // requests) never do. Each request's meter slot comes at once, its own up to twelve
+    // intervals later: taken first, the meter's would go stale behind the queue each time.
+    let config = "[destinations.llm]\nhosts = [\"localhost\"]\nrate = 50\n\
+         [destinations.llm.meters.tokens]\nrate = 100000\ncost = \"openai\"\n";
+    let proxy = TestProxy::start(&unused.ca.cert_path, "", config).await;
+    let run = Duration::from_secs(2);
+    let failed = twelve_workers(&proxy, &vendor, run).await;
+    assert_eq!(failed, 0);
+    let sent = vendor.charges().len();
+    // The 2 s at 50 a second, less a margin for a loaded machine.
+    assert!(sent >= 70, "{sent} requests went in {run:?} at 50 a second");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_window_in_tokens_is_filled_by_requests_that_wait_for_their_own_rate() {
+    let unused = FakeUpstream::start().await;
+    let vendor = FakeLlm::quota(12_000.0, Duration::from_secs(2)).await;
+    // The quota (about 21 of these requests in 2 s) binds over the window, the request rate
+    // within it: a meter slot given back while its request waits leaves the window, or the
+    // window fills with slots never used.
+    let config = "[destinations.llm]\nhosts = [\"localhost\"]\nrate = 50\n\
+         [destinations.llm.meters.tokens]\nrate = 100000\ncost = \"openai\"\n\
+         quota = [{ limit = 12000, per = \"2s\" }]\n";
+    let proxy = TestProxy::start(&unused.ca.cert_path, "", config).await;
+    let failed = twelve_workers(&proxy, &vendor, Duration::from_millis(4500)).await;
+    assert_eq!(failed, 0, "the vendor's quota was overrun");
+    // Three windows' worth began within the run: at least 15 of each window's 21.
+    let sent = vendor.charges().len();
+    assert!(sent >= 45, "{sent} requests in three windows of 21");
+}

@@ -166,6 +166,71 @@ async fn without_a_token_meter_the_same_load_is_refused_by_the_vendor() {
     );
 }
 
+/// A token quota of fixed windows, made short: 12,000 tokens in each 2 s.
+const QUOTA: f64 = 12_000.0;
+const QUOTA_PER: Duration = Duration::from_secs(2);
+
+/// A fleet with a token meter far faster than the quota allows (100,000 tokens a second)
+/// and the quota's windows on it, or (the control) with no meter at all.
+async fn quota_fleet(windows: bool) -> Fleet {
+    metered(windows.then(|| {
+        format!(
+            "[destinations.local.meters.tokens]\nrate = 100000\ncost = \"openai\"\n\
+             quota = [{{ limit = {QUOTA}, per = \"{}s\" }}]\n",
+            QUOTA_PER.as_secs()
+        )
+    }))
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_quota_of_fixed_windows_is_never_overrun_by_three_processes() {
+    let _alone = alone().await;
+    let vendor = FakeLlm::quota(QUOTA, QUOTA_PER).await;
+    let fleet = quota_fleet(true).await;
+    let statuses = work(&fleet, &vendor, 3 * QUOTA_PER).await;
+    let charges = none_refused(&vendor, &statuses);
+    for c in &charges {
+        eprintln!("DBG {:?} {} {}", c.at - charges[0].at, c.tokens, c.estimate);
+    }
+    // A quota is a hard ceiling: a window counts each request at its estimate, and a charge
+    // past it when the usage says so, so that what the vendor counts never passes the limit
+    // in any window, sliding or fixed.
+    let busiest = busiest_tokens(&charges, QUOTA_PER);
+    assert!(
+        busiest <= QUOTA as u64,
+        "{busiest} tokens within {QUOTA_PER:?} for a quota of {QUOTA}"
+    );
+    // The windows count each request at its estimate (about 1.5 times what it costs here):
+    // the three instances fill one to its limit that way, and neither stall nor starve it.
+    let filled = busiest_by(&charges, QUOTA_PER, |c| c.estimate);
+    assert!(
+        filled as f64 >= 0.85 * QUOTA,
+        "the fullest window held requests estimated at {filled} of {QUOTA}"
+    );
+    let total: u64 = charges.iter().map(|c| c.tokens).sum();
+    assert!(
+        total as f64 >= 3.0 * 0.35 * QUOTA,
+        "{total} tokens in three windows of {QUOTA}, over {} requests",
+        charges.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_quota_the_same_load_overruns_the_vendor_s_quota() {
+    let _alone = alone().await;
+    let vendor = FakeLlm::quota(QUOTA, QUOTA_PER).await;
+    let fleet = quota_fleet(false).await;
+    work(&fleet, &vendor, QUOTA_PER).await;
+    let charges = vendor.charges();
+    let refused = charges.iter().filter(|c| c.status == 429).count();
+    assert!(
+        refused >= 5,
+        "only {refused} of {} refused past a quota of {QUOTA} tokens with no token meter",
+        charges.len()
+    );
+}
+
 /// Anthropic's input and output tokens a second: the output binds.
 const INPUT: f64 = 3000.0;
 const OUTPUT: f64 = 1000.0;

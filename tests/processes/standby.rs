@@ -71,6 +71,7 @@ async fn control_a_standby_reached_without_read_write_refuses_every_slot() {
     assert!(err.contains("read-only"), "{err}");
     let rule = Rule {
         interval: Duration::from_millis(50),
+        cost: 1,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

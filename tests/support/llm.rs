@@ -1,6 +1,7 @@
 //! A fake OpenAI-compatible vendor on loopback: `POST /v1/chat/completions`, charged in
-//! tokens against one token bucket (a rate, and a capacity it starts full at), answered 429
-//! when a request costs more than the bucket holds, as the vendor's own limiter does. What a
+//! tokens against one token bucket (a rate, and a capacity it starts full at; or, started
+//! with [`FakeLlm::quota`], a quota of fixed windows), answered 429 when a request costs
+//! more than the bucket holds, as the vendor's own limiter does. What a
 //! request costs is decided by the vendor, below what a client can know before it is sent:
 //! the prompt's bytes / 5, plus half the `max_tokens` asked for.
 //!
@@ -59,6 +60,9 @@ struct Bucket {
     capacity: f64,
     tokens: f64,
     at: Instant,
+    /// A quota instead: `capacity` tokens in each fixed window of this length from the
+    /// start, none carried over (`rate` is then 0).
+    window: Option<(Duration, Instant)>,
 }
 
 impl Bucket {
@@ -68,12 +72,29 @@ impl Bucket {
             capacity,
             tokens: capacity,
             at: Instant::now(),
+            window: None,
         }
     }
 
-    /// Refills the bucket to now; whether it holds `cost`.
+    /// A quota of `limit` tokens in each fixed window of `per`, the first starting now.
+    fn quota(limit: f64, per: Duration) -> Self {
+        Self {
+            window: Some((per, Instant::now())),
+            ..Self::full(0.0, limit)
+        }
+    }
+
+    /// Refills the bucket to now (a quota: anew in each window); whether it holds `cost`.
     fn holds(&mut self, cost: f64) -> bool {
         let now = Instant::now();
+        if let Some((per, start)) = self.window {
+            let nth = |t: Instant| (t - start).as_nanos() / per.as_nanos();
+            if nth(now) != nth(self.at) {
+                self.tokens = self.capacity;
+            }
+            self.at = now;
+            return self.tokens >= cost;
+        }
         let refill = (now - self.at).as_secs_f64() * self.rate;
         self.tokens = (self.tokens + refill).min(self.capacity);
         self.at = now;
@@ -111,6 +132,12 @@ impl FakeLlm {
     /// A vendor allowing `rate` tokens a second, with a bucket of `capacity` tokens.
     pub async fn start(rate: f64, capacity: f64) -> Self {
         Self::serve(State::new(Bucket::full(rate, capacity), None, false)).await
+    }
+
+    /// A vendor allowing `limit` tokens in each fixed window of `per` (a daily quota, made
+    /// short), from when it starts.
+    pub async fn quota(limit: f64, per: Duration) -> Self {
+        Self::serve(State::new(Bucket::quota(limit, per), None, false)).await
     }
 
     /// Anthropic's: `input` and `output` tokens a second, each with a bucket of a second's.

@@ -4,12 +4,28 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{apart, due, rule, waiting, Reading};
-use crate::budget::{Ask, Store};
+use super::{apart, due, rule, snapshot, waiting, Reading};
+use crate::budget::{Ask, Reservation, Rule, Store};
 use crate::class::Class;
+use crate::destination::Quota;
 
 /// Reserves a slot of `cost` units on `d` at 1,000 units a second, and reads it.
 async fn weighed(store: &impl Store, d: &str, cost: u32) -> Reading {
+    weighed_by(store, d, &rule(1000.0), cost).await
+}
+
+/// Reserves a slot of `cost` units on `d` by `r`, and reads it.
+async fn weighed_by(store: &impl Store, d: &str, r: &Rule, cost: u32) -> Reading {
+    reserved_by(store, d, r, cost).await.0
+}
+
+/// Reserves a slot of `cost` units on `d` by `r`: its reading, and the slot with its mark.
+async fn reserved_by(
+    store: &impl Store,
+    d: &str,
+    r: &Rule,
+    cost: u32,
+) -> (Reading, (Reservation, Option<u64>)) {
     let queues = [waiting(Class(1), 1, 0)];
     let ask = Ask {
         queues: &queues,
@@ -18,12 +34,13 @@ async fn weighed(store: &impl Store, d: &str, cost: u32) -> Reading {
         cost,
     };
     let sent = Instant::now();
-    let grant = store.reserve(d, &rule(1000.0), ask).await.unwrap();
-    Reading {
+    let grant = store.reserve(d, r, ask).await.unwrap();
+    let reading = Reading {
         at: grant.slot.at,
         sent,
         arrived: Instant::now(),
-    }
+    };
+    (reading, (grant.slot, grant.sent.first().copied()))
 }
 
 /// A slot of 200 units at 1,000 a second holds the next one 200 ms back; one of a single
@@ -117,5 +134,76 @@ pub(super) async fn a_refund_does_not_reach_before_a_slot_granted_since(
         Duration::ZERO,
         tol,
         "after a refund behind a slot granted",
+    );
+}
+
+/// A meter's quota window counts units, not slots: two slots of 400 fill 800 of a window of
+/// 1,000, and the third waits until the first has left it (plus the quota margin). A charge
+/// settled after the third counts as a send of its units: the fourth then waits for the third
+/// to leave the window, where without the charge it would go on the beat.
+pub(super) async fn a_quota_window_counts_units_and_charges(store: &impl Store, tol: Duration) {
+    let per = Duration::from_millis(300);
+    let r = Rule {
+        quota: vec![Quota { limit: 1000, per }],
+        ..rule(100_000.0)
+    };
+    let first = weighed_by(store, "m", &r, 400).await;
+    let second = weighed_by(store, "m", &r, 400).await;
+    apart(
+        first,
+        second,
+        Duration::from_millis(4),
+        tol,
+        "400 units at 100,000 a second",
+    );
+    let third = weighed_by(store, "m", &r, 400).await;
+    apart(
+        first,
+        third,
+        per + r.quota_margin(),
+        tol,
+        "1,200 units in a window of 1,000",
+    );
+    assert_eq!(
+        snapshot(store, "m", &r).await.quota_used,
+        [1000],
+        "the window is full (its 1,200 units capped at the limit)"
+    );
+    // The third cost 700 more than it reserved: 1,900 units, the last 1,000 reach into it.
+    store.settle("m", &r, 700).await.unwrap();
+    let fourth = weighed_by(store, "m", &r, 100).await;
+    apart(
+        third,
+        fourth,
+        per + r.quota_margin(),
+        tol,
+        "a charge of 700 counted in the window",
+    );
+}
+
+/// A slot given back unused leaves the quota window as if never taken, and the sends after
+/// it count its units fewer: after 400, 400 and 200 fill a window of 1,000, the second given
+/// back makes room for another 400 at once (its refund brings the beat back to the latest
+/// slot); the next unit waits for the first to leave the window.
+pub(super) async fn a_slot_given_back_leaves_the_quota_window(store: &impl Store, tol: Duration) {
+    let per = Duration::from_millis(300);
+    let r = Rule {
+        quota: vec![Quota { limit: 1000, per }],
+        ..rule(100_000.0)
+    };
+    let (first, _) = reserved_by(store, "m", &r, 400).await;
+    let (_, second) = reserved_by(store, "m", &r, 400).await;
+    let (third, _) = reserved_by(store, "m", &r, 200).await;
+    let (slot, sent) = second;
+    store.give_back("m", &r, &slot, sent, 400).await.unwrap();
+    let fourth = weighed_by(store, "m", &r, 400).await;
+    apart(third, fourth, Duration::ZERO, tol, "400 units given back");
+    let fifth = weighed_by(store, "m", &r, 1).await;
+    apart(
+        first,
+        fifth,
+        per + r.quota_margin(),
+        tol,
+        "a unit past a full window",
     );
 }

@@ -94,10 +94,19 @@ impl Validator<'_> {
                 }
             },
         };
-        if m.quota.is_some() {
+        let quota = m.quota.clone().unwrap_or_default();
+        self.quotas(path, &quota, u32::MAX);
+        // A key's meter forgotten sooner than its window would start afresh while the
+        // window still counts its units.
+        let longest = quota.iter().map(|q| q.per).max().unwrap_or_default();
+        if pace.key.is_some() && pace.key_idle < longest {
             self.push(
                 &format!("{path}.quota"),
-                "quota windows are not supported on a meter yet (a window counts slots, not units): set the quota on the destination's requests, or pace the meter's `per_minute` to the daily figure",
+                format!(
+                    "a window is longer than the destination's `key_idle` ({}): raise `key_idle` to at least {}, or a key's meter would be forgotten while its window still counts",
+                    humantime::format_duration(pace.key_idle),
+                    humantime::format_duration(longest)
+                ),
             );
         }
         if m.default == Some(0) {
@@ -107,7 +116,12 @@ impl Validator<'_> {
             );
         }
         let (per_minute, cost) = (per_minute?, cost?);
-        let size = per_minute.floor() as u64;
+        // No estimate is larger than a minute's worth, nor than a quota window holds: a
+        // request costing more could never fit.
+        let size = quota
+            .iter()
+            .map(|q| u64::from(q.limit))
+            .fold(per_minute.floor() as u64, u64::min);
         let default = m
             .default
             .unwrap_or_else(|| default_of(&cost))
@@ -121,7 +135,7 @@ impl Validator<'_> {
                 rate: per_minute / 60.0,
                 // A slot is a request's cost: a burst of several would let them go at once.
                 burst: 1,
-                quota: Vec::new(),
+                quota,
                 reserve: 0,
                 // Split by the destination's key: a key's meter is the key's own.
                 total_rate: None,

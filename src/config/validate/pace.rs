@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::super::file::{RawBlock, RawDestination, RawSignals};
 use super::super::{MAX_BACKOFF, MAX_MARKER_BYTES, MAX_PAUSE, MAX_QUOTA_LIMIT, MIN_RATE};
 use super::{Validator, DAY};
-use crate::destination::{Block, KeyFrom, Pace};
+use crate::destination::{Block, KeyFrom, Pace, Quota};
 use crate::signals::walls::Walls;
 use crate::signals::{Families, Family};
 
@@ -20,6 +20,24 @@ const MAX_KEY_IDLE: Duration = Duration::from_secs(30 * 24 * 3600);
 const MAX_QUOTA_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
 
 impl Validator<'_> {
+    /// `quota`: each window's limit (1 to `max`, in the budget's unit) and length.
+    pub(super) fn quotas(&mut self, path: &str, quota: &[Quota], max: u32) {
+        for (i, q) in quota.iter().enumerate() {
+            if !(1..=max).contains(&q.limit) {
+                self.push(
+                    &format!("{path}.quota[{i}].limit"),
+                    format!("must be 1 to {max}"),
+                );
+            }
+            if q.per < Duration::from_millis(1) || q.per > MAX_QUOTA_WINDOW {
+                self.push(
+                    &format!("{path}.quota[{i}].per"),
+                    "must be from 1ms to 366d (write it like \"1m\" or \"1d\")",
+                );
+            }
+        }
+    }
+
     pub(super) fn pace(&mut self, path: &str, d: &RawDestination) -> Pace {
         let rate = d.rate.unwrap_or_else(|| {
             self.push(
@@ -167,20 +185,7 @@ impl Validator<'_> {
                 ),
             );
         }
-        for (i, q) in pace.quota.iter().enumerate() {
-            if !(1..=MAX_QUOTA_LIMIT).contains(&q.limit) {
-                self.push(
-                    &format!("{path}.quota[{i}].limit"),
-                    format!("must be 1 to {MAX_QUOTA_LIMIT}"),
-                );
-            }
-            if q.per < Duration::from_millis(1) || q.per > MAX_QUOTA_WINDOW {
-                self.push(
-                    &format!("{path}.quota[{i}].per"),
-                    "must be from 1ms to 366d (write it like \"1m\" or \"1d\")",
-                );
-            }
-        }
+        self.quotas(path, &pace.quota, MAX_QUOTA_LIMIT);
         if !(pace.backoff_factor.is_finite() && pace.backoff_factor > 1.0) {
             self.push(&format!("{path}.backoff_factor"), "must be above 1");
         }

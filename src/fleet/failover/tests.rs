@@ -134,6 +134,18 @@ impl Store for Fake {
         self.answer(self.inner.settle(budget, rule, units)).await
     }
 
+    async fn give_back(
+        &self,
+        budget: &str,
+        rule: &Rule,
+        slot: &Reservation,
+        sent: Option<u64>,
+        units: u32,
+    ) -> Result<(), StoreError> {
+        self.answer(self.inner.give_back(budget, rule, slot, sent, units))
+            .await
+    }
+
     async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {
         self.answer(self.inner.key_secret()).await
     }

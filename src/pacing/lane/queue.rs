@@ -20,6 +20,9 @@ pub(in crate::pacing) struct Grant {
     /// meter, the cost of the request it was asked for, which the request's own settles
     /// against.
     pub(in crate::pacing) cost: u32,
+    /// The slot's mark in a quota window, where its store gave one (see
+    /// [`crate::budget::Grant::sent`]).
+    pub(in crate::pacing) sent: Option<u64>,
 }
 
 /// One request waiting for a slot.
@@ -123,7 +126,7 @@ impl Queue {
     pub(in crate::pacing) fn hand_out(
         &mut self,
         class: Class,
-        slot: Reservation,
+        (slot, sent): (Reservation, Option<u64>),
         cost: u32,
         late: impl Fn(Class) -> PaceError,
     ) -> bool {
@@ -139,7 +142,13 @@ impl Queue {
                     w.refuse(late(class));
                     continue;
                 }
-                if w.tx.send(Ok(Grant { class, slot, cost })).is_ok() {
+                let grant = Grant {
+                    class,
+                    slot,
+                    cost,
+                    sent,
+                };
+                if w.tx.send(Ok(grant)).is_ok() {
                     return true;
                 }
             }
@@ -149,6 +158,18 @@ impl Queue {
 
     pub(in crate::pacing) fn drain(&mut self) -> Vec<Waiter> {
         self.classes.iter_mut().flat_map(|q| q.drain(..)).collect()
+    }
+
+    /// Takes out the waiters whose deadline comes before `slot`: they cannot wait for it.
+    pub(in crate::pacing) fn drain_before(&mut self, slot: Instant) -> Vec<Waiter> {
+        let mut out = Vec::new();
+        for q in &mut self.classes {
+            let (late, keep): (VecDeque<Waiter>, VecDeque<Waiter>) =
+                q.drain(..).partition(|w| w.deadline < slot);
+            out.extend(late);
+            *q = keep;
+        }
+        out
     }
 
     /// Forgets the requests that gave up; returns the latest deadline of those left.

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::MemoryStore;
-use crate::budget::schedule::{Budget, Vendor};
+use crate::budget::schedule::{Budget, Sent, Vendor};
 use crate::budget::{Lockout, PauseCause, StoreError};
 use crate::signals::Family;
 
@@ -64,6 +64,10 @@ struct Persisted {
     /// The quota windows' latest slots, as Unix times in seconds.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     sends: Vec<f64>,
+    /// The units sent up to and including each of `sends` (a meter's slots weigh their
+    /// cost); absent, each weighed one, as a file written before meters had windows says.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    through: Vec<u64>,
     #[serde(default, skip_serializing_if = "is_zero")]
     block_streak: u32,
     /// A pause still in force, as a Unix time in seconds, and its cause.
@@ -217,7 +221,15 @@ impl MemoryStore {
             generation: p.generation,
             clean_streak: p.clean_streak,
             lock: p.lock.clone().map(Box::new),
-            sends: p.sends.iter().map(|t| self.at_unix(*t)).collect(),
+            sends: p
+                .sends
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Sent {
+                    at: self.at_unix(*t),
+                    through: p.through.get(i).copied().unwrap_or(i as u64 + 1),
+                })
+                .collect(),
             block_streak: p.block_streak,
             paused_until: p
                 .paused_until
@@ -249,7 +261,12 @@ impl MemoryStore {
             generation: b.generation,
             clean_streak: b.clean_streak,
             lock: b.lock.as_deref().cloned(),
-            sends: b.sends.iter().map(|t| self.unix_of(*t)).collect(),
+            sends: b.sends.iter().map(|s| self.unix_of(s.at)).collect(),
+            through: if b.sends.iter().zip(1..).all(|(s, i)| s.through == i) {
+                Vec::new()
+            } else {
+                b.sends.iter().map(|s| s.through).collect()
+            },
             block_streak: b.block_streak,
             paused_until: b
                 .paused_by

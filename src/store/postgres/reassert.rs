@@ -41,8 +41,8 @@ const SQL_SERVER: &str = "SELECT CASE WHEN NOT pg_is_in_recovery() THEN
 const SQL_TIMELINE: &str = "SELECT CASE WHEN NOT pg_is_in_recovery() THEN
         substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) END";
 
-const SQL_REASSERT: &str = "SELECT pacegate_reassert($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-    $11, $12, $13, $14, $15, $16, $17, $18)";
+const SQL_REASSERT: &str = "SELECT pacegate_reassert_units($1, $2, $3, $4, $5, $6, $7, $8, $9,
+    $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)";
 
 /// The server a store handle paces on, and what is put back into a new one.
 pub(super) struct Reassert {
@@ -184,7 +184,9 @@ impl Reassert {
                 .push(vendor.map(|(reset, _)| ahead(reset)));
             m.sends
                 .push(i32::try_from(mark.sends.len()).unwrap_or(i32::MAX));
-            m.send_in.extend(mark.sends.iter().map(|at| {
+            m.send_units
+                .extend(mark.sends.iter().map(|(_, units)| i64::from(*units)));
+            m.send_in.extend(mark.sends.iter().map(|(at, _)| {
                 // A slot already past is put back as past, by as little as can be.
                 if *at >= now {
                     ahead(*at)
@@ -194,7 +196,7 @@ impl Reassert {
             }));
         }
         let sent = m.budgets.len();
-        let params: [(&(dyn ToSql + Sync), Type); 18] = [
+        let params: [(&(dyn ToSql + Sync), Type); 19] = [
             (&m.budgets, Type::TEXT_ARRAY),
             (&m.next_in, Type::FLOAT8_ARRAY),
             (&m.paused_in, Type::FLOAT8_ARRAY),
@@ -213,6 +215,7 @@ impl Reassert {
             (&m.vendor_reset_in, Type::FLOAT8_ARRAY),
             (&m.sends, Type::INT4_ARRAY),
             (&m.send_in, Type::FLOAT8_ARRAY),
+            (&m.send_units, Type::INT8_ARRAY),
         ];
         let rows = client.query_typed(SQL_REASSERT, &params).await?;
         let tightened = rows.first().map_or(0, |r| r.get::<_, i32>(0));
@@ -242,6 +245,7 @@ struct Merge {
     vendor_reset_in: Vec<Option<f64>>,
     sends: Vec<i32>,
     send_in: Vec<f64>,
+    send_units: Vec<i64>,
 }
 
 #[cfg(test)]

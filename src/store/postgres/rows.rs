@@ -180,3 +180,10 @@ pub(super) fn pause_args(pause: Option<Pause>) -> (Option<f64>, Option<SystemTim
         Some(Pause::Until(t)) => (None, Some(t)),
     }
 }
+
+/// A send's mark in the quota windows (see `budget::Reservation::sent`): its slot on the
+/// database's clock, in µs since the Unix epoch, as `pacegate_sends.at` holds it.
+pub(super) fn sent_mark(slot: SystemTime) -> u64 {
+    slot.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}

@@ -39,10 +39,10 @@ pub(super) const SQL_NOW: &str = "SELECT clock_timestamp()";
 /// "now" (the lead, as in [`SQL_RESERVE_FAST`]). A row found missing where this instance
 /// paced before was lost, and its schedule starts `$20` seconds from now (`LOST_ROW_HOLD`).
 /// `$21`: whether a vendor's remaining requests are spread until its reset
-/// (`VendorPace::Spread`).
+/// (`VendorPace::Spread`). `$22`: the units a slot weighs in the quota windows (`Rule::cost`).
 pub(super) const SQL_RESERVE_MANY: &str =
     "SELECT outcome, slot, db_now, generation, class, backoff, lock_since, lock_status, lock_request, lock_instance, more
-    FROM pacegate_reserve_paced($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)";
+    FROM pacegate_reserve_weighted($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)";
 /// Slots handed out without the store (`budget::Store::continue_after`): each budget `$1[i]`
 /// continues no earlier than `$2[i]` seconds from now, created if missing. One statement
 /// whatever the number, and a round trip even with none.
@@ -54,12 +54,26 @@ pub(super) const SQL_CONTINUE_AFTER: &str =
 /// Settles a request of budget `$1` that cost `$2` seconds of its schedule (units times the
 /// interval) more than it reserved, fewer where negative, at the budget's backoff: a charge
 /// moves its next slot later, a refund earlier but never before now, nor before the latest
-/// slot granted (see `budget::schedule::Budget::settle`).
-pub(super) const SQL_SETTLE: &str = "UPDATE pacegate_budgets
-    SET next_at = CASE WHEN $2::float8 >= 0 THEN next_at + make_interval(secs => $2::float8 * backoff)
-        ELSE GREATEST(next_at + make_interval(secs => $2::float8 * backoff),
-            LEAST(next_at, GREATEST(clock_timestamp(), last_slot))) END
-    WHERE destination = $1";
+/// slot granted (see `budget::schedule::Budget::settle`). `$3`: the units charged, for a
+/// budget with quota windows (else 0): counted as a send of them now, or at the latest slot
+/// if that is later, so that the sends stay in time order. The next reservation forgets the
+/// sends no window reaches.
+pub(super) const SQL_SETTLE: &str = "WITH b AS (
+        UPDATE pacegate_budgets
+        SET next_at = CASE WHEN $2::float8 >= 0 THEN next_at + make_interval(secs => $2::float8 * backoff)
+            ELSE GREATEST(next_at + make_interval(secs => $2::float8 * backoff),
+                LEAST(next_at, GREATEST(clock_timestamp(), last_slot))) END,
+            sends = sends + GREATEST($3::bigint, 0)
+        WHERE destination = $1
+        RETURNING destination, sends, last_slot)
+    INSERT INTO pacegate_sends (destination, seq, at)
+        SELECT b.destination, b.sends, GREATEST(clock_timestamp(), b.last_slot) FROM b
+        WHERE $3::bigint > 0
+    ON CONFLICT (destination, seq) DO NOTHING";
+/// Gives back a slot of budget `$1` never used: `$2` seconds of its schedule refunded as
+/// [`SQL_SETTLE`] refunds them, and its send (`$3`, its slot, with `$4` units) taken out of
+/// the quota windows where it has one (see `budget::schedule::Budget::unsend`).
+pub(super) const SQL_GIVE_BACK: &str = "SELECT pacegate_give_back($1, $2, $3, $4)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep
@@ -177,7 +191,8 @@ pub(super) const SQL_VIEW: &str = concat!(
 );
 /// What status shows of many destinations, in one statement: each budget (the view's columns,
 /// then whether the row exists, as `known`), every live instance's waiting requests by class
-/// (three arrays, by class), and each quota window's count. `$1`: the destinations; `$2`,
+/// (three arrays, by class), and each quota window's units (those after the latest send
+/// before the window, as `budget::schedule::Budget::sent_within` counts). `$1`: the destinations; `$2`,
 /// `$3`: every quota window as (its destination, its length in seconds), in the rules' order;
 /// `$4`: this instance, whose lists count whatever their lease (the others' while it runs).
 pub(super) const SQL_SNAPSHOT: &str = concat!(
@@ -197,9 +212,9 @@ pub(super) const SQL_SNAPSHOT: &str = concat!(
               AND (wl.instance = $4 OR wl.live_until > clock_timestamp())
             GROUP BY wl.class) AS g) AS w ON true
     LEFT JOIN LATERAL (
-        SELECT array_agg((SELECT count(*) FROM pacegate_sends AS s
-                WHERE s.destination = qw.destination
-                  AND s.at > clock_timestamp() - make_interval(secs => qw.per))
+        SELECT array_agg((SELECT coalesce(max(s.seq), 0) - coalesce(max(s.seq) FILTER (
+                    WHERE s.at <= clock_timestamp() - make_interval(secs => qw.per)), 0)
+                FROM pacegate_sends AS s WHERE s.destination = qw.destination)
             ORDER BY qw.n) AS used
         FROM unnest($2::text[], $3::float8[]) WITH ORDINALITY AS qw(destination, per, n)
         WHERE qw.destination = d.destination) AS q ON true
