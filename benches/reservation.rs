@@ -23,6 +23,7 @@ fn rule() -> Rule {
     Rule {
         interval: Duration::from_nanos(1),
         cost: 1,
+        metered: false,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

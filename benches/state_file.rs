@@ -18,6 +18,7 @@ fn rule() -> Rule {
     Rule {
         interval: Duration::from_millis(10),
         cost: 1,
+        metered: false,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

@@ -34,6 +34,7 @@ fn rule() -> Rule {
     Rule {
         interval: Duration::from_nanos(1000),
         cost: 1,
+        metered: false,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

@@ -45,6 +45,9 @@ pub struct Rule {
     /// The units a slot stands for: 1 for a request, a meter request's estimate in a rule
     /// from [`Rule::weighted`]. Quota windows count them.
     pub cost: u32,
+    /// A meter's rule: its slots may be used up to [`METER_LATE`] late (see
+    /// [`Rule::max_late`]).
+    pub metered: bool,
     /// Slots that may be taken at once after an idle spell (at least 1).
     pub burst: u32,
     /// Backoff multiplier per widening, and divisor per decay (> 1).
@@ -83,9 +86,13 @@ impl Rule {
     }
 
     /// How late a slot may still be used: half an interval (at backoff 1), and never less than
-    /// 2 ms. A later slot is dropped by the pacer; quota windows keep this much more room, so
-    /// that a slot used late cannot put one send too many in a window at the upstream.
+    /// 2 ms; a meter's, [`METER_LATE`]. A later slot is dropped by the pacer; quota windows
+    /// keep this much more room, so that a slot used late cannot put one send too many in a
+    /// window at the upstream.
     pub fn max_late(&self) -> Duration {
+        if self.metered {
+            return METER_LATE;
+        }
         (self.interval / 2).max(Duration::from_millis(2))
     }
 
@@ -107,11 +114,16 @@ impl Rule {
 
     /// How long an instance whose waiter deserves no slot waits before asking again: half an
     /// interval, within 5 to 250 ms. Where slots go in batches, until just before the next
-    /// slot is free (in `free_in`), since another instance may hold a batch until then.
+    /// slot is free (in `free_in`), since another instance may hold a batch until then. A
+    /// meter's slot (a weighted rule) is as long as the asking request's estimate, which
+    /// says nothing of when the next one is free (a refund brings it forward): until just
+    /// before it is.
     pub fn yield_for(&self, backoff: f64, free_in: Duration) -> Duration {
         let half = self.interval.mul_f64(backoff) / 2;
         let wait = if self.batches(backoff) {
             half.max(free_in.saturating_sub(YIELD_MARGIN))
+        } else if self.cost > 1 {
+            free_in.saturating_sub(YIELD_MARGIN)
         } else {
             half
         };
@@ -135,6 +147,13 @@ pub struct ClassQueue {
 /// How long before the next free slot an instance that yielded asks again: room for the round
 /// trip, so that a slot it deserves is granted on the beat, not late.
 const YIELD_MARGIN: Duration = Duration::from_millis(10);
+
+/// How late a meter's slot may still be used. A meter's slot is taken before the request's
+/// own, which must follow it within this (see `pacing::meters`), and its interval is a unit's
+/// (a millisecond at 1,000 tokens a second): half of one would drop most slots on a busy
+/// host. A request sent this late lets at most this much of the meter's rate bunch into a
+/// window (75 tokens of 90,000 a minute), and a meter's quota windows keep this much room.
+pub const METER_LATE: Duration = Duration::from_millis(50);
 
 /// What a quota window allows for the time between a request's send and its count at the
 /// upstream (the socket write, the kernel, the network), which no lateness check sees. On a

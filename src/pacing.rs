@@ -157,9 +157,9 @@ pub(crate) struct Lanes {
 /// The meters a request of one budget takes, each with its lane.
 pub(crate) struct Meters {
     list: Vec<(Meter, Arc<Lane>)>,
-    /// The meter whose slot came last for the latest request: the one that binds, whose
-    /// slot the next request waits for first (see `Pacer::take_meters`).
-    binding: std::sync::atomic::AtomicUsize,
+    /// Each meter's slot length for its requests (estimate times interval), in µs, as a
+    /// moving average: the meter with the longest binds (see `Pacer::take_meters`).
+    lengths: Vec<std::sync::atomic::AtomicU64>,
     /// The request's own budget bound the latest request: its meters' slots, taken before
     /// its own, went stale waiting for it. The next request takes its meters at its own
     /// slot instead (see `Pacer::retake_meters`), until a meter binds again.
@@ -167,6 +167,26 @@ pub(crate) struct Meters {
 }
 
 impl Meters {
+    /// The meter that binds, after a request whose slot of meter `i` is `lengths[i]` long:
+    /// the one whose slots are longest on average (an eighth for each request), as it takes
+    /// the largest share of its rate. A request waits for its slot first.
+    fn binding(&self, lengths: &[Duration]) -> usize {
+        let mut longest = (0, 0);
+        for (i, (average, length)) in self.lengths.iter().zip(lengths).enumerate() {
+            let us = u64::try_from(length.as_micros()).unwrap_or(u64::MAX);
+            let before = average.load(Ordering::Relaxed);
+            let now = match before {
+                0 => us,
+                _ => before - before / 8 + us / 8,
+            };
+            average.store(now, Ordering::Relaxed);
+            if now > longest.1 {
+                longest = (i, now);
+            }
+        }
+        longest.0
+    }
+
     /// Each meter's lane.
     fn lanes(&self) -> impl Iterator<Item = &Arc<Lane>> {
         self.list.iter().map(|(_, lane)| lane)
@@ -179,7 +199,10 @@ impl Meters {
                 .iter()
                 .map(|m| (m.clone(), Arc::new(Lane::meter(d, g, m, classes.clone()))))
                 .collect(),
-            binding: std::sync::atomic::AtomicUsize::new(0),
+            lengths: meters
+                .iter()
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
             own_binds: std::sync::atomic::AtomicBool::new(false),
         }
     }

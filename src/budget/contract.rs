@@ -34,6 +34,7 @@ pub(crate) fn rule(rate: f64) -> Rule {
     Rule {
         interval: Duration::from_secs_f64(1.0 / rate),
         cost: 1,
+        metered: false,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 8.0,

@@ -167,6 +167,7 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
                 }),
                 interval: Duration::from_secs_f64(1.0 / rate),
                 cost: 1,
+                metered: false,
                 burst,
                 backoff_factor,
                 backoff_max,

@@ -202,14 +202,23 @@ pub(crate) struct Keys {
 impl Keys {
     /// The keys of a lane by `pace`; `of_key` for a key's lane. The lane of a budget split
     /// by key paces the keys' total: at `total_rate`, where one is set.
-    fn new(pace: &Pace, classes: &Classes, before: Option<&Keys>, of_key: bool) -> Self {
+    fn new(
+        pace: &Pace,
+        classes: &Classes,
+        before: Option<&Keys>,
+        of_key: bool,
+        metered: bool,
+    ) -> Self {
         // The same semaphore while the bound is the same, so that the permits held count.
         let concurrency = match before {
             Some(k) if k.pace.max_concurrency == pace.max_concurrency => k.concurrency.clone(),
             _ => (pace.max_concurrency > 0).then(|| Arc::new(Semaphore::new(pace.max_concurrency))),
         };
         Self {
-            rule: rule_of(pace, classes, of_key),
+            rule: Rule {
+                metered,
+                ..rule_of(pace, classes, of_key)
+            },
             pace: pace.clone(),
             concurrency,
         }
@@ -219,7 +228,7 @@ impl Keys {
 impl Lane {
     /// The lane of `d`'s own budget.
     pub(super) fn new(d: &Destination, classes: Arc<Classes>) -> Self {
-        Self::of(&d.name, &d.name, &d.pace, classes)
+        Self::of(&d.name, &d.name, &d.pace, classes, false)
     }
 
     /// The lane of `d`'s group `g`.
@@ -229,6 +238,7 @@ impl Lane {
             &d.name,
             &g.pace,
             classes,
+            false,
         )
     }
 
@@ -250,6 +260,7 @@ impl Lane {
             &d.name,
             &m.pace,
             classes,
+            true,
         );
         if let Some(whole) = &mut lane.whole {
             whole.unit = Some(Arc::from(m.name.as_str()));
@@ -280,7 +291,13 @@ impl Lane {
             .and_then(|w| w.unit.as_ref())
     }
 
-    fn of(name: &str, destination: &str, pace: &Pace, classes: Arc<Classes>) -> Self {
+    fn of(
+        name: &str,
+        destination: &str,
+        pace: &Pace,
+        classes: Arc<Classes>,
+        metered: bool,
+    ) -> Self {
         Self {
             name: Arc::from(name),
             parent: None,
@@ -299,7 +316,7 @@ impl Lane {
             })),
             last_used: AtomicU64::new(now_ms()),
             tally: Arc::new(Tally::new(&classes)),
-            keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None, false)),
+            keys: ArcSwap::from_pointee(Keys::new(pace, &classes, None, false, metered)),
             retired: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(classes.len())),
             classes,
@@ -468,6 +485,7 @@ impl Lane {
             &self.classes,
             Some(&before),
             self.parent.is_some(),
+            before.rule.metered,
         )));
         // A dispatcher sleeping on the old interval re-reads the rule.
         self.work.notify_one();
@@ -489,7 +507,14 @@ impl Lane {
         match &*made {
             Some(k) if k.pace == *pace => k.clone(),
             _ => {
-                let k = Arc::new(Keys::new(pace, &self.classes, made.as_deref(), true));
+                let metered = self.keys.load().rule.metered;
+                let k = Arc::new(Keys::new(
+                    pace,
+                    &self.classes,
+                    made.as_deref(),
+                    true,
+                    metered,
+                ));
                 *made = Some(k.clone());
                 k
             }
@@ -695,6 +720,7 @@ fn rule_of(pace: &Pace, classes: &Classes, of_key: bool) -> Rule {
         quota: pace.quota.clone(),
         interval: Duration::from_secs_f64(1.0 / rate),
         cost: 1,
+        metered: false,
         burst: pace.burst,
         backoff_factor: pace.backoff_factor,
         backoff_max: pace.backoff_max,

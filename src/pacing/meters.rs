@@ -21,18 +21,12 @@ use tokio::time::Instant;
 use super::lane::Lane;
 use super::outgoing::{BodyError, Outgoing};
 use super::{Admission, PaceError, Pacer, Route};
-use crate::budget::{Event, Observation, Pause, Reservation, Store};
+use crate::budget::{Event, Observation, Pause, Reservation, Store, METER_LATE};
 use crate::class::Class;
 use crate::destination::KeyFrom;
 use crate::meter::{usage, Bucket, Cost, Query, Settle, Settled};
 use crate::metrics::{labels, labels_and, Metrics};
 use crate::signals::{tokens, Family};
-
-/// The longest a meter's slot may be used after it: the request's own slot is taken after
-/// it, and must come within this. A request sent this late lets at most this much of the
-/// meter's rate bunch into a window: 75 tokens of 90,000 a minute. A request slot is one
-/// store round trip away where its budget has room, so this is rarely reached.
-const METER_LATE: Duration = Duration::from_millis(50);
 
 /// How many times a request's meters' slots are taken again when one went stale waiting for
 /// another's (see [`Pacer::take_meters`]).
@@ -203,16 +197,24 @@ impl Pacer {
         // A destination locked out (or pacegate stopping) refuses before the meters' wait,
         // not after it.
         self.open(&route.lane).await?;
-        // The meter that binds is the one whose slot comes last: it is waited for first (as
-        // it bound the latest request), so that the others' slots, taken after it, are
-        // fresh. A slot taken before it has gone stale meanwhile: it is given back and taken
-        // again, at once where that meter has room. A few rounds at most.
+        // The meter that binds (the one whose slots are longest) is waited for first, so
+        // that the others' slots, taken after it, are fresh. A slot taken before it has gone
+        // stale meanwhile: it is given back and taken again, at once where that meter has
+        // room. A few rounds at most.
         let n = metering.taken.len();
-        let binding = route.meters().binding.load(Ordering::Relaxed).min(n - 1);
+        let lengths: Vec<Duration> = metering
+            .taken
+            .iter()
+            .map(|t| {
+                let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
+                t.lane.keys().rule.interval.saturating_mul(cost)
+            })
+            .collect();
+        let binding = route.meters().binding(&lengths).min(n - 1);
+        lend_early(metering, binding);
         let mut wanted: Vec<usize> = std::iter::once(binding)
             .chain((0..n).filter(|i| *i != binding))
             .collect();
-        let asked = Instant::now();
         for _ in 0..METER_ROUNDS {
             // Bounded by the store's own timeout, as every call of it is.
             for returning in metering.returning.drain(..) {
@@ -238,14 +240,6 @@ impl Pacer {
                 }
             }
             let now = Instant::now();
-            // The meter whose slot came last binds the next request too.
-            if let Some(latest) = (0..n).max_by_key(|i| {
-                metering.taken[*i]
-                    .slot
-                    .map_or(asked, |(s, _)| s.at.max(asked))
-            }) {
-                route.meters().binding.store(latest, Ordering::Relaxed);
-            }
             wanted = metering
                 .taken
                 .iter()
@@ -533,6 +527,29 @@ fn settle(store: &Arc<dyn Store>, lane: &Arc<Lane>, units: i64) {
         }
 
     });
+}
+
+/// With several meters, each that does not bind lets a request go up to one of its own
+/// slots early (`burst` 2), and the one that binds keeps to its beat (`burst` 1). A request
+/// waits for the binding meter's slot first, then takes the others': one of them spaced
+/// strictly by each request's estimate would often keep a request the binding meter has let
+/// go waiting past `METER_LATE`, and that slot would be given back, its time lost
+/// (Anthropic's input tokens, beside the output that binds). A meter that does not bind has
+/// room: an early slot adds at most one estimate to its windows.
+fn lend_early(metering: &Metering, binding: usize) {
+    if metering.taken.len() < 2 {
+        return;
+    }
+    for (i, t) in metering.taken.iter().enumerate() {
+        let burst = if i == binding { 1 } else { 2 };
+        let keys = t.lane.keys();
+        if keys.pace.burst != burst {
+            t.lane.reconfigure(&crate::destination::Pace {
+                burst,
+                ..keys.pace.clone()
+            });
+        }
+    }
 }
 
 /// Gives `slot`, reserved for `units` on `lane`, back to the store unused (see

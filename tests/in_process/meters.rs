@@ -514,3 +514,60 @@ async fn a_quota_window_in_tokens_is_filled_by_requests_that_wait_for_their_own_
     let sent = vendor.charges().len();
     assert!(sent >= 45, "{sent} requests in three windows of 21");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_meters_reach_most_of_the_binding_one_s_rate_and_neither_holds_up_the_other() {
+    let unused = FakeUpstream::start().await;
+    // Anthropic's buckets of a second each: the output binds (each request's max_tokens is
+    // estimated, half of it taken), the input has room.
+    let vendor = FakeLlm::anthropic(3000.0, 1000.0).await;
+    let config = "[destinations.llm]\nhosts = [\"localhost\"]\nrate = 50\nretry_throttled = 0\n\
+         [destinations.llm.meters.input]\nrate = 3000\ncost = \"anthropic-input\"\n\
+         [destinations.llm.meters.output]\nrate = 1000\ncost = \"anthropic-output\"\n";
+    let proxy = TestProxy::start(&unused.ca.cert_path, "", config).await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    let until = std::time::Instant::now() + Duration::from_secs(6);
+    let workers: Vec<_> = (0..12u64)
+        .map(|w| {
+            let (via, url) = (via.clone(), vendor.url());
+            tokio::spawn(async move {
+                use rand::{Rng, SeedableRng};
+                let mut rng = rand::rngs::StdRng::seed_from_u64(w);
+                let mut statuses = Vec::new();
+                while std::time::Instant::now() < until {
+                    let body = serde_json::json!({
+                        "model": "m",
+                        "max_tokens": rng.random_range(100..600),
+                        "stream": statuses.len() % 2 == 1,
+                        "messages": [{"role": "user", "content": "x".repeat(rng.random_range(200..2000))}],
+                    });
+                    let resp = via
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body.to_string())
+                        .send()
+                        .await
+                        .unwrap();
+                    statuses.push(resp.status().as_u16());
+                    resp.bytes().await.unwrap();
+                }
+                statuses
+            })
+        })
+        .collect();
+    for w in workers {
+        let statuses = w.await.unwrap();
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    }
+    let charges = vendor.charges();
+    let output: u64 = charges.iter().map(|c| c.output).sum();
+    let span = charges.last().unwrap().at - charges[0].at;
+    let rate = output as f64 / span.as_secs_f64();
+    // 92% on a quiet machine; 69 to 77% when the input's slots, spaced strictly by each
+    // estimate, held requests past the output's slots, which were given back.
+    assert!(
+        rate >= 0.85 * 1000.0,
+        "achieved {rate:.0} output tokens a second of 1,000, over {} requests",
+        charges.len()
+    );
+}

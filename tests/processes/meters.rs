@@ -190,9 +190,6 @@ async fn a_token_quota_of_fixed_windows_is_never_overrun_by_three_processes() {
     let fleet = quota_fleet(true).await;
     let statuses = work(&fleet, &vendor, 3 * QUOTA_PER).await;
     let charges = none_refused(&vendor, &statuses);
-    for c in &charges {
-        eprintln!("DBG {:?} {} {}", c.at - charges[0].at, c.tokens, c.estimate);
-    }
     // A quota is a hard ceiling: a window counts each request at its estimate, and a charge
     // past it when the usage says so, so that what the vendor counts never passes the limit
     // in any window, sliding or fixed.
@@ -247,41 +244,49 @@ async fn anthropic_input_and_output_meters_each_keep_their_own_ceiling() {
     let fleet = Fleet::start(&postgres_store().await, &keys).await;
     let statuses = work(&fleet, &vendor, Duration::from_secs(8)).await;
     let charges = none_refused(&vendor, &statuses);
-    // Each meter's window holds at most its rate, one request's estimate in its unit and one
-    // over-estimate: the input's at the body's bytes / 4, the output's at max_tokens.
-    for (what, rate, busiest, estimate) in [
+    // Each meter's window holds at most its rate, one request's estimate in its unit, one
+    // over-estimate (a refund given back after a slot granted since) and what 50 ms of its
+    // rate lets bunch; the input, which does not bind, lets a request go one of its slots
+    // early: one estimate more (docs/configuration.md, "Meters"). The input is estimated at
+    // the body's bytes / 4, the output at max_tokens.
+    let input_estimate = |c: &Charge| c.estimate - c.output * 2;
+    for (what, rate, busiest, estimate, over, early) in [
         (
             "input",
             INPUT,
             busiest_by(&charges, Duration::from_secs(1), |c| c.input),
+            charges.iter().map(input_estimate).max().unwrap(),
             charges
                 .iter()
-                .map(|c| c.estimate - c.output * 2)
+                .map(|c| input_estimate(c) - c.input)
                 .max()
                 .unwrap(),
+            1,
         ),
         (
             "output",
             OUTPUT,
             busiest_by(&charges, Duration::from_secs(1), |c| c.output),
             charges.iter().map(|c| c.output * 2).max().unwrap(),
+            charges.iter().map(|c| c.output).max().unwrap(),
+            0,
         ),
     ] {
+        let bound = rate as u64 + (1 + early) * estimate + over + rate as u64 / 20;
         assert!(
-            busiest <= rate as u64 + 2 * estimate,
-            "{busiest} {what} tokens within one second at {rate} a second (largest estimate {estimate})"
+            busiest <= bound,
+            "{busiest} {what} tokens within one second at {rate} a second (largest estimate {estimate}, over by {over} at most: {bound})"
         );
     }
-    // Below the one meter's 85%: the output's estimate (max_tokens) is twice what it costs,
-    // and a request waits for two meters, the slot of the one that does not bind taken again
-    // once the other's comes (docs/configuration.md, "Meters"). 63 to 74% on a quiet
-    // machine; a fresh-clone run on a loaded one made 55%: what is asserted is that the two
-    // meters do not stall each other, not how close they come to the rate.
+    // The output's estimate (max_tokens) is twice what it costs, and a request waits for two
+    // meters: below the one meter's 85%. 73 to 85% through three instances on a quiet
+    // machine, 92% through one on the memory store; what is asserted is that the two meters
+    // do not stall each other, with room for a loaded machine.
     let output: u64 = charges.iter().map(|c| c.output).sum();
     let span = charges.last().unwrap().at - charges[0].at;
     let rate = output as f64 / span.as_secs_f64();
     assert!(
-        rate >= 0.4 * OUTPUT,
+        rate >= 0.55 * OUTPUT,
         "achieved {rate:.0} output tokens a second of {OUTPUT}, over {} requests",
         charges.len()
     );

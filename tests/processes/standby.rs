@@ -72,6 +72,7 @@ async fn control_a_standby_reached_without_read_write_refuses_every_slot() {
     let rule = Rule {
         interval: Duration::from_millis(50),
         cost: 1,
+        metered: false,
         burst: 1,
         backoff_factor: 2.0,
         backoff_max: 64.0,

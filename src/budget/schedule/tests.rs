@@ -7,6 +7,7 @@ fn rule(rate: f64, burst: u32) -> Rule {
     Rule {
         interval: Duration::from_secs_f64(1.0 / rate),
         cost: 1,
+        metered: false,
         burst,
         backoff_factor: 2.0,
         backoff_max: 8.0,
