@@ -95,6 +95,10 @@ pub struct Metrics {
     /// no response said (`cut`: the body ended early; `no_usage`: it said nothing), which
     /// keep their estimate.
     pub meter_unsettled: IntCounterVec,
+    /// `pacegate_meter_retaken_total{destination}` (a meter's budget): its slots given back
+    /// unused because another meter's (or the request's own) came too long after, and taken
+    /// again. Meters that keep doing this to each other lose some of their rate.
+    pub meter_retaken: IntCounterVec,
     /// `pacegate_slots_dropped_total{destination}`: slots not used because they came too late
     /// (a stalled process or store); each costs one slot of pace, never adds one.
     pub slots_dropped: IntCounterVec,
@@ -362,6 +366,13 @@ impl Metrics {
             ),
             &["destination", "group", "reason"],
         )?;
+        let meter_retaken = IntCounterVec::new(
+            Opts::new(
+                "pacegate_meter_retaken_total",
+                "A meter's slots given back unused because another meter's, or the request's own, came too long after them, and taken again, by meter budget",
+            ),
+            &["destination", "group"],
+        )?;
         let wait_buckets = vec![
             0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
         ];
@@ -552,6 +563,7 @@ impl Metrics {
             &retries,
             &meter_units,
             &meter_unsettled,
+            &meter_retaken,
             &slots_dropped,
             &keys_refused,
             &keys_refused_client,
@@ -613,6 +625,7 @@ impl Metrics {
             retries,
             meter_units,
             meter_unsettled,
+            meter_retaken,
             slots_dropped,
             keys,
             key_wait_max,

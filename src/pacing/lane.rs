@@ -475,6 +475,28 @@ impl Lane {
         (late > self.keys.load().rule.max_late()).then_some(late)
     }
 
+    /// Sets a meter lane's `burst` (see `pacing::meters`, where the meters that do not bind
+    /// lend a request an early slot), unless it is that already. Made on the keys as they
+    /// are when it lands, so that a reload meanwhile is not undone; a reload sets it back to
+    /// the config's, until the next request lends it again.
+    pub(super) fn lend_burst(&self, burst: u32) {
+        if self.keys().pace.burst == burst {
+            return;
+        }
+        self.keys.rcu(|k| Keys {
+            pace: Pace {
+                burst,
+                ..k.pace.clone()
+            },
+            rule: Rule {
+                burst,
+                ..k.rule.clone()
+            },
+            concurrency: k.concurrency.clone(),
+        });
+        self.work.notify_one();
+    }
+
     /// Takes a destination's new keys (a reload): the next slot is reserved by them; the
     /// budget, the queue and the requests in flight are kept. A changed `max_concurrency`
     /// takes a fresh semaphore: requests in flight keep the permits of the old one.

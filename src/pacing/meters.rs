@@ -254,6 +254,10 @@ impl Pacer {
                 break;
             }
             for &i in &wanted {
+                self.metrics
+                    .meter_retaken
+                    .with_label_values(&labels(&metering.taken[i].lane.name))
+                    .inc();
                 let returning = metering.taken[i].give_back(&self.store);
                 metering.returning.extend(returning);
             }
@@ -293,6 +297,12 @@ impl Pacer {
                 .is_some_and(|(slot, _)| slot.lateness(now) > METER_LATE)
         });
         if late {
+            for t in &metering.taken {
+                self.metrics
+                    .meter_retaken
+                    .with_label_values(&labels(&t.lane.name))
+                    .inc();
+            }
             self.give_back(metering);
         }
         late
@@ -541,14 +551,7 @@ fn lend_early(metering: &Metering, binding: usize) {
         return;
     }
     for (i, t) in metering.taken.iter().enumerate() {
-        let burst = if i == binding { 1 } else { 2 };
-        let keys = t.lane.keys();
-        if keys.pace.burst != burst {
-            t.lane.reconfigure(&crate::destination::Pace {
-                burst,
-                ..keys.pace.clone()
-            });
-        }
+        t.lane.lend_burst(if i == binding { 1 } else { 2 });
     }
 }
 

@@ -116,6 +116,48 @@ async fn quota_windows_survive_a_restart() {
     assert!(off < Duration::from_millis(50), "off by {off:?}");
 }
 
+#[tokio::test]
+async fn a_meter_s_quota_windows_survive_a_restart_in_its_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let rule = Rule {
+        quota: vec![crate::destination::Quota {
+            limit: 1000,
+            per: Duration::from_secs(10),
+        }],
+        ..contract::rule(100_000.0)
+    };
+    let queues = [contract::waiting(crate::class::Class(0), 1, 0)];
+    let ask = |cost| crate::budget::Ask {
+        queues: &queues,
+        not_after: None,
+        most: 1,
+        cost,
+    };
+    let first = {
+        let store = Arc::new(MemoryStore::open(&path).unwrap());
+        let stop = CancellationToken::new();
+        let keeper = tokio::spawn(store.clone().keep_state(stop.clone()));
+        let first = store.reserve("m", &rule, ask(600)).await.unwrap().slot.at;
+        store.reserve("m", &rule, ask(300)).await.unwrap();
+        stop.cancel();
+        keeper.await.unwrap();
+        first
+    };
+    // A new process: 900 of the window's 1,000 units are still in it, so a request of 200
+    // waits for the first send (600) to leave; counted as two sends of a unit each, it
+    // would go at once.
+    let store = MemoryStore::open(&path).unwrap();
+    let third = store.reserve("m", &rule, ask(200)).await.unwrap().slot.at;
+    let expected = first + Duration::from_secs(10) + rule.quota_margin();
+    let off = if third > expected {
+        third - expected
+    } else {
+        expected - third
+    };
+    assert!(off < Duration::from_millis(50), "off by {off:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_state_file_is_private_and_written_through_a_name_of_its_own() {
     let dir = tempfile::tempdir().unwrap();
