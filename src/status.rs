@@ -181,9 +181,9 @@ pub struct ClassStatus {
 pub struct QuotaStatus {
     /// The window's length (`1m`, `1day`).
     pub window: String,
-    /// Sends allowed in it.
+    /// Sends allowed in it (a meter's: units).
     pub limit: u32,
-    /// Slots taken in the last window, over every instance.
+    /// Slots taken in the last window, over every instance (a meter's: units).
     pub used: u32,
 }
 
@@ -283,7 +283,7 @@ pub fn status_table(rows: &[DestinationStatus]) -> String {
         let quota: Vec<String> = r
             .quota
             .iter()
-            .map(|q| format!("{}/{} per {}", q.used, q.limit, q.window))
+            .map(|q| format!("{}/{}{} per {}", q.used, q.limit, unit_of(r), q.window))
             .collect();
         lines.push(vec![
             if r.mode == "shadow" {

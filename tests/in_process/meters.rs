@@ -513,4 +513,17 @@ async fn a_quota_window_in_tokens_is_filled_by_requests_that_wait_for_their_own_
     // Three windows' worth began within the run: at least 15 of each window's 21.
     let sent = vendor.charges().len();
     assert!(sent >= 45, "{sent} requests in three windows of 21");
+    // Status counts the window in the meter's unit: the last one holds a few thousand
+    // tokens of its 12,000.
+    let rows: Vec<pacegate::status::DestinationStatus> =
+        serde_json::from_value(proxy.status().await).unwrap();
+    let tokens = rows.iter().find(|r| r.destination == "llm~tokens").unwrap();
+    let window = &tokens.quota[0];
+    assert_eq!((window.window.as_str(), window.limit), ("2s", 12_000));
+    assert!(window.used > 1_000, "{window:?}");
+    let table = pacegate::status::status_table(&rows);
+    assert!(
+        table.contains(&format!("{}/12000 tokens per 2s", window.used)),
+        "{table}"
+    );
 }
