@@ -170,7 +170,7 @@ impl Meters {
     /// The meter that binds, after a request whose slot of meter `i` is `lengths[i]` long:
     /// the one whose slots are longest on average (an eighth for each request), as it takes
     /// the largest share of its rate. A request waits for its slot first.
-    fn binding(&self, lengths: &[Duration]) -> usize {
+    fn binding(&self, lengths: impl Iterator<Item = Duration>) -> usize {
         let mut longest = (0, 0);
         for (i, (average, length)) in self.lengths.iter().zip(lengths).enumerate() {
             let us = u64::try_from(length.as_micros()).unwrap_or(u64::MAX);

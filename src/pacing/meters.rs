@@ -60,6 +60,14 @@ pub(super) struct Metering {
 }
 
 impl Metering {
+    /// Waits for the give-backs still under way (bounded by the store's own timeout, as
+    /// every call of it is): the request's next slots are taken only once they landed.
+    async fn given_back(&mut self) {
+        for returning in self.returning.drain(..) {
+            let _ = returning.await;
+        }
+    }
+
     /// Whether the request takes no meter (its body was read for a `json:FIELD` key alone).
     pub(super) fn is_empty(&self) -> bool {
         self.taken.is_empty()
@@ -202,24 +210,17 @@ impl Pacer {
         // stale meanwhile: it is given back and taken again, at once where that meter has
         // room. A few rounds at most.
         let n = metering.taken.len();
-        let lengths: Vec<Duration> = metering
-            .taken
-            .iter()
-            .map(|t| {
-                let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
-                t.lane.keys().rule.interval.saturating_mul(cost)
-            })
-            .collect();
-        let binding = route.meters().binding(&lengths).min(n - 1);
+        let lengths = metering.taken.iter().map(|t| {
+            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
+            t.lane.keys().rule.interval.saturating_mul(cost)
+        });
+        let binding = route.meters().binding(lengths).min(n - 1);
         lend_early(metering, binding);
         let mut wanted: Vec<usize> = std::iter::once(binding)
             .chain((0..n).filter(|i| *i != binding))
             .collect();
         for _ in 0..METER_ROUNDS {
-            // Bounded by the store's own timeout, as every call of it is.
-            for returning in metering.returning.drain(..) {
-                let _ = returning.await;
-            }
+            metering.given_back().await;
             for &i in &wanted {
                 let t = &metering.taken[i];
                 let lane = t.lane.clone();
@@ -254,10 +255,7 @@ impl Pacer {
                 break;
             }
             for &i in &wanted {
-                self.metrics
-                    .meter_retaken
-                    .with_label_values(&labels(&metering.taken[i].lane.name))
-                    .inc();
+                self.retaken(&metering.taken[i]);
                 let returning = metering.taken[i].give_back(&self.store);
                 metering.returning.extend(returning);
             }
@@ -289,6 +287,14 @@ impl Pacer {
         }
     }
 
+    /// Counts `t`'s slot as given back to be taken again.
+    fn retaken(&self, t: &Taken) {
+        self.metrics
+            .meter_retaken
+            .with_label_values(&labels(&t.lane.name))
+            .inc();
+    }
+
     /// Whether a meter's slot is too late at `now` to send on (see [`METER_LATE`]): then
     /// every meter's slot is given back, to be taken again (see [`Pacer::retake_meters`]).
     pub(super) fn meters_too_late(&self, metering: &mut Metering, now: Instant) -> bool {
@@ -298,10 +304,7 @@ impl Pacer {
         });
         if late {
             for t in &metering.taken {
-                self.metrics
-                    .meter_retaken
-                    .with_label_values(&labels(&t.lane.name))
-                    .inc();
+                self.retaken(t);
             }
             self.give_back(metering);
         }
@@ -357,9 +360,7 @@ impl Pacer {
         class: Class,
         by: Instant,
     ) -> bool {
-        for returning in metering.returning.drain(..) {
-            let _ = returning.await;
-        }
+        metering.given_back().await;
         for i in 0..metering.taken.len() {
             let t = &metering.taken[i];
             let lane = t.lane.clone();
