@@ -26,6 +26,8 @@ fn rule() -> Rule {
         retry_after_max: Duration::from_secs(3600),
         shares: Arc::from(vec![0.0]),
         quota: Vec::new(),
+        window: None,
+        largest: 0,
         reserve: 0,
         vendor_pace: pacegate::destination::VendorPace::Burst,
         block: None,

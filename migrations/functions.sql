@@ -9,6 +9,7 @@
 -- beside this one during a rolling upgrade: pacegate_record (pacegate_record_said without
 -- the requests unanswered), pacegate_reserve_paced (pacegate_reserve_weighted with every
 -- slot one unit), pacegate_reassert (pacegate_reassert_units with every send one unit),
+-- pacegate_give_back (pacegate_give_back_part giving back whole slots only),
 -- pacegate_reserve_for (one slot at a time),
 -- pacegate_reserve_batch (pacegate_reserve_paced without p_spread: a vendor's budget is always
 -- spread), pacegate_reserve_slots (without p_lost_hold either: a lost row starts at "now") and
@@ -570,21 +571,26 @@ BEGIN
 END
 $$;
 
--- A slot given back unused (budget::Store::give_back): p_secs (negative) of its schedule
--- refunded as a settlement's refund is, and, where p_at names its send, that send taken out
--- of the quota windows (budget::schedule::Budget::unsend): the latest send at p_at of
--- p_units units is removed and the ones after it count p_units fewer. seq is the key, so
--- the later rows move down through negative values, never onto a row not yet moved.
-CREATE OR REPLACE FUNCTION pacegate_give_back(
+-- Units given back of a slot (budget::Store::give_back): p_units of a slot reserved for
+-- p_reserved, all of them for a slot never used, or the part of its estimate a request did
+-- not cost. p_secs (negative) of its schedule is refunded as a settlement's refund is, and,
+-- where p_at names its send, that send weighs p_units fewer in the windows
+-- (budget::schedule::Budget::unsend): the latest send at p_at of p_reserved units loses
+-- them, or is removed where all are given back, and the ones after it count p_units fewer.
+-- seq is the key, so the rows from it on move down through negative values, never onto a
+-- row not yet moved.
+CREATE OR REPLACE FUNCTION pacegate_give_back_part(
     p_destination text,
     p_secs double precision,
     p_at timestamptz,
+    p_reserved bigint,
     p_units bigint
 ) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     b pacegate_budgets%ROWTYPE;
     x bigint;
     prev bigint;
+    units bigint := LEAST(p_units, p_reserved);
 BEGIN
     SELECT * INTO b FROM pacegate_budgets AS y WHERE y.destination = p_destination FOR UPDATE;
     IF NOT FOUND THEN
@@ -594,7 +600,7 @@ BEGIN
         SET next_at = GREATEST(y.next_at + make_interval(secs => p_secs * y.backoff),
             LEAST(y.next_at, GREATEST(clock_timestamp(), y.last_slot)))
         WHERE y.destination = p_destination;
-    IF p_at IS NULL THEN
+    IF p_at IS NULL OR units <= 0 THEN
         RETURN;
     END IF;
     SELECT s.seq INTO x FROM pacegate_sends AS s
@@ -605,17 +611,29 @@ BEGIN
     END IF;
     SELECT max(s.seq) INTO prev FROM pacegate_sends AS s
         WHERE s.destination = p_destination AND s.seq < x;
-    IF x - coalesce(prev, x - LEAST(p_units, x)) <> p_units THEN
+    IF x - coalesce(prev, x - LEAST(p_reserved, x)) <> p_reserved THEN
         RETURN;
     END IF;
-    DELETE FROM pacegate_sends AS s WHERE s.destination = p_destination AND s.seq = x;
-    UPDATE pacegate_sends AS s SET seq = -(s.seq - p_units)
-        WHERE s.destination = p_destination AND s.seq > x;
+    IF units = p_reserved THEN
+        DELETE FROM pacegate_sends AS s WHERE s.destination = p_destination AND s.seq = x;
+    END IF;
+    UPDATE pacegate_sends AS s SET seq = -(s.seq - units)
+        WHERE s.destination = p_destination AND s.seq >= x;
     UPDATE pacegate_sends AS s SET seq = -s.seq
         WHERE s.destination = p_destination AND s.seq < 0;
-    UPDATE pacegate_budgets AS y SET sends = y.sends - p_units
+    UPDATE pacegate_budgets AS y SET sends = y.sends - units
         WHERE y.destination = p_destination;
 END
+$$;
+
+-- The release before gives back whole slots only.
+CREATE OR REPLACE FUNCTION pacegate_give_back(
+    p_destination text,
+    p_secs double precision,
+    p_at timestamptz,
+    p_units bigint
+) RETURNS void LANGUAGE sql AS $$
+    SELECT pacegate_give_back_part(p_destination, p_secs, p_at, p_units, p_units)
 $$;
 
 -- The release before weighs every slot one unit in the quota windows.

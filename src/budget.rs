@@ -62,6 +62,14 @@ pub struct Rule {
     pub shares: Arc<[f64]>,
     /// Quota windows on top of the rate.
     pub quota: Vec<Quota>,
+    /// A meter's own window: its size over its length (a minute's units for `per_minute`,
+    /// a second's for `rate`), which no window of that length may hold more of than the
+    /// request that fills it (see [`Rule::windows`]); `None` for a request budget.
+    pub window: Option<Quota>,
+    /// The largest estimate a meter has reserved here: its own window holds its limit and
+    /// as much more (or the slot's own units, where more), one request's worth. 0 for a
+    /// request budget.
+    pub largest: u32,
     /// The vendor's remaining requests left unused.
     pub reserve: u32,
     /// How the vendor's remaining requests are spent: at the rate, or spread to the reset.
@@ -83,6 +91,29 @@ impl Rule {
             cost: self.cost.saturating_mul(cost),
             ..self.clone()
         })
+    }
+
+    /// Every window a slot of [`Rule::cost`] units must fit, as (units, length): each quota
+    /// window's limit, and a meter's own window's limit plus one request's worth (the
+    /// largest estimate it has reserved, [`Rule::largest`], or the slot's own units where
+    /// more). So a meter's window never holds more than its limit and the largest request,
+    /// each counted at its estimate until its cost is known and at the cost after: the
+    /// rate alone would let a refund given after later slots were granted crowd the window
+    /// that starts there.
+    pub fn windows(&self) -> impl Iterator<Item = (u64, Duration)> + '_ {
+        let over = self.cost.max(self.largest);
+        let own = self
+            .window
+            .map(|w| (u64::from(w.limit) + u64::from(over), w.per));
+        self.quota
+            .iter()
+            .map(|q| (u64::from(q.limit), q.per))
+            .chain(own)
+    }
+
+    /// Whether the budget counts its sends: it has a quota window, or is a meter's.
+    pub fn counts_sends(&self) -> bool {
+        !self.quota.is_empty() || self.window.is_some()
     }
 
     /// How late a slot may still be used: half an interval (at backoff 1), and never less than
@@ -601,10 +632,12 @@ pub trait Store: Send + Sync + 'static {
     /// next request waits for what the request took, not for what was reserved for it.
     async fn settle(&self, budget: &str, rule: &Rule, units: i64) -> Result<(), StoreError>;
 
-    /// Gives back a slot of `budget` (a meter's) reserved for `units` and never used, or
-    /// used by a request the vendor charged nothing for: its units are refunded as a
-    /// settlement's are, and, where the budget keeps quota windows, its send is taken out of
-    /// them (see [`schedule::Budget::unsend`]), so that a slot taken again after it went stale
+    /// Gives back `units` of a slot of `budget` (a meter's) reserved for `reserved`: all of
+    /// them for a slot never used, or used by a request the vendor charged nothing for; the
+    /// part of the estimate a request did not cost, once its cost is known. They are
+    /// refunded as a settlement's are (see [`Store::settle`]), and, where the budget counts
+    /// its sends in windows, taken out of its send (see [`schedule::Budget::unsend`]): a
+    /// window then counts what the request cost, and a slot taken again after it went stale
     /// is not counted twice. `sent` is the slot's mark where its grant had one
     /// ([`Grant::sent`]); a mark or slot of another store's finds no send, and only refunds.
     async fn give_back(
@@ -613,6 +646,7 @@ pub trait Store: Send + Sync + 'static {
         rule: &Rule,
         slot: &Reservation,
         sent: Option<u64>,
+        reserved: u32,
         units: u32,
     ) -> Result<(), StoreError>;
 

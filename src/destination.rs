@@ -51,6 +51,7 @@ impl Pace {
             advertise: true,
             mode: Mode::Enforce,
             quota: Vec::new(),
+            window: None,
             signals: Families::ALL,
             reserve: 0,
             vendor_pace: VendorPace::Burst,
@@ -541,6 +542,9 @@ pub struct Pace {
     pub mode: Mode,
     /// Quota windows on top of the rate. Default none.
     pub quota: Vec<Quota>,
+    /// A meter's own window, its size over its length (see `budget::Rule::window`); none
+    /// for a request budget.
+    pub window: Option<Quota>,
     /// The vendor rate-limit header families read. Default all.
     pub signals: Families,
     /// The vendor's remaining requests left unused. Default 0.

@@ -42,6 +42,8 @@ pub(crate) fn rule(rate: f64) -> Rule {
         retry_after_max: Duration::from_secs(60),
         shares: Arc::from(vec![0.0; 3]),
         quota: Vec::new(),
+        window: None,
+        largest: 0,
         reserve: 0,
         vendor_pace: crate::destination::VendorPace::Burst,
         block: None,
@@ -255,6 +257,8 @@ where
     weighted::a_refund_does_not_reach_before_a_slot_granted_since(&fresh().await, tol).await;
     weighted::a_quota_window_counts_units_and_charges(&fresh().await, tol).await;
     weighted::a_slot_given_back_leaves_the_quota_window(&fresh().await, tol).await;
+    weighted::a_meter_s_own_window_holds_its_limit_and_one_request(&fresh().await, tol).await;
+    weighted::a_refund_leaves_a_meter_s_own_window(&fresh().await, tol).await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

@@ -38,7 +38,9 @@ pub struct Mark {
     /// The latest slots granted here, and charges settled here, each with the units it
     /// weighed, for a budget with quota windows: enough to hold its largest window's units.
     pub sends: VecDeque<(Instant, u32)>,
-    /// The largest quota window's limit, in units; 0 without windows.
+    /// The largest quota window's limit, in units; 0 without windows. A meter's own window
+    /// (`budget::Rule::window`) is not one: its rate, put back by itself, bounds it, and
+    /// taking it to be full at a loss would hold a meter of `per_minute` for a minute.
     pub window: u32,
 }
 
@@ -167,11 +169,16 @@ impl Known {
         });
     }
 
-    /// A slot granted here at `at` for `units`, given back unused: out of the windows.
-    pub fn given_back(&self, budget: &str, at: Instant, units: u32) {
+    /// `units` of a slot granted here at `at` for `reserved`, given back (see
+    /// `budget::Store::give_back`): the send weighs that many fewer, or is gone.
+    pub fn given_back(&self, budget: &str, at: Instant, reserved: u32, units: u32) {
         self.with_mark(budget, |mark| {
-            if let Some(i) = mark.sends.iter().rposition(|s| *s == (at, units)) {
-                mark.sends.remove(i);
+            if let Some(i) = mark.sends.iter().rposition(|s| *s == (at, reserved)) {
+                if units >= reserved {
+                    mark.sends.remove(i);
+                } else {
+                    mark.sends[i].1 = reserved - units;
+                }
             }
         });
     }

@@ -145,6 +145,8 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
             ),
         ),
         prop::sample::select(vec![VendorPace::Burst, VendorPace::Spread]),
+        // A meter's own window, which a slot may run over by its own units.
+        proptest::option::weighted(0.3, (1u32..6, 200u64..2_000, 0u32..4)),
     )
         .prop_map(
             |(
@@ -157,7 +159,13 @@ fn rule_strategy() -> impl Strategy<Value = Rule> {
                 reserve,
                 block,
                 vendor_pace,
+                window,
             )| Rule {
+                largest: window.map_or(0, |(_, _, largest)| largest),
+                window: window.map(|(limit, per_ms, _)| Quota {
+                    limit,
+                    per: Duration::from_millis(per_ms),
+                }),
                 reserve,
                 vendor_pace,
                 block: block.map(|(min_ms, times, jitter)| Block {

@@ -253,9 +253,10 @@ impl Budget {
     /// share, one request's cost, and what one request in flight was estimated above its
     /// cost.
     ///
-    /// In quota windows a charge counts as a send of its units when it is known (no earlier
-    /// than the latest slot, so that the sends stay in time order); a refund is not taken out
-    /// of them: a quota is a hard ceiling, and counting the estimate only leaves it under-used.
+    /// In the windows a charge counts as a send of its units when it is known (no earlier
+    /// than the latest slot, so that the sends stay in time order). A refund is taken out of
+    /// them where the request's send is known, by [`Budget::unsend`]: the windows then count
+    /// what the request cost.
     pub fn settle(&mut self, rule: &Rule, units: i64, now: Duration) {
         if units > 0 {
             self.sent(rule, now.max(self.last_slot), units.unsigned_abs());
@@ -283,15 +284,14 @@ impl Budget {
             return Duration::ZERO;
         };
         let mut floor = last.at;
-        for q in &rule.quota {
-            let limit = u64::from(q.limit);
+        for (limit, per) in rule.windows() {
             let want = (last.through + u64::from(rule.cost).min(limit)).saturating_sub(limit);
             if want == 0 {
                 continue;
             }
             let i = self.sends.partition_point(|s| s.through < want);
             if let Some(holder) = self.sends.get(i) {
-                floor = floor.max(holder.at + q.per + rule.quota_margin());
+                floor = floor.max(holder.at + per + rule.quota_margin());
             }
         }
         floor
@@ -300,7 +300,7 @@ impl Budget {
     /// Counts a send of `units` at `at` in the quota windows, and forgets the sends no
     /// window can reach: those wholly before the largest limit's units.
     fn sent(&mut self, rule: &Rule, at: Duration, units: u64) {
-        let Some(keep) = rule.quota.iter().map(|q| u64::from(q.limit)).max() else {
+        let Some(keep) = rule.windows().map(|(limit, _)| limit).max() else {
             return;
         };
         let through = self.sends.back().map_or(0, |s| s.through) + units;
@@ -314,21 +314,26 @@ impl Budget {
         }
     }
 
-    /// Takes the send at `at` of `units` out of the quota windows: a slot given back unused
-    /// (see [`crate::budget::Store::give_back`]). The sends after it count that many units
-    /// fewer. A send no longer kept, or not of those units, is left alone.
-    pub fn unsend(&mut self, at: Duration, units: u64) {
+    /// Takes `units` of the send at `at`, reserved for `reserved`, out of the windows: a
+    /// slot given back unused, or the part of its estimate a request did not cost (see
+    /// [`crate::budget::Store::give_back`]). The send weighs that many units fewer, or is
+    /// gone where all of them are given back, and the sends after it count that many fewer.
+    /// A send no longer kept, or not of `reserved` units, is left alone.
+    pub fn unsend(&mut self, at: Duration, reserved: u64, units: u64) {
+        let units = units.min(reserved);
         let Some(i) = (0..self.sends.len()).rev().find(|i| {
             let s = self.sends[*i];
             let own = match i.checked_sub(1) {
                 Some(p) => s.through - self.sends[p].through,
-                None => units.min(s.through),
+                None => reserved.min(s.through),
             };
-            s.at == at && own == units
+            s.at == at && own == reserved
         }) else {
             return;
         };
-        self.sends.remove(i);
+        if units == reserved {
+            self.sends.remove(i);
+        }
         for s in self.sends.iter_mut().skip(i) {
             s.through -= units;
         }

@@ -68,6 +68,9 @@ struct Keys {
     /// the same.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     vendor_spread: bool,
+    /// A meter's own window (limit, seconds); left out where there is none, as above.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    window: Option<(u32, f64)>,
 }
 
 impl From<&Rule> for Keys {
@@ -90,6 +93,7 @@ impl From<&Rule> for Keys {
                 .as_ref()
                 .map(|b| (b.min.as_secs_f64(), b.max.as_secs_f64(), b.jitter)),
             vendor_spread: r.vendor_pace == VendorPace::Spread,
+            window: r.window.map(|w| (w.limit, w.per.as_secs_f64())),
         }
     }
 }
@@ -130,6 +134,11 @@ pub fn stricter<'a>(mine: &Rule, theirs: impl IntoIterator<Item = &'a str>) -> R
             .into_iter()
             .map(|(per, limit)| Quota { limit, per })
             .collect();
+        if let (Some(w), Some((limit, per))) = (&mut rule.window, other.window) {
+            if w.per == secs(per) {
+                w.limit = w.limit.min(limit.max(1));
+            }
+        }
         rule.block = match (rule.block.take(), other.block) {
             (None, None) => None,
             (Some(b), None) => Some(b),

@@ -364,17 +364,14 @@ impl<B: Store, M: Membership, L: Fallback> Failover<B, M, L> {
     /// history (and takes it to be full at the loss), so this bounds this instance's own
     /// sends, not the window as a whole.
     fn alone_rule(rule: &Rule, part: Split) -> Option<Rule> {
-        let quota = rule
-            .quota
-            .iter()
-            .map(|q| Quota {
-                limit: ((f64::from(q.limit) * part.share).floor() as u32).max(1),
-                per: q.per,
-            })
-            .collect();
+        let share = |q: &Quota| Quota {
+            limit: ((f64::from(q.limit) * part.share).floor() as u32).max(1),
+            per: q.per,
+        };
         Some(Rule {
             interval: part.interval(rule.interval)?,
-            quota,
+            quota: rule.quota.iter().map(share).collect(),
+            window: rule.window.as_ref().map(share),
             ..rule.clone()
         })
     }
@@ -585,6 +582,7 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         rule: &Rule,
         slot: &Reservation,
         sent: Option<u64>,
+        reserved: u32,
         units: u32,
     ) -> Result<(), StoreError> {
         let governing = self.agreement.governing(budget);
@@ -592,14 +590,22 @@ impl<B: Store, M: Membership, L: Fallback> Store for Failover<B, M, L> {
         // A slot names a send in the windows of the store that granted it; the other store
         // finds none by it and only refunds.
         self.shared_or_local(
-            self.primary.give_back(budget, rule, slot, sent, units),
+            self.primary
+                .give_back(budget, rule, slot, sent, reserved, units),
             || async move {
                 let alone = match self.standing.alone(Instant::now()) {
                     Alone::Pace(part, _) => Self::alone_rule(rule, part),
                     _ => None,
                 };
                 self.local
-                    .give_back(budget, alone.as_ref().unwrap_or(rule), slot, sent, units)
+                    .give_back(
+                        budget,
+                        alone.as_ref().unwrap_or(rule),
+                        slot,
+                        sent,
+                        reserved,
+                        units,
+                    )
                     .await
             },
         )

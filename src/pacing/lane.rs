@@ -497,6 +497,23 @@ impl Lane {
         self.work.notify_one();
     }
 
+    /// Raises a meter lane's [`Rule::largest`] to `estimate`, where that is larger: its own
+    /// window holds one request's worth over its limit (see [`Rule::windows`]). Made on the
+    /// keys as they are, as [`Lane::lend_burst`] is; a reload starts it again.
+    pub(super) fn raise_largest(&self, estimate: u32) {
+        if self.keys().rule.largest >= estimate {
+            return;
+        }
+        self.keys.rcu(|k| Keys {
+            pace: k.pace.clone(),
+            rule: Rule {
+                largest: k.rule.largest.max(estimate),
+                ..k.rule.clone()
+            },
+            concurrency: k.concurrency.clone(),
+        });
+    }
+
     /// Takes a destination's new keys (a reload): the next slot is reserved by them; the
     /// budget, the queue and the requests in flight are kept. A changed `max_concurrency`
     /// takes a fresh semaphore: requests in flight keep the permits of the old one.
@@ -740,6 +757,8 @@ fn rule_of(pace: &Pace, classes: &Classes, of_key: bool) -> Rule {
     Rule {
         shares: Arc::from(classes.shares()),
         quota: pace.quota.clone(),
+        window: pace.window,
+        largest: 0,
         interval: Duration::from_secs_f64(1.0 / rate),
         cost: 1,
         metered: false,

@@ -84,7 +84,14 @@ impl Taken {
     /// Gives its slot back whole, if it holds one: the store's call, under way.
     fn give_back(&mut self, store: &Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
         let (slot, reserved) = self.slot.take()?;
-        give_back(store, &self.lane, slot, self.sent.take(), reserved)
+        give_back(
+            store,
+            &self.lane,
+            slot,
+            self.sent.take(),
+            reserved,
+            reserved,
+        )
     }
 }
 
@@ -131,10 +138,12 @@ impl Pacer {
                     .zip(lane.recall())
                     .and_then(|(q, recall)| recall.cost_of(q))
                     .unwrap_or(m.default);
+                let estimate = m.cost.estimate(read, outgoing.headers(), default, m.size);
+                lane.raise_largest(u32::try_from(estimate).unwrap_or(u32::MAX));
                 Taken {
                     lane: lane.clone(),
                     cost: m.cost.clone(),
-                    estimate: m.cost.estimate(read, outgoing.headers(), default, m.size),
+                    estimate,
                     slot: None,
                     sent: None,
                     query,
@@ -457,9 +466,11 @@ impl Pacer {
             .taken
             .into_iter()
             .filter_map(|t| {
-                let (_, reserved) = t.slot?;
+                let (slot, reserved) = t.slot?;
                 Some(Reading {
                     settle: t.cost.settle(stream),
+                    slot,
+                    sent: t.sent,
                     lane: t.lane,
                     query: t.query,
                     estimate: t.estimate,
@@ -556,20 +567,23 @@ fn lend_early(metering: &Metering, binding: usize) {
     }
 }
 
-/// Gives `slot`, reserved for `units` on `lane`, back to the store unused (see
-/// [`Store::give_back`]), as [`settle`] does a settlement: on a task of its own.
+/// Gives `units` of `slot`, reserved for `reserved` on `lane`, back to the store (see
+/// [`Store::give_back`]): all of a slot unused, or what a request cost less than its
+/// estimate. As [`settle`] does a settlement: on a task of its own.
 fn give_back(
     store: &Arc<dyn Store>,
     lane: &Arc<Lane>,
     slot: Reservation,
     sent: Option<u64>,
+    reserved: u32,
     units: u32,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     let (store, lane) = (store.clone(), lane.clone());
     Some(runtime.spawn(async move {
         let rule = lane.keys().rule.clone();
-        if let Err(e) = store.give_back(&lane.name, &rule, &slot, sent, units).await {
+        let given = store.give_back(&lane.name, &rule, &slot, sent, reserved, units);
+        if let Err(e) = given.await {
             tracing::warn!(destination = %lane.name, units, "cannot give a meter's slot back ({e}); its estimate stands");
         }
     }))
@@ -582,8 +596,11 @@ struct Reading {
     query: Option<Query>,
     /// What the request was estimated to cost.
     estimate: u64,
-    /// What its slot was reserved for.
+    /// Its slot, what it was reserved for, and its mark in the meter's windows: a refund
+    /// is taken out of the send it names (see [`Store::give_back`]).
+    slot: Reservation,
     reserved: u32,
+    sent: Option<u64>,
     /// How the response says the cost; `None` where it does not (a header's or a fixed
     /// cost: the estimate is the cost).
     settle: Option<Settle>,
@@ -632,7 +649,13 @@ impl<B> Settling<B> {
                 .meter_units
                 .with_label_values(&labels(&r.lane.name))
                 .inc_by(cost);
-            settle(&self.store, &r.lane, signed(cost) - i64::from(r.reserved));
+            match u32::try_from(cost).ok().filter(|c| *c < r.reserved) {
+                Some(cost) => {
+                    let refund = r.reserved - cost;
+                    give_back(&self.store, &r.lane, r.slot, r.sent, r.reserved, refund);
+                }
+                None => settle(&self.store, &r.lane, signed(cost) - i64::from(r.reserved)),
+            }
             // The vendor's bucket, where it said it: one too low for a query like this one
             // pauses the meter until it has refilled.
             let bucket = r.settle.as_ref().and_then(Settle::bucket);

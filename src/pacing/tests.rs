@@ -900,9 +900,12 @@ impl Store for Stalling {
         rule: &crate::budget::Rule,
         slot: &crate::budget::Reservation,
         sent: Option<u64>,
+        reserved: u32,
         units: u32,
     ) -> Result<(), StoreError> {
-        self.inner.give_back(budget, rule, slot, sent, units).await
+        self.inner
+            .give_back(budget, rule, slot, sent, reserved, units)
+            .await
     }
 
     async fn view(&self, destination: &str) -> Result<crate::budget::BudgetView, StoreError> {

@@ -248,7 +248,7 @@ impl Store for MemoryStore {
             let budget = budgets.entry(destination.to_owned()).or_default();
             match budget.reserve_for(rule, now, &self.instance, list, limit, ask.most) {
                 Ok(granted) => {
-                    if !rule.quota.is_empty() {
+                    if rule.counts_sends() {
                         self.mark(destination);
                     }
                     Ok(Grant {
@@ -293,7 +293,7 @@ impl Store for MemoryStore {
         let (slot, generation) = budget
             .reserve(rule, now, Some(now + rule.interval.min(NEAR)))
             .ok()?;
-        if !rule.quota.is_empty() {
+        if rule.counts_sends() {
             self.mark(destination);
         }
         Some(Reservation {
@@ -352,7 +352,7 @@ impl Store for MemoryStore {
         let now = self.now();
         if let Some(b) = self.budgets.lock().get_mut(budget) {
             b.settle(rule, units, now);
-            if units > 0 && !rule.quota.is_empty() {
+            if units > 0 && rule.counts_sends() {
                 self.mark(budget);
             }
         }
@@ -365,12 +365,13 @@ impl Store for MemoryStore {
         rule: &Rule,
         slot: &Reservation,
         _sent: Option<u64>,
+        reserved: u32,
         units: u32,
     ) -> Result<(), StoreError> {
         let now = self.now();
         if let Some(b) = self.budgets.lock().get_mut(budget) {
-            if !rule.quota.is_empty() {
-                b.unsend(self.offset(slot.at), u64::from(units));
+            if rule.counts_sends() {
+                b.unsend(self.offset(slot.at), u64::from(reserved), u64::from(units));
                 self.mark(budget);
             }
             b.settle(rule, -i64::from(units), now);

@@ -301,7 +301,7 @@ impl PostgresStore {
         let interval = rule.interval.as_secs_f64();
         let lead = self.lead();
         if let [only] = ask.queues {
-            if only.count == 1 && rule.quota.is_empty() {
+            if only.count == 1 && !rule.counts_sends() {
                 let params: [&dyn Param; 5] = [&destination, &interval, &burst, &limit, &lead];
                 let answer = client.timed(SQL_RESERVE_FAST, &params).await?;
                 if let Some(row) = answer.row {
@@ -326,15 +326,17 @@ impl PostgresStore {
                 }
             }
         }
-        if matches!(ask.queues, [only] if only.count == 1) && rule.quota.is_empty() {
+        if matches!(ask.queues, [only] if only.count == 1) && !rule.counts_sends() {
             // The one-statement path answered nothing: a second statement follows.
             self.statements.fetch_add(1, Ordering::Relaxed);
         }
         let rows = rows_of(ask.queues);
         let tell = !self.unchanged(destination, &rows);
         let (classes, counts, oldest, next) = columns(ask.queues);
-        let limits: Vec<i64> = rule.quota.iter().map(|q| i64::from(q.limit)).collect();
-        let pers: Vec<f64> = rule.quota.iter().map(|q| q.per.as_secs_f64()).collect();
+        let (limits, pers): (Vec<i64>, Vec<f64>) = rule
+            .windows()
+            .map(|(limit, per)| (i64::try_from(limit).unwrap_or(i64::MAX), per.as_secs_f64()))
+            .unzip();
         let most = i32::try_from(ask.most.max(1)).unwrap_or(i32::MAX);
         let paced = self.reassert.is_on().then(|| self.known.next(destination));
         let lost_hold = paced.flatten().map_or(0.0, |next| {
@@ -391,9 +393,9 @@ impl PostgresStore {
                     .get::<_, Option<Vec<SystemTime>>>(10)
                     .unwrap_or_default();
                 let more: Vec<Instant> = more_at.iter().map(|s| clock.local(*s)).collect();
-                let sent = match rule.quota.is_empty() {
-                    true => Vec::new(),
-                    false => slot.iter().chain(&more_at).map(|s| sent_mark(*s)).collect(),
+                let sent = match rule.counts_sends() {
+                    false => Vec::new(),
+                    true => slot.iter().chain(&more_at).map(|s| sent_mark(*s)).collect(),
                 };
                 let n = u32::try_from(more.len() + 1).unwrap_or(u32::MAX);
                 self.wrote(destination, rows_of(&after_grant(ask.queues, class, n)));
@@ -598,11 +600,7 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         // Units as seconds of the schedule: at most a meter's size of intervals, exact in f64.
         let secs = rule.interval.as_secs_f64() * units as f64;
-        let charged = if rule.quota.is_empty() {
-            0
-        } else {
-            units.max(0)
-        };
+        let charged = if rule.counts_sends() { units.max(0) } else { 0 };
         client.rows(SQL_SETTLE, &[&budget, &secs, &charged]).await?;
         let charged = u32::try_from(charged).unwrap_or(u32::MAX);
         self.known.charged(budget, charged, Instant::now());
@@ -615,16 +613,18 @@ impl Store for PostgresStore {
         rule: &Rule,
         slot: &Reservation,
         sent: Option<u64>,
+        reserved: u32,
         units: u32,
     ) -> Result<(), StoreError> {
         let client = self.client().await?;
+        let units = units.min(reserved);
         let secs = -rule.interval.as_secs_f64() * f64::from(units);
         let at = sent.map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us));
-        client
-            .rows(SQL_GIVE_BACK, &[&budget, &secs, &at, &i64::from(units)])
-            .await?;
+        let params: [&dyn Param; 5] =
+            [&budget, &secs, &at, &i64::from(reserved), &i64::from(units)];
+        client.rows(SQL_GIVE_BACK, &params).await?;
         if at.is_some() {
-            self.known.given_back(budget, slot.at, units);
+            self.known.given_back(budget, slot.at, reserved, units);
         }
         Ok(())
     }

@@ -80,6 +80,8 @@ async fn control_a_standby_reached_without_read_write_refuses_every_slot() {
         retry_after_max: Duration::from_secs(3600),
         shares: Arc::from(vec![0.0]),
         quota: Vec::new(),
+        window: None,
+        largest: 0,
         reserve: 0,
         vendor_pace: pacegate::destination::VendorPace::Burst,
         block: None,

@@ -195,7 +195,10 @@ pub(super) async fn a_slot_given_back_leaves_the_quota_window(store: &impl Store
     let (_, second) = reserved_by(store, "m", &r, 400).await;
     let (third, _) = reserved_by(store, "m", &r, 200).await;
     let (slot, sent) = second;
-    store.give_back("m", &r, &slot, sent, 400).await.unwrap();
+    store
+        .give_back("m", &r, &slot, sent, 400, 400)
+        .await
+        .unwrap();
     let fourth = weighed_by(store, "m", &r, 400).await;
     apart(third, fourth, Duration::ZERO, tol, "400 units given back");
     let fifth = weighed_by(store, "m", &r, 1).await;
@@ -205,5 +208,68 @@ pub(super) async fn a_slot_given_back_leaves_the_quota_window(store: &impl Store
         per + r.quota_margin(),
         tol,
         "a unit past a full window",
+    );
+}
+
+/// A meter's own window holds at most its limit and the request that fills it: two slots of
+/// 600 in a window of 1,000 go on the beat (the second runs over by its own units), and the
+/// next waits until the first has left the window (plus the quota margin).
+pub(super) async fn a_meter_s_own_window_holds_its_limit_and_one_request(
+    store: &impl Store,
+    tol: Duration,
+) {
+    let per = Duration::from_millis(300);
+    let r = Rule {
+        window: Some(Quota { limit: 1000, per }),
+        ..rule(100_000.0)
+    };
+    let first = weighed_by(store, "m", &r, 600).await;
+    let second = weighed_by(store, "m", &r, 600).await;
+    apart(
+        first,
+        second,
+        Duration::from_millis(6),
+        tol,
+        "600 units at 100,000 a second",
+    );
+    let third = weighed_by(store, "m", &r, 1).await;
+    apart(
+        first,
+        third,
+        per + r.quota_margin(),
+        tol,
+        "a unit past 1,200 in a window of 1,000",
+    );
+}
+
+/// What a request cost less than its estimate, given back, leaves a meter's own window: of
+/// two slots of 600, the first cost 100, so 700 are in the window and another 400 go at
+/// once, where 1,200 would have held them until the first left it; the next unit waits for
+/// that (1,100 units are in the window).
+pub(super) async fn a_refund_leaves_a_meter_s_own_window(store: &impl Store, tol: Duration) {
+    let per = Duration::from_millis(300);
+    let r = Rule {
+        window: Some(Quota { limit: 1000, per }),
+        ..rule(100_000.0)
+    };
+    let (first, (slot, sent)) = reserved_by(store, "m", &r, 600).await;
+    weighed_by(store, "m", &r, 600).await;
+    store
+        .give_back("m", &r, &slot, sent, 600, 500)
+        .await
+        .unwrap();
+    let third = weighed_by(store, "m", &r, 400).await;
+    assert!(
+        third.at < first.at + per / 2,
+        "400 units waited {:?} after the first, whose refund of 500 left the window",
+        third.at - first.at
+    );
+    let fourth = weighed_by(store, "m", &r, 1).await;
+    apart(
+        first,
+        fourth,
+        per + r.quota_margin(),
+        tol,
+        "a unit past 1,100 in a window of 1,000",
     );
 }

@@ -15,6 +15,8 @@ fn rule(rate: f64, burst: u32) -> Rule {
         retry_after_max: Duration::from_secs(60),
         shares: std::sync::Arc::from(vec![0.0; 3]),
         quota: Vec::new(),
+        window: None,
+        largest: 0,
         reserve: 0,
         vendor_pace: VendorPace::Burst,
         block: None,

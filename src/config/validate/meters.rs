@@ -2,10 +2,11 @@
 //! most of a request body read to estimate a request's cost to them.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use super::super::file::{RawCost, RawDestination, RawMeter, RawSize};
 use super::{is_plain_name, Validator};
-use crate::destination::{Meter, Pace, DEFAULT_MAX_BODY};
+use crate::destination::{Meter, Pace, Quota, DEFAULT_MAX_BODY};
 use crate::meter::Cost;
 
 /// The most meters one destination may have: each is a budget every request of it waits for.
@@ -126,6 +127,19 @@ impl Validator<'_> {
             .default
             .unwrap_or_else(|| default_of(&cost))
             .clamp(1, size.max(1));
+        // The meter's own window is as long as it was given: a minute for `per_minute`, a
+        // second for a `rate` of a unit a second or more (a slower one is a minute's).
+        let window = if m.per_minute.is_none() && per_minute >= 60.0 {
+            Quota {
+                limit: (per_minute / 60.0).floor() as u32,
+                per: Duration::from_secs(1),
+            }
+        } else {
+            Quota {
+                limit: per_minute.floor() as u32,
+                per: Duration::from_secs(60),
+            }
+        };
         Some(Meter {
             name,
             cost,
@@ -136,6 +150,7 @@ impl Validator<'_> {
                 // A slot is a request's cost: a burst of several would let them go at once.
                 burst: 1,
                 quota,
+                window: Some(window),
                 reserve: 0,
                 // Split by the destination's key: a key's meter is the key's own.
                 total_rate: None,

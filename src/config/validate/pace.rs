@@ -106,6 +106,7 @@ impl Validator<'_> {
             advertise: d.advertise.unwrap_or(default.advertise),
             mode: d.mode.unwrap_or(default.mode),
             quota: d.quota.clone().unwrap_or_default(),
+            window: None,
             signals: self.signals(path, d.signals.as_ref()),
             reserve: self.count(
                 &format!("{path}.reserve"),

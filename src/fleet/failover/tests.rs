@@ -140,10 +140,14 @@ impl Store for Fake {
         rule: &Rule,
         slot: &Reservation,
         sent: Option<u64>,
+        reserved: u32,
         units: u32,
     ) -> Result<(), StoreError> {
-        self.answer(self.inner.give_back(budget, rule, slot, sent, units))
-            .await
+        self.answer(
+            self.inner
+                .give_back(budget, rule, slot, sent, reserved, units),
+        )
+        .await
     }
 
     async fn key_secret(&self) -> Result<Vec<u8>, StoreError> {

@@ -70,10 +70,10 @@ pub(super) const SQL_SETTLE: &str = "WITH b AS (
         SELECT b.destination, b.sends, GREATEST(clock_timestamp(), b.last_slot) FROM b
         WHERE $3::bigint > 0
     ON CONFLICT (destination, seq) DO NOTHING";
-/// Gives back a slot of budget `$1` never used: `$2` seconds of its schedule refunded as
-/// [`SQL_SETTLE`] refunds them, and its send (`$3`, its slot, with `$4` units) taken out of
-/// the quota windows where it has one (see `budget::schedule::Budget::unsend`).
-pub(super) const SQL_GIVE_BACK: &str = "SELECT pacegate_give_back($1, $2, $3, $4)";
+/// Gives back `$5` units of a slot of budget `$1` reserved for `$4`: `$2` seconds of its
+/// schedule refunded as [`SQL_SETTLE`] refunds them, and its send (`$3`, its slot) weighing
+/// that many fewer in the windows where it has one (see `budget::schedule::Budget::unsend`).
+pub(super) const SQL_GIVE_BACK: &str = "SELECT pacegate_give_back_part($1, $2, $3, $4, $5)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep
