@@ -249,9 +249,9 @@ impl Budget {
     /// refund moves it earlier, but never before `now`, nor before the latest slot granted.
     /// Time already past is not given back: a refund makes room for the requests still to
     /// come, never a burst. Nor does a later request go before one granted already: the
-    /// slots stay in the order they were granted, so that a window holds at most the rate's
-    /// share, one request's cost, and what one request in flight was estimated above its
-    /// cost.
+    /// slots stay in the order they were granted. The window that starts at that slot may
+    /// still hold the refund's worth more than the rate's share; a meter's own window
+    /// ([`Rule::windows`]) bounds it.
     ///
     /// In the windows a charge counts as a send of its units when it is known (no earlier
     /// than the latest slot, so that the sends stay in time order). A refund is taken out of
