@@ -908,6 +908,39 @@ fn a_meter_s_quota_windows_are_in_its_unit_and_bound_its_largest_estimate() {
 }
 
 #[test]
+fn a_meter_keeps_a_window_as_long_as_it_was_given() {
+    let c = parse(&format!(
+        r#"{MINIMAL}
+        [destinations.llm]
+        hosts = ["api.example.com"]
+        rate = 50
+        [destinations.llm.meters.tokens]
+        per_minute = 90000
+        cost = "openai"
+        [destinations.llm.meters.output]
+        rate = 1500.5
+        cost = "anthropic-output"
+        [destinations.llm.meters.points]
+        rate = 0.5
+        cost = 1
+        "#
+    ))
+    .unwrap();
+    let window = |unit: &str| {
+        let m = c.destinations[0].meters.iter().find(|m| m.name == unit);
+        m.and_then(|m| m.pace.window)
+            .map(|w| (w.limit, w.per.as_secs()))
+    };
+    // A minute for `per_minute`; a second for a `rate` (its whole units), but a minute for
+    // one under a unit a second, whose second would hold nothing.
+    assert_eq!(window("tokens"), Some((90_000, 60)));
+    assert_eq!(window("output"), Some((1_500, 1)));
+    assert_eq!(window("points"), Some((30, 60)));
+    // A request budget keeps none.
+    assert_eq!(c.destinations[0].pace.window, None);
+}
+
+#[test]
 fn meter_mistakes_are_reported_with_their_key_paths() {
     let err = parse(&format!(
         r#"{MINIMAL}

@@ -324,6 +324,7 @@ pub fn differences(mine: &Rule, theirs: &str) -> Vec<&'static str> {
         ("reserve", mine.reserve != other.reserve),
         ("block", mine.block != other.block),
         ("vendor_pace", mine.vendor_spread != other.vendor_spread),
+        ("window", mine.window != other.window),
     ];
     differs
         .into_iter()
@@ -344,6 +345,10 @@ mod tests {
                 limit: 100,
                 per: Duration::from_secs(60),
             }],
+            window: Some(Quota {
+                limit: 20,
+                per: Duration::from_secs(1),
+            }),
             ..contract::rule(20.0)
         };
         let theirs = Rule {
@@ -362,6 +367,10 @@ mod tests {
             ],
             reserve: 7,
             vendor_pace: VendorPace::Spread,
+            window: Some(Quota {
+                limit: 15,
+                per: Duration::from_secs(1),
+            }),
             block: Some(Block {
                 min: Duration::from_secs(10),
                 max: Duration::from_secs(600),
@@ -387,6 +396,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             [(50, 60), (1000, 3600)]
         );
+        assert_eq!(rule.window.map(|w| w.limit), Some(15), "the smaller window");
         // And the other way round, the same rule.
         let back = stricter(&theirs, [Written::of("d", &mine).rule.as_str()]);
         assert_eq!(Written::of("d", &back), Written::of("d", &rule));
