@@ -28,6 +28,12 @@ use crate::meter::{usage, Bucket, Cost, Query, Settle, Settled};
 use crate::metrics::{labels, labels_and, Metrics};
 use crate::signals::{tokens, Family};
 
+/// The `burst` a meter that does not bind lends a request (see [`lend_early`]): with 2, a
+/// second of the binding meter's slots close behind the first still found the other meter's
+/// slot a large estimate later, and one request in ten or more had its binding slot given
+/// back; with 4, hardly one in fifty.
+const LENT_BURST: u32 = 4;
+
 /// How many times a request's meters' slots are taken again when one went stale waiting for
 /// another's (see [`Pacer::take_meters`]).
 const METER_ROUNDS: usize = 4;
@@ -551,19 +557,20 @@ fn settle(store: &Arc<dyn Store>, lane: &Arc<Lane>, units: i64) {
     });
 }
 
-/// With several meters, each that does not bind lets a request go up to one of its own
-/// slots early (`burst` 2), and the one that binds keeps to its beat (`burst` 1). A request
+/// With several meters, each that does not bind lets a request go up to [`LENT_BURST`] - 1
+/// of its own slots early, and the one that binds keeps to its beat (`burst` 1). A request
 /// waits for the binding meter's slot first, then takes the others': one of them spaced
 /// strictly by each request's estimate would often keep a request the binding meter has let
-/// go waiting past `METER_LATE`, and that slot would be given back, its time lost
-/// (Anthropic's input tokens, beside the output that binds). A meter that does not bind has
-/// room: an early slot adds at most one estimate to its windows.
+/// go waiting past `METER_LATE` (two of its slots close together, each with a large
+/// estimate in the other), and that slot would be given back, its time lost (Anthropic's
+/// input tokens, beside the output that binds). A meter that does not bind has room, and its
+/// own window still holds at most its limit and the largest request, early slots or not.
 fn lend_early(metering: &Metering, binding: usize) {
     if metering.taken.len() < 2 {
         return;
     }
     for (i, t) in metering.taken.iter().enumerate() {
-        t.lane.lend_burst(if i == binding { 1 } else { 2 });
+        t.lane.lend_burst(if i == binding { 1 } else { LENT_BURST });
     }
 }
 

@@ -285,19 +285,19 @@ async fn anthropic_input_and_output_meters_each_keep_their_own_ceiling() {
     let _alone = alone().await;
     let (rate, retaken, requests) = anthropic(INSTANCES, &postgres_store().await).await;
     // The output's estimate (max_tokens) is twice what it costs, and a request waits for two
-    // meters and for its turn among three instances: 73 to 78% measured (a second's window
+    // meters and for its turn among three instances: 76 to 85% measured (a second's window
     // of each meter holding its rate and the largest request). What is asserted is that the
     // two meters do not stall each other, with room for a loaded machine.
     assert!(
-        rate >= 0.55 * OUTPUT,
+        rate >= 0.65 * OUTPUT,
         "achieved {rate:.0} output tokens a second of {OUTPUT}"
     );
-    // Nor hold each other up: the input, which does not bind, lends a request an early slot,
-    // so that the output's slot is rarely given back while the input's comes (3 or 4 of
-    // about 46 requests; 12 to 16 of about 38, at 63 to 65%, when the input kept to each
-    // request's estimate).
+    // Nor hold each other up: the input, which does not bind, lends a request early slots,
+    // so that the output's slot is rarely given back while the input's comes (0 or 1 of
+    // about 48 requests; 2 to 7 of about 45 with one early slot; 12 to 16 of about 38, at
+    // 63 to 65%, when the input kept to each request's estimate).
     assert!(
-        retaken <= 0.2 * requests as f64,
+        retaken <= 0.1 * requests as f64,
         "{retaken} of the output meter's slots given back and taken again, over {requests} requests"
     );
 }
