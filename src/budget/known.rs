@@ -371,5 +371,11 @@ mod tests {
             Vec::from(mark.sends),
             vec![(at(100), 400), (at(200), 400), (at(200), 300)]
         );
+        // The request at 100 cost 150 less than its estimate: its send weighs 250; the one
+        // at 200 is given back whole and leaves.
+        known.given_back("m", at(100), 400, 150);
+        known.given_back("m", at(200), 400, 400);
+        let (_, mark) = known.marks().pop().unwrap();
+        assert_eq!(Vec::from(mark.sends), vec![(at(100), 250), (at(200), 300)]);
     }
 }
