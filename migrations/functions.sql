@@ -338,6 +338,8 @@ DECLARE
     -- The earliest slot the caller can use: its answer reaches it p_lead after now_ts.
     earliest timestamptz;
     t interval;
+    -- The slot by everything but the latest send (see the beat's update below).
+    s_free timestamptz;
     s timestamptz;
     n integer := coalesce(array_length(p_shares, 1), 0);
     nq integer := coalesce(array_length(p_quota_limits, 1), 0);
@@ -487,6 +489,7 @@ BEGIN
                 END IF;
             END IF;
         END LOOP;
+        s_free := s;
         IF nq > 0 THEN
             IF cardinality(slots) > 0 THEN
                 s := GREATEST(s, slots[cardinality(slots)]);
@@ -505,12 +508,13 @@ BEGIN
             usable := GREATEST(b.vendor_remaining - p_reserve, 0);
             k := b.vendor_taken + 1;
             IF k > usable THEN
-                s := GREATEST(s, b.vendor_reset);
+                s_free := GREATEST(s_free, b.vendor_reset);
             ELSIF p_spread THEN
-                s := GREATEST(s, b.vendor_observed + make_interval(secs =>
+                s_free := GREATEST(s_free, b.vendor_observed + make_interval(secs =>
                     ((extract(epoch FROM b.vendor_reset - b.vendor_observed) * 1000000)::bigint
                         * k / usable) / 1000000.0));
             END IF;
+            s := GREATEST(s, s_free);
         END IF;
         IF cardinality(slots) = 0 THEN
             IF p_not_after IS NOT NULL AND s > now_ts + make_interval(secs => p_not_after) THEN
@@ -528,7 +532,10 @@ BEGIN
         -- The slot is taken.
         cr := new_credits;
         slots := slots || s;
-        b.next_at := GREATEST(b.next_at, s) + t;
+        -- A refund carried past the latest send (pacegate_give_back_part) is spent at most
+        -- half an interval a slot, in whole microseconds as budget::schedule computes it.
+        b.next_at := GREATEST(GREATEST(b.next_at, s_free) + t, s + make_interval(secs =>
+            floor(extract(epoch FROM t) * 1000000 / 2) / 1000000.0));
         b.last_slot := GREATEST(b.last_slot, s);
         IF nq > 0 THEN
             b.sends := b.sends + p_cost;
@@ -573,7 +580,9 @@ $$;
 
 -- Units given back of a slot (budget::Store::give_back): p_units of a slot reserved for
 -- p_reserved, all of them for a slot never used, or the part of its estimate a request did
--- not cost. p_secs (negative) of its schedule is refunded as a settlement's refund is, and,
+-- not cost. p_secs (negative) of its schedule is refunded as a settlement's refund is (with
+-- p_order, where the budget counts its sends, past the latest slot: the sends keep the
+-- slots in order, and the slots after it spend what is carried), and,
 -- where p_at names its send, that send weighs p_units fewer in the windows
 -- (budget::schedule::Budget::unsend): the latest send at p_at of p_reserved units loses
 -- them, or is removed where all are given back, and the ones after it count p_units fewer.
@@ -584,7 +593,8 @@ CREATE OR REPLACE FUNCTION pacegate_give_back_part(
     p_secs double precision,
     p_at timestamptz,
     p_reserved bigint,
-    p_units bigint
+    p_units bigint,
+    p_order boolean
 ) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     b pacegate_budgets%ROWTYPE;
@@ -598,7 +608,8 @@ BEGIN
     END IF;
     UPDATE pacegate_budgets AS y
         SET next_at = GREATEST(y.next_at + make_interval(secs => p_secs * y.backoff),
-            LEAST(y.next_at, GREATEST(clock_timestamp(), y.last_slot)))
+            LEAST(y.next_at, CASE WHEN p_order THEN clock_timestamp()
+                ELSE GREATEST(clock_timestamp(), y.last_slot) END))
         WHERE y.destination = p_destination;
     IF p_at IS NULL OR units <= 0 THEN
         RETURN;
@@ -633,7 +644,7 @@ CREATE OR REPLACE FUNCTION pacegate_give_back(
     p_at timestamptz,
     p_units bigint
 ) RETURNS void LANGUAGE sql AS $$
-    SELECT pacegate_give_back_part(p_destination, p_secs, p_at, p_units, p_units)
+    SELECT pacegate_give_back_part(p_destination, p_secs, p_at, p_units, p_units, false)
 $$;
 
 -- The release before weighs every slot one unit in the quota windows.

@@ -259,6 +259,11 @@ where
     weighted::a_slot_given_back_leaves_the_quota_window(&fresh().await, tol).await;
     weighted::a_meter_s_own_window_holds_its_limit_and_one_request(&fresh().await, tol).await;
     weighted::a_refund_leaves_a_meter_s_own_window(&fresh().await, tol).await;
+    weighted::a_refund_past_a_slot_granted_since_is_carried_where_sends_are_counted(
+        &fresh().await,
+        tol,
+    )
+    .await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

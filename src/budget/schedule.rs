@@ -198,6 +198,11 @@ impl Budget {
     /// next_at = max(next_at, slot) + T        T = interval * backoff, tolerance = (burst - 1) T
     /// ```
     ///
+    /// A budget that counts its sends also puts no slot before its latest send; where that
+    /// alone holds a slot back (a refund carried past it, see [`Budget::settle`]), `next_at`
+    /// advances from where the beat put the slot, but at least half an interval past the
+    /// slot: the carried refund is spent by the slots after it, spread, never bunched.
+    ///
     /// Because `next_at` advances from the schedule, not from when a request actually went out,
     /// timer lateness never accumulates; after an idle spell longer than the tolerance, the
     /// schedule restarts from `now`.
@@ -222,23 +227,27 @@ impl Budget {
         }
         let t = self.interval(rule);
         let tolerance = t * (rule.burst - 1);
-        let mut slot = now
+        let (order, windows) = self.window_floor(rule);
+        let mut free = now
             .max(self.next_at.saturating_sub(tolerance))
-            .max(self.paused_until);
-        slot = slot.max(self.window_floor(rule));
+            .max(self.paused_until)
+            .max(windows);
         if self.vendor.as_ref().is_some_and(|v| v.reset <= now) {
             self.vendor = None;
         }
         if let Some(floor) = self.vendor_floor(rule) {
-            slot = slot.max(floor);
+            free = free.max(floor);
         }
+        let slot = free.max(order);
         if not_after.is_some_and(|limit| slot > limit) {
             return Err(NoSlot::TooLate { slot });
         }
         if let Some(v) = &mut self.vendor {
             v.taken += 1;
         }
-        self.next_at = self.next_at.max(slot) + t;
+        // A refund carried past the latest send (see `Budget::settle`) is spent at most half
+        // an interval a slot: the slots it brings forward are spread, never bunched.
+        self.next_at = (self.next_at.max(free) + t).max(slot + half(t));
         self.last_slot = self.last_slot.max(slot);
         self.sent(rule, slot, u64::from(rule.cost));
         Ok((slot, self.generation))
@@ -246,11 +255,13 @@ impl Budget {
 
     /// Settles a request that cost `units` more than the slot reserved for it (fewer where
     /// negative), at `now`: a charge moves the next slot later by that many intervals; a
-    /// refund moves it earlier, but never before `now`, nor before the latest slot granted.
-    /// Time already past is not given back: a refund makes room for the requests still to
-    /// come, never a burst. Nor does a later request go before one granted already: the
-    /// slots stay in the order they were granted. The window that starts at that slot may
-    /// still hold the refund's worth more than the rate's share; a meter's own window
+    /// refund moves it earlier, but never before `now`. Time already past is not given back:
+    /// a refund makes room for the requests still to come, never a burst. Nor does a later
+    /// request go before one granted already: without sends counted, the next slot goes no
+    /// earlier than the latest granted, and what reaches further is lost; with them (a
+    /// meter's), the latest send holds the next slot in order, and the refund is carried to
+    /// the slots after it (see [`Budget::reserve`]). The window that starts at that slot may
+    /// then hold the refund's worth more than the rate's share; a meter's own window
     /// ([`Rule::windows`]) bounds it.
     ///
     /// In the windows a charge counts as a send of its units when it is known (no earlier
@@ -267,23 +278,23 @@ impl Budget {
         self.next_at = if units >= 0 {
             self.next_at + shift
         } else {
-            let floor = now.max(self.last_slot);
+            let floor = refund_floor(rule, now, self.last_slot);
             self.next_at
                 .saturating_sub(shift)
                 .max(self.next_at.min(floor))
         };
     }
 
-    /// The earliest a slot of [`Rule::cost`] units fits every quota window: for each window
-    /// of `limit` units, the send that holds unit `through + cost - limit` (the first that must
-    /// have left the window for the slot's units to fit) must be a window and its margin
-    /// past; and no slot goes before the latest send, so that the sends stay in time order.
-    /// A slot costing more than a window's limit waits for the whole window to empty.
-    fn window_floor(&self, rule: &Rule) -> Duration {
+    /// The latest send, before which no slot goes (the sends stay in time order), and the
+    /// earliest a slot of [`Rule::cost`] units fits every window: for each window of `limit`
+    /// units, the send that holds unit `through + cost - limit` (the first that must have
+    /// left the window for the slot's units to fit) must be a window and its margin past. A
+    /// slot costing more than a window's limit waits for the whole window to empty.
+    fn window_floor(&self, rule: &Rule) -> (Duration, Duration) {
         let Some(last) = self.sends.back() else {
-            return Duration::ZERO;
+            return (Duration::ZERO, Duration::ZERO);
         };
-        let mut floor = last.at;
+        let mut floor = Duration::ZERO;
         for (limit, per) in rule.windows() {
             let want = (last.through + u64::from(rule.cost).min(limit)).saturating_sub(limit);
             if want == 0 {
@@ -294,7 +305,7 @@ impl Budget {
                 floor = floor.max(holder.at + per + rule.quota_margin());
             }
         }
-        floor
+        (last.at, floor)
     }
 
     /// Counts a send of `units` at `at` in the quota windows, and forgets the sends no
@@ -645,6 +656,23 @@ impl Budget {
                 true
             }
         }
+    }
+}
+
+/// Half of `t`, in whole microseconds, as the postgres store computes it.
+fn half(t: Duration) -> Duration {
+    Duration::from_micros(u64::try_from(t.as_micros() / 2).unwrap_or(u64::MAX))
+}
+
+/// The earliest a refund at `now` may bring the next slot: `now`, where the budget counts its
+/// sends, whose latest keeps the slots in time order whatever the beat says (a refund past
+/// the latest slot is carried, and spent by the slots after it, see [`Budget::reserve`]);
+/// else no earlier than the latest slot granted either.
+fn refund_floor(rule: &Rule, now: Duration, last_slot: Duration) -> Duration {
+    if rule.counts_sends() {
+        now
+    } else {
+        now.max(last_slot)
     }
 }
 

@@ -601,7 +601,10 @@ impl Store for PostgresStore {
         // Units as seconds of the schedule: at most a meter's size of intervals, exact in f64.
         let secs = rule.interval.as_secs_f64() * units as f64;
         let charged = if rule.counts_sends() { units.max(0) } else { 0 };
-        client.rows(SQL_SETTLE, &[&budget, &secs, &charged]).await?;
+        let order = rule.counts_sends();
+        client
+            .rows(SQL_SETTLE, &[&budget, &secs, &charged, &order])
+            .await?;
         let charged = u32::try_from(charged).unwrap_or(u32::MAX);
         self.known.charged(budget, charged, Instant::now());
         Ok(())
@@ -620,8 +623,15 @@ impl Store for PostgresStore {
         let units = units.min(reserved);
         let secs = -rule.interval.as_secs_f64() * f64::from(units);
         let at = sent.map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us));
-        let params: [&dyn Param; 5] =
-            [&budget, &secs, &at, &i64::from(reserved), &i64::from(units)];
+        let order = rule.counts_sends();
+        let params: [&dyn Param; 6] = [
+            &budget,
+            &secs,
+            &at,
+            &i64::from(reserved),
+            &i64::from(units),
+            &order,
+        ];
         client.rows(SQL_GIVE_BACK, &params).await?;
         if at.is_some() {
             self.known.given_back(budget, slot.at, reserved, units);

@@ -273,3 +273,38 @@ pub(super) async fn a_refund_leaves_a_meter_s_own_window(store: &impl Store, tol
         "a unit past 1,100 in a window of 1,000",
     );
 }
+
+/// Where a meter counts its sends, a refund that reaches back past a slot granted since is
+/// not lost: the latest send keeps the slots in order, and the slots after it spend what is
+/// carried, at most half an interval each. At 1,000 a second, slots of 300 and 100, then
+/// the first's 300 refunded: the next 100 goes at the second's slot, and the one after it
+/// half of its interval later (50 ms), where without the carry it would go a whole one.
+pub(super) async fn a_refund_past_a_slot_granted_since_is_carried_where_sends_are_counted(
+    store: &impl Store,
+    tol: Duration,
+) {
+    // A window too short to hold a slot and too large to fill: only the sends' order counts.
+    let r = Rule {
+        window: Some(Quota {
+            limit: 1_000_000,
+            per: Duration::from_millis(1),
+        }),
+        ..rule(1000.0)
+    };
+    let (_, (slot, sent)) = reserved_by(store, "m", &r, 300).await;
+    let second = weighed_by(store, "m", &r, 100).await;
+    store
+        .give_back("m", &r, &slot, sent, 300, 300)
+        .await
+        .unwrap();
+    let third = weighed_by(store, "m", &r, 100).await;
+    apart(second, third, Duration::ZERO, tol, "after a refund carried");
+    let fourth = weighed_by(store, "m", &r, 100).await;
+    apart(
+        third,
+        fourth,
+        Duration::from_millis(50),
+        tol,
+        "half an interval of 100 units, the rest carried",
+    );
+}

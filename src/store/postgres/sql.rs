@@ -53,16 +53,18 @@ pub(super) const SQL_CONTINUE_AFTER: &str =
     ON CONFLICT (destination) DO UPDATE SET next_at = GREATEST(b.next_at, EXCLUDED.next_at)";
 /// Settles a request of budget `$1` that cost `$2` seconds of its schedule (units times the
 /// interval) more than it reserved, fewer where negative, at the budget's backoff: a charge
-/// moves its next slot later, a refund earlier but never before now, nor before the latest
-/// slot granted (see `budget::schedule::Budget::settle`). `$3`: the units charged, for a
-/// budget with quota windows (else 0): counted as a send of them now, or at the latest slot
-/// if that is later, so that the sends stay in time order. The next reservation forgets the
+/// moves its next slot later, a refund earlier but never before now, nor, unless `$4` (the
+/// budget counts its sends, whose latest keeps the slots in order), before the latest slot
+/// granted (see `budget::schedule::Budget::settle`). `$3`: the units charged, for a budget
+/// that counts its sends (else 0): counted as a send of them now, or at the latest slot if
+/// that is later, so that the sends stay in time order. The next reservation forgets the
 /// sends no window reaches.
 pub(super) const SQL_SETTLE: &str = "WITH b AS (
         UPDATE pacegate_budgets
         SET next_at = CASE WHEN $2::float8 >= 0 THEN next_at + make_interval(secs => $2::float8 * backoff)
             ELSE GREATEST(next_at + make_interval(secs => $2::float8 * backoff),
-                LEAST(next_at, GREATEST(clock_timestamp(), last_slot))) END,
+                LEAST(next_at, CASE WHEN $4::boolean THEN clock_timestamp()
+                    ELSE GREATEST(clock_timestamp(), last_slot) END)) END,
             sends = sends + GREATEST($3::bigint, 0)
         WHERE destination = $1
         RETURNING destination, sends, last_slot)
@@ -71,9 +73,10 @@ pub(super) const SQL_SETTLE: &str = "WITH b AS (
         WHERE $3::bigint > 0
     ON CONFLICT (destination, seq) DO NOTHING";
 /// Gives back `$5` units of a slot of budget `$1` reserved for `$4`: `$2` seconds of its
-/// schedule refunded as [`SQL_SETTLE`] refunds them, and its send (`$3`, its slot) weighing
+/// schedule refunded as [`SQL_SETTLE`] refunds them (`$6` as its `$4`), and its send (`$3`,
+/// its slot) weighing
 /// that many fewer in the windows where it has one (see `budget::schedule::Budget::unsend`).
-pub(super) const SQL_GIVE_BACK: &str = "SELECT pacegate_give_back_part($1, $2, $3, $4, $5)";
+pub(super) const SQL_GIVE_BACK: &str = "SELECT pacegate_give_back_part($1, $2, $3, $4, $5, $6)";
 pub(super) const SQL_TELL: &str = "SELECT pacegate_tell($1, $2, clock_timestamp(), $3, $4, $5, $6)";
 /// Renews the lease of instance `$1`'s wait lists for `$2` seconds, and drops the lists whose
 /// lease ran out (an instance gone without a word): they no longer count, and would keep
