@@ -18,7 +18,7 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
-use super::lane::Lane;
+use super::lane::{Grant, Lane};
 use super::outgoing::{BodyError, Outgoing};
 use super::{Admission, PaceError, Pacer, Route};
 use crate::budget::{Event, Observation, Pause, Reservation, Store, METER_LATE};
@@ -44,11 +44,10 @@ struct Taken {
     lane: Arc<Lane>,
     cost: Cost,
     estimate: u64,
-    /// The slot, and what it was reserved for (the cost the dispatcher asked it for, which
-    /// may be another waiter's: settled against all the same).
-    slot: Option<(Reservation, u32)>,
-    /// The slot's mark in the meter's quota windows, where its store gave one.
-    sent: Option<u64>,
+    /// The slot its meter granted: with what it was reserved for (the cost the dispatcher
+    /// asked it for, which may be another waiter's: settled against all the same), and its
+    /// mark in the meter's windows, where its store gave one.
+    slot: Option<Grant>,
     /// Where its cost is its query's: the query, whose settled cost is recalled for the next.
     query: Option<Query>,
 }
@@ -81,23 +80,17 @@ impl Metering {
 }
 
 impl Taken {
-    /// Holds the slot its meter granted.
-    fn hold(&mut self, granted: super::lane::Grant) {
-        self.slot = Some((granted.slot, granted.cost));
-        self.sent = granted.sent;
+    /// The estimate as a slot's units: at most the meter's size, which config holds to 32
+    /// bits.
+    fn units(&self) -> u32 {
+        u32::try_from(self.estimate).unwrap_or(u32::MAX)
     }
 
     /// Gives its slot back whole, if it holds one: the store's call, under way.
     fn give_back(&mut self, store: &Arc<dyn Store>) -> Option<tokio::task::JoinHandle<()>> {
-        let (slot, reserved) = self.slot.take()?;
-        give_back(
-            store,
-            &self.lane,
-            slot,
-            self.sent.take(),
-            reserved,
-            reserved,
-        )
+        let held = self.slot.take()?;
+        let units = held.cost;
+        give_back(store, &self.lane, held, units)
     }
 }
 
@@ -144,14 +137,11 @@ impl Pacer {
                     .zip(lane.recall())
                     .and_then(|(q, recall)| recall.cost_of(q))
                     .unwrap_or(m.default);
-                let estimate = m.cost.estimate(read, outgoing.headers(), default, m.size);
-                lane.raise_largest(u32::try_from(estimate).unwrap_or(u32::MAX));
                 Taken {
                     lane: lane.clone(),
                     cost: m.cost.clone(),
-                    estimate,
+                    estimate: m.cost.estimate(read, outgoing.headers(), default, m.size),
                     slot: None,
-                    sent: None,
                     query,
                 }
             })
@@ -225,10 +215,10 @@ impl Pacer {
         // stale meanwhile: it is given back and taken again, at once where that meter has
         // room. A few rounds at most.
         let n = metering.taken.len();
-        let lengths = metering.taken.iter().map(|t| {
-            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
-            t.lane.keys().rule.interval.saturating_mul(cost)
-        });
+        let lengths = metering
+            .taken
+            .iter()
+            .map(|t| t.lane.keys().rule.interval.saturating_mul(t.units()));
         let binding = route.meters().binding(lengths).min(n - 1);
         lend_early(metering, binding);
         let mut wanted: Vec<usize> = std::iter::once(binding)
@@ -237,17 +227,10 @@ impl Pacer {
         for _ in 0..METER_ROUNDS {
             metering.given_back().await;
             for &i in &wanted {
-                let t = &metering.taken[i];
-                let lane = t.lane.clone();
-                let keys = lane.keys();
-                // An estimate is at most the meter's size, which config holds to 32 bits.
-                let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
-                let waited = self
-                    .slot(&lane, &keys.rule, class, (Instant::now(), deadline), cost)
-                    .await;
+                let waited = self.meter_slot(&metering.taken[i], class, deadline).await;
                 match waited {
                     Ok((granted, _)) => {
-                        metering.taken[i].hold(granted);
+                        metering.taken[i].slot = Some(granted);
                     }
                     Err(e) => {
                         self.give_back(metering);
@@ -262,7 +245,8 @@ impl Pacer {
                 .enumerate()
                 .filter(|(_, t)| {
                     t.slot
-                        .is_some_and(|(s, _)| s.lateness(now) > METER_LATE / 2)
+                        .as_ref()
+                        .is_some_and(|g| g.slot.lateness(now) > METER_LATE / 2)
                 })
                 .map(|(i, _)| i)
                 .collect();
@@ -291,15 +275,37 @@ impl Pacer {
     ) {
         let now = Instant::now();
         for t in metering.taken.iter_mut().filter(|t| t.slot.is_none()) {
-            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
+            let cost = t.units();
+            t.lane.raise_largest(cost);
             self.stand_in(t.lane.clone(), class, deadline, cost);
             let slot = Reservation {
                 at: now,
                 generation: t.lane.seen.lock().generation,
                 unseen_late: Duration::ZERO,
             };
-            t.slot = Some((slot, cost));
+            t.slot = Some(Grant {
+                class,
+                slot,
+                cost,
+                sent: None,
+            });
         }
+    }
+
+    /// Waits for a slot of `t`'s meter, as long as its estimate, up to `by`. The meter's
+    /// largest estimate is raised first: its own window holds one request's worth over its
+    /// limit (see [`crate::budget::Rule::windows`]).
+    async fn meter_slot(
+        &self,
+        t: &Taken,
+        class: Class,
+        by: Instant,
+    ) -> Result<(Grant, Instant), PaceError> {
+        let cost = t.units();
+        t.lane.raise_largest(cost);
+        let keys = t.lane.keys();
+        self.slot(&t.lane, &keys.rule, class, (Instant::now(), by), cost)
+            .await
     }
 
     /// Counts `t`'s slot as given back to be taken again.
@@ -315,7 +321,8 @@ impl Pacer {
     pub(super) fn meters_too_late(&self, metering: &mut Metering, now: Instant) -> bool {
         let late = metering.taken.iter().any(|t| {
             t.slot
-                .is_some_and(|(slot, _)| slot.lateness(now) > METER_LATE)
+                .as_ref()
+                .is_some_and(|g| g.slot.lateness(now) > METER_LATE)
         });
         if late {
             for t in &metering.taken {
@@ -377,19 +384,13 @@ impl Pacer {
     ) -> bool {
         metering.given_back().await;
         for i in 0..metering.taken.len() {
-            let t = &metering.taken[i];
-            let lane = t.lane.clone();
-            let keys = lane.keys();
-            let cost = u32::try_from(t.estimate).unwrap_or(u32::MAX);
-            match self
-                .slot(&lane, &keys.rule, class, (Instant::now(), by), cost)
-                .await
-            {
+            let lane = metering.taken[i].lane.clone();
+            match self.meter_slot(&metering.taken[i], class, by).await {
                 Ok((granted, _)) if granted.slot.at <= by => {
-                    metering.taken[i].hold(granted);
+                    metering.taken[i].slot = Some(granted);
                 }
                 Ok((granted, _)) => {
-                    metering.taken[i].hold(granted);
+                    metering.taken[i].slot = Some(granted);
                     self.meters_missed(metering, &lane);
                     return false;
                 }
@@ -426,12 +427,11 @@ impl Pacer {
     /// request's estimate, charged as the vendor counts it), and a retry takes new ones.
     pub(super) fn spent(&self, metering: &mut Metering) {
         for t in &mut metering.taken {
-            t.sent = None;
-            if let Some((_, reserved)) = t.slot.take() {
+            if let Some(held) = t.slot.take() {
                 self.metrics
                     .meter_units
                     .with_label_values(&labels(&t.lane.name))
-                    .inc_by(u64::from(reserved));
+                    .inc_by(u64::from(held.cost));
             }
         }
     }
@@ -472,15 +472,12 @@ impl Pacer {
             .taken
             .into_iter()
             .filter_map(|t| {
-                let (slot, reserved) = t.slot?;
                 Some(Reading {
+                    held: t.slot?,
                     settle: t.cost.settle(stream),
-                    slot,
-                    sent: t.sent,
                     lane: t.lane,
                     query: t.query,
                     estimate: t.estimate,
-                    reserved,
                 })
             })
             .collect();
@@ -574,22 +571,23 @@ fn lend_early(metering: &Metering, binding: usize) {
     }
 }
 
-/// Gives `units` of `slot`, reserved for `reserved` on `lane`, back to the store (see
-/// [`Store::give_back`]): all of a slot unused, or what a request cost less than its
-/// estimate. As [`settle`] does a settlement: on a task of its own.
+/// Gives `units` of `held`, a slot of `lane`, back to the store (see [`Store::give_back`]):
+/// all of a slot unused, or what a request cost less than its estimate. As [`settle`] does
+/// a settlement: on a task of its own.
 fn give_back(
     store: &Arc<dyn Store>,
     lane: &Arc<Lane>,
-    slot: Reservation,
-    sent: Option<u64>,
-    reserved: u32,
+    held: Grant,
     units: u32,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     let (store, lane) = (store.clone(), lane.clone());
     Some(runtime.spawn(async move {
         let rule = lane.keys().rule.clone();
-        let given = store.give_back(&lane.name, &rule, &slot, sent, reserved, units);
+        let Grant {
+            slot, cost, sent, ..
+        } = held;
+        let given = store.give_back(&lane.name, &rule, &slot, sent, cost, units);
         if let Err(e) = given.await {
             tracing::warn!(destination = %lane.name, units, "cannot give a meter's slot back ({e}); its estimate stands");
         }
@@ -603,11 +601,9 @@ struct Reading {
     query: Option<Query>,
     /// What the request was estimated to cost.
     estimate: u64,
-    /// Its slot, what it was reserved for, and its mark in the meter's windows: a refund
-    /// is taken out of the send it names (see [`Store::give_back`]).
-    slot: Reservation,
-    reserved: u32,
-    sent: Option<u64>,
+    /// Its slot, with what it was reserved for and its mark in the meter's windows: a
+    /// refund is taken out of the send it names (see [`Store::give_back`]).
+    held: Grant,
     /// How the response says the cost; `None` where it does not (a header's or a fixed
     /// cost: the estimate is the cost).
     settle: Option<Settle>,
@@ -656,12 +652,12 @@ impl<B> Settling<B> {
                 .meter_units
                 .with_label_values(&labels(&r.lane.name))
                 .inc_by(cost);
-            match u32::try_from(cost).ok().filter(|c| *c < r.reserved) {
+            let reserved = r.held.cost;
+            match u32::try_from(cost).ok().filter(|c| *c < reserved) {
                 Some(cost) => {
-                    let refund = r.reserved - cost;
-                    give_back(&self.store, &r.lane, r.slot, r.sent, r.reserved, refund);
+                    give_back(&self.store, &r.lane, r.held, reserved - cost);
                 }
-                None => settle(&self.store, &r.lane, signed(cost) - i64::from(r.reserved)),
+                None => settle(&self.store, &r.lane, signed(cost) - i64::from(reserved)),
             }
             // The vendor's bucket, where it said it: one too low for a query like this one
             // pauses the meter until it has refilled.

@@ -6,7 +6,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use support::llm::FakeLlm;
+use support::llm::{post_json, FakeLlm};
 use support::{client, Alpn, FakeUpstream, TestProxy};
 
 /// `llm` on localhost at 100 requests a second, with a meter of 1,000 tokens a second
@@ -457,13 +457,7 @@ async fn twelve_workers(proxy: &TestProxy, vendor: &FakeLlm, run: Duration) -> u
                     "messages": [{"role": "user", "content": "x".repeat(1000)}],
                 });
                 while std::time::Instant::now() < until {
-                    let resp = via
-                        .post(&url)
-                        .header("content-type", "application/json")
-                        .body(body.to_string())
-                        .send()
-                        .await
-                        .unwrap();
+                    let resp = post_json(&via, &url, &body).await;
                     failed += usize::from(resp.status() != 200);
                     resp.bytes().await.unwrap();
                 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use support::fleet::{alone, postgres_store, Fleet, INSTANCES};
-use support::llm::{busiest_by, busiest_tokens, Charge, FakeLlm};
+use support::llm::{busiest_by, busiest_tokens, post_json, Charge, FakeLlm};
 
 /// The vendor's tokens a second, and the meter's.
 const TOKENS: f64 = 2000.0;
@@ -73,13 +73,7 @@ async fn work(fleet: &Fleet, vendor: &FakeLlm, run: Duration) -> Vec<u16> {
                         body["stream"] = true.into();
                         body["stream_options"] = serde_json::json!({"include_usage": true});
                     }
-                    let resp = via
-                        .post(&url)
-                        .header("content-type", "application/json")
-                        .body(body.to_string())
-                        .send()
-                        .await
-                        .unwrap();
+                    let resp = post_json(&via, &url, &body).await;
                     statuses.push(resp.status().as_u16());
                     let _ = resp.bytes().await;
                     n += 1;
@@ -328,13 +322,7 @@ async fn queries(fleet: &Fleet, vendor: &FakeLlm) -> Vec<u16> {
             start.wait().await;
             let mut statuses = Vec::new();
             for query in mine {
-                let resp = via
-                    .post(&url)
-                    .header("content-type", "application/json")
-                    .body(serde_json::json!({ "query": query }).to_string())
-                    .send()
-                    .await
-                    .unwrap();
+                let resp = post_json(&via, &url, &serde_json::json!({ "query": query })).await;
                 statuses.push(resp.status().as_u16());
                 let _ = resp.bytes().await;
             }

@@ -428,3 +428,17 @@ pub fn busiest_by(charges: &[Charge], length: Duration, count: impl Fn(&Charge) 
     }
     most
 }
+
+/// Posts `body`, as JSON, to `url` through `via` (a client of the proxy): a worker's request.
+pub async fn post_json(
+    via: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    via.post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap()
+}
