@@ -338,8 +338,13 @@ DECLARE
     -- The earliest slot the caller can use: its answer reaches it p_lead after now_ts.
     earliest timestamptz;
     t interval;
-    -- The slot by everything but the latest send (see the beat's update below).
-    s_free timestamptz;
+    -- The slot by the beat, a pause and the vendor's view alone (see the beat's update below).
+    s_beat timestamptz;
+    -- The latest send, before which no slot goes, and the refund carried past it.
+    s_order timestamptz;
+    lag interval;
+    idle interval;
+    half interval;
     s timestamptz;
     n integer := coalesce(array_length(p_shares, 1), 0);
     nq integer := coalesce(array_length(p_quota_limits, 1), 0);
@@ -412,6 +417,8 @@ BEGIN
     -- classes waiting stay the same, and each slot's choice is budget::schedule::choose on
     -- the credits so far. The first slot's class must also be the caller's oldest request.
     t := make_interval(secs => p_interval * b.backoff);
+    -- Half an interval, in whole microseconds as budget::schedule computes it.
+    half := make_interval(secs => floor(extract(epoch FROM t) * 1000000 / 2) / 1000000.0);
     sends0 := b.sends;
     IF b.vendor_reset IS NOT NULL AND b.vendor_reset <= now_ts THEN
         b.vendor_reset := NULL;
@@ -453,7 +460,12 @@ BEGIN
             -- need not ask again before then (another instance may hold a batch until then).
             IF first_instance IS DISTINCT FROM p_instance THEN
                 RETURN QUERY SELECT 'yield'::text,
-                    GREATEST(earliest, b.next_at - t * (p_burst - 1), b.paused_until), now_ts, b.generation, NULL::integer,
+                    GREATEST(earliest, CASE WHEN p_cost > 1 AND b.last_slot > now_ts
+                        THEN LEAST(b.next_at - t * (p_burst - 1), b.last_slot)
+                        WHEN p_cost > 1 AND b.next_at - t * (p_burst - 1) > now_ts
+                        THEN now_ts + (b.next_at - t * (p_burst - 1) - now_ts) / 2
+                        ELSE b.next_at - t * (p_burst - 1) END, b.paused_until),
+                    now_ts, b.generation, NULL::integer,
                     b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text, NULL::timestamptz[];
                 RETURN;
             END IF;
@@ -471,6 +483,7 @@ BEGIN
         -- (Budget::window_floor): the send holding unit sends + cost - limit must have left
         -- each window; slots of this batch are cost units each, after sends0.
         s := GREATEST(earliest, b.next_at - t * (p_burst - 1), b.paused_until);
+        s_beat := s;
         FOR i IN 1..nq LOOP
             want := b.sends + LEAST(p_cost, p_quota_limits[i]) - p_quota_limits[i];
             IF want > 0 THEN
@@ -489,16 +502,20 @@ BEGIN
                 END IF;
             END IF;
         END LOOP;
-        s_free := s;
+        s_order := NULL;
         IF nq > 0 THEN
             IF cardinality(slots) > 0 THEN
-                s := GREATEST(s, slots[cardinality(slots)]);
+                s_order := slots[cardinality(slots)];
             ELSE
-                SELECT x.at INTO at_ts FROM pacegate_sends AS x
+                SELECT x.at INTO s_order FROM pacegate_sends AS x
                     WHERE x.destination = p_destination AND x.seq = b.sends;
-                IF FOUND THEN
-                    s := GREATEST(s, at_ts);
-                END IF;
+            END IF;
+            -- Where the beat is within half an interval of the latest send (a refund took it
+            -- back, or a window held that send), the slot keeps half an interval from it.
+            IF s_order IS NOT NULL AND b.next_at < s_order + half THEN
+                s := GREATEST(s, s_order + half);
+            ELSE
+                s := GREATEST(s, s_order);
             END IF;
         END IF;
         -- budget::schedule::Budget::reserve: the vendor's view, while its window lasts, holds
@@ -508,13 +525,13 @@ BEGIN
             usable := GREATEST(b.vendor_remaining - p_reserve, 0);
             k := b.vendor_taken + 1;
             IF k > usable THEN
-                s_free := GREATEST(s_free, b.vendor_reset);
+                s_beat := GREATEST(s_beat, b.vendor_reset);
             ELSIF p_spread THEN
-                s_free := GREATEST(s_free, b.vendor_observed + make_interval(secs =>
+                s_beat := GREATEST(s_beat, b.vendor_observed + make_interval(secs =>
                     ((extract(epoch FROM b.vendor_reset - b.vendor_observed) * 1000000)::bigint
                         * k / usable) / 1000000.0));
             END IF;
-            s := GREATEST(s, s_free);
+            s := GREATEST(s, s_beat);
         END IF;
         IF cardinality(slots) = 0 THEN
             IF p_not_after IS NOT NULL AND s > now_ts + make_interval(secs => p_not_after) THEN
@@ -532,10 +549,18 @@ BEGIN
         -- The slot is taken.
         cr := new_credits;
         slots := slots || s;
-        -- A refund carried past the latest send (pacegate_give_back_part) is spent at most
-        -- half an interval a slot, in whole microseconds as budget::schedule computes it.
-        b.next_at := GREATEST(GREATEST(b.next_at, s_free) + t, s + make_interval(secs =>
-            floor(extract(epoch FROM t) * 1000000 / 2) / 1000000.0));
+        -- budget::schedule::Budget::reserve: the beat goes on from where it stood; where it
+        -- lags behind the latest send (a refund carried past it), the lag is spent by the
+        -- slots after it and lost only as time passes unused beyond that send; a window's
+        -- hold leaves it at most an interval behind the slot, or the lag it had.
+        lag := interval '0';
+        IF s_order IS NOT NULL AND isfinite(b.next_at) AND b.next_at < s_order THEN
+            lag := s_order - b.next_at;
+        END IF;
+        idle := CASE WHEN s_order IS NULL OR s_beat <= s_order THEN interval '0'
+            ELSE s_beat - s_order END;
+        b.next_at := GREATEST(CASE WHEN lag > idle THEN b.next_at + idle
+                ELSE GREATEST(b.next_at, s_beat) END + t, s - GREATEST(t, lag - idle));
         b.last_slot := GREATEST(b.last_slot, s);
         IF nq > 0 THEN
             b.sends := b.sends + p_cost;
@@ -581,8 +606,9 @@ $$;
 -- Units given back of a slot (budget::Store::give_back): p_units of a slot reserved for
 -- p_reserved, all of them for a slot never used, or the part of its estimate a request did
 -- not cost. p_secs (negative) of its schedule is refunded as a settlement's refund is (with
--- p_order, where the budget counts its sends, past the latest slot: the sends keep the
--- slots in order, and the slots after it spend what is carried), and,
+-- p_order, where the budget counts its sends, past now as far as the slot's own length
+-- behind the latest slot, and past the latest slot: the sends keep the slots in order, and
+-- the slots after it spend what is carried; budget::schedule::Budget::give_back), and,
 -- where p_at names its send, that send weighs p_units fewer in the windows
 -- (budget::schedule::Budget::unsend): the latest send at p_at of p_reserved units loses
 -- them, or is removed where all are given back, and the ones after it count p_units fewer.
@@ -599,7 +625,6 @@ CREATE OR REPLACE FUNCTION pacegate_give_back_part(
 DECLARE
     b pacegate_budgets%ROWTYPE;
     x bigint;
-    prev bigint;
     units bigint := LEAST(p_units, p_reserved);
 BEGIN
     SELECT * INTO b FROM pacegate_budgets AS y WHERE y.destination = p_destination FOR UPDATE;
@@ -608,21 +633,23 @@ BEGIN
     END IF;
     UPDATE pacegate_budgets AS y
         SET next_at = GREATEST(y.next_at + make_interval(secs => p_secs * y.backoff),
-            LEAST(y.next_at, CASE WHEN p_order THEN clock_timestamp()
+            LEAST(y.next_at, CASE WHEN p_order
+                THEN LEAST(clock_timestamp(), y.last_slot + make_interval(secs =>
+                    p_secs * y.backoff * p_reserved / GREATEST(p_units, 1)))
                 ELSE GREATEST(clock_timestamp(), y.last_slot) END))
         WHERE y.destination = p_destination;
     IF p_at IS NULL OR units <= 0 THEN
         RETURN;
     END IF;
+    -- Two sends may share an instant (a carried refund's slot goes at the latest send's):
+    -- the latest at p_at of p_reserved units is the one.
     SELECT s.seq INTO x FROM pacegate_sends AS s
         WHERE s.destination = p_destination AND s.at = p_at
+          AND s.seq - coalesce((SELECT max(q.seq) FROM pacegate_sends AS q
+                  WHERE q.destination = p_destination AND q.seq < s.seq),
+              s.seq - LEAST(p_reserved, s.seq)) = p_reserved
         ORDER BY s.seq DESC LIMIT 1;
     IF x IS NULL THEN
-        RETURN;
-    END IF;
-    SELECT max(s.seq) INTO prev FROM pacegate_sends AS s
-        WHERE s.destination = p_destination AND s.seq < x;
-    IF x - coalesce(prev, x - LEAST(p_reserved, x)) <> p_reserved THEN
         RETURN;
     END IF;
     IF units = p_reserved THEN

@@ -148,7 +148,8 @@ impl Rule {
     /// slot is free (in `free_in`), since another instance may hold a batch until then. A
     /// meter's slot (a weighted rule) is as long as the asking request's estimate, which
     /// says nothing of when the next one is free (a refund brings it forward): until just
-    /// before it is.
+    /// before the time the store gave (`Budget::free_at`: the latest slot granted, or
+    /// half-way to the free one).
     pub fn yield_for(&self, backoff: f64, free_in: Duration) -> Duration {
         let half = self.interval.mul_f64(backoff) / 2;
         let wait = if self.batches(backoff) {

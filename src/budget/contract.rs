@@ -264,6 +264,14 @@ where
         tol,
     )
     .await;
+    weighted::refunds_after_the_latest_slot_are_carried_at_most_a_slot_s_length(
+        &fresh().await,
+        tol,
+    )
+    .await;
+    weighted::a_window_s_hold_leaves_the_beat_where_it_stood(&fresh().await, tol).await;
+    weighted::a_refund_leaves_the_send_it_names_among_sends_of_one_instant(&fresh().await, tol)
+        .await;
 }
 
 /// One snapshot of several destinations (one with quota windows, waiting requests and a

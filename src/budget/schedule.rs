@@ -198,10 +198,14 @@ impl Budget {
     /// next_at = max(next_at, slot) + T        T = interval * backoff, tolerance = (burst - 1) T
     /// ```
     ///
-    /// A budget that counts its sends also puts no slot before its latest send; where that
-    /// alone holds a slot back (a refund carried past it, see [`Budget::settle`]), `next_at`
-    /// advances from where the beat put the slot, but at least half an interval past the
-    /// slot: the carried refund is spent by the slots after it, spread, never bunched.
+    /// A budget that counts its sends also puts no slot before its latest send, nor less than
+    /// half an interval after it where the beat lies that close (a refund took the beat back,
+    /// or a window held that send). What holds a slot past the beat (a window, the latest
+    /// send) does not move the beat: `next_at` advances from where it stood, at most an
+    /// interval behind the slot (or the lag it already had). Where it lags behind the latest
+    /// send (a refund carried past it, see [`Budget::give_back`]), the slots after it go half
+    /// an interval apart, each spending half its interval of the lag: spread, never bunched.
+    /// The lag is lost as time passes unused beyond the latest send.
     ///
     /// Because `next_at` advances from the schedule, not from when a request actually went out,
     /// timer lateness never accumulates; after an idle spell longer than the tolerance, the
@@ -228,26 +232,46 @@ impl Budget {
         let t = self.interval(rule);
         let tolerance = t * (rule.burst - 1);
         let (order, windows) = self.window_floor(rule);
-        let mut free = now
+        let mut beat = now
             .max(self.next_at.saturating_sub(tolerance))
-            .max(self.paused_until)
-            .max(windows);
+            .max(self.paused_until);
         if self.vendor.as_ref().is_some_and(|v| v.reset <= now) {
             self.vendor = None;
         }
         if let Some(floor) = self.vendor_floor(rule) {
-            free = free.max(floor);
+            beat = beat.max(floor);
         }
-        let slot = free.max(order);
+        // Where the beat is within half an interval of the latest send (a refund took it
+        // back, or a window held that send), the slot keeps half an interval from it.
+        let spaced = match self.sends.back() {
+            Some(_) if self.next_at < order + half(t) => order + half(t),
+            _ => order,
+        };
+        let slot = beat.max(windows).max(spaced);
         if not_after.is_some_and(|limit| slot > limit) {
             return Err(NoSlot::TooLate { slot });
         }
         if let Some(v) = &mut self.vendor {
             v.taken += 1;
         }
-        // A refund carried past the latest send (see `Budget::settle`) is spent at most half
-        // an interval a slot: the slots it brings forward are spread, never bunched.
-        self.next_at = (self.next_at.max(free) + t).max(slot + half(t));
+        // The beat goes on from where it stood, not from where a window or the latest send
+        // put the slot. Where it lags behind the latest send (a refund carried past it), the
+        // slots after it go half an interval apart, each spending half its interval of the
+        // lag, which is lost only as time passes unused beyond that send. A window's hold
+        // leaves the beat at most an interval behind the slot, or the lag it had.
+        let lag = match self.next_at.is_zero() {
+            // Never reserved: no beat to lag behind.
+            true => Duration::ZERO,
+            false => order.saturating_sub(self.next_at),
+        };
+        let idle = beat.saturating_sub(order);
+        let from = if lag > idle {
+            self.next_at + idle
+        } else {
+            self.next_at.max(beat)
+        };
+        let behind = lag.saturating_sub(idle).max(t);
+        self.next_at = (from + t).max(slot.saturating_sub(behind));
         self.last_slot = self.last_slot.max(slot);
         self.sent(rule, slot, u64::from(rule.cost));
         Ok((slot, self.generation))
@@ -283,6 +307,30 @@ impl Budget {
                 .saturating_sub(shift)
                 .max(self.next_at.min(floor))
         };
+    }
+
+    /// Gives back `units` of a slot reserved for `reserved` at `now` (see
+    /// [`crate::budget::Store::give_back`]; the windows' part is [`Budget::unsend`]): a refund
+    /// as [`Budget::settle`]'s, but where the budget counts its sends it may reach back past
+    /// now, as far as the slot's own interval behind the latest slot. A refund usually comes
+    /// after the next slot was granted (a meter's is asked for as the last one comes), often
+    /// once that one's time has passed: what reaches past the latest send is carried, and lost
+    /// as time passes unused beyond that send (see [`Budget::reserve`]). No refund makes the
+    /// beat lag by more than its own slot's length, so refunds that come together (many
+    /// requests in flight) cannot pile up into a burst.
+    pub fn give_back(&mut self, rule: &Rule, units: u64, reserved: u64, now: Duration) {
+        if !rule.counts_sends() {
+            return self.settle(rule, -i64::try_from(units).unwrap_or(i64::MAX), now);
+        }
+        let per = |n: u64| {
+            self.interval(rule)
+                .saturating_mul(u32::try_from(n).unwrap_or(u32::MAX))
+        };
+        let floor = now.min(self.last_slot.saturating_sub(per(reserved)));
+        self.next_at = self
+            .next_at
+            .saturating_sub(per(units))
+            .max(self.next_at.min(floor));
     }
 
     /// The latest send, before which no slot goes (the sends stay in time order), and the
@@ -365,11 +413,19 @@ impl Budget {
     }
 
     /// When the next slot is free by the beat and a pause (quota windows and the vendor's
-    /// view aside): how long an instance that yields may wait before asking again.
+    /// view aside): how long an instance that yields may wait before asking again. For a
+    /// weighted slot (a meter's), sooner: when the latest slot granted comes, where one is
+    /// granted ahead, else half-way to the free slot, since a refund of a request in flight
+    /// brings that forward, and an instance asleep until then would lose the time between.
     pub fn free_at(&self, rule: &Rule, now: Duration) -> Duration {
         let t = self.interval(rule);
-        now.max(self.next_at.saturating_sub(t * (rule.burst - 1)))
-            .max(self.paused_until)
+        let mut beat = self.next_at.saturating_sub(t * (rule.burst - 1));
+        if rule.cost > 1 && self.last_slot > now {
+            beat = beat.min(self.last_slot);
+        } else if rule.cost > 1 && beat > now {
+            beat = now + (beat - now) / 2;
+        }
+        now.max(beat).max(self.paused_until)
     }
 
     /// The earliest the next slot may be by the vendor's view (see [`Budget::reserve`]).

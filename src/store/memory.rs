@@ -374,7 +374,7 @@ impl Store for MemoryStore {
                 b.unsend(self.offset(slot.at), u64::from(reserved), u64::from(units));
                 self.mark(budget);
             }
-            b.settle(rule, -i64::from(units), now);
+            b.give_back(rule, u64::from(units), u64::from(reserved), now);
         }
         Ok(())
     }

@@ -217,9 +217,14 @@ async fn without_a_token_quota_the_same_load_overruns_the_vendor_s_quota() {
     );
 }
 
-/// Anthropic's input and output tokens a second: the output binds.
-const INPUT: f64 = 3000.0;
-const OUTPUT: f64 = 1000.0;
+/// Anthropic's input and output tokens a second: the output binds. A meter's window of its
+/// own length (here a second) counts each request at its estimate until it is settled and
+/// keeps room for a slot used late, so what a test can reach depends on how large a request
+/// is against that window: estimates of up to 600 output tokens are a tenth of a second's
+/// here, as they are a thirteenth of a minute's at 8,000 output tokens a minute. (At 1,000
+/// a second, where one is up to 60% of a second's, three instances reach 78 to 85%.)
+const INPUT: f64 = 18_000.0;
+const OUTPUT: f64 = 6000.0;
 
 /// The Anthropic load through `instances` instances on `store`, with an input and an output
 /// meter at the vendor's rates: no 429, and each meter's busiest second within its bound.
@@ -228,12 +233,12 @@ const OUTPUT: f64 = 1000.0;
 async fn anthropic(instances: usize, store: &str) -> (f64, f64, usize) {
     let vendor = FakeLlm::anthropic(INPUT, OUTPUT).await;
     let keys = format!(
-        "rate = 50\nretry_throttled = 0\n\
+        "rate = 100\nretry_throttled = 0\n\
          [destinations.local.meters.input]\nrate = {INPUT}\ncost = \"anthropic-input\"\n\
          [destinations.local.meters.output]\nrate = {OUTPUT}\ncost = \"anthropic-output\"\n"
     );
     let fleet = Fleet::start_n(instances, store, &keys).await;
-    let statuses = work(&fleet, &vendor, Duration::from_secs(8)).await;
+    let statuses = work(&fleet, &vendor, Duration::from_secs(12)).await;
     let charges = none_refused(&vendor, &statuses);
     // Each meter's window of a second holds at most its rate and one request's estimate in
     // its unit. The input is estimated at the body's bytes / 4, the output at max_tokens.
@@ -279,17 +284,16 @@ async fn anthropic_input_and_output_meters_each_keep_their_own_ceiling() {
     let _alone = alone().await;
     let (rate, retaken, requests) = anthropic(INSTANCES, &postgres_store().await).await;
     // The output's estimate (max_tokens) is twice what it costs, and a request waits for two
-    // meters and for its turn among three instances: 76 to 85% measured (a second's window
-    // of each meter holding its rate and the largest request). What is asserted is that the
-    // two meters do not stall each other, with room for a loaded machine.
+    // meters and for its turn among three instances (about 32 requests a second, the request
+    // budget's 100 not binding): 90 to 93% measured over 12 s; 76 to 79% with the schedule
+    // that lost the refunds coming once the next slot was granted (docs/benchmarks.md).
     assert!(
-        rate >= 0.65 * OUTPUT,
+        rate >= 0.85 * OUTPUT,
         "achieved {rate:.0} output tokens a second of {OUTPUT}"
     );
     // Nor hold each other up: the input, which does not bind, lends a request early slots,
-    // so that the output's slot is rarely given back while the input's comes (0 or 1 of
-    // about 48 requests; 2 to 7 of about 45 with one early slot; 12 to 16 of about 38, at
-    // 63 to 65%, when the input kept to each request's estimate).
+    // so that the output's slot is rarely given back while the input's comes (0 to 5 of
+    // about 380 requests).
     assert!(
         retaken <= 0.1 * requests as f64,
         "{retaken} of the output meter's slots given back and taken again, over {requests} requests"

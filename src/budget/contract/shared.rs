@@ -5,7 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use super::{ask, batch, rule, waiting, BACKFILL, INTERACTIVE};
-use crate::budget::{ReserveError, Store};
+use crate::budget::{Ask, ClassQueue, ReserveError, Store};
 
 /// The checks that need two instances on one store; `pair` opens two handles on one fresh
 /// store that report their waiting requests as different, live instances.
@@ -20,6 +20,51 @@ where
     waiting_counts_every_instance(pair().await).await;
     batch::a_batch_stops_for_a_more_urgent_class_or_an_owed_share(pair().await).await;
     the_key_secret_is_one_for_every_instance(pair().await).await;
+    a_meter_s_waiter_elsewhere_asks_again_when_a_refund_may_have_come(pair().await).await;
+}
+
+/// Asks for a slot of `cost` units on `m` at 1,000 a second for `queues`: how long to
+/// yield, if the store says to.
+async fn yields_for(store: &impl Store, cost: u32, queues: &[ClassQueue]) -> Option<Duration> {
+    let ask = Ask {
+        queues,
+        not_after: None,
+        most: 1,
+        cost,
+    };
+    match store.reserve("m", &rule(1000.0), ask).await {
+        Err(ReserveError::Yield(after)) => Some(after),
+        _ => None,
+    }
+}
+
+/// A meter's waiter on another instance is told to ask again when the latest slot granted
+/// comes, not when the next is free by the beat: a refund of the request on that slot then
+/// finds the next reserved already, instead of bringing the beat back while nobody asks.
+/// Where no slot is granted ahead, it asks again half-way to the free slot, as a refund
+/// meanwhile may bring that slot forward. At 1,000 a second, slots of 100 units.
+async fn a_meter_s_waiter_elsewhere_asks_again_when_a_refund_may_have_come<S: Store>(
+    (a, b): (S, S),
+) {
+    let older = [waiting(BACKFILL, 50, 5_000)];
+    let younger = [waiting(BACKFILL, 1, 1_000)];
+    a.wait_list("m", &older).await.unwrap();
+    // One slot now: none granted ahead, the beat free in 100 ms.
+    assert_eq!(yields_for(&a, 100, &older).await, None, "a's first slot");
+    let after = yields_for(&b, 100, &younger).await.expect("a yield");
+    assert!(
+        after <= Duration::from_millis(55),
+        "{after:?}: half-way to the beat's 100 ms, less the margin"
+    );
+    // Two more granted ahead, the latest 200 ms ahead: the next is free by the beat in 300.
+    for which in ["a's second slot", "a's third slot"] {
+        assert_eq!(yields_for(&a, 100, &older).await, None, "{which}");
+    }
+    let after = yields_for(&b, 100, &younger).await.expect("a yield");
+    assert!(
+        after >= Duration::from_millis(170) && after <= Duration::from_millis(195),
+        "{after:?}: until the slot granted 200 ms ahead, less the margin"
+    );
 }
 
 async fn the_key_secret_is_one_for_every_instance<S: Store>((a, b): (S, S)) {
