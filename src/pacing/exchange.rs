@@ -196,16 +196,21 @@ impl Pacer {
                 if cold || metered {
                     // Boxed, as the other rare waits here (see `Pacer::enter`): one wait for
                     // both, since a wait held in the future costs every request its room.
+                    let mut for_meters = Duration::ZERO;
                     let waited = Box::pin(async {
                         if cold {
                             landed(deadline, upstream.first_connection(outgoing.uri())).await?;
                         }
                         if metered {
-                            self.take_meters(outgoing, route, class, deadline).await?;
+                            let from = Instant::now();
+                            let taken = self.take_meters(outgoing, route, class, deadline).await;
+                            for_meters = from.elapsed();
+                            taken?;
                         }
                         Ok::<_, ExchangeError>(())
                     })
                     .await;
+
                     match waited {
                         Ok(()) => {}
                         // Out of time for another retry: the client gets the last throttled
@@ -217,6 +222,12 @@ impl Pacer {
                     }
                     if cold {
                         first_wait = None;
+                    }
+                    // A wait counted from the request's start takes the meters' in; one
+                    // counted from here (a first connection's wait left out, or a retry's)
+                    // does not, and is told it apart.
+                    if first_wait.is_none() {
+                        *note.waited.get_or_insert_default() += for_meters;
                     }
                 }
                 let started = first_wait.take().unwrap_or_else(Instant::now);

@@ -7,7 +7,7 @@ use crate::support;
 use std::time::Duration;
 
 use support::llm::{post_json, FakeLlm};
-use support::{client, Alpn, FakeUpstream, TestProxy};
+use support::{client, timing, Alpn, FakeUpstream, TestProxy};
 
 /// `llm` on localhost at 100 requests a second, with a meter of 1,000 tokens a second
 /// (60,000 a minute) estimated and settled as OpenAI's.
@@ -86,6 +86,40 @@ async fn a_meter_waits_for_the_estimate_and_gives_back_what_the_response_did_not
             .await,
         10.0
     );
+}
+
+#[tokio::test]
+async fn a_request_s_wait_for_its_meter_is_told_as_its_wait() {
+    let upstream = FakeUpstream::start().await;
+    let proxy = llm(&upstream, "").await;
+    let via = client(Some(&proxy.url()), &[&proxy.ca_path()], Alpn::Http1);
+    // Chats of 210 tokens at 1,000 a second, one after the other, none settled: each after
+    // the first waits about 0.21 s for the meter, where the request budget (100 a second)
+    // would hold it 10 ms. What the client is told (and the log line says) is that wait,
+    // also for a request to an upstream not yet connected to (https here), whose wait for
+    // its first connection is left out, and once only.
+    let mut waits = Vec::new();
+    for url in [
+        upstream.http_url("localhost"),
+        upstream.http_url("localhost"),
+        upstream.https_url("localhost"),
+    ] {
+        let resp = via
+            .post(format!("{url}/status/200"))
+            .body(CHAT)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        waits.push(timing(&resp, "pacegate-wait").expect("a wait told"));
+    }
+    assert!(waits[0] < 100.0, "the first waited {} ms", waits[0]);
+    for (i, wait) in waits.iter().enumerate().skip(1) {
+        assert!(
+            (150.0..300.0).contains(wait),
+            "request {i} waited {wait} ms for 210 tokens"
+        );
+    }
 }
 
 #[tokio::test]

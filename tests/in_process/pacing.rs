@@ -4,7 +4,7 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use support::{admin_client, burst_of, busiest, client, Alpn, FakeUpstream, TestProxy};
+use support::{admin_client, burst_of, busiest, client, timing, Alpn, FakeUpstream, TestProxy};
 
 /// A destination `local` for localhost with the given pacing keys.
 fn local(keys: &str) -> String {
@@ -838,15 +838,6 @@ async fn one_client_minting_keys_is_refused_past_its_share_and_says_who() {
             .await,
         1.0
     );
-}
-
-/// A `Server-Timing` metric's duration in a response's field, in milliseconds.
-fn timing(resp: &reqwest::Response, metric: &str) -> Option<f64> {
-    let field = resp.headers().get("server-timing")?.to_str().ok()?;
-    field.split(',').find_map(|item| {
-        let (name, params) = item.trim().split_once(';')?;
-        (name == metric).then(|| params.strip_prefix("dur=")?.parse().ok())?
-    })
 }
 
 #[tokio::test]

@@ -249,6 +249,15 @@ pub async fn admin_get(admin: SocketAddr, path: &str) -> String {
         .unwrap()
 }
 
+/// A `Server-Timing` metric's duration in a response's field, in milliseconds.
+pub fn timing(resp: &reqwest::Response, metric: &str) -> Option<f64> {
+    let field = resp.headers().get("server-timing")?.to_str().ok()?;
+    field.split(',').find_map(|item| {
+        let (name, params) = item.trim().split_once(';')?;
+        (name == metric).then(|| params.strip_prefix("dur=")?.parse().ok())?
+    })
+}
+
 /// The value of `series` in Prometheus text, 0 when absent.
 pub fn metric_value(text: &str, series: &str) -> f64 {
     text.lines()
