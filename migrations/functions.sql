@@ -459,12 +459,15 @@ BEGIN
             -- A yield says when the next slot is free by the beat and a pause: the caller
             -- need not ask again before then (another instance may hold a batch until then).
             IF first_instance IS DISTINCT FROM p_instance THEN
-                RETURN QUERY SELECT 'yield'::text,
-                    GREATEST(earliest, CASE WHEN p_cost > 1 AND b.last_slot > now_ts
-                        THEN LEAST(b.next_at - t * (p_burst - 1), b.last_slot)
-                        WHEN p_cost > 1 AND b.next_at - t * (p_burst - 1) > now_ts
-                        THEN now_ts + (b.next_at - t * (p_burst - 1) - now_ts) / 2
-                        ELSE b.next_at - t * (p_burst - 1) END, b.paused_until),
+                -- budget::schedule::Budget::free_at: a weighted slot's waiter asks again
+                -- when the latest slot granted comes, else half-way to the free one.
+                at_ts := b.next_at - t * (p_burst - 1);
+                IF p_cost > 1 AND b.last_slot > now_ts THEN
+                    at_ts := LEAST(at_ts, b.last_slot);
+                ELSIF p_cost > 1 AND at_ts > now_ts THEN
+                    at_ts := now_ts + (at_ts - now_ts) / 2;
+                END IF;
+                RETURN QUERY SELECT 'yield'::text, GREATEST(earliest, at_ts, b.paused_until),
                     now_ts, b.generation, NULL::integer,
                     b.backoff, NULL::timestamptz, NULL::integer, NULL::text, NULL::text, NULL::timestamptz[];
                 RETURN;

@@ -296,9 +296,7 @@ impl Budget {
         if units > 0 {
             self.sent(rule, now.max(self.last_slot), units.unsigned_abs());
         }
-        let shift = self
-            .interval(rule)
-            .saturating_mul(u32::try_from(units.unsigned_abs()).unwrap_or(u32::MAX));
+        let shift = self.span(rule, units.unsigned_abs());
         self.next_at = if units >= 0 {
             self.next_at + shift
         } else {
@@ -322,15 +320,17 @@ impl Budget {
         if !rule.counts_sends() {
             return self.settle(rule, -i64::try_from(units).unwrap_or(i64::MAX), now);
         }
-        let per = |n: u64| {
-            self.interval(rule)
-                .saturating_mul(u32::try_from(n).unwrap_or(u32::MAX))
-        };
-        let floor = now.min(self.last_slot.saturating_sub(per(reserved)));
+        let floor = now.min(self.last_slot.saturating_sub(self.span(rule, reserved)));
         self.next_at = self
             .next_at
-            .saturating_sub(per(units))
+            .saturating_sub(self.span(rule, units))
             .max(self.next_at.min(floor));
+    }
+
+    /// How much of the schedule `units` take: that many intervals, at the backoff.
+    fn span(&self, rule: &Rule, units: u64) -> Duration {
+        self.interval(rule)
+            .saturating_mul(u32::try_from(units).unwrap_or(u32::MAX))
     }
 
     /// The latest send, before which no slot goes (the sends stay in time order), and the
@@ -420,10 +420,12 @@ impl Budget {
     pub fn free_at(&self, rule: &Rule, now: Duration) -> Duration {
         let t = self.interval(rule);
         let mut beat = self.next_at.saturating_sub(t * (rule.burst - 1));
-        if rule.cost > 1 && self.last_slot > now {
-            beat = beat.min(self.last_slot);
-        } else if rule.cost > 1 && beat > now {
-            beat = now + (beat - now) / 2;
+        if rule.cost > 1 {
+            beat = match self.last_slot > now {
+                true => beat.min(self.last_slot),
+                false if beat > now => now + (beat - now) / 2,
+                false => beat,
+            };
         }
         now.max(beat).max(self.paused_until)
     }

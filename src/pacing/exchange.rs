@@ -210,7 +210,6 @@ impl Pacer {
                         Ok::<_, ExchangeError>(())
                     })
                     .await;
-
                     match waited {
                         Ok(()) => {}
                         // Out of time for another retry: the client gets the last throttled
